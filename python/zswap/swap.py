@@ -1,0 +1,215 @@
+"""`SwapEngine`: tensors in, bytes on disk — the Python face of the Rust engine.
+
+Torch knowledge stops here: the engine below sees an address, a byte count and an object to keep alive.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from . import _zswap
+from .errors import ZswapWarning
+
+if TYPE_CHECKING:
+    from ._zswap import Handle
+
+PathArg = str | os.PathLike[str]
+Backend = Literal["auto", "io_uring", "psync"]
+
+_BACKENDS = ("auto", "io_uring", "psync")
+_CHECKSUMS = ("off", "crc32c")
+
+
+class _WarnOnce:
+    """Each distinct fallback note is warned about once per process, not once per engine."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def __call__(self, note: str, stacklevel: int) -> None:
+        if note not in self._seen:
+            self._seen.add(note)
+            warnings.warn(note, ZswapWarning, stacklevel=stacklevel + 1)
+
+
+_warn_once = _WarnOnce()
+
+
+def _normalize_paths(paths: PathArg | Sequence[PathArg]) -> list[str]:
+    if isinstance(paths, str | os.PathLike):
+        return [os.fspath(paths)]
+    if isinstance(paths, Sequence) and not isinstance(paths, bytes):
+        out = [os.fspath(p) for p in paths]
+        if out:
+            return out
+        raise ValueError("SwapEngine needs at least one path")
+    raise TypeError(f"paths must be a path or a sequence of paths, got {type(paths).__name__}")
+
+
+def _check_int(name: str, value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class SwapEngine:
+    """Moves tensor bytes between memory and unlinked swap files in `paths` (several: striped).
+
+    Args:
+        paths: a directory, or a list of directories on different drives to stripe over.
+        block_size: bytes per transfer, a power of two from 4 KiB to 64 MiB (default 1 MiB).
+        queue_depth: transfers in flight across the engine (default 16).
+        threads: io_uring rings (default 2, at least one per path); psync uses `queue_depth` threads.
+        backend: "io_uring", "psync", or "auto" (io_uring, else psync with a `ZswapWarning`).
+        direct: True for O_DIRECT, False for buffered, "auto" (direct, else buffered with a warning).
+        checksum: "crc32c" records a CRC per block and checks it on read; "off" (default).
+        pinned_memory_budget: bytes of bounce buffers (default queue_depth × block_size).
+        lock_memory: mlock engine buffers where RLIMIT_MEMLOCK allows.
+
+    `write`/`read` return at once with a `Handle`; the engine keeps the tensor alive until the transfer
+    is done, and the caller must not modify a written tensor (or touch a read one) before `wait()`.
+    """
+
+    def __init__(
+        self,
+        paths: PathArg | Sequence[PathArg],
+        *,
+        block_size: int | None = None,
+        queue_depth: int | None = None,
+        threads: int | None = None,
+        backend: Backend = "auto",
+        direct: bool | Literal["auto"] = "auto",
+        checksum: Literal["off", "crc32c"] = "off",
+        pinned_memory_budget: int | None = None,
+        lock_memory: bool = False,
+    ) -> None:
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if direct != "auto" and not isinstance(direct, bool):
+            raise ValueError(f"direct must be True, False or 'auto', got {direct!r}")
+        if checksum not in _CHECKSUMS:
+            raise ValueError(f"checksum must be one of {_CHECKSUMS}, got {checksum!r}")
+        self._engine = _zswap.Engine(
+            _normalize_paths(paths),
+            block_size=_check_int("block_size", block_size),
+            queue_depth=_check_int("queue_depth", queue_depth),
+            threads=_check_int("threads", threads),
+            backend=backend,
+            direct=None if direct == "auto" else direct,
+            checksum=checksum == "crc32c",
+            pinned_memory_budget=_check_int("pinned_memory_budget", pinned_memory_budget),
+            lock_memory=bool(lock_memory),
+        )
+        self.info: dict[str, Any] = dict(self._engine.info())
+        for note in self.info["notes"]:
+            _warn_once(note, stacklevel=2)
+
+    @classmethod
+    def from_config(cls, aio: Any, paths: PathArg | Sequence[PathArg]) -> SwapEngine:
+        """An engine with the settings of a config's `aio` section (`ZswapConfig.aio`)."""
+        return cls(paths, **aio.engine_kwargs())
+
+    # -- transfers -------------------------------------------------------------------------------
+
+    def write(self, key: str, tensor: torch.Tensor) -> Handle:
+        """Starts writing `tensor`'s bytes under `key` (replacing what it held)."""
+        _check_key(key)
+        t = _cpu_tensor(tensor, "write").detach()
+        if not t.is_contiguous():
+            t = t.contiguous()  # the copy is what the Handle keeps alive
+        return self._engine.write(key, t.data_ptr(), _nbytes(t), t)
+
+    def read(self, key: str, out: torch.Tensor) -> Handle:
+        """Starts reading `key` into `out`, which must be contiguous and hold exactly the bytes written."""
+        _check_key(key)
+        t = _cpu_tensor(out, "read")
+        if not t.is_contiguous():
+            raise ValueError("read needs a contiguous output tensor")
+        want = self._engine.nbytes(key)
+        if _nbytes(t) != want:
+            raise ValueError(
+                f"key {key!r} holds {want} bytes but out holds {_nbytes(t)} "
+                f"({t.dtype}, shape {tuple(t.shape)})"
+            )
+        return self._engine.read(key, t.data_ptr(), want, t)
+
+    def free(self, key: str) -> None:
+        """Forgets `key` and returns its space (after transfers still using it finish)."""
+        _check_key(key)
+        self._engine.free(key)
+
+    def empty(self, shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised-looking (zero-filled) tensor living in an engine buffer: page-aligned, on huge
+        pages when large, so `write`/`read` on it copy nothing."""
+        size = torch.Size([shape] if isinstance(shape, int) else shape)
+        nbytes = math.prod(size) * _itemsize(dtype)
+        if nbytes == 0:
+            return torch.empty(size, dtype=dtype)
+        buf = self._engine.alloc(nbytes)
+        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(size)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._engine.contains(key)
+
+    def nbytes(self, key: str) -> int:
+        return int(self._engine.nbytes(key))
+
+    def keys(self) -> Iterator[str]:
+        return iter(self._engine.keys())
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes and operations so far, seconds with I/O outstanding, and the settings in force."""
+        s: dict[str, Any] = dict(self._engine.stats())
+        for k in ("backend", "direct", "block_size", "queue_depth", "threads", "fixed_buffers", "checksum"):
+            s[k] = self.info[k]
+        return s
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._engine.closed())
+
+    def close(self) -> None:
+        """Finishes queued transfers and deletes the swap space. Idempotent."""
+        self._engine.close()
+
+    def __enter__(self) -> SwapEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.info['backend']}, direct={self.info['direct']}"
+        return f"SwapEngine({self.info['paths']!r}, {state})"
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"keys are str, got {type(key).__name__}")
+
+
+def _cpu_tensor(t: object, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} needs a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        raise ValueError(f"{what} needs a dense CPU tensor, got layout {t.layout} on {t.device}")
+    return t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+__all__ = ["SwapEngine"]

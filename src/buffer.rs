@@ -1,0 +1,232 @@
+//! Page-aligned memory owned by the engine: bounce buffers and the buffers behind `SwapEngine.empty`.
+//!
+//! A block device caps the memory segments one request may carry (`queue/max_segments`); with 4 KiB
+//! pages a request is cut at about `max_segments × 4 KiB`. Backing buffers with 2 MiB pages lets a
+//! request reach `max_sectors_kb`, so large buffers ask for huge pages: `MAP_HUGETLB` when hugetlb pages
+//! are reserved (`/proc/sys/vm/nr_hugepages`), else `madvise(MADV_HUGEPAGE)` for transparent huge pages,
+//! which needs no reservation and is honoured when THP is `always` or `madvise`.
+
+use std::collections::BTreeMap;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+
+/// Size of a huge page on x86-64 and aarch64 (4 KiB base pages).
+pub const HUGE_PAGE: usize = 2 << 20;
+/// Smallest buffer worth rounding up to a huge-page multiple.
+const HUGE_MIN: usize = HUGE_PAGE;
+
+/// How a buffer's pages were obtained, reported in stats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageKind {
+    /// Reserved hugetlb pages (`MAP_HUGETLB`).
+    HugeTlb,
+    /// Ordinary pages advised `MADV_HUGEPAGE`.
+    Thp,
+    /// Ordinary 4 KiB pages.
+    Small,
+}
+
+/// An anonymous, page-aligned, zero-filled mapping, unmapped on drop.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    map_len: usize,
+    kind: PageKind,
+    locked: bool,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; nothing in it is tied to a thread.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references hand out only raw pointers; callers synchronise access to the bytes.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Maps at least `len` bytes (at least one page). With `lock`, tries `mlock` and records whether
+    /// it held; a refused lock (RLIMIT_MEMLOCK) is not an error.
+    pub fn new(len: usize, lock: bool) -> Result<Self> {
+        let want = len.max(1);
+        let (map_len, huge) = if want >= HUGE_MIN {
+            (round_up(want, HUGE_PAGE), true)
+        } else {
+            (round_up(want, page_size()), false)
+        };
+        let base = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        let mut kind = PageKind::Small;
+        let mut p = libc::MAP_FAILED;
+        if huge {
+            // SAFETY: anonymous mapping with no address hint; the result is checked below.
+            p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    base | libc::MAP_HUGETLB,
+                    -1,
+                    0,
+                )
+            };
+            if p != libc::MAP_FAILED {
+                kind = PageKind::HugeTlb;
+            }
+        }
+        if p == libc::MAP_FAILED {
+            // SAFETY: as above.
+            p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    base,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let errno = std::io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::ENOMEM);
+                return Err(Error::InvalidArgument(format!(
+                    "cannot map {map_len} bytes of buffer memory: {}",
+                    crate::error::strerror(errno)
+                )));
+            }
+            // SAFETY: `p` is a mapping of `map_len` bytes we own; madvise only changes paging policy.
+            if huge && unsafe { libc::madvise(p, map_len, libc::MADV_HUGEPAGE) } == 0 {
+                kind = PageKind::Thp;
+            }
+        }
+        // SAFETY: mlock on our own mapping; failure leaves it unlocked, which is allowed.
+        let locked = lock && unsafe { libc::mlock(p, map_len) } == 0;
+        Ok(AlignedBuf {
+            // SAFETY: mmap returned a non-null address (MAP_FAILED was excluded above).
+            ptr: unsafe { NonNull::new_unchecked(p.cast()) },
+            len: want,
+            map_len,
+            kind,
+            locked,
+        })
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Requested length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Mapped length: `len` rounded up to the page size used; direct I/O may use all of it.
+    pub fn capacity(&self) -> usize {
+        self.map_len
+    }
+
+    pub fn page_kind(&self) -> PageKind {
+        self.kind
+    }
+
+    pub fn locked(&self) -> bool {
+        self.locked
+    }
+
+    /// The whole mapping as a byte slice.
+    ///
+    /// # Safety
+    /// No other thread or the kernel may write the buffer while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.ptr.as_ptr(), self.map_len)
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping made in `new`; owners guarantee no I/O still targets it
+        // (the engine holds an `Arc` to every buffer with I/O in flight).
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.map_len);
+        }
+    }
+}
+
+fn round_up(n: usize, a: usize) -> usize {
+    n.div_ceil(a) * a
+}
+
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+/// The engine's live user-facing buffers, by address, so a write or read can tell whether a pointer
+/// lies in engine memory (aligned, padded: eligible for zero-copy direct I/O).
+#[derive(Default)]
+pub struct BufferRegistry {
+    by_addr: Mutex<BTreeMap<usize, Arc<AlignedBuf>>>,
+}
+
+impl BufferRegistry {
+    pub fn alloc(&self, len: usize, lock: bool) -> Result<Arc<AlignedBuf>> {
+        let b = Arc::new(AlignedBuf::new(len, lock)?);
+        self.lock().insert(b.as_ptr() as usize, b.clone());
+        Ok(b)
+    }
+
+    /// Forget a buffer: called when its Python owner is dropped. I/O still in flight keeps its own `Arc`.
+    pub fn release(&self, addr: usize) {
+        self.lock().remove(&addr);
+    }
+
+    /// The buffer containing `[addr, addr + len)`, if any.
+    pub fn find(&self, addr: usize, len: usize) -> Option<Arc<AlignedBuf>> {
+        let map = self.lock();
+        let (&start, b) = map.range(..=addr).next_back()?;
+        (addr + len <= start + b.capacity()).then(|| b.clone())
+    }
+
+    pub fn count(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Arc<AlignedBuf>>> {
+        // A panic while holding this lock cannot leave the map half-updated; keep going.
+        self.by_addr.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_and_huge_buffers_are_aligned_and_zeroed() {
+        for len in [1, 4095, 4097, HUGE_PAGE + 1] {
+            let b = AlignedBuf::new(len, false).unwrap();
+            assert_eq!(b.as_ptr() as usize % page_size(), 0);
+            assert!(b.capacity() >= len);
+            assert!(unsafe { b.as_slice() }.iter().all(|&x| x == 0));
+        }
+    }
+
+    #[test]
+    fn registry_finds_interior_pointers_only() {
+        let r = BufferRegistry::default();
+        let b = r.alloc(10_000, false).unwrap();
+        let a = b.as_ptr() as usize;
+        assert!(r.find(a, 10_000).is_some());
+        assert!(r.find(a + 100, b.capacity() - 100).is_some());
+        assert!(r.find(a + 100, b.capacity()).is_none());
+        r.release(a);
+        assert!(r.find(a, 1).is_none());
+    }
+}

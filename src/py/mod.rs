@@ -1,0 +1,393 @@
+//! PyO3 bindings: the only Rust that knows Python. Torch stays on the Python side (`zswap/swap.py`
+//! hands us addresses and byte counts of tensors it has validated, plus the tensor to keep alive).
+
+mod convert;
+
+use std::sync::{Arc, Mutex, Weak};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::buffer::AlignedBuf;
+use crate::engine::{Backend, DirectMode, Engine, EngineConfig, Fault, Request};
+use crate::error::Op;
+use convert::to_pyerr;
+
+/// Tensors whose Handle was dropped before its I/O finished; released (under the GIL) once done.
+type Orphans = Arc<Mutex<Vec<(Arc<Request>, Py<PyAny>)>>>;
+
+#[pyclass(module = "zswap._zswap", name = "Engine", frozen)]
+struct PyEngine {
+    inner: Arc<Engine>,
+    orphans: Orphans,
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (paths, *, block_size=None, queue_depth=None, threads=None, backend="auto",
+                        direct=None, checksum=false, pinned_memory_budget=None, lock_memory=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        paths: Vec<std::path::PathBuf>,
+        block_size: Option<usize>,
+        queue_depth: Option<usize>,
+        threads: Option<usize>,
+        backend: &str,
+        direct: Option<bool>,
+        checksum: bool,
+        pinned_memory_budget: Option<usize>,
+        lock_memory: bool,
+    ) -> PyResult<Self> {
+        let d = EngineConfig::default();
+        let cfg = EngineConfig {
+            paths,
+            block_size: block_size.unwrap_or(d.block_size),
+            queue_depth: queue_depth.unwrap_or(d.queue_depth),
+            threads: threads.unwrap_or(0),
+            backend: match backend {
+                "auto" => Backend::Auto,
+                "io_uring" => Backend::IoUring,
+                "psync" => Backend::Psync,
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "backend must be 'auto', 'io_uring' or 'psync', got {other:?}"
+                    )))
+                }
+            },
+            direct: match direct {
+                None => DirectMode::Auto,
+                Some(true) => DirectMode::On,
+                Some(false) => DirectMode::Off,
+            },
+            checksum,
+            pinned_memory_budget,
+            lock_memory,
+        };
+        // Opening and probing swap files does I/O: let other Python threads run meanwhile.
+        let inner = py
+            .detach(|| Engine::new(cfg))
+            .map_err(|e| to_pyerr(py, e))?;
+        Ok(PyEngine {
+            inner: Arc::new(inner),
+            orphans: Arc::default(),
+        })
+    }
+
+    /// Starts writing `nbytes` at address `ptr` under `key`; `keep` (the tensor) is held until done.
+    fn write(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        ptr: usize,
+        nbytes: usize,
+        keep: Py<PyAny>,
+    ) -> PyResult<PyHandle> {
+        self.sweep(py);
+        let e = &self.inner;
+        // SAFETY: `ptr..ptr+nbytes` is the tensor `keep`, which the returned Handle (or the orphan list,
+        // if the Handle is dropped first) holds until the request completes; the caller promises not to
+        // modify it meanwhile (SwapEngine.write's documented contract). Blocking parts (waiting for a
+        // previous write of the key) run without the GIL.
+        let req = py.detach(|| unsafe { e.write(key, ptr as *const u8, nbytes) });
+        self.handle(py, req, keep)
+    }
+
+    /// Starts reading `key` into `nbytes` at `ptr`; `keep` (the tensor) is held until done.
+    fn read(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        ptr: usize,
+        nbytes: usize,
+        keep: Py<PyAny>,
+    ) -> PyResult<PyHandle> {
+        self.sweep(py);
+        let e = &self.inner;
+        // SAFETY: as in `write`; the destination tensor is kept alive by the Handle or the orphan list.
+        let req = py.detach(|| unsafe { e.read(key, ptr as *mut u8, nbytes) });
+        self.handle(py, req, keep)
+    }
+
+    fn free(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        let e = &self.inner;
+        py.detach(|| e.free(key)).map_err(|e| to_pyerr(py, e))
+    }
+
+    fn contains(&self, key: &str) -> bool {
+        self.inner.contains(key)
+    }
+
+    fn nbytes(&self, py: Python<'_>, key: &str) -> PyResult<u64> {
+        self.inner.len_of(key).map_err(|e| to_pyerr(py, e))
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.inner.keys()
+    }
+
+    /// A zero-filled, page-aligned buffer of `nbytes` exposing the buffer protocol.
+    fn alloc(&self, py: Python<'_>, nbytes: usize) -> PyResult<PyBuffer> {
+        let buf = self.inner.alloc(nbytes).map_err(|e| to_pyerr(py, e))?;
+        Ok(PyBuffer {
+            buf,
+            len: nbytes,
+            engine: Arc::downgrade(&self.inner),
+        })
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("bytes_read", s.bytes_read)?;
+        d.set_item("bytes_written", s.bytes_written)?;
+        d.set_item("reads", s.reads)?;
+        d.set_item("writes", s.writes)?;
+        d.set_item("blocks", s.blocks)?;
+        d.set_item("bounced_blocks", s.bounced_blocks)?;
+        d.set_item("short_transfers", s.short_transfers)?;
+        d.set_item("busy_seconds", s.busy_seconds)?;
+        d.set_item("keys", s.keys)?;
+        d.set_item("reserved_bytes", s.reserved_bytes)?;
+        d.set_item("file_bytes", s.file_bytes)?;
+        d.set_item("live_buffers", s.live_buffers)?;
+        Ok(d)
+    }
+
+    /// The settings in force after probing (backend, direct I/O, alignment, ...).
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.resolved();
+        let d = PyDict::new(py);
+        d.set_item(
+            "backend",
+            match r.backend {
+                Backend::Psync => "psync",
+                _ => "io_uring",
+            },
+        )?;
+        d.set_item("direct", r.direct)?;
+        d.set_item("io_align", r.io_align)?;
+        d.set_item("mem_align", r.mem_align)?;
+        d.set_item("block_size", r.block_size)?;
+        d.set_item("queue_depth", r.queue_depth)?;
+        d.set_item("threads", r.threads)?;
+        d.set_item("fixed_buffers", r.fixed_buffers)?;
+        d.set_item(
+            "bounce_pages",
+            format!("{:?}", r.bounce_pages).to_lowercase(),
+        )?;
+        d.set_item("bounce_bytes", r.bounce_bytes)?;
+        d.set_item("checksum", self.inner.config().checksum)?;
+        let paths: Vec<String> = self
+            .inner
+            .config()
+            .paths
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        d.set_item("paths", paths)?;
+        d.set_item("notes", r.notes.clone())?;
+        Ok(d)
+    }
+
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// Finishes queued I/O, stops the workers and closes (and so frees) the swap files.
+    fn close(&self, py: Python<'_>) {
+        let e = &self.inner;
+        py.detach(|| e.close());
+        self.orphans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    /// Test hook: make the next completions of `op` ("read"/"write") fail with an errno ("errno"),
+    /// come back short ("short", `value` bytes) or, for reads, arrive corrupted ("corrupt").
+    #[pyo3(signature = (op, kind, value=0, skip=0, count=1))]
+    fn inject_fault(
+        &self,
+        op: &str,
+        kind: &str,
+        value: i64,
+        skip: usize,
+        count: usize,
+    ) -> PyResult<()> {
+        let op = match op {
+            "read" => Op::Read,
+            "write" => Op::Write,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "op must be 'read' or 'write', got {op:?}"
+                )))
+            }
+        };
+        let fault = match kind {
+            "errno" => Fault::Errno(value as i32),
+            "short" => Fault::Short(value.max(0) as usize),
+            "corrupt" => Fault::Corrupt,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown fault kind {kind:?}"
+                )))
+            }
+        };
+        self.inner.faults().add(op, fault, skip, count);
+        Ok(())
+    }
+
+    fn clear_faults(&self) {
+        self.inner.faults().clear();
+    }
+}
+
+impl PyEngine {
+    fn handle(
+        &self,
+        py: Python<'_>,
+        req: crate::Result<Arc<Request>>,
+        keep: Py<PyAny>,
+    ) -> PyResult<PyHandle> {
+        let req = req.map_err(|e| to_pyerr(py, e))?;
+        Ok(PyHandle {
+            req,
+            keep: Mutex::new(Some(keep)),
+            orphans: self.orphans.clone(),
+        })
+    }
+
+    /// Drops the tensors of orphaned requests that have finished (we hold the GIL here).
+    fn sweep(&self, _py: Python<'_>) {
+        let mut o = self.orphans.lock().unwrap_or_else(|e| e.into_inner());
+        if !o.is_empty() {
+            o.retain(|(r, _)| !r.is_done());
+        }
+    }
+}
+
+/// The completion of one write or read.
+#[pyclass(module = "zswap._zswap", name = "Handle", frozen)]
+struct PyHandle {
+    req: Arc<Request>,
+    keep: Mutex<Option<Py<PyAny>>>,
+    orphans: Orphans,
+}
+
+#[pymethods]
+impl PyHandle {
+    /// Blocks (without the GIL) until the transfer is complete; raises its error, every time it is
+    /// called. After it returns the tensor is the caller's again.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let req = &self.req;
+        let r = py.detach(|| req.wait());
+        drop(self.keep.lock().unwrap_or_else(|e| e.into_inner()).take());
+        r.map_err(|e| to_pyerr(py, e))
+    }
+
+    fn done(&self) -> bool {
+        self.req.is_done()
+    }
+
+    #[getter]
+    fn key(&self) -> String {
+        self.req.key().to_owned()
+    }
+}
+
+impl Drop for PyHandle {
+    fn drop(&mut self) {
+        // A Handle dropped mid-flight must not free the tensor the kernel is still using.
+        let keep = self
+            .keep
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(k) = keep {
+            if !self.req.is_done() {
+                self.orphans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((self.req.clone(), k));
+            }
+        }
+    }
+}
+
+/// Engine memory behind `SwapEngine.empty`: page-aligned (huge pages when large), writable, exposed
+/// through the buffer protocol so `torch.frombuffer` can wrap it without a copy.
+#[pyclass(module = "zswap._zswap", name = "Buffer", frozen)]
+struct PyBuffer {
+    buf: Arc<AlignedBuf>,
+    len: usize,
+    engine: Weak<Engine>,
+}
+
+#[pymethods]
+impl PyBuffer {
+    /// # Safety
+    /// Called by CPython with a valid `view`; `PyBuffer_FillInfo` takes a reference to `slf`, which keeps
+    /// the mapping alive for as long as any consumer (a torch storage) holds the view.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let b = slf.get();
+            (b.buf.as_ptr(), b.len)
+        };
+        if pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast(), len as isize, 0, flags) != 0
+        {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    #[getter]
+    fn address(&self) -> usize {
+        self.buf.as_ptr() as usize
+    }
+
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    #[getter]
+    fn page_kind(&self) -> String {
+        format!("{:?}", self.buf.page_kind()).to_lowercase()
+    }
+}
+
+impl Drop for PyBuffer {
+    fn drop(&mut self) {
+        if let Some(e) = self.engine.upgrade() {
+            e.release_buffer(self.buf.as_ptr() as usize);
+        }
+    }
+}
+
+#[pymodule]
+fn _zswap(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()?;
+    m.add_class::<PyHandle>()?;
+    m.add_class::<PyBuffer>()?;
+    m.add_function(wrap_pyfunction!(io_uring_available, m)?)?;
+    Ok(())
+}
+
+/// `None` when io_uring can be set up here, else the reason (strerror of the refusal).
+#[pyfunction]
+fn io_uring_available() -> Option<String> {
+    crate::engine::probe_io_uring()
+        .err()
+        .map(crate::error::strerror)
+}

@@ -1,0 +1,63 @@
+"""Shared fixtures: every storage test runs over each backend and each directory under test.
+
+Directories: pytest's `tmp_path`, plus each entry of `$ZSWAP_TEST_DIRS` (colon-separated) — point it at a
+real NVMe mount or a tmpfs to run the same suite there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from zswap import _zswap
+
+BACKENDS = ["io_uring", "psync"]
+
+
+def _extra_dirs() -> list[str]:
+    return [d for d in os.environ.get("ZSWAP_TEST_DIRS", "").split(":") if d]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "io_uring" and (why := _zswap.io_uring_available()) is not None:
+        pytest.skip(f"io_uring refused on this machine: {why}")
+    return str(request.param)
+
+
+@pytest.fixture(params=["tmp_path", *_extra_dirs()])
+def swap_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    if request.param == "tmp_path":
+        yield tmp_path
+        return
+    d = Path(request.param) / f"zswap-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    try:
+        yield d
+    finally:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@contextlib.contextmanager
+def mounted(fstype: str, options: str | None = None) -> Iterator[Path]:
+    """Mounts a fresh `fstype` file system on a temp dir, or skips the test saying why it cannot."""
+    with tempfile.TemporaryDirectory() as d:
+        cmd = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, d]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"cannot mount {fstype}: {e}")
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount {fstype} here: {r.stderr.strip() or r.returncode}")
+        try:
+            yield Path(d)
+        finally:
+            subprocess.run(["umount", "-l", d], capture_output=True, timeout=30)

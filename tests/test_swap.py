@@ -1,0 +1,383 @@
+"""SwapEngine behaviour: bitwise round trips, concurrency, fallbacks, faults and cleanup."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import zswap
+from zswap import SwapEngine
+from zswap.errors import EngineClosedError, SwapIOError, UnknownKeyError, ZswapWarning
+
+from .conftest import mounted
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64, torch.bool, torch.complex64]
+SIZES = [1, 4095, 4097, 3 * 2**20 + 7]
+
+
+def filled(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw[:n] & 1).bool()
+    return raw.view(dtype)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture
+def engine(backend: str, swap_dir: Path):
+    with SwapEngine(swap_dir, backend=backend, block_size=1 << 20, queue_depth=8, checksum="crc32c") as e:
+        yield e
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_is_bitwise_for_plain_and_engine_tensors(engine: SwapEngine, dtype: torch.dtype) -> None:
+    for i, n in enumerate(SIZES):
+        src = filled(n, dtype, seed=i)
+        engine.write(f"plain{i}", src).wait()
+        out = torch.empty(n, dtype=dtype)
+        engine.read(f"plain{i}", out).wait()
+        assert same_bytes(out, src), (dtype, n)
+
+        buf = engine.empty((n,), dtype)
+        buf.copy_(src)
+        engine.write(f"eng{i}", buf).wait()
+        back = engine.empty(n, dtype)
+        engine.read(f"eng{i}", back).wait()
+        assert same_bytes(back, src), (dtype, n)
+    assert engine.stats()["bytes_read"] == engine.stats()["bytes_written"]
+
+
+def test_engine_buffers_avoid_bounce_copies(engine: SwapEngine) -> None:
+    if not engine.info["direct"]:
+        pytest.skip("buffered I/O never bounces")
+    t = engine.empty((4 << 20) // 4, torch.float32)
+    engine.write("k", t).wait()
+    engine.read("k", t).wait()
+    assert engine.stats()["bounced_blocks"] == 0
+
+
+def test_backends_store_identical_bytes(swap_dir: Path) -> None:
+    if zswap._zswap.io_uring_available() is not None:
+        pytest.skip("io_uring refused on this machine")
+    src = filled(3 * 2**20 + 7, torch.float32, seed=5)
+    outs = []
+    for backend in ("io_uring", "psync"):
+        with SwapEngine(swap_dir, backend=backend) as e:
+            e.write("x", src).wait()
+            out = torch.empty_like(src)
+            e.read("x", out).wait()
+            outs.append(out)
+            assert e.stats()["backend"] == backend
+    assert same_bytes(outs[0], outs[1]) and same_bytes(outs[0], src)
+
+
+def test_eight_threads_many_keys(engine: SwapEngine) -> None:
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            handles = []
+            tensors = {f"{t}/{k}": filled(1000 + 7919 * k, torch.float32, seed=t * 100 + k) for k in range(24)}
+            for key, v in tensors.items():
+                handles.append(engine.write(key, v))
+            for h in handles:
+                h.wait()
+            for key, v in tensors.items():
+                out = torch.empty_like(v)
+                engine.read(key, out).wait()
+                assert same_bytes(out, v), key
+            for key in list(tensors)[::2]:
+                engine.free(key)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert engine.stats()["keys"] == 8 * 12
+
+
+def test_multiple_paths_stripe(tmp_path: Path, backend: str) -> None:
+    dirs = [tmp_path / f"d{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    with SwapEngine(dirs, backend=backend, block_size=4096) as e:
+        src = filled(100_003, torch.int8, seed=1)
+        e.write("s", src).wait()
+        out = torch.empty_like(src)
+        e.read("s", out).wait()
+        assert same_bytes(out, src)
+        assert e.info["paths"] == [str(d) for d in dirs]
+
+
+def test_overwrite_replaces_and_read_waits_for_pending_write(engine: SwapEngine) -> None:
+    a, b = filled(2**20, torch.float32, 1), filled(2**20, torch.float32, 2)
+    engine.write("k", a).wait()
+    engine.write("k", b)  # not waited: the read must still see b
+    out = torch.empty_like(b)
+    engine.read("k", out).wait()
+    assert same_bytes(out, b)
+
+
+def test_non_contiguous_write_and_shapes(engine: SwapEngine) -> None:
+    src = filled(64 * 64, torch.float32, 3).view(64, 64).t()
+    engine.write("t", src).wait()
+    out = torch.empty(64, 64)
+    engine.read("t", out).wait()
+    assert same_bytes(out, src.contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        engine.read("t", torch.empty(64, 64).t())
+
+
+def test_read_size_must_match(engine: SwapEngine) -> None:
+    engine.write("k", torch.zeros(10)).wait()
+    with pytest.raises(ValueError, match=r"key 'k' holds 40 bytes but out holds 44"):
+        engine.read("k", torch.empty(11))
+    engine.read("k", torch.empty(10, dtype=torch.int32)).wait()  # same bytes, other dtype: fine
+
+
+def test_bad_arguments(engine: SwapEngine, tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="keys are str"):
+        engine.write(3, torch.zeros(1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        engine.write("k", [1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        SwapEngine(tmp_path, block_size=5000)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        SwapEngine(tmp_path, backend="aio")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pinned_memory_budget 4096 bytes is too small"):
+        SwapEngine(tmp_path, pinned_memory_budget=4096)
+
+
+def test_unknown_key_and_closed_engine(swap_dir: Path, backend: str) -> None:
+    e = SwapEngine(swap_dir, backend=backend)
+    with pytest.raises(UnknownKeyError, match="unknown key 'nope'"):
+        e.read("nope", torch.empty(1))
+    with pytest.raises(KeyError):
+        e.free("nope")
+    e.close()
+    e.close()  # idempotent
+    with pytest.raises(EngineClosedError, match="closed"):
+        e.write("k", torch.zeros(1))
+    assert isinstance(EngineClosedError("x"), zswap.ZswapError)
+
+
+def test_missing_and_bad_paths(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as ei:
+        SwapEngine(tmp_path / "typo")
+    assert ei.value.filename == str(tmp_path / "typo")
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError):
+        SwapEngine(f)
+
+
+def test_io_error_names_errno_path_offset_length_and_leaves_source_intact(engine: SwapEngine) -> None:
+    src = filled(3 * 2**20, torch.float32, 4)
+    keep = src.clone()
+    engine._engine.inject_fault("write", "errno", 5, skip=1)  # EIO on the second block
+    h = engine.write("k", src)
+    with pytest.raises(SwapIOError) as ei:
+        h.wait()
+    err = ei.value
+    assert (err.errno, err.key, err.length) == (5, "k", 1 << 20)
+    assert err.path == str(engine.info["paths"][0]) and err.offset is not None and err.offset % 4096 == 0
+    assert "write failed: Input/output error" in str(err) and "key='k'" in str(err)
+    with pytest.raises(SwapIOError):  # raised every time it is waited on
+        h.wait()
+    assert same_bytes(src, keep)
+    with pytest.raises(SwapIOError, match="last write failed"):
+        engine.read("k", torch.empty_like(src))
+    engine.write("k", src).wait()  # still usable
+    out = torch.empty_like(src)
+    engine.read("k", out).wait()
+    assert same_bytes(out, src)
+
+
+def test_short_transfers_are_completed(engine: SwapEngine) -> None:
+    short = 4096 if engine.info["direct"] else 1000
+    engine._engine.inject_fault("write", "short", short, count=3)
+    engine._engine.inject_fault("read", "short", short, count=3)
+    src = filled(3 * 2**20, torch.float32, 6)
+    engine.write("k", src).wait()
+    out = torch.empty_like(src)
+    engine.read("k", out).wait()
+    assert same_bytes(out, src)
+    assert engine.stats()["short_transfers"] >= 6
+
+
+def test_checksum_catches_corruption_on_disk(engine: SwapEngine) -> None:
+    src = filled(3 * 2**20, torch.float32, 7)
+    engine.write("k", src).wait()
+    # The swap file has no name; reach it through this process's descriptor table and flip a byte of
+    # the second block (buffered writes through /proc are made coherent with O_DIRECT reads by the kernel).
+    prefix = str(engine.info["paths"][0]) + "/"
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the descriptor of the listing itself, closed by now
+        if target.startswith(prefix) and target.endswith("(deleted)"):
+            fds.append(f"/proc/self/fd/{name}")
+    fd = os.open(fds[0], os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, (1 << 20) + 10)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), (1 << 20) + 10)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with pytest.raises(SwapIOError) as ei:
+        engine.read("k", torch.empty_like(src)).wait()
+    assert ei.value.key == "k" and ei.value.block == 1 and "checksum mismatch" in str(ei.value)
+
+
+def test_enospc_on_a_tiny_file_system_keeps_source_and_engine(backend: str) -> None:
+    with mounted("tmpfs", "size=2m") as d, SwapEngine(d, backend=backend) as e:
+        src = filled(2**20, torch.float32, 8)  # 4 MiB into 2 MiB
+        keep = src.clone()
+        with pytest.raises(SwapIOError) as ei:
+            e.write("big", src).wait()
+        assert ei.value.errno == 28 and ei.value.path == str(d)
+        assert ei.value.offset is not None and ei.value.length is not None and ei.value.length > 0
+        assert same_bytes(src, keep)
+        small = filled(1000, torch.float32, 9)
+        e.write("small", small).wait()
+        out = torch.empty_like(small)
+        e.read("small", out).wait()
+        assert same_bytes(out, small)
+
+
+def test_buffered_fallback_where_o_direct_is_refused(backend: str) -> None:
+    # ramfs has no direct I/O (tmpfs gained it in Linux 6.6, so it no longer serves for this test).
+    with mounted("ramfs") as d:
+        with pytest.warns(ZswapWarning, match="direct I/O unavailable"):
+            e = SwapEngine(d, backend=backend, direct="auto")
+        with e:
+            assert e.info["direct"] is False
+            src = filled(4097, torch.float16, 10)
+            e.write("k", src).wait()
+            out = torch.empty_like(src)
+            e.read("k", out).wait()
+            assert same_bytes(out, src)
+        assert list(d.iterdir()) == []
+        with pytest.raises(ValueError, match="direct I/O requested but refused"):
+            SwapEngine(d, backend=backend, direct=True)
+
+
+def test_tmpfs_buffered_round_trip(backend: str) -> None:
+    with mounted("tmpfs", "size=64m") as d, SwapEngine(d, backend=backend, direct=False) as e:
+        src = filled(4097, torch.bfloat16, 11)
+        e.write("k", src).wait()
+        out = torch.empty_like(src)
+        e.read("k", out).wait()
+        assert same_bytes(out, src) and e.info["direct"] is False
+
+
+def test_close_leaves_no_files(swap_dir: Path, backend: str) -> None:
+    before = set(swap_dir.iterdir())
+    e = SwapEngine(swap_dir, backend=backend)
+    e.write("k", torch.ones(2**20)).wait()
+    assert set(swap_dir.iterdir()) == before  # unlinked from the start
+    e.close()
+    assert set(swap_dir.iterdir()) == before
+
+
+def test_kill_9_leaves_no_files(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys, torch, zswap
+        e = zswap.SwapEngine({str(tmp_path)!r})
+        e.write("k", torch.ones(4 << 20)).wait()
+        print("ready", flush=True)
+        sys.stdin.read()
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.wait(timeout=30)
+        for stream in (p.stdin, p.stdout):
+            if stream is not None:
+                stream.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_other_threads_run_while_one_waits(engine: SwapEngine) -> None:
+    src = engine.empty(64 << 20 >> 2, torch.float32)
+    engine.write("big", src).wait()
+    out = engine.empty(64 << 20 >> 2, torch.float32)
+    ticks = 0
+    stop = threading.Event()
+
+    def spin() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0)
+
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        start = ticks
+        for _ in range(4):
+            engine.read("big", out).wait()
+        progressed = ticks - start
+    finally:
+        stop.set()
+        th.join()
+    assert progressed > 0
+
+
+def test_dropped_handle_keeps_tensor_alive_until_done(engine: SwapEngine) -> None:
+    src = filled(8 * 2**20, torch.float32, 12)
+    engine.write("k", src).wait()
+    out = torch.empty_like(src)
+    ref = weakref.ref(out)
+    engine.read("k", out)  # handle dropped at once
+    del out
+    gc.collect()
+    engine.read("k", torch.empty_like(src)).wait()  # later calls release finished orphans
+    engine.free("k")  # waits for every reader of the key
+    engine.write("k2", torch.zeros(1)).wait()
+    assert ref() is None
+
+
+def test_engine_buffers_are_freed_with_their_tensors(engine: SwapEngine) -> None:
+    t = engine.empty(2**20, torch.float32)
+    assert engine.stats()["live_buffers"] == 1
+    view = t[10:20]
+    del t
+    gc.collect()
+    view.fill_(1.0)  # the storage keeps the mapping alive
+    assert engine.stats()["live_buffers"] == 1
+    del view
+    gc.collect()
+    assert engine.stats()["live_buffers"] == 0
+
+
+def test_zero_element_tensors(engine: SwapEngine) -> None:
+    engine.write("z", torch.empty(0)).wait()
+    engine.read("z", torch.empty(0, 5)).wait()
+    assert engine.nbytes("z") == 0 and "z" in engine
+    assert engine.empty((0, 3)).shape == (0, 3)
