@@ -5,6 +5,7 @@
 //! module that imports pyo3, so `cargo test` and `cargo bench` need no libpython.
 
 pub mod align;
+pub mod baseline;
 pub mod buffer;
 pub mod engine;
 pub mod error;

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from zswap import _zswap
 
 BACKENDS = ["io_uring", "psync"]

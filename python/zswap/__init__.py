@@ -6,6 +6,7 @@ The public surface is listed here once; everything else is internal.
 from __future__ import annotations
 
 from ._zswap import Handle
+from .config import ZswapConfig, load_config
 from .errors import ConfigError, EngineClosedError, SwapIOError, UnknownKeyError, ZswapError, ZswapWarning
 from .swap import SwapEngine
 
@@ -18,7 +19,9 @@ __all__ = [
     "SwapEngine",
     "SwapIOError",
     "UnknownKeyError",
+    "ZswapConfig",
     "ZswapError",
     "ZswapWarning",
     "__version__",
+    "load_config",
 ]

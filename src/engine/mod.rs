@@ -193,10 +193,12 @@ impl Engine {
                     ));
                     Backend::Psync
                 }
-                Err(errno) => return Err(Error::InvalidArgument(format!(
+                Err(errno) => {
+                    return Err(Error::InvalidArgument(format!(
                     "backend 'io_uring' requested but io_uring_setup failed: {} (errno {errno})",
                     crate::error::strerror(errno)
-                ))),
+                )))
+                }
             },
         };
         let (tx, rx) = crossbeam_channel::bounded(QUEUE_CAP);

@@ -99,8 +99,14 @@ impl UringWorker {
                     }
                 };
                 self.free.pop();
+                let bounced = job.bounce;
                 self.start(slot, job);
                 inflight += 1;
+                if bounced {
+                    // Hand the block to the kernel before copying the next one, so the disk works
+                    // while this thread copies. An error here resurfaces from submit_and_wait below.
+                    let _ = self.ring.submit();
+                }
             }
             if let Err(e) = self.ring.submit_and_wait(1) {
                 // EINTR/EAGAIN/EBUSY are transient; anything else cannot be acted on without abandoning

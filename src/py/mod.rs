@@ -381,6 +381,7 @@ fn _zswap(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHandle>()?;
     m.add_class::<PyBuffer>()?;
     m.add_function(wrap_pyfunction!(io_uring_available, m)?)?;
+    m.add_function(wrap_pyfunction!(raw_io_uring_baseline, m)?)?;
     Ok(())
 }
 
@@ -390,4 +391,19 @@ fn io_uring_available() -> Option<String> {
     crate::engine::probe_io_uring()
         .err()
         .map(crate::error::strerror)
+}
+
+/// Seconds to write then read `size` bytes with the bare io_uring loop of `baseline.rs` (O_DIRECT,
+/// huge-page buffers) in a fresh unlinked file in `path`: the raw-disk figure when fio is absent.
+#[pyfunction]
+fn raw_io_uring_baseline(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    size: u64,
+    block_size: usize,
+    queue_depth: usize,
+) -> PyResult<(f64, f64)> {
+    let r = py.detach(|| crate::baseline::raw_io_uring(&path, size, block_size, queue_depth));
+    let (w, r) = r.map_err(|e| to_pyerr(py, e))?;
+    Ok((w.as_secs_f64(), r.as_secs_f64()))
 }

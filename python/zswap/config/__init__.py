@@ -1,0 +1,36 @@
+"""zswap's configuration: `load_config` and the frozen models it returns.
+
+A config is a DeepSpeed config (``zero_optimization.offload_param`` …) or the trimmed layout with the same
+sections at top level; only zswap's sections are read. Module map:
+
+- ``_load``: `load_config`, the only code that knows a path from a mapping; JSON reading.
+- ``_layout``: which sections and keys are read, from where; aliases, conflicts, unknown keys.
+- ``_keys``: the key tables (zswap's keys, aliases, DeepSpeed keys accepted and ignored).
+- ``_values``: the check of each kind of value (integers, sizes, booleans, paths …).
+- ``models``: `ZswapConfig` and its section models.
+"""
+
+from __future__ import annotations
+
+from ._load import ConfigSource, load_config
+from .models import (
+    AioConfig,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    ZeroConfig,
+    ZswapConfig,
+)
+
+__all__ = [
+    "AioConfig",
+    "ConfigSource",
+    "FP16Config",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "ZeroConfig",
+    "ZswapConfig",
+    "load_config",
+]

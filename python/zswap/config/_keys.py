@@ -1,0 +1,195 @@
+"""The keys zswap reads, their aliases, and the DeepSpeed keys it accepts and ignores, section by section.
+
+A key inside one of these sections that is in none of the three sets is a typo or a feature zswap does not
+know, and is reported with the closest known key: a silently ignored key is a bug. Keys outside these
+sections are DeepSpeed's business and are never looked at.
+
+The ignored sets were taken from DeepSpeed's own config schema (``deepspeed/runtime/zero/config.py``,
+``offload_config.py``, ``swap_tensor/constants.py``, ``runtime/constants.py``), old spellings included, so
+that any config DeepSpeed accepts is accepted here too.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Section:
+    """The keys of one config section."""
+
+    path: str
+    """Dotted location in the DeepSpeed layout, for messages (``zero_optimization.offload_param``)."""
+    fields: tuple[str, ...]
+    """Keys zswap reads, spelled as the model field they fill."""
+    aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Other spellings, each filling one or more fields (``pipeline`` sets both pipeline flags)."""
+    ignored: frozenset[str] = frozenset()
+    """DeepSpeed keys that are accepted and dropped."""
+    subsections: frozenset[str] = frozenset()
+    """Keys holding a nested section, read separately."""
+    checked: frozenset[str] = frozenset()
+    """Keys the loader validates itself and does not store (``amsgrad`` may only be false)."""
+
+    def known(self) -> tuple[str, ...]:
+        """Every key accepted here, for suggestions."""
+        rest = sorted(self.subsections | self.checked | self.ignored)
+        return (*self.fields, *self.aliases, *rest)
+
+    def closest(self, key: str) -> str | None:
+        """The known key most like ``key``, if any is close enough to be a likely typo."""
+        matches = difflib.get_close_matches(key, self.known(), n=1, cutoff=0.6)
+        return matches[0] if matches else None
+
+
+OFFLOAD_PARAM = Section(
+    path="zero_optimization.offload_param",
+    fields=("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu"),
+)
+
+OFFLOAD_OPTIMIZER = Section(
+    path="zero_optimization.offload_optimizer",
+    fields=("device", "nvme_path", "pin_memory", "buffer_count", "pipeline_read", "pipeline_write"),
+    aliases={"pipeline": ("pipeline_read", "pipeline_write")},
+    ignored=frozenset(
+        {"fast_init", "ratio", "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc"},
+    ),
+)
+
+STAGE3_KNOBS = (
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "sub_group_size",
+)
+"""The `zero_optimization` keys zswap reads; in the trimmed layout they may also stand at top level."""
+
+ZERO = Section(
+    path="zero_optimization",
+    fields=STAGE3_KNOBS,
+    # DeepSpeed's schema accepts its field names next to the stage3_ spellings.
+    aliases={
+        "prefetch_bucket_size": ("stage3_prefetch_bucket_size",),
+        "param_persistence_threshold": ("stage3_param_persistence_threshold",),
+        "max_live_parameters": ("stage3_max_live_parameters",),
+        "max_reuse_distance": ("stage3_max_reuse_distance",),
+    },
+    subsections=frozenset({"offload_param", "offload_optimizer"}),
+    ignored=frozenset(
+        {
+            "stage",
+            "contiguous_gradients",
+            "overlap_comm",
+            "reduce_scatter",
+            "reduce_bucket_size",
+            "allgather_partitions",
+            "allgather_bucket_size",
+            "use_multi_rank_bucket_allreduce",
+            "round_robin_gradients",
+            "load_from_fp32_weights",
+            "elastic_checkpoint",
+            "ignore_unused_parameters",
+            "legacy_stage1",
+            "offload_params",
+            "cpu_offload",
+            "cpu_offload_param",
+            "cpu_offload_params",
+            "cpu_offload_use_pin_memory",
+            "memory_efficient_linear",
+            "override_module_apply",
+            "pipeline_loading_checkpoint",
+            "log_trace_cache_warnings",
+            "enable_sanity_checks",
+            "zero_hpz_partition_size",
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+            "zeropp_loco_param",
+            "mics_shard_size",
+            "mics_hierarchical_params_gather",
+            "save_muon_momentum_buffer_in_memory",
+            "leaf_module",
+            "zenflow",
+            "stage3_gather_16bit_weights_on_model_save",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+            "stage3_model_persistence_threshold",
+            "model_persistence_threshold",
+            "stage3_module_granularity_threshold",
+            "module_granularity_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential",
+            "allgather_sequential",
+            "stage3_partition_stream_chunk_size",
+            "partition_stream_chunk_size",
+        },
+    ),
+)
+
+AIO = Section(
+    path="aio",
+    fields=(
+        "block_size",
+        "queue_depth",
+        "thread_count",
+        "single_submit",
+        "overlap_events",
+        "use_gds",
+        "backend",
+        "direct",
+        "checksum",
+        "pinned_memory_budget",
+    ),
+    # DeepSpeed renamed thread_count to intra_op_parallelism; num_threads is DeepNVMe's spelling.
+    aliases={"intra_op_parallelism": ("thread_count",), "num_threads": ("thread_count",)},
+)
+
+OPTIMIZER = Section(
+    path="optimizer",
+    fields=("type",),
+    subsections=frozenset({"params"}),
+    ignored=frozenset({"legacy_fusion"}),
+)
+
+OPTIMIZER_PARAMS = Section(
+    path="optimizer.params",
+    fields=("lr", "betas", "eps", "weight_decay"),
+    # adam_w_mode fills the model's decoupled_weight_decay; amsgrad and bias_correction are checked only.
+    aliases={"adam_w_mode": ("decoupled_weight_decay",)},
+    checked=frozenset({"amsgrad", "bias_correction"}),
+    ignored=frozenset({"torch_adam", "fused"}),
+)
+
+BF16 = Section(
+    path="bf16",
+    fields=("enabled",),
+    ignored=frozenset(
+        {
+            "immediate_grad_update",
+            "check_grad_overflow",
+            "check_overflow",
+            "bf16_master_weights_and_grads",
+            "bf16_optimizer_states",
+        },
+    ),
+)
+
+FP16 = Section(
+    path="fp16",
+    fields=(
+        "enabled",
+        "loss_scale",
+        "initial_scale_power",
+        "loss_scale_window",
+        "hysteresis",
+        "min_loss_scale",
+    ),
+    ignored=frozenset({"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}),
+)
+
+BF16_OLD_NAME = "bfloat16"
+"""DeepSpeed still reads ``bfloat16`` as the old name of the ``bf16`` section."""

@@ -1,0 +1,206 @@
+"""From a raw config mapping, in the DeepSpeed or the trimmed layout, to the input of `ZswapConfig`.
+
+This is where section placement, aliases and unknown keys are settled; values are checked by the models.
+Only zswap's sections are read, and each is copied into fresh dicts and tuples: nothing of the caller's
+mapping is modified, and nothing of it is kept beyond immutable leaf values. Everything outside those
+sections (batch sizes, schedulers, ``"auto"`` values there) is never looked at.
+
+Layouts (each section may be nested as DeepSpeed has it, or stand at top level, but not both)::
+
+    zero_optimization.offload_param      | offload_param
+    zero_optimization.offload_optimizer  | offload_optimizer
+    zero_optimization.stage3_*, sub_group_size | the same keys at top level
+    aio, optimizer, bf16 (old name: bfloat16), fp16   (top level in both)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+from ..errors import ConfigError
+from . import _keys as k
+from . import _values as v
+
+
+@dataclass
+class Assembled:
+    """Input for `ZswapConfig.model_validate`, with where each value came from."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    origins: dict[tuple[str, ...], str] = field(default_factory=dict)
+    """Model location (``("aio", "thread_count")``) → dotted key as written (``"aio.num_threads"``)."""
+
+    def put(self, section: str, given: Mapping[str, tuple[str, Any]]) -> None:
+        values = self.data.setdefault(section, {})
+        for name, (key, value) in given.items():
+            values[name] = value
+            self.origins[(section, name)] = key
+
+
+def assemble(raw: Mapping[Any, Any]) -> Assembled:
+    """Collect zswap's sections from ``raw``; `ConfigError` for unknown keys, conflicts and misplacements."""
+    out = Assembled()
+    zero = _section(raw, "zero_optimization", "zero_optimization")
+    for name, spec in (("offload_param", k.OFFLOAD_PARAM), ("offload_optimizer", k.OFFLOAD_OPTIMIZER)):
+        nested = _section(zero, name, spec.path)
+        top = _section(raw, name, name)
+        if nested is not None and top is not None:
+            raise ConfigError(f"{name} is given both as {spec.path} and at top level; keep one")
+        if nested is not None:
+            out.put(name, _read(nested, spec, spec.path))
+        elif top is not None:
+            out.put(name, _read(top, spec, name))
+    _read_zero(raw, zero, out)
+    aio = _section(raw, "aio", "aio")
+    if aio is not None:
+        out.put("aio", _read(aio, k.AIO, "aio"))
+    optimizer = _section(raw, "optimizer", "optimizer")
+    if optimizer is not None:
+        out.put("optimizer", _read_optimizer(optimizer))
+    _read_precision(raw, out)
+    return out
+
+
+def _read_zero(raw: Mapping[Any, Any], zero: Mapping[Any, Any] | None, out: Assembled) -> None:
+    given = _read(zero, k.ZERO, "zero_optimization") if zero is not None else {}
+    for knob in k.STAGE3_KNOBS:
+        if raw.get(knob) is None:
+            continue
+        if knob in given:
+            raise ConfigError(f"{knob} is given both as {given[knob][0]} and at top level; keep one")
+        given[knob] = (knob, _detach(raw[knob]))
+    out.put("zero", given)
+
+
+def _read_optimizer(optimizer: Mapping[Any, Any]) -> dict[str, tuple[str, Any]]:
+    params = _section(optimizer, "params", "optimizer.params") or {}
+    given = _read(optimizer, k.OPTIMIZER, "optimizer")
+    given.update(_read(params, k.OPTIMIZER_PARAMS, "optimizer.params"))
+    _require_flag(params, "amsgrad", False, "AMSGrad is not supported by zswap")
+    _require_flag(params, "bias_correction", True, "Adam without bias correction is not supported by zswap")
+    kind = given.get("type", ("", None))[1]
+    decoupled = given.get("decoupled_weight_decay", ("", None))[1]
+    if isinstance(kind, str) and kind.casefold() == "adamw" and decoupled is False:
+        raise ConfigError(
+            "optimizer.params.adam_w_mode is false, but optimizer.type 'AdamW' always decouples weight "
+            "decay; remove adam_w_mode or use type 'Adam'"
+        )
+    return given
+
+
+def _read_precision(raw: Mapping[Any, Any], out: Assembled) -> None:
+    bf16, bf16_where = _section(raw, "bf16", "bf16"), "bf16"
+    old = _section(raw, k.BF16_OLD_NAME, k.BF16_OLD_NAME)
+    if old is not None:
+        if bf16 is not None:
+            raise ConfigError(f"bf16 and {k.BF16_OLD_NAME} (its old name) are both given; keep bf16")
+        bf16, bf16_where = old, k.BF16_OLD_NAME
+    bf16_on = _enabled(_read(bf16, k.BF16, bf16_where) if bf16 is not None else {})
+    fp16 = _section(raw, "fp16", "fp16")
+    fp16_given = _read(fp16, k.FP16, "fp16") if fp16 is not None else {}
+    fp16_on = _enabled(fp16_given)
+    fp16_given.pop("enabled", None)
+    out.put("fp16", fp16_given)
+    if bf16_on is True and fp16_on is True:
+        raise ConfigError(f"{bf16_where}.enabled and fp16.enabled are both true; enable one of them")
+    flags = (bf16_on, fp16_on)
+    if bf16_on is True:
+        out.data["dtype"] = "bf16"
+    elif fp16_on is True:
+        out.data["dtype"] = "fp16"
+    elif False in flags and "auto" not in flags:
+        out.data["dtype"] = "fp32"
+
+
+def _enabled(given: Mapping[str, tuple[str, Any]]) -> bool | str | None:
+    """``enabled`` of a precision section: True / False, ``"auto"``, or ``None`` when not given."""
+    if "enabled" not in given:
+        return None
+    key, value = given["enabled"]
+    try:
+        flag = v.to_auto_or_bool(value)
+    except PydanticCustomError as exc:
+        raise ConfigError(f"{key} {exc.message()}, got {v.show(value)}") from None
+    return flag
+
+
+def _require_flag(params: Mapping[Any, Any], name: str, required: bool, reason: str) -> None:
+    value = params.get(name)
+    if value is None:
+        return
+    key = f"optimizer.params.{name}"
+    try:
+        flag = v.to_bool(value)
+    except PydanticCustomError as exc:
+        raise ConfigError(f"{key} {exc.message()}, got {v.show(value)}") from None
+    if flag is not required:
+        raise ConfigError(f"{key} must be {str(required).lower()}: {reason}, got {v.show(value)}")
+
+
+def _section(parent: Mapping[Any, Any] | None, key: str, where: str) -> Mapping[Any, Any] | None:
+    """The mapping under ``key``, or None when absent or null. DeepSpeed's legacy
+    ``"zero_optimization": true`` holds no zswap keys, so a boolean there counts as absent."""
+    if parent is None:
+        return None
+    value = parent.get(key)
+    if value is None or (key == "zero_optimization" and isinstance(value, bool)):
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be an object, got {v.show(value)}")
+    return value
+
+
+def _read(section: Mapping[Any, Any], spec: k.Section, where: str) -> dict[str, tuple[str, Any]]:
+    """Field name → (dotted key as written, value) for the keys of ``section`` that zswap reads."""
+    given: dict[str, tuple[str, Any]] = {}
+    for key, value in section.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where} has a key that is not a string: {v.show(key)}")
+        if key in spec.fields:
+            targets: tuple[str, ...] = (key,)
+        elif key in spec.aliases:
+            targets = spec.aliases[key]
+        elif key in spec.ignored or key in spec.subsections or key in spec.checked:
+            continue
+        else:
+            raise _unknown_key(key, spec, where)
+        if value is None:  # null means "not set", so it cannot disagree with another spelling
+            continue
+        for target in targets:
+            if target in given and not _same(given[target][1], value):
+                first = given[target][0]
+                raise ConfigError(
+                    f"{first} and {where}.{key} disagree ({v.show(given[target][1])} vs {v.show(value)}); "
+                    "give only one of them"
+                )
+            given.setdefault(target, (f"{where}.{key}", _detach(value)))
+    return given
+
+
+def _unknown_key(key: str, spec: k.Section, where: str) -> ConfigError:
+    close = spec.closest(key)
+    if close is not None:
+        return ConfigError(f"unknown key {key!r} in {where}; did you mean {close!r}?")
+    readable = ", ".join(repr(name) for name in (*spec.fields, *spec.aliases))
+    return ConfigError(f"unknown key {key!r} in {where}; zswap reads {readable}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON values: ``4 == 4.0`` but ``True != 1``; anything but plain scalars must be identical."""
+    scalars = (bool, int, float, str)
+    if isinstance(a, scalars) and isinstance(b, scalars):
+        same_kind = isinstance(a, bool) == isinstance(b, bool) and isinstance(a, str) == isinstance(b, str)
+        return same_kind and a == b
+    if isinstance(a, list) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a is b
+
+
+def _detach(value: Any) -> Any:
+    # A fresh list of the same leaves: nothing the model is built from can be changed by the caller meanwhile,
+    # and the models turn it into a tuple.
+    return list(value) if isinstance(value, list | tuple) else value

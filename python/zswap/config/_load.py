@@ -1,0 +1,104 @@
+"""`load_config`: the one function that tells a path from a mapping."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+from pydantic import ValidationError
+
+from ..errors import ConfigError
+from ._layout import assemble
+from .models import ZswapConfig, describe
+
+ConfigSource: TypeAlias = "str | os.PathLike[str] | Mapping[str, Any] | ZswapConfig | None"
+"""What every zswap entry point accepts as its config."""
+
+_ACCEPTED = "a path (str or os.PathLike) to a JSON file, a mapping, a zswap.ZswapConfig, or None"
+
+
+def load_config(config: ConfigSource = None) -> ZswapConfig:
+    """Read and validate a zswap / DeepSpeed config.
+
+    ``config`` is a path (``str`` or ``os.PathLike``) to a JSON file, a mapping in the same shape, an
+    already loaded `ZswapConfig` (returned as is), or ``None`` for the defaults. A mapping is copied as it
+    is read (only zswap's sections are read): later changes to it change nothing, and it is never modified.
+
+    ``"auto"`` (or null) in one of zswap's keys selects its default; where the field is typed ``X | None``
+    that is ``None`` = zswap picks. So ``optimizer.params.lr: "auto"`` loads as ``lr is None`` (an error only
+    where the optimizer is built without an ``lr``), ``weight_decay: "auto"`` as ``None`` (0.0 unless a
+    keyword supplies it), ``betas``/``eps: "auto"`` as the defaults, and ``bf16.enabled: "auto"`` leaves
+    ``dtype`` ``None`` (keep the dtype the params were built with). ``"auto"`` is refused only where zswap
+    cannot choose and nothing downstream could: an offload ``device`` and ``optimizer.type``.
+
+    Raises:
+        TypeError: ``config`` is none of the accepted types.
+        FileNotFoundError: the file does not exist (``errno`` ENOENT, ``filename`` set).
+        ConfigError: (a ``ValueError``) malformed JSON (file, line, column), a duplicate key, a top level
+            that is not an object, or a key in zswap's sections that is unknown, misplaced, given twice
+            under two names, or has a wrong type or range; the message names the dotted key and the value.
+    """
+    if config is None:
+        return ZswapConfig()
+    if isinstance(config, ZswapConfig):
+        return config
+    if isinstance(config, str | os.PathLike):
+        path = os.fsdecode(os.fspath(config))
+        try:
+            return _validate(_read_json(path))
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    if isinstance(config, Mapping):
+        return _validate(config)
+    raise TypeError(f"config must be {_ACCEPTED}; got {type(config).__name__}")
+
+
+def _validate(raw: Mapping[Any, Any]) -> ZswapConfig:
+    assembled = assemble(raw)
+    try:
+        return ZswapConfig.model_validate(assembled.data)
+    except ValidationError as exc:
+        raise ConfigError(describe(exc, assembled.origins)) from None
+
+
+def _read_json(path: str) -> Mapping[str, Any]:
+    """The JSON object in ``path``. Errors name the path; JSON errors are `ConfigError` (the caller
+    prefixes the path), a missing file is `FileNotFoundError`."""
+    try:
+        with open(path, encoding="utf-8-sig") as file:  # -sig: tolerate a byte-order mark
+            text = file.read()
+    except FileNotFoundError:
+        where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+        raise FileNotFoundError(errno.ENOENT, f"zswap config file not found{where}", path) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text: {exc}") from None
+    try:
+        loaded = json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"the top level must be a JSON object, got a JSON {_json_kind(loaded)}")
+    return loaded
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of two equal keys without a word; DeepSpeed would silently take the last value too.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"duplicate key {key!r} in a JSON object (keys must be unique at every depth)")
+        out[key] = value
+    return out
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return "number"
