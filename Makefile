@@ -26,7 +26,7 @@ lint: setup
 	$(CARGO) clippy --all-targets --features python -- -D warnings
 	$(PYTHON) -m ruff check python tests benches
 	$(PYTHON) -m ruff format --check python tests benches
-	$(PYTHON) -m mypy python/zswap
+	$(PYTHON) -m mypy
 
 fmt:
 	$(CARGO) fmt

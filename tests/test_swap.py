@@ -386,3 +386,34 @@ def test_zero_element_tensors(engine: SwapEngine) -> None:
     engine.read("z", torch.empty(0, 5)).wait()
     assert engine.nbytes("z") == 0 and "z" in engine
     assert engine.empty((0, 3)).shape == (0, 3)
+
+
+def test_psync_fallback_when_io_uring_is_refused(tmp_path: Path) -> None:
+    # A child process, so the environment switch and the once-per-process warning stay there.
+    code = textwrap.dedent(
+        f"""
+        import warnings, torch, zswap
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as w:
+            e1 = zswap.SwapEngine({str(tmp_path)!r})
+            e2 = zswap.SwapEngine({str(tmp_path)!r})
+        assert e1.info["backend"] == "psync" == e2.info["backend"], e1.info
+        msgs = [str(x.message) for x in w if issubclass(x.category, zswap.ZswapWarning)]
+        assert msgs == ["io_uring unavailable (Operation not permitted), using the psync backend"], msgs
+        t = torch.arange(5000.0)
+        e1.write("k", t).wait()
+        out = torch.empty_like(t)
+        e1.read("k", out).wait()
+        assert torch.equal(out, t)
+        try:
+            zswap.SwapEngine({str(tmp_path)!r}, backend="io_uring")
+        except ValueError as err:
+            assert "io_uring_setup failed" in str(err), err
+        else:
+            raise AssertionError("backend='io_uring' must not fall back")
+        print("ok")
+        """
+    )
+    env = {**os.environ, "ZSWAP_DISABLE_IO_URING": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -22,7 +22,7 @@ from typing import TextIO
 import torch
 
 from . import _zswap
-from .swap import SwapEngine
+from .swap import Backend, SwapEngine
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Rate:
     write: float
     read: float
     source: str
+    #: Why the figure could not be measured (then write and read are 0).
+    unavailable: str | None = None
 
 
 def fio_rate(path: Path, size: int, block_size: int, queue_depth: int, iomem: str, repeat: int) -> Rate:
@@ -67,7 +69,7 @@ def baseline(path: Path, size: int, block_size: int, queue_depth: int, repeat: i
     try:  # needs reserved hugetlb pages (/proc/sys/vm/nr_hugepages)
         rates.append(fio_rate(path, size, block_size, queue_depth, "shmhuge", repeat))
     except RuntimeError as e:
-        rates.append(Rate(0.0, 0.0, f"fio iomem=shmhuge unavailable: {str(e)[:80]}"))
+        rates.append(Rate(0.0, 0.0, "fio io_uring O_DIRECT iomem=shmhuge", unavailable=str(e)[:160]))
     return rates
 
 
@@ -149,7 +151,7 @@ def run(
     *,
     block_size: int = 1 << 20,
     queue_depth: int = 16,
-    backend: str = "auto",
+    backend: Backend = "auto",
     threads: int | None = None,
     repeat: int = 3,
     out: TextIO = sys.stdout,
@@ -174,7 +176,7 @@ def run(
     base = baseline(path, size, block_size, queue_depth, repeat)
     with SwapEngine(
         path, block_size=block_size, queue_depth=queue_depth, backend=backend, threads=threads
-    ) as e:  # type: ignore[arg-type]
+    ) as e:
         numel = size // 4
         eng = engine_rate(e, e.empty(numel, torch.float32).fill_(1.25), repeat, "engine buffers", progress)
         plain = engine_rate(e, torch.full((numel,), 1.25), repeat, "torch tensors", progress)
@@ -186,7 +188,10 @@ def run(
     say(f"backend {info['backend']}, direct I/O {info['direct']}, {info['threads']} thread(s)")
     say(f"{'':44}{'write GB/s':>18}{'read GB/s':>18}")
     for r in base:
-        say(f"{'raw disk: ' + r.source:44}{r.write:>18.2f}{r.read:>18.2f}")
+        if r.unavailable:
+            say(f"{'raw disk: ' + r.source:44}{'n/a':>18}{'n/a':>18}  ({r.unavailable})")
+        else:
+            say(f"{'raw disk: ' + r.source:44}{r.write:>18.2f}{r.read:>18.2f}")
     for r in (eng, plain):
         cells = [f"{v:.2f} ({_ratio(v, b) or 0:.2f}×)" for v, b in ((r.write, bw), (r.read, br))]
         say(f"{'zswap SwapEngine, ' + r.source:44}{cells[0]:>18}{cells[1]:>18}")

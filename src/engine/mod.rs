@@ -85,8 +85,13 @@ impl Default for EngineConfig {
     }
 }
 
-/// `Ok` when this kernel and sandbox allow io_uring, else the errno of the refusal.
+/// `Ok` when this kernel and sandbox allow io_uring, else the errno of the refusal. Setting
+/// `ZSWAP_DISABLE_IO_URING=1` refuses it with EPERM: an escape hatch around a misbehaving kernel, and
+/// how the fallback path is tested on machines where io_uring works.
 pub fn probe_io_uring() -> std::result::Result<(), i32> {
+    if std::env::var_os("ZSWAP_DISABLE_IO_URING").is_some_and(|v| !v.is_empty() && v != "0") {
+        return Err(libc::EPERM);
+    }
     uring::probe()
 }
 
@@ -184,7 +189,7 @@ impl Engine {
         }
         let backend = match cfg.backend {
             Backend::Psync => Backend::Psync,
-            want => match uring::probe() {
+            want => match probe_io_uring() {
                 Ok(()) => Backend::IoUring,
                 Err(errno) if want == Backend::Auto => {
                     notes.push(format!(
