@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from zswap import _zswap
 
 BACKENDS = ["io_uring", "psync"]

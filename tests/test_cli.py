@@ -12,7 +12,8 @@ from zswap.cli import main
 
 def test_bench_prints_engine_next_to_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "figures.json"
-    assert main(["bench", "--path", str(tmp_path), "--size", "8MiB", "--repeat", "1", "--json", str(out)]) == 0
+    args = ["bench", "--path", str(tmp_path), "--size", "8MiB", "--repeat", "1"]
+    assert main([*args, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "raw disk:" in text and "zswap SwapEngine, engine buffers" in text and "×)" in text
     figures = json.loads(out.read_text())

@@ -13,6 +13,7 @@ import weakref
 from typing import Any
 
 import pytest
+
 from zswap.config import (
     AioConfig,
     FP16Config,

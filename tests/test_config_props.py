@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from zswap.config import ZswapConfig, _keys, load_config
 from zswap.errors import ConfigError
 

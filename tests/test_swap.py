@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 import zswap
 from zswap import SwapEngine
 from zswap.errors import EngineClosedError, SwapIOError, UnknownKeyError, ZswapWarning

@@ -8,6 +8,9 @@ from __future__ import annotations
 from ._zswap import Handle
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, EngineClosedError, SwapIOError, UnknownKeyError, ZswapError, ZswapWarning
+from .gather import GatheredParameters
+from .init import Init
+from .params import ParamState, Status, param_state
 from .swap import SwapEngine
 
 __version__ = "0.1.0"
@@ -15,7 +18,11 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "EngineClosedError",
+    "GatheredParameters",
     "Handle",
+    "Init",
+    "ParamState",
+    "Status",
     "SwapEngine",
     "SwapIOError",
     "UnknownKeyError",
@@ -24,4 +31,5 @@ __all__ = [
     "ZswapWarning",
     "__version__",
     "load_config",
+    "param_state",
 ]

@@ -56,5 +56,7 @@ class Engine:
 def io_uring_available() -> str | None:
     """None when io_uring can be set up here, else the reason it was refused."""
 
-def raw_io_uring_baseline(path: str | os.PathLike[str], size: int, block_size: int, queue_depth: int) -> tuple[float, float]:
+def raw_io_uring_baseline(
+    path: str | os.PathLike[str], size: int, block_size: int, queue_depth: int
+) -> tuple[float, float]:
     """Seconds to write then read `size` bytes with a bare io_uring O_DIRECT loop (the raw-disk baseline)."""

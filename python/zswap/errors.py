@@ -92,4 +92,3 @@ __all__ = [
     "ZswapWarning",
     "errno_name",
 ]
-

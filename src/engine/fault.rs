@@ -48,16 +48,17 @@ impl FaultInjector {
         self.armed.store(false, Ordering::Release);
     }
 
-    /// The fault to apply to the next completion of `op`, if a rule fires. `corrupt` selects whether the
-    /// caller asks about result faults (false) or data corruption after a read (true).
-    pub(crate) fn next(&self, op: Op, corrupt: bool) -> Option<Fault> {
+    /// The fault to apply to the next completion of `op` that `applies` accepts, if a rule fires.
+    /// Completions a rule would not change (a short count at or under its cap, a result fault asked
+    /// about corruption) neither fire it nor count as skipped, so tests get exactly what they ask for.
+    fn next(&self, op: Op, applies: impl Fn(Fault) -> bool) -> Option<Fault> {
         if !self.armed.load(Ordering::Acquire) {
             return None;
         }
         let mut rules = self.rules.lock().unwrap_or_else(|e| e.into_inner());
         let rule = rules
             .iter_mut()
-            .find(|r| r.op == op && r.remaining > 0 && (r.fault == Fault::Corrupt) == corrupt)?;
+            .find(|r| r.op == op && r.remaining > 0 && applies(r.fault))?;
         if rule.skip > 0 {
             rule.skip -= 1;
             return None;
@@ -66,11 +67,21 @@ impl FaultInjector {
         Some(rule.fault)
     }
 
+    /// Whether the data of the next completed read of `op` is to be corrupted.
+    pub(crate) fn corrupt(&self, op: Op) -> bool {
+        self.next(op, |f| f == Fault::Corrupt).is_some()
+    }
+
     /// Applies a result fault to a raw completion value (bytes, or -errno).
     pub(crate) fn adjust(&self, op: Op, res: i64) -> i64 {
-        match self.next(op, false) {
+        let applies = |f| match f {
+            Fault::Errno(_) => true,
+            Fault::Short(n) => res > n as i64,
+            Fault::Corrupt => false,
+        };
+        match self.next(op, applies) {
             Some(Fault::Errno(e)) => -i64::from(e),
-            Some(Fault::Short(n)) if res > 0 => res.min(n as i64),
+            Some(Fault::Short(n)) => n as i64,
             _ => res,
         }
     }

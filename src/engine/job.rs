@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use super::fault::{Fault, FaultInjector};
+use super::fault::FaultInjector;
 use super::request::{Counters, Request};
 use crate::buffer::AlignedBuf;
 use crate::error::{Error, Op, Result};
@@ -69,7 +69,7 @@ impl BlockJob {
     /// # Safety
     /// `mem` must be the address `prepare` returned, with the kernel done writing it.
     pub unsafe fn complete_read(&self, mem: *mut u8, faults: &FaultInjector) -> Result<()> {
-        if faults.next(Op::Read, true) == Some(Fault::Corrupt) && self.data_len > 0 {
+        if self.data_len > 0 && faults.corrupt(Op::Read) {
             *mem ^= 0xff;
         }
         if let Some(c) = &self.checksums {

@@ -1,0 +1,58 @@
+"""The few torch.distributed calls zswap makes; world = 1 when torch.distributed is not in use."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import ZswapWarning
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int, int]:
+    """(group, rank in it, its size). An explicit group wins; else the default group when torch.distributed
+    is initialised; else no group, rank 0 of 1."""
+    if group is None and not _dist_ready():
+        return None, 0, 1
+    dist = torch.distributed
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def warn_if_launch_without_dist(group: ProcessGroup | None) -> None:
+    """A multi-process launch (``WORLD_SIZE`` > 1) before ``init_process_group`` would give every rank a
+    full copy of every param, silently multiplying memory and disk by the world size."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1 and group is None and not _dist_ready():
+        warnings.warn(
+            f"WORLD_SIZE={world} but torch.distributed is not initialised: zswap.Init partitions as a single "
+            "process, so every rank keeps a full copy of every param; call "
+            "torch.distributed.init_process_group() before zswap.Init",
+            ZswapWarning,
+            stacklevel=3,
+        )
+
+
+def all_gather_flat(out: torch.Tensor, local: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Fill ``out`` (world × local.numel() elements) with every rank's ``local``, in rank order."""
+    dist = torch.distributed
+    if local.device != out.device:
+        local = local.to(out.device)
+    dist.all_gather_into_tensor(out, local, group=group)  # gloo and NCCL both have the flat form
+
+
+def broadcast(t: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:
+    dist = torch.distributed
+    src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
+    dist.broadcast(t, src, group=group)

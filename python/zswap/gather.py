@@ -1,0 +1,260 @@
+"""Moving a param between its partitioned and its gathered form, and `GatheredParameters`.
+
+`manage` partitions a param for the first time, `offload` (re-)partitions its current ``.data``, `fetch`
+gathers full data back (swap-in of the local partition, then all-gather across ranks), `release` drops it.
+All of them do their own tensor work with torch-function handling disabled, so `zswap.Init`'s access hook
+never sees zswap's own traffic. Collectives run in the order of the list given, which every rank must agree
+on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _dist
+from .errors import ZswapError, ZswapWarning
+from .params import ParamState, Status, Store, local_slice, param_state, partition_numel, register
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Item = tuple[torch.Tensor, ParamState]
+no_torch_function = torch._C.DisableTorchFunction
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where `manage` puts new partitions: a store, a process group, and the dtype params are kept in."""
+
+    store: Store
+    group: ProcessGroup | None
+    rank: int
+    world_size: int
+    dtype: torch.dtype | None
+
+
+def manage(p: torch.Tensor, where: Placement) -> ParamState:
+    """Partition an unmanaged, materialised param: register it and move its data to the store."""
+    with no_torch_function():
+        data = p.data
+        if where.dtype is not None and data.is_floating_point() and data.dtype != where.dtype:
+            p.data = data = data.to(where.dtype)
+        st = ParamState(
+            shape=data.shape,
+            dtype=data.dtype,
+            status=Status.AVAILABLE,
+            tier=where.store.tier,
+            partition_numel=partition_numel(data.numel(), where.world_size),
+            rank=where.rank,
+            world_size=where.world_size,
+            group=where.group,
+            device=data.device,
+            store=where.store,
+            key=where.store.new_key(),
+        )
+        register(p, st)
+        offload(p, st)
+    return st
+
+
+def offload(p: torch.Tensor, st: ParamState) -> None:
+    """(Re-)partition ``p.data`` as it is now — shape and dtype included — and leave ``p.data`` empty."""
+    with no_torch_function():
+        data = p.data
+        st.shape, st.dtype, st.device = data.shape, data.dtype, data.device
+        st.partition_numel = partition_numel(data.numel(), st.world_size)
+        part = local_slice(data.reshape(-1), st.rank, st.partition_numel)
+        st.store.put(st.key, part)
+        p.data = torch.empty(0, dtype=st.dtype, device=st.device)
+        st.status = Status.NOT_AVAILABLE
+        st.touched = False
+
+
+def fetch(items: Sequence[Item], *, private: bool) -> None:
+    """Make each param's ``.data`` its full tensor. All swap-ins are issued before the first wait.
+
+    ``private``: the gathered tensor never aliases the stored partition (so changes can be dropped); without
+    it a single-rank in-memory partition is handed out zero-copy and changes land in place.
+    """
+    with no_torch_function():
+        loads: list[tuple[torch.Tensor, Any]] = []
+        try:
+            for _, st in items:
+                st.status = Status.INFLIGHT
+                loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
+            for (p, st), (local, handle) in zip(items, loads, strict=True):
+                if handle is not None:
+                    handle.wait()
+                if st.world_size > 1:
+                    full = torch.empty(st.partition_numel * st.world_size, dtype=st.dtype, device=st.device)
+                    _dist.all_gather_flat(full, local, st.group)
+                elif local.device != st.device:
+                    full = local.to(st.device)
+                else:
+                    full = local.clone() if private and handle is None else local
+                p.data = full[: st.numel].view(st.shape)
+                st.status = Status.AVAILABLE
+        except BaseException:
+            for _, handle in loads:
+                if handle is not None:
+                    with contextlib.suppress(Exception):
+                        handle.wait()  # engine buffers must not be dropped under a running read
+            release([(p, st) for p, st in items if st.status is not Status.NOT_AVAILABLE], write_back=False)
+            raise
+
+
+def release(items: Iterable[Item], *, write_back: bool) -> None:
+    """Leave each param partitioned; ``write_back`` stores its current data first, else drops it."""
+    with no_torch_function():
+        for p, st in items:
+            if write_back:
+                offload(p, st)
+            else:
+                p.data = torch.empty(0, dtype=st.dtype, device=st.device)
+                st.status = Status.NOT_AVAILABLE
+                st.touched = False
+
+
+def checksum(t: torch.Tensor) -> int:
+    """A cheap fingerprint of a tensor's bytes (CRC-32 on the CPU, one pass; a weighted sum elsewhere)."""
+    with no_torch_function():
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if raw.device.type == "cpu":
+            return zlib.crc32(raw.numpy().data)
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+        weights = torch.arange(words.numel(), device=words.device) % 65521 + 1
+        return int((words.to(torch.int64) * weights).sum())
+
+
+def flatten_params(params: object) -> list[torch.Tensor]:
+    """Tensors in ``params`` (a tensor, or any iterable of them, nested), deduplicated by identity, in order
+    of first appearance — an order every rank computes alike. ``None`` entries are skipped."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(obj: object) -> None:
+        if obj is None:
+            return
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                out.append(obj)
+            return
+        if isinstance(obj, (str, bytes)) or not isinstance(obj, Iterable):
+            raise TypeError(
+                f"GatheredParameters takes a param or an iterable of params (nested lists and generators "
+                f"too), not {type(obj).__name__}"
+            )
+        for x in obj:
+            walk(x)
+
+    walk(params)
+    return out
+
+
+class GatheredParameters:
+    """Inside the block each managed param in ``params`` holds its full data in ``.data``.
+
+    On exit with ``modifier_rank``, that rank's data is broadcast and written back to every rank's
+    partition and tier. Without it, changes are dropped — with a `ZswapWarning` if the data did change
+    (checked by a checksum taken at entry). If the block raises, changes are dropped and the exception
+    propagates. Params that are not managed by zswap are left alone; ``enabled=False`` does nothing.
+    Params already gathered by someone other than a `GatheredParameters` block (a running forward) stay
+    gathered after the block.
+    """
+
+    def __init__(self, params: object, modifier_rank: int | None = None, enabled: bool = True) -> None:
+        self._modifier_rank = modifier_rank
+        self._items: list[Item] = []
+        if enabled:
+            for p in flatten_params(params):
+                st = param_state(p)
+                if st is not None:
+                    self._items.append((p, st))
+        self._fetched: list[Item] = []
+        self._marks: list[tuple[int, torch.Size, torch.dtype, int]] = []
+
+    def __enter__(self) -> None:
+        if not self._items:
+            return
+        for _, st in self._items:
+            if st.gathered_by is not None:
+                raise ZswapError(
+                    f"GatheredParameters: a param of shape {tuple(st.shape)} is already gathered by an "
+                    "enclosing GatheredParameters block; nesting blocks over the same params is not supported"
+                )
+        world = self._items[0][1].world_size
+        if self._modifier_rank is not None and not 0 <= self._modifier_rank < world:
+            raise ValueError(f"modifier_rank={self._modifier_rank} is not a rank of a group of {world}")
+        # Params `zswap.Init` gathered on access hold writes not yet stored: store them before reading.
+        release([(p, st) for p, st in self._items if st.touched], write_back=True)
+        self._fetched = [(p, st) for p, st in self._items if st.status is Status.NOT_AVAILABLE]
+        fetch(self._fetched, private=True)
+        for _, st in self._items:
+            st.gathered_by = self
+        if self._modifier_rank is None:
+            with no_torch_function():
+                self._marks = [
+                    (p.data.data_ptr(), p.shape, p.dtype, checksum(p.data)) for p, _ in self._fetched
+                ]
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self._items:
+            return
+        try:
+            if exc_type is None and self._modifier_rank is not None:
+                self._write_back()
+            else:
+                if exc_type is None:
+                    self._warn_if_changed()
+                release(self._fetched, write_back=False)
+        finally:
+            for _, st in self._items:
+                st.gathered_by = None
+            self._fetched, self._marks = [], []
+
+    def _write_back(self) -> None:
+        fetched = {id(p) for p, _ in self._fetched}
+        with no_torch_function():
+            for p, st in self._items:
+                if st.world_size > 1:
+                    if p.data.shape != st.shape or p.data.dtype != st.dtype:
+                        release(self._fetched, write_back=False)
+                        raise ZswapError(
+                            f"GatheredParameters: a param of shape {tuple(st.shape)} and dtype {st.dtype} "
+                            f"became {tuple(p.data.shape)} {p.data.dtype}; across ranks only values may "
+                            "change"
+                        )
+                    if not p.data.is_contiguous():
+                        p.data = p.data.contiguous()
+                    _dist.broadcast(p.data, self._modifier_rank or 0, st.group)
+                if id(p) in fetched:
+                    offload(p, st)
+                else:  # gathered by someone else: store the new values, keep it gathered
+                    flat = p.data.reshape(-1)
+                    st.store.put(st.key, local_slice(flat, st.rank, st.partition_numel).clone())
+            for store in {id(st.store): st.store for _, st in self._items}.values():
+                store.wait_all()
+
+    def _warn_if_changed(self) -> None:
+        with no_torch_function():
+            for (p, st), (ptr, shape, dtype, crc) in zip(self._fetched, self._marks, strict=True):
+                d = p.data
+                if d.data_ptr() != ptr or d.shape != shape or d.dtype != dtype or checksum(d) != crc:
+                    warnings.warn(
+                        f"GatheredParameters: a param of shape {tuple(st.shape)} was changed inside a block "
+                        "without modifier_rank; the change is dropped (pass modifier_rank to keep it)",
+                        ZswapWarning,
+                        stacklevel=3,
+                    )
+                    return

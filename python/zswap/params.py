@@ -1,0 +1,233 @@
+"""One record per managed parameter, the registry that finds it, and the partition math.
+
+A managed param keeps only its local partition (1/world of its flattened, padded elements) in a store: CPU
+memory, its own device (``remote_device="none"``), or the swap engine. While it is not gathered, ``p.data``
+is an empty tensor of the right dtype on the param's device; `param_state` gives its real shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from .errors import ZswapError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Tier = Literal["cpu", "nvme", "none"]
+
+# Unmanaged writes queued beyond this many bytes make the writer wait for the oldest ones: construction
+# never blocks on each write, and never holds more than this (plus one module) in source buffers.
+INFLIGHT_WRITE_BYTES = 256 << 20
+
+
+class Status(enum.Enum):
+    """Where a managed param's full data is."""
+
+    AVAILABLE = "available"
+    """``p.data`` is the full tensor."""
+    NOT_AVAILABLE = "not_available"
+    """``p.data`` is empty; the data is partitioned in the store (and across ranks)."""
+    INFLIGHT = "inflight"
+    """A gather has started and not finished."""
+
+
+@dataclass(eq=False)
+class ParamState:
+    """Everything zswap knows about one param; found with `param_state`.
+
+    ``tier`` is where the local partition lives: ``"cpu"`` (CPU memory, pinned when asked and possible),
+    ``"nvme"`` (the swap engine), or ``"none"`` (``remote_device="none"``: partitioned across ranks only,
+    the partition stays on the device the param was built on).
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    status: Status
+    tier: Tier
+    partition_numel: int
+    rank: int = field(repr=False)
+    world_size: int = field(repr=False)
+    group: ProcessGroup | None = field(repr=False)
+    device: torch.device = field(repr=False)
+    """Device the full data is gathered to (the one the param was built on)."""
+    store: Store = field(repr=False)
+    key: str = field(repr=False)
+    touched: bool = field(default=False, repr=False)
+    """Gathered by `zswap.Init`'s access hook: re-partitioned (written back) at its next sync point."""
+    gathered_by: object | None = field(default=None, repr=False)
+    """The `GatheredParameters` block holding it gathered, if any."""
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def bounds(self) -> tuple[int, int]:
+        """[start, end) of this rank's slice of the flattened param (end may lie in the padding)."""
+        start = self.rank * self.partition_numel
+        return start, start + self.partition_numel
+
+
+def partition_numel(numel: int, world_size: int) -> int:
+    """Elements each rank keeps: ``numel`` padded up to a multiple of ``world_size``, divided by it."""
+    return -(-numel // world_size)
+
+
+def local_slice(flat: torch.Tensor, rank: int, part_numel: int) -> torch.Tensor:
+    """This rank's ``part_numel`` elements of ``flat``, zero-filled past its end; a view when possible."""
+    start = rank * part_numel
+    end = min(start + part_numel, flat.numel())
+    if end - start == part_numel:
+        return flat[start:end]
+    out = flat.new_zeros(part_numel)
+    if end > start:
+        out[: end - start] = flat[start:end]
+    return out
+
+
+# id(param) -> state. One entry per live managed param, removed by a weakref finaliser when the param dies,
+# which also frees its partition in the store.
+_REGISTRY: dict[int, ParamState] = {}
+
+
+def param_state(p: object) -> ParamState | None:
+    """The `ParamState` of a param partitioned by zswap, or ``None`` for any other object."""
+    return _REGISTRY.get(id(p)) if isinstance(p, torch.Tensor) else None
+
+
+def register(p: torch.Tensor, state: ParamState) -> None:
+    if id(p) in _REGISTRY:
+        raise ZswapError(f"param of shape {tuple(state.shape)} is already managed by zswap")
+    _REGISTRY[id(p)] = state
+    fin = weakref.finalize(p, _forget, id(p), state)
+    fin.atexit = False  # at interpreter exit the stores go away whole
+
+
+def _forget(pid: int, state: ParamState) -> None:
+    if _REGISTRY.get(pid) is state:
+        del _REGISTRY[pid]
+    state.store.free(state.key)
+
+
+def managed_params(params: Iterator[torch.Tensor]) -> Iterator[tuple[torch.Tensor, ParamState]]:
+    for p in params:
+        st = _REGISTRY.get(id(p))
+        if st is not None:
+            yield p, st
+
+
+class Store:
+    """Keeps local partitions by key. Subclasses: `MemoryStore` and `NvmeStore`."""
+
+    tier: Tier
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+
+    def new_key(self) -> str:
+        return f"p{next(self._ids)}"
+
+    def put(self, key: str, part: torch.Tensor) -> None:
+        """Store ``part`` (1-D, contiguous; the store may keep it, so callers hand over ownership)."""
+        raise NotImplementedError
+
+    def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """(the partition, or a buffer being filled with it; a handle to ``wait()`` on, or ``None``)."""
+        raise NotImplementedError
+
+    def free(self, key: str) -> None:
+        raise NotImplementedError
+
+    def wait_all(self) -> None:
+        """Wait for every queued write; raise the first error after all have finished."""
+
+
+class MemoryStore(Store):
+    """Partitions in memory: on the CPU (tier "cpu", pinned when asked and CUDA is there), or left on
+    the device the param was built on (tier "none")."""
+
+    def __init__(self, tier: Literal["cpu", "none"], pin_memory: bool) -> None:
+        super().__init__()
+        self.tier = tier
+        # Pinning needs a CUDA runtime; without one there is nothing to pin for.
+        self.pin = pin_memory and tier == "cpu" and torch.cuda.is_available()
+        self._parts: dict[str, torch.Tensor] = {}
+
+    def put(self, key: str, part: torch.Tensor) -> None:
+        if self.tier == "cpu" and part.device.type != "cpu":
+            part = part.to("cpu", non_blocking=False)
+        old = self._parts.get(key)
+        if old is not None and old.data_ptr() == part.data_ptr() and old.numel() == part.numel():
+            return  # gathered zero-copy: the partition was written in place
+        if self.pin and not part.is_pinned():
+            if old is not None and old.shape == part.shape and old.dtype == part.dtype:
+                old.copy_(part)
+                return
+            part = part.pin_memory()
+        elif part.untyped_storage().nbytes() != part.nbytes:
+            part = part.clone()  # a view would keep the whole gathered tensor alive
+        self._parts[key] = part
+
+    def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+        return self._parts[key], None
+
+    def free(self, key: str) -> None:
+        self._parts.pop(key, None)
+
+
+class NvmeStore(Store):
+    """Partitions in the swap engine. Writes are queued, not awaited, up to `INFLIGHT_WRITE_BYTES`."""
+
+    tier: Tier = "nvme"
+
+    def __init__(self, engine: Any, inflight_bytes: int | None = None) -> None:
+        super().__init__()
+        self.engine = engine
+        self.inflight_bytes = INFLIGHT_WRITE_BYTES if inflight_bytes is None else inflight_bytes
+        self._queue: deque[tuple[Any, int]] = deque()
+        self._queued = 0
+
+    def put(self, key: str, part: torch.Tensor) -> None:
+        if part.device.type != "cpu":
+            part = part.to("cpu")
+        handle = self.engine.write(key, part)
+        held = part.untyped_storage().nbytes()  # a view keeps its whole gathered tensor alive
+        self._queue.append((handle, held))
+        self._queued += held
+        self._reap()
+
+    def _reap(self) -> None:
+        while self._queue and (self._queued > self.inflight_bytes or self._queue[0][0].done()):
+            handle, held = self._queue.popleft()
+            self._queued -= held
+            handle.wait()
+
+    def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        buf = self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
+        return buf, self.engine.read(key, buf)
+
+    def free(self, key: str) -> None:
+        # Never written (a failed write) or the engine is closed: nothing is left to free.
+        with contextlib.suppress(KeyError, ZswapError):
+            self.engine.free(key)
+
+    def wait_all(self) -> None:
+        first: BaseException | None = None
+        while self._queue:
+            handle, held = self._queue.popleft()
+            self._queued -= held
+            try:
+                handle.wait()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
