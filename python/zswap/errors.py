@@ -76,13 +76,6 @@ class ZswapWarning(RuntimeWarning):
     """A fallback was taken (psync instead of io_uring, buffered instead of direct I/O, ...)."""
 
 
-def errno_name(errno: int) -> str:
-    """``ENOSPC`` for 28, ``errno 999`` for an unknown number."""
-    import errno as _errno
-
-    return _errno.errorcode.get(errno, f"errno {errno}")
-
-
 __all__ = [
     "ConfigError",
     "EngineClosedError",
@@ -90,5 +83,4 @@ __all__ = [
     "UnknownKeyError",
     "ZswapError",
     "ZswapWarning",
-    "errno_name",
 ]
