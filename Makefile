@@ -27,6 +27,7 @@ lint: setup
 	$(PYTHON) -m ruff check python tests benches
 	$(PYTHON) -m ruff format --check python tests benches
 	$(PYTHON) -m mypy
+	$(PYTHON) -m mypy.stubtest zswap._zswap
 
 fmt:
 	$(CARGO) fmt

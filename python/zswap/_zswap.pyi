@@ -2,8 +2,11 @@
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
 
+__all__ = ["Buffer", "Engine", "Handle", "io_uring_available", "raw_io_uring_baseline"]
+
+@final
 class Handle:
     """The completion of one write or read."""
 
@@ -13,6 +16,7 @@ class Handle:
         """Blocks (without the GIL) until done; raises the transfer's error, every time it is called."""
     def done(self) -> bool: ...
 
+@final
 class Buffer:
     """Page-aligned engine memory exposing the buffer protocol."""
 
@@ -23,11 +27,11 @@ class Buffer:
     @property
     def page_kind(self) -> str: ...
     def __len__(self) -> int: ...
-    def __buffer__(self, flags: int, /) -> memoryview: ...
 
+@final
 class Engine:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         paths: Sequence[str | os.PathLike[str]],
         *,
         block_size: int | None = None,
@@ -38,7 +42,7 @@ class Engine:
         checksum: bool = False,
         pinned_memory_budget: int | None = None,
         lock_memory: bool = False,
-    ) -> None: ...
+    ) -> Engine: ...
     def write(self, key: str, ptr: int, nbytes: int, keep: object) -> Handle: ...
     def read(self, key: str, ptr: int, nbytes: int, keep: object) -> Handle: ...
     def free(self, key: str) -> None: ...
@@ -60,3 +64,28 @@ def raw_io_uring_baseline(
     path: str | os.PathLike[str], size: int, block_size: int, queue_depth: int
 ) -> tuple[float, float]:
     """Seconds to write then read `size` bytes with a bare io_uring O_DIRECT loop (the raw-disk baseline)."""
+
+def cpu_adam_step(
+    numel: int,
+    param: int,
+    param_dtype: str,
+    grad: int,
+    grad_dtype: str,
+    master: int | None,
+    exp_avg: int,
+    exp_avg_sq: int,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    grad_scale: float = 1.0,
+) -> None:
+    """One Adam/AdamW step over `numel` elements at the given addresses (use `zswap.optim.cpu_adam_step`,
+    which validates the tensors). `master=None`: the float32 param is its own master. Runs without the GIL."""
+
+def cpu_adam_isa() -> str:
+    """The instruction set the Adam kernel runs on here: "avx512", "avx2" or "portable"."""
