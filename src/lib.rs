@@ -4,6 +4,7 @@
 //! The crate knows bytes, buffers, files and offsets — never torch. `py` (feature `python`) is the only
 //! module that imports pyo3, so `cargo test` and `cargo bench` need no libpython.
 
+pub mod adam;
 pub mod align;
 pub mod baseline;
 pub mod buffer;

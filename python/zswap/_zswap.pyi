@@ -4,7 +4,15 @@ import os
 from collections.abc import Sequence
 from typing import Any, final
 
-__all__ = ["Buffer", "Engine", "Handle", "io_uring_available", "raw_io_uring_baseline"]
+__all__ = [
+    "Buffer",
+    "Engine",
+    "Handle",
+    "cpu_adam_isa",
+    "cpu_adam_step",
+    "io_uring_available",
+    "raw_io_uring_baseline",
+]
 
 @final
 class Handle:

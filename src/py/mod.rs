@@ -1,6 +1,7 @@
 //! PyO3 bindings: the only Rust that knows Python. Torch stays on the Python side (`zswap/swap.py`
 //! hands us addresses and byte counts of tensors it has validated, plus the tensor to keep alive).
 
+mod adam;
 mod convert;
 
 use std::sync::{Arc, Mutex, Weak};
@@ -382,6 +383,7 @@ fn _zswap(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBuffer>()?;
     m.add_function(wrap_pyfunction!(io_uring_available, m)?)?;
     m.add_function(wrap_pyfunction!(raw_io_uring_baseline, m)?)?;
+    adam::register(m)?;
     Ok(())
 }
 
