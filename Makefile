@@ -45,7 +45,7 @@ bench-python:
 
 ## The main job on a fresh machine: set up, then run zswap's demo on a temp dir.
 demo: setup
-	$(PYTHON) -m zswap.cli bench --size 1GiB
+	$(PYTHON) -m zswap.cli demo
 
 clean:
 	rm -rf target python/zswap/*.so .pytest_cache .hypothesis

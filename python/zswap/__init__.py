@@ -9,14 +9,17 @@ from ._zswap import Handle
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, EngineClosedError, SwapIOError, UnknownKeyError, ZswapError, ZswapWarning
 from .gather import GatheredParameters
+from .grads import full_grad
 from .init import Init
 from .params import ParamState, Status, param_state
+from .runtime import Engine, initialize
 from .swap import SwapEngine
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "Engine",
     "EngineClosedError",
     "GatheredParameters",
     "Handle",
@@ -30,6 +33,8 @@ __all__ = [
     "ZswapError",
     "ZswapWarning",
     "__version__",
+    "full_grad",
+    "initialize",
     "load_config",
     "param_state",
 ]

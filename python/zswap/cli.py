@@ -1,5 +1,6 @@
-"""The `zswap` command line: `bench` (engine next to the raw disk) and `tune` (block size × queue depth
-sweep printing a ready `aio` config block)."""
+"""The `zswap` command line: `demo` (a model larger than its memory budget, run and trained from a temp dir),
+`bench` (engine next to the raw disk) and `tune` (block size × queue depth sweep printing a ready `aio`
+config block)."""
 
 from __future__ import annotations
 
@@ -74,9 +75,24 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    with _work_dir(args.path) as d:
+        demo.run(d, args.size, args.config, args.steps)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zswap", description="Run and train PyTorch models larger than memory.")
     sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="build, run and train a GPT-style model larger than its memory budget")
+    d.add_argument("--path", type=Path, help="swap directory (default: a temp dir on the local disk)")
+    d.add_argument("--size", type=_size, default=768 << 20, help="fp32 bytes of params (default 768MiB)")
+    d.add_argument("--config", help="a config: path to a JSON file, or a JSON string (default: built in)")
+    d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="engine throughput next to the raw disk (fio, or zswap's raw loop)")
     b.add_argument("--path", type=Path, help="directory on the drive to test (default: a temp dir)")

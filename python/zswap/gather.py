@@ -1,7 +1,8 @@
 """Moving a param between its partitioned and its gathered form, and `GatheredParameters`.
 
 `manage` partitions a param for the first time, `offload` (re-)partitions its current ``.data``, `fetch`
-gathers full data back (swap-in of the local partition, then all-gather across ranks), `release` drops it.
+gathers full data back (swap-in of the local partition, then all-gather across ranks; `start_fetch` and
+`finish_fetch` are its two halves, so swap-ins can run ahead of use), `release` drops it.
 All of them do their own tensor work with torch-function handling disabled, so `zswap.Init`'s access hook
 never sees zswap's own traffic. Collectives run in the order of the list given, which every rank must agree
 on.
@@ -78,19 +79,38 @@ def offload(p: torch.Tensor, st: ParamState) -> None:
         st.touched = False
 
 
-def fetch(items: Sequence[Item], *, private: bool) -> None:
-    """Make each param's ``.data`` its full tensor. All swap-ins are issued before the first wait.
+@dataclass(eq=False)
+class Loading:
+    """Swap-ins issued by `start_fetch`, not yet waited for: end it with `finish_fetch` or `cancel_fetch`.
 
-    ``private``: the gathered tensor never aliases the stored partition (so changes can be dropped); without
-    it a single-rank in-memory partition is handed out zero-copy and changes land in place.
+    Its params are `Status.INFLIGHT` meanwhile; the buffers being filled belong to the engine's reads until
+    waited for, so a `Loading` must never just be dropped.
     """
+
+    items: list[Item]
+    loads: list[tuple[torch.Tensor, Any]]
+
+
+def start_fetch(items: Sequence[Item]) -> Loading:
+    """Issue the swap-in of each param's local partition (no wait, no collective); status `INFLIGHT`."""
     with no_torch_function():
-        loads: list[tuple[torch.Tensor, Any]] = []
+        loading = Loading(list(items), [])
         try:
-            for _, st in items:
+            for _, st in loading.items:
                 st.status = Status.INFLIGHT
-                loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
-            for (p, st), (local, handle) in zip(items, loads, strict=True):
+                loading.loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
+        except BaseException:
+            loading.items = loading.items[: len(loading.loads)]
+            _abort(loading, list(items))
+            raise
+        return loading
+
+
+def finish_fetch(loading: Loading, *, private: bool) -> None:
+    """Wait for `loading`'s swap-ins, all-gather across ranks in item order, make each ``.data`` full."""
+    with no_torch_function():
+        try:
+            for (p, st), (local, handle) in zip(loading.items, loading.loads, strict=True):
                 if handle is not None:
                     handle.wait()
                 if st.world_size > 1:
@@ -103,12 +123,33 @@ def fetch(items: Sequence[Item], *, private: bool) -> None:
                 p.data = full[: st.numel].view(st.shape)
                 st.status = Status.AVAILABLE
         except BaseException:
-            for _, handle in loads:
-                if handle is not None:
-                    with contextlib.suppress(Exception):
-                        handle.wait()  # engine buffers must not be dropped under a running read
-            release([(p, st) for p, st in items if st.status is not Status.NOT_AVAILABLE], write_back=False)
+            _abort(loading, loading.items)
             raise
+        finally:
+            loading.loads = []
+
+
+def cancel_fetch(loading: Loading) -> None:
+    """Drop `loading`: wait for its reads to stop using their buffers, leave its params not gathered."""
+    _abort(loading, loading.items)
+    loading.loads = []
+
+
+def _abort(loading: Loading, items: list[Item]) -> None:
+    for _, handle in loading.loads:
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                handle.wait()  # engine buffers must not be dropped under a running read
+    release([(p, st) for p, st in items if st.status is not Status.NOT_AVAILABLE], write_back=False)
+
+
+def fetch(items: Sequence[Item], *, private: bool) -> None:
+    """Make each param's ``.data`` its full tensor. All swap-ins are issued before the first wait.
+
+    ``private``: the gathered tensor never aliases the stored partition (so changes can be dropped); without
+    it a single-rank in-memory partition is handed out zero-copy and changes land in place.
+    """
+    finish_fetch(start_fetch(items), private=private)
 
 
 def release(items: Iterable[Item], *, write_back: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import sys
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -66,6 +67,10 @@ class ParamState:
     """Gathered by `zswap.Init`'s access hook: re-partitioned (written back) at its next sync point."""
     gathered_by: object | None = field(default=None, repr=False)
     """The `GatheredParameters` block holding it gathered, if any."""
+    grad: torch.Tensor | None = field(default=None, repr=False)
+    """This rank's partition of the accumulated gradient (1-D, ``partition_numel`` elements, on the CPU —
+    on the param's device for tier "none"), filled by `zswap.initialize`'s backward hooks; ``None`` when
+    there is none. An optimizer reads (and clears) it; `zswap.full_grad` gathers the whole."""
 
     @property
     def numel(self) -> int:
@@ -184,6 +189,12 @@ class MemoryStore(Store):
         self._parts.pop(key, None)
 
 
+def _storage_uses(t: torch.Tensor) -> int:
+    """References to ``t``'s memory from tensors (views included); -1 when torch cannot say."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return -1 if use_count is None else int(use_count(t.untyped_storage()._cdata))
+
+
 class NvmeStore(Store):
     """Partitions in the swap engine. Writes are queued, not awaited, up to `INFLIGHT_WRITE_BYTES`."""
 
@@ -195,6 +206,12 @@ class NvmeStore(Store):
         self.inflight_bytes = INFLIGHT_WRITE_BYTES if inflight_bytes is None else inflight_bytes
         self._queue: deque[tuple[Any, int]] = deque()
         self._queued = 0
+        self.pool_bytes = 0
+        """Bytes of load buffers kept for reuse (0: none). `zswap.initialize` sets it to its live budget
+        while it runs: fetched params then land in memory already mapped, instead of faulting in (and
+        zeroing) fresh pages on every fetch."""
+        self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        self._pooled = 0
 
     def put(self, key: str, part: torch.Tensor) -> None:
         if part.device.type != "cpu":
@@ -212,8 +229,44 @@ class NvmeStore(Store):
             handle.wait()
 
     def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
-        buf = self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
+        buf = self._buffer(numel, dtype)  # page-aligned: read without a bounce copy
         return buf, self.engine.read(key, buf)
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pooled buffer nothing uses any more (no tensor shares its memory, no one holds it), else a new
+        one, pooled while the pool is under `pool_bytes`."""
+        pool = self._pool.get((numel, dtype))
+        if pool:
+            for buf, uses in pool:
+                if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
+                    return buf
+        buf = self.engine.empty((numel,), dtype)
+        nbytes, uses = numel * dtype.itemsize, _storage_uses(buf)
+        if uses < 0:  # no way to tell when a buffer is free again: no pooling
+            return buf
+        if self._pooled + nbytes > self.pool_bytes:
+            self._evict(self._pooled + nbytes - self.pool_bytes)
+        if self._pooled + nbytes <= self.pool_bytes:
+            self._pool.setdefault((numel, dtype), []).append((buf, uses))
+            self._pooled += nbytes
+        return buf
+
+    def _evict(self, nbytes: int) -> None:
+        """Unpool free buffers (of other sizes: the mix a model needs shifts) until ``nbytes`` are gone."""
+        for (numel, dtype), pool in self._pool.items():
+            keep = []
+            for buf, uses in pool:
+                if nbytes > 0 and sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:
+                    nbytes -= numel * dtype.itemsize
+                    self._pooled -= numel * dtype.itemsize
+                else:
+                    keep.append((buf, uses))
+            pool[:] = keep
+
+    def trim(self) -> None:
+        """Forget the pooled buffers (those still in use are freed by their last user)."""
+        self._pool.clear()
+        self._pooled = 0
 
     def free(self, key: str) -> None:
         # Never written (a failed write) or the engine is closed: nothing is left to free.

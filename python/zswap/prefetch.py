@@ -1,0 +1,350 @@
+"""Which params are gathered when: holds, the recorded trace, prefetch ahead of use, and the live budget.
+
+Every fetch request of an iteration (a module's forward or backward needing its params) is a *step*. The
+first iteration of each kind (grad mode × train/eval) is recorded; later ones follow the recording. After a
+step's params are gathered, the swap-ins of the next steps' params are issued (async engine reads) up to
+``bucket`` elements not yet consumed, so they load while the current module computes; when a step needs a
+param whose read is in flight, only the rest of the read is waited for (a *hit*). A step that differs from
+the recording (a data-dependent branch) stops prefetch for the rest of the iteration — its params are
+fetched on demand — and the iteration's own recording replaces the old one.
+
+A param is gathered while any step holds it; when the last hold goes it is released, unless it is
+*persistent* (at most the persistence threshold's elements: gathered once, kept) or its next use on the
+trace comes within ``reuse_distance`` elements of fetches. Gathered params (persistent ones aside) and reads
+in flight never exceed ``max_live`` elements: prefetch stops short of it, and a demand evicts retained
+params, then the furthest prefetches, first. Only if the params held at once exceed it alone is it passed.
+
+All-gathers happen when a step is served, in the order of its params, so ranks that run the same modules
+issue the same collectives in the same order; nothing here depends on I/O timing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .gather import Loading, cancel_fetch, finish_fetch, release, start_fetch
+from .params import ParamState, Status
+
+StepKey = tuple[str, int]
+"""("F" or "B", index of the module): a module's forward, or its backward."""
+
+
+@dataclass(eq=False)
+class Slot:
+    """The scheduler's record of one managed param."""
+
+    p: torch.Tensor
+    st: ParamState
+    persistent: bool
+    holds: int = 0
+    ours: bool = False
+    """Gathered (or being gathered) by the scheduler, so it is the scheduler's to release."""
+    loading: Loading | None = None
+    """A prefetch in flight, not yet consumed."""
+    retained: bool = False
+    """Gathered with no holder, kept for a use soon."""
+
+    @property
+    def numel(self) -> int:
+        return self.st.numel
+
+    @property
+    def item(self) -> tuple[torch.Tensor, ParamState]:
+        return self.p, self.st
+
+
+@dataclass(eq=False)
+class Step:
+    key: StepKey
+    slots: tuple[Slot, ...]
+    """The non-persistent params it needs."""
+    numel: int
+
+
+class Trace:
+    """One recorded iteration: its steps in order, and at which steps each param is used."""
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+        self.prefix = [0]
+        self.uses: dict[int, list[int]] = {}
+        for i, step in enumerate(steps):
+            self.prefix.append(self.prefix[-1] + step.numel)
+            for s in step.slots:
+                self.uses.setdefault(id(s), []).append(i)
+
+    def keys(self) -> list[StepKey]:
+        return [s.key for s in self.steps]
+
+    def next_use(self, slot: Slot, start: int) -> int | None:
+        """Index of the first step at or after ``start`` that uses ``slot``."""
+        uses = self.uses.get(id(slot), [])
+        k = bisect.bisect_left(uses, start)
+        return uses[k] if k < len(uses) else None
+
+    def fetched_between(self, start: int, end: int) -> int:
+        """Elements the steps in ``[start, end)`` fetch."""
+        return self.prefix[end] - self.prefix[start]
+
+
+@dataclass
+class Counters:
+    demand_fetches: int = 0
+    """Params fetched when needed, with nothing prefetched for them."""
+    prefetch_hits: int = 0
+    """Params whose read was issued ahead and consumed when needed."""
+    prefetch_dropped: int = 0
+    """Prefetches cancelled unused (trace left, budget)."""
+    elements_fetched: int = 0
+    bytes_fetched: int = 0
+    """Full-size bytes gathered (what compute saw), all tiers."""
+    wait_seconds: float = 0.0
+    """Time compute waited for params: demand fetches and the unfinished part of prefetches."""
+    peak_live: int = 0
+    iterations: int = 0
+    traces_recorded: int = 0
+    off_trace: int = 0
+    """Iterations that left their recorded trace."""
+    budget_exceeded: int = 0
+    """Demands that went past ``max_live`` because the params held at once alone exceed it."""
+
+
+@dataclass
+class Budget:
+    """Elements; see the module docstring."""
+
+    bucket: int
+    max_live: int
+    reuse_distance: int
+
+
+class Scheduler:
+    def __init__(self, slots: Iterable[Slot], budget: Budget) -> None:
+        self.slots = {id(s.p): s for s in slots}
+        self.budget = budget
+        self.counters = Counters()
+        self.live = 0
+        self._traces: dict[Hashable, Trace] = {}
+        self._trace: Trace | None = None
+        self._kind: Hashable = None
+        self._recording: list[Step] | None = None
+        self._pos = 0
+        self._ahead = 0
+        self._on_trace = False
+        self._prefetched: dict[int, Slot] = {}  # issue order
+        self._prefetched_numel = 0
+        self._retained: dict[int, Slot] = {}
+
+    # -- iterations --------------------------------------------------------------------------------
+
+    def begin(self, kind: Hashable) -> None:
+        """Start an iteration of ``kind``: follow its trace if one was recorded, and record this one."""
+        self.end()
+        self._kind = kind
+        self._trace = self._traces.get(kind)
+        self._on_trace = self._trace is not None
+        self._pos = self._ahead = 0
+        self._recording = []
+
+    def end(self) -> None:
+        """End the iteration: keep its recording if it differs from the trace, release what no one holds."""
+        if self._recording is None:
+            return
+        steps, self._recording = self._recording, None
+        self.counters.iterations += 1
+        if self._trace is None or self._trace.keys() != [s.key for s in steps]:
+            self._traces[self._kind] = Trace(steps)
+            self.counters.traces_recorded += 1
+        self._trace, self._on_trace = None, False
+        self._cancel_prefetches()
+        for s in list(self._retained.values()):
+            self._drop(s)
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def acquire(self, key: StepKey, slots: Sequence[Slot]) -> list[Slot]:
+        """Gather ``slots`` for step ``key`` and hold them; returns the held ones (for `release`)."""
+        persistent = [s for s in slots if s.persistent and s.st.status is Status.NOT_AVAILABLE]
+        if persistent:
+            self.fetch_persistent(persistent)
+        held = [s for s in slots if not s.persistent]
+        if not held:
+            return held
+        if self._recording is not None:
+            self._recording.append(Step(key, tuple(held), sum(s.numel for s in held)))
+        self._follow(key)
+        for s in held:
+            s.holds += 1
+            if s.retained:
+                s.retained = False
+                del self._retained[id(s.p)]
+        try:
+            self._gather(held)
+        except BaseException:
+            self.release(held)
+            raise
+        self._prefetch()
+        return held
+
+    def release(self, held: Iterable[Slot]) -> None:
+        """Drop one hold on each of ``held``; the last one releases the param unless it is reused soon."""
+        for s in held:
+            s.holds -= 1
+            if s.holds == 0 and s.ours and s.st.status is Status.AVAILABLE:
+                if self._reused_soon(s):
+                    s.retained = True
+                    self._retained[id(s.p)] = s
+                else:
+                    self._drop(s)
+        self._prefetch()
+
+    def fetch_persistent(self, slots: Sequence[Slot]) -> None:
+        todo = [s for s in slots if s.st.status is Status.NOT_AVAILABLE]
+        if todo:
+            t0 = time.perf_counter()
+            finish_fetch(start_fetch([s.item for s in todo]), private=False)
+            self.counters.wait_seconds += time.perf_counter() - t0
+            for s in todo:
+                s.ours = True
+
+    def drop_all(self) -> None:
+        """End the iteration and release everything the scheduler gathered, persistent params included."""
+        self.end()
+        self._cancel_prefetches()
+        for s in self.slots.values():
+            s.holds, s.retained = 0, False
+            if s.ours and s.st.status is Status.AVAILABLE:
+                release([s.item], write_back=False)
+            s.ours = False
+        self._retained.clear()
+        self.live = 0
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _gather(self, held: list[Slot]) -> None:
+        t0 = time.perf_counter()
+        missing = [s for s in held if s.st.status is Status.NOT_AVAILABLE]
+        need = sum(s.numel for s in missing)
+        if need:
+            self._make_room(need, keep=held)
+        loads: dict[int, Loading] = {}
+        for s in missing:  # every read of the step is issued before the first wait
+            loads[id(s.p)] = start_fetch([s.item])
+            s.ours = True
+            self.live += s.numel
+        self._note_live()
+        for s in held:  # in step order: the all-gathers of every rank line up
+            if s.loading is not None:
+                loading, s.loading = s.loading, None
+                del self._prefetched[id(s.p)]
+                self._prefetched_numel -= s.numel
+                self._finish(s, loading)
+                self.counters.prefetch_hits += 1
+            elif id(s.p) in loads:
+                self._finish(s, loads.pop(id(s.p)))
+                self.counters.demand_fetches += 1
+        self.counters.wait_seconds += time.perf_counter() - t0
+
+    def _finish(self, s: Slot, loading: Loading) -> None:
+        try:
+            finish_fetch(loading, private=False)
+        except BaseException:
+            s.ours = False
+            self.live -= s.numel
+            raise
+        self.counters.elements_fetched += s.numel
+        self.counters.bytes_fetched += s.numel * s.st.dtype.itemsize
+
+    def _follow(self, key: StepKey) -> None:
+        if not self._on_trace or self._trace is None:
+            return
+        steps = self._trace.steps
+        if self._pos < len(steps) and steps[self._pos].key == key:
+            self._pos += 1
+            return
+        self._on_trace = False  # a different branch: on demand from here, recorded anew
+        self.counters.off_trace += 1
+        self._cancel_prefetches()
+
+    def _reused_soon(self, s: Slot) -> bool:
+        if not self._on_trace or self._trace is None:
+            return False
+        nxt = self._trace.next_use(s, self._pos)
+        return nxt is not None and self._trace.fetched_between(self._pos, nxt) <= self.budget.reuse_distance
+
+    def _prefetch(self) -> None:
+        trace, b = self._trace, self.budget
+        if not self._on_trace or trace is None or b.bucket <= 0:
+            return
+        j = max(self._ahead, self._pos)
+        while j < len(trace.steps):
+            todo = [
+                s for s in trace.steps[j].slots if s.st.status is Status.NOT_AVAILABLE and s.loading is None
+            ]
+            n = sum(s.numel for s in todo)
+            if n and (self._prefetched_numel + n > b.bucket or self.live + n > b.max_live):
+                break
+            for s in todo:
+                s.loading = start_fetch([s.item])
+                s.ours = True
+                self._prefetched[id(s.p)] = s
+            self._prefetched_numel += n
+            self.live += n
+            j += 1
+        self._ahead = j
+        self._note_live()
+
+    def _make_room(self, need: int, keep: list[Slot]) -> None:
+        over = self.live + need - self.budget.max_live
+        if over <= 0:
+            return
+        for s in sorted(self._retained.values(), key=self._distance, reverse=True):
+            self._drop(s)
+            over -= s.numel
+            if over <= 0:
+                return
+        kept = {id(s.p) for s in keep}
+        for s in reversed(list(self._prefetched.values())):
+            if id(s.p) not in kept:
+                self._cancel(s)
+                self._ahead = self._pos  # re-scan: what was dropped is prefetched again later
+                over -= s.numel
+                if over <= 0:
+                    return
+        self.counters.budget_exceeded += 1
+
+    def _distance(self, s: Slot) -> int:
+        nxt = self._trace.next_use(s, self._pos) if self._trace is not None else None
+        return self._trace.fetched_between(self._pos, nxt) if self._trace and nxt is not None else 1 << 62
+
+    def _drop(self, s: Slot) -> None:
+        release([s.item], write_back=False)
+        self._retained.pop(id(s.p), None)
+        s.retained = s.ours = False
+        self.live -= s.numel
+        if self._on_trace and self._trace is not None:
+            nxt = self._trace.next_use(s, self._pos)
+            if nxt is not None and nxt < self._ahead:
+                self._ahead = nxt  # prefetch passed that step while this param was still gathered
+
+    def _cancel(self, s: Slot) -> None:
+        loading, s.loading = s.loading, None
+        self._prefetched.pop(id(s.p), None)
+        self._prefetched_numel -= s.numel
+        s.ours = False
+        self.live -= s.numel
+        self.counters.prefetch_dropped += 1
+        if loading is not None:
+            cancel_fetch(loading)
+
+    def _cancel_prefetches(self) -> None:
+        for s in list(self._prefetched.values()):
+            self._cancel(s)
+
+    def _note_live(self) -> None:
+        self.counters.peak_live = max(self.counters.peak_live, self.live)

@@ -1,0 +1,358 @@
+"""`zswap.initialize` and `Engine`: run and train a model whose params zswap partitioned and offloaded.
+
+`initialize` sizes the scheduling budgets from the model and the config, installs the module hooks
+(`zswap.hooks`), the gradient hooks (`zswap.grads`) and the prefetching scheduler (`zswap.prefetch`), and
+builds the optimizer. After it, ``model(x)`` and ``loss.backward()`` work as on a plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import grads
+from .config import ZswapConfig, load_config
+from .errors import ConfigError, ZswapError
+from .gather import Item, no_torch_function
+from .hooks import ModuleHooks, ModuleInfo
+from .init import Init
+from .params import NvmeStore, ParamState, managed_params, param_state
+from .prefetch import Budget, Scheduler, Slot
+
+# Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
+PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
+PREFETCH_MIN = 50_000_000  # [5e7]; at least two of the largest module's params
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()  # open engines: one per param at a time
+
+
+def initialize(model: nn.Module, config: Any = None, *, optimizer: Any = None) -> Engine:
+    """Hook ``model`` up for forward, backward and prefetch; returns the `Engine` that steps it.
+
+    ``model`` was built under `zswap.Init`; params it has that zswap does not manage yet are partitioned
+    now, with the config's ``offload_param`` settings (as ``Init(config, module=model)`` would).
+    ``config``: a path, mapping, `ZswapConfig` or ``None`` (`zswap.load_config`); its ``zero_optimization``
+    knobs size the prefetch and the live budget, each chosen from the model where left out or ``"auto"``.
+    ``optimizer``: used as given; else built from the config's ``optimizer`` section with
+    ``zswap.optim.OffloadedAdamW.from_config``; else none, and `Engine.step` says so.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize takes an nn.Module, not {type(model).__name__}")
+    cfg = load_config(config)
+    if any(param_state(p) is None for p in model.parameters()):
+        Init(cfg, module=model)
+    return Engine(model, cfg, optimizer)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Element counts chosen for one engine (see `zswap.prefetch`)."""
+
+    total: int
+    persistence_threshold: int
+    persistent: int
+    largest_chain: int
+    """Most non-persistent elements one module's forward holds together with its ancestors'."""
+    budget: Budget
+
+
+class Engine:
+    """Runs ``module``'s forward and backward with its params streamed in; `step` applies the optimizer.
+
+    The optimizer is either *partition-aware* (its ``steps_partitions`` attribute is true: it reads
+    `ParamState.grad` and updates the stores itself) or an ordinary param-based one over the model's params
+    (``torch.optim.AdamW``, `zswap.optim.OffloadedAdamW`), which `step_partitions` shows each param's local
+    partition. Also a context manager that calls `close` on exit.
+    """
+
+    def __init__(self, module: nn.Module, config: ZswapConfig, optimizer: Any = None) -> None:
+        self.module = module
+        self.config = config
+        self.closed = False
+        self._ids: set[int] = set()
+        self._items: list[Item] = list(managed_params(iter(_unique(module.parameters()))))
+        ids: set[int] = {id(p) for p, _ in self._items}
+        for other in list(_ENGINES):
+            if not other.closed and ids & other._ids:
+                raise ZswapError("these params are already run by another zswap Engine; close() it first")
+        self._ids = ids
+        self.sizing = _size(module, self._items, config)
+        self._slots = {
+            id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold) for p, st in self._items
+        }
+        self._sched = Scheduler(self._slots.values(), self.sizing.budget)
+        infos = {
+            id(m): ModuleInfo(
+                i, name, [self._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
+            )
+            for i, (name, m) in enumerate(module.named_modules(remove_duplicate=True))
+        }
+        for info in infos.values():
+            info.ids.update(id(s.p) for s in info.slots)
+        self._stores = {id(st.store): st.store for _, st in self._items}
+        pool = (self.sizing.budget.max_live + self.sizing.persistent) * max(
+            (st.dtype.itemsize for _, st in self._items), default=4
+        )
+        for store in self._stores.values():
+            if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
+                store.pool_bytes = max(store.pool_bytes, pool)
+        self._io_base = self._io_counters()
+        self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
+        self._grads = grads.GradSink(self._items)
+        try:
+            self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
+            self.optimizer, self._owns_optimizer, self._no_optimizer = _optimizer(module, config, optimizer)
+        except BaseException:
+            self._teardown()
+            raise
+        _ENGINES.add(self)
+
+    # -- training ----------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Apply the optimizer to the accumulated gradients, then clear them."""
+        self._check_open()
+        if self.optimizer is None:
+            raise ZswapError(self._no_optimizer)
+        self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
+        if getattr(self.optimizer, "steps_partitions", False):
+            self.optimizer.step()
+        else:
+            chunk = self.sizing.budget.max_live
+            if getattr(self.optimizer, "max_grad_norm", None) is not None:
+                chunk = self.sizing.total  # a global norm must see every gradient in one call
+            others = [p for p in self.module.parameters() if id(p) not in self._ids]
+            step_partitions(self.optimizer, self._items, others, chunk)
+        self.zero_grad()
+        self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
+
+    def zero_grad(self) -> None:
+        """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""
+        self._check_open()
+        grads.clear(self._items)
+        for p in self.module.parameters():
+            p.grad = None
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        """Counters since `initialize` (or the last ``reset``): swap traffic of the param store
+        (``bytes_read``, ``bytes_written``), bytes gathered for compute, seconds compute waited for params
+        (``fetch_wait_seconds``), fetches on demand and prefetch hits (``prefetch_hit_rate`` = hits /
+        fetches), the peak of elements gathered, and the budgets in force."""
+        c = self._sched.counters
+        io = self._io_counters()
+        fetches = c.demand_fetches + c.prefetch_hits
+        b = self.sizing.budget
+        out: dict[str, Any] = {
+            "bytes_read": io[0] - self._io_base[0],
+            "bytes_written": io[1] - self._io_base[1],
+            "bytes_fetched": c.bytes_fetched,
+            "fetch_wait_seconds": c.wait_seconds,
+            "fetches": fetches,
+            "demand_fetches": c.demand_fetches,
+            "prefetch_hits": c.prefetch_hits,
+            "prefetch_hit_rate": c.prefetch_hits / fetches if fetches else 0.0,
+            "prefetch_dropped": c.prefetch_dropped,
+            "peak_live_elements": c.peak_live,
+            "iterations": c.iterations,
+            "traces_recorded": c.traces_recorded,
+            "off_trace": c.off_trace,
+            "budget_exceeded": c.budget_exceeded,
+            "grad_placeholders": self._grads.placeholders,
+            "max_live_elements": b.max_live,
+            "prefetch_bucket_elements": b.bucket,
+            "max_reuse_distance": b.reuse_distance,
+            "persistence_threshold": self.sizing.persistence_threshold,
+            "persistent_elements": self.sizing.persistent,
+            "model_elements": self.sizing.total,
+        }
+        if reset:
+            peak = self._sched.live
+            self._sched.counters = type(c)(peak_live=peak)
+            self._grads.placeholders = 0
+            self._io_base = io
+        return out
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove every hook, release every gathered param, drop gradients, close the optimizer if this
+        engine built it. Params stay partitioned in their store (which lives as long as they do)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._teardown()
+            grads.clear(self._items)
+        finally:
+            if self._owns_optimizer and hasattr(self.optimizer, "close"):
+                self.optimizer.close()
+            self.optimizer = None
+            self._no_optimizer = "this zswap Engine is closed"
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self._items)} params, {self.sizing.total:,} elements"
+        return f"<zswap.Engine {type(self.module).__name__}: {state}>"
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        try:
+            self._hooks.remove()
+            self._grads.remove()
+        finally:
+            self._sched.drop_all()
+            for store in self._stores.values():
+                if isinstance(store, NvmeStore):
+                    store.pool_bytes = 0
+                    store.trim()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ZswapError("this zswap Engine is closed")
+
+    def _slot_for(self, p: torch.Tensor, st: ParamState) -> Slot:
+        """The slot of a managed param the model uses without owning it (created on first use)."""
+        slot = self._sched.slots.get(id(p))
+        if slot is None:
+            slot = self._sched.slots[id(p)] = Slot(p, st, persistent=False)
+        return slot
+
+    def _io_counters(self) -> tuple[int, int]:
+        read = written = 0
+        for store in self._stores.values():
+            engine = getattr(store, "engine", None)
+            if engine is not None and not getattr(engine, "closed", True):
+                s = engine.stats()
+                read, written = read + int(s["bytes_read"]), written + int(s["bytes_written"])
+        return read, written
+
+
+def step_partitions(optimizer: Any, items: list[Item], others: Sequence[torch.Tensor], chunk: int) -> None:
+    """Step a param-based optimizer on the local partitions of ``items``.
+
+    While it steps, each managed param with a gradient holds its partition as ``.data`` (1-D, so the
+    optimizer's state has the partition's shape, step after step) and its partition gradient as ``.grad``;
+    the updated partitions are then stored back. Params go through in chunks of about ``chunk`` elements,
+    one ``optimizer.step()`` each, so at most that much is loaded at once: optimizers skip params without a
+    gradient and count steps per param, so the result is that of one step over all of them. Unmanaged
+    params (``others``) step with the first chunk only.
+    """
+    todo = [(p, st) for p, st in items if st.grad is not None]
+    first = True
+    while todo or first:
+        size, n = 0, 0
+        while n < len(todo) and (n == 0 or size + todo[n][1].partition_numel <= chunk):
+            size += todo[n][1].partition_numel
+            n += 1
+        batch, todo = todo[:n], todo[n:]
+        _step_batch(optimizer, batch)
+        if first:
+            first = False
+            for p in others:
+                p.grad = None
+    for store in {id(st.store): st.store for _, st in items}.values():
+        store.wait_all()
+
+
+def _step_batch(optimizer: Any, batch: list[Item]) -> None:
+    with no_torch_function():
+        loads: list[tuple[torch.Tensor, Any]] = []
+        try:
+            loads = [st.store.load(st.key, st.partition_numel, st.dtype) for _, st in batch]
+            for (p, st), (part, handle) in zip(batch, loads, strict=True):
+                if handle is not None:
+                    handle.wait()
+                p.data, p.grad = part, st.grad
+            optimizer.step()
+            for p, st in batch:
+                st.store.put(st.key, p.data)
+        finally:
+            for _, handle in loads:
+                if handle is not None:
+                    with contextlib.suppress(Exception):
+                        handle.wait()  # engine buffers must not be dropped under a running read
+            for p, st in batch:
+                p.data, p.grad = torch.empty(0, dtype=st.dtype, device=st.device), None
+
+
+def _unique(params: Any) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
+    z = cfg.zero
+    total = sum(st.numel for _, st in items)
+    threshold = z.stage3_param_persistence_threshold
+    if threshold is None:
+        threshold = min(PERSISTENCE_MAX, total // 1000)
+    numel = {id(p): st.numel for p, st in items if st.numel > threshold}
+    chain, where = _largest_chain(module, numel)
+    own = max(
+        (sum(numel.get(id(p), 0) for p in m.parameters(recurse=False)) for m in module.modules()), default=0
+    )
+    streamed = sum(numel.values())
+    bucket = z.stage3_prefetch_bucket_size
+    if bucket is None:
+        bucket = min(streamed, max(2 * own, PREFETCH_MIN))
+    max_live = z.stage3_max_live_parameters
+    if max_live is None:
+        max_live = min(streamed, chain + bucket)
+    elif max_live < chain:
+        raise ConfigError(
+            f"zero_optimization.stage3_max_live_parameters={max_live} is below the {chain} elements that "
+            f"module {where!r} and its parents hold during its forward; raise it to at least {chain}"
+        )
+    reuse = z.stage3_max_reuse_distance
+    if reuse is None:
+        reuse = bucket
+    return Sizing(total, threshold, total - streamed, chain, Budget(bucket, max_live, reuse))
+
+
+def _largest_chain(module: nn.Module, numel: dict[int, int]) -> tuple[int, str]:
+    best = (0, "")
+
+    def walk(m: nn.Module, name: str, held: dict[int, int]) -> None:
+        nonlocal best
+        held = {**held, **{id(p): numel[id(p)] for p in m.parameters(recurse=False) if id(p) in numel}}
+        if sum(held.values()) > best[0]:
+            best = (sum(held.values()), name)
+        for child_name, child in m.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name, held)
+
+    walk(module, "", {})
+    return best
+
+
+def _optimizer(module: nn.Module, cfg: ZswapConfig, given: Any) -> tuple[Any, bool, str]:
+    """(optimizer, built here, why there is none)."""
+    if given is not None:
+        return given, False, ""
+    if cfg.optimizer is None:
+        return None, False, "no optimizer: pass optimizer= or add an 'optimizer' section to the config"
+    try:
+        adamw = importlib.import_module(f"{__package__}.optim").OffloadedAdamW
+    except (ImportError, AttributeError) as exc:
+        if isinstance(exc, ImportError) and not (exc.name or "").startswith(f"{__package__}.optim"):
+            raise  # zswap.optim is there but something it imports is not
+        why = (
+            "no optimizer: the config's 'optimizer' section needs zswap.optim.OffloadedAdamW, which this "
+            "build of zswap does not have; pass optimizer= instead"
+        )
+        return None, False, why
+    return adamw.from_config(list(module.parameters()), cfg), True, ""
