@@ -875,8 +875,9 @@ def test_to_dict_is_the_trimmed_layout():
     assert set(out) == {
         "offload_param", "offload_optimizer", "aio", "optimizer", "bf16", "fp16",
         "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-        "stage3_max_reuse_distance", "sub_group_size",
+        "stage3_max_reuse_distance", "sub_group_size", "gradient_clipping",
     }  # fmt: skip
+    assert out["gradient_clipping"] == "auto"
     assert out["offload_param"]["nvme_path"] == ["/n0", "/n1"]
     assert out["offload_optimizer"]["nvme_path"] is None
     assert out["stage3_max_live_parameters"] == "auto"
@@ -970,3 +971,14 @@ def test_public_names():
     assert zswap.load_config is load_config
     assert zswap.ZswapConfig is ZswapConfig
     assert {"load_config", "ZswapConfig"} <= set(zswap.__all__)
+
+
+def test_gradient_clipping_is_read_from_the_top_level():
+    assert load_config({"gradient_clipping": 1.0, "train_batch_size": 8}).gradient_clipping == 1.0
+    assert load_config({"gradient_clipping": "auto"}).gradient_clipping is None
+    cfg = load_config({"gradient_clipping": 0.5})
+    assert load_config(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="gradient_clipping must be a non-negative number, got -1"):
+        load_config({"gradient_clipping": -1})
+    with pytest.raises(ConfigError, match="gradient_clipping must be a non-negative number, got 'false'"):
+        load_config({"gradient_clipping": "false"})

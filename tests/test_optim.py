@@ -532,7 +532,7 @@ def _config(tmp_path: Path, **opt_params: Any) -> dict[str, Any]:
 
 
 def test_from_config_needs_an_lr(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"optimizer\.lr is 'auto'.*pass lr="):
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr is 'auto'.*pass lr="):
         OffloadedAdamW.from_config(_params(), _config(tmp_path))
 
 

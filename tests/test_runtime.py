@@ -434,8 +434,7 @@ def test_step_runs_the_given_optimizer_on_the_partitions_then_clears(tmp_path):
 def _adamw(kind: str) -> Callable[[Iterable[torch.Tensor]], Any]:
     if kind == "torch":
         return lambda params: torch.optim.AdamW(params, lr=1e-2)
-    optim = pytest.importorskip("zswap.optim")
-    return lambda params: optim.OffloadedAdamW(params, lr=1e-2)
+    return lambda params: zswap.optim.OffloadedAdamW(params, lr=1e-2)
 
 
 @pytest.mark.parametrize("kind", ["torch", "zswap"])
@@ -544,10 +543,7 @@ def test_demo_trains_a_small_model(tmp_path, capsys):
     assert main(["demo", "--path", str(tmp_path), "--size", "6MiB", "--steps", "3"]) == 0
     text = capsys.readouterr().out
     assert "raw disk" in text and "prefetch hit rate" in text and "peak RSS" in text
-    if "AdamW steps" in text:
-        assert ": down" in text
-    else:
-        assert "gradient norm" in text
+    assert "3 AdamW steps" in text and ": down" in text
     assert list(tmp_path.iterdir()) == []  # swap files are unlinked; fio's file removed
 
 

@@ -222,7 +222,7 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
         o.say(f"training: {steps} AdamW steps on one fixed batch (optimizer states on the offload tier)")
     else:
         steps = 1
-        o.say("training: forward + backward only (zswap.optim.OffloadedAdamW is pending: no optimizer yet)")
+        o.say("training: forward + backward only (the config has no 'optimizer' section)")
     engine.stats(reset=True)
     losses: list[float] = []
     t_all = time.perf_counter()

@@ -138,3 +138,37 @@ def clear(items: Iterable[Item]) -> None:
     for p, st in items:
         st.grad = None
         p.grad = None
+
+
+def global_scale(
+    items: Iterable[Item], others: Iterable[torch.Tensor], max_norm: float | None, check_finite: bool
+) -> tuple[float | None, float | None]:
+    """``(scale, norm)`` for one optimizer step, decided from the gradients alone, before any optimizer
+    state is read: the factor every gradient is to be multiplied by (clipping the global L2 norm to
+    ``max_norm``, as `torch.nn.utils.clip_grad_norm_` does: per-tensor norms, then the norm of those, and
+    ``max_norm / (norm + 1e-6)`` capped at 1), or ``None`` when ``check_finite`` and the norm is not
+    finite (an fp16 overflow: the step is skipped). The norm covers every rank's partitions
+    (an all-reduce of the squared local norm), so chunked optimizer steps all use the same scale.
+    ``norm`` is ``None`` when neither clipping nor the check needed it."""
+    if max_norm is None and not check_finite:
+        return 1.0, None
+    parts = [(st.grad, st.group, st.world_size) for _, st in items if st.grad is not None]
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g, _, _ in parts]
+    norms += [
+        torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in others if p.grad is not None
+    ]
+    local = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
+    world = max((w for _, _, w in parts), default=1)
+    if world > 1:
+        # Unmanaged params' gradients are whole on every rank; partitions are disjoint slices. Summing
+        # squares over ranks is exact for the partitions and would count unmanaged ones `world` times,
+        # which is why initialize leaves no param unmanaged.
+        sq = (local * local).reshape(1)
+        dist.all_reduce(sq, group=parts[0][1])
+        local = sq.sqrt().reshape(())
+    norm = float(local)
+    if check_finite and not torch.isfinite(local):
+        return None, norm
+    if max_norm is None:
+        return 1.0, norm
+    return float(torch.clamp(max_norm / (local + 1e-6), max=1.0)), norm

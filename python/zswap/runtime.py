@@ -8,7 +8,7 @@ builds the optimizer. After it, ``model(x)`` and ``loss.backward()`` work as on 
 from __future__ import annotations
 
 import contextlib
-import importlib
+import inspect
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from .errors import ConfigError, ZswapError
 from .gather import Item, no_torch_function
 from .hooks import ModuleHooks, ModuleInfo
 from .init import Init
+from .optim import OffloadedAdamW
 from .params import NvmeStore, ParamState, managed_params, param_state
 from .prefetch import Budget, Scheduler, Slot
 
@@ -33,7 +34,9 @@ PREFETCH_MIN = 50_000_000  # [5e7]; at least two of the largest module's params
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()  # open engines: one per param at a time
 
 
-def initialize(model: nn.Module, config: Any = None, *, optimizer: Any = None) -> Engine:
+def initialize(
+    model: nn.Module, config: Any = None, *, optimizer: Any = None, max_grad_norm: float | None = None
+) -> Engine:
     """Hook ``model`` up for forward, backward and prefetch; returns the `Engine` that steps it.
 
     ``model`` was built under `zswap.Init`; params it has that zswap does not manage yet are partitioned
@@ -42,13 +45,21 @@ def initialize(model: nn.Module, config: Any = None, *, optimizer: Any = None) -
     knobs size the prefetch and the live budget, each chosen from the model where left out or ``"auto"``.
     ``optimizer``: used as given; else built from the config's ``optimizer`` section with
     ``zswap.optim.OffloadedAdamW.from_config``; else none, and `Engine.step` says so.
+    ``max_grad_norm``: clip the global L2 norm of the gradients (over all ranks) to this before each step;
+    default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize takes an nn.Module, not {type(model).__name__}")
     cfg = load_config(config)
+    if max_grad_norm is None:
+        max_grad_norm = cfg.gradient_clipping or None
+    elif (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float) or not max_grad_norm > 0
+    ):
+        raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)
-    return Engine(model, cfg, optimizer)
+    return Engine(model, cfg, optimizer, max_grad_norm=max_grad_norm)
 
 
 @dataclass(frozen=True)
@@ -72,10 +83,22 @@ class Engine:
     partition. Also a context manager that calls `close` on exit.
     """
 
-    def __init__(self, module: nn.Module, config: ZswapConfig, optimizer: Any = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZswapConfig,
+        optimizer: Any = None,
+        *,
+        max_grad_norm: float | None = None,
+    ) -> None:
         self.module = module
         self.config = config
         self.closed = False
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.skipped_steps = 0
+        """Steps skipped because an fp16 model's gradients were not finite."""
+        self.last_grad_norm: float | None = None
+        """Global gradient norm seen by the last `step` (when clipping or the fp16 check needed it)."""
         self._ids: set[int] = set()
         self._items: list[Item] = list(managed_params(iter(_unique(module.parameters()))))
         ids: set[int] = {id(p) for p, _ in self._items}
@@ -117,19 +140,28 @@ class Engine:
     # -- training ----------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Apply the optimizer to the accumulated gradients, then clear them."""
+        """Apply the optimizer to the accumulated gradients, then clear them.
+
+        Clipping (``max_grad_norm``) and, for fp16 params, skipping a step whose gradients are not finite
+        are decided first, from the gradients of all ranks, before the optimizer reads any state."""
         self._check_open()
         if self.optimizer is None:
             raise ZswapError(self._no_optimizer)
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
-        if getattr(self.optimizer, "steps_partitions", False):
+        others = [p for p in self.module.parameters() if id(p) not in self._ids]
+        fp16 = any(st.dtype == torch.float16 for _, st in self._items) or any(
+            p.dtype == torch.float16 for p in others
+        )
+        scale, self.last_grad_norm = grads.global_scale(self._items, others, self.max_grad_norm, fp16)
+        if scale is None:
+            self.skipped_steps += 1
+        elif getattr(self.optimizer, "steps_partitions", False):
             self.optimizer.step()
         else:
             chunk = self.sizing.budget.max_live
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
-                chunk = self.sizing.total  # a global norm must see every gradient in one call
-            others = [p for p in self.module.parameters() if id(p) not in self._ids]
-            step_partitions(self.optimizer, self._items, others, chunk)
+                chunk = self.sizing.total  # its own clipping must see every gradient in one call
+            step_partitions(self.optimizer, self._items, others, chunk, scale)
         self.zero_grad()
         self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
 
@@ -240,7 +272,9 @@ class Engine:
         return read, written
 
 
-def step_partitions(optimizer: Any, items: list[Item], others: Sequence[torch.Tensor], chunk: int) -> None:
+def step_partitions(
+    optimizer: Any, items: list[Item], others: Sequence[torch.Tensor], chunk: int, grad_scale: float = 1.0
+) -> None:
     """Step a param-based optimizer on the local partitions of ``items``.
 
     While it steps, each managed param with a gradient holds its partition as ``.data`` (1-D, so the
@@ -248,8 +282,19 @@ def step_partitions(optimizer: Any, items: list[Item], others: Sequence[torch.Te
     the updated partitions are then stored back. Params go through in chunks of about ``chunk`` elements,
     one ``optimizer.step()`` each, so at most that much is loaded at once: optimizers skip params without a
     gradient and count steps per param, so the result is that of one step over all of them. Unmanaged
-    params (``others``) step with the first chunk only.
+    params (``others``) step with the first chunk only. ``grad_scale`` (clipping) multiplies every gradient:
+    inside the kernel for an optimizer whose ``step`` takes ``grad_scale`` (`zswap.optim.OffloadedAdamW`),
+    else in place before the step, as ``clip_grad_norm_`` does.
     """
+    takes_scale = "grad_scale" in inspect.signature(optimizer.step).parameters
+    if grad_scale != 1.0 and not takes_scale:
+        with no_torch_function():
+            for _, st in items:
+                if st.grad is not None:
+                    st.grad.mul_(grad_scale)
+            for p in others:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
     todo = [(p, st) for p, st in items if st.grad is not None]
     first = True
     while todo or first:
@@ -258,7 +303,7 @@ def step_partitions(optimizer: Any, items: list[Item], others: Sequence[torch.Te
             size += todo[n][1].partition_numel
             n += 1
         batch, todo = todo[:n], todo[n:]
-        _step_batch(optimizer, batch)
+        _step_batch(optimizer, batch, grad_scale if takes_scale else None)
         if first:
             first = False
             for p in others:
@@ -267,7 +312,7 @@ def step_partitions(optimizer: Any, items: list[Item], others: Sequence[torch.Te
         store.wait_all()
 
 
-def _step_batch(optimizer: Any, batch: list[Item]) -> None:
+def _step_batch(optimizer: Any, batch: list[Item], grad_scale: float | None) -> None:
     with no_torch_function():
         loads: list[tuple[torch.Tensor, Any]] = []
         try:
@@ -276,7 +321,10 @@ def _step_batch(optimizer: Any, batch: list[Item]) -> None:
                 if handle is not None:
                     handle.wait()
                 p.data, p.grad = part, st.grad
-            optimizer.step()
+            if grad_scale is None:
+                optimizer.step()
+            else:
+                optimizer.step(grad_scale=grad_scale)
             for p, st in batch:
                 st.store.put(st.key, p.data)
         finally:
@@ -345,14 +393,4 @@ def _optimizer(module: nn.Module, cfg: ZswapConfig, given: Any) -> tuple[Any, bo
         return given, False, ""
     if cfg.optimizer is None:
         return None, False, "no optimizer: pass optimizer= or add an 'optimizer' section to the config"
-    try:
-        adamw = importlib.import_module(f"{__package__}.optim").OffloadedAdamW
-    except (ImportError, AttributeError) as exc:
-        if isinstance(exc, ImportError) and not (exc.name or "").startswith(f"{__package__}.optim"):
-            raise  # zswap.optim is there but something it imports is not
-        why = (
-            "no optimizer: the config's 'optimizer' section needs zswap.optim.OffloadedAdamW, which this "
-            "build of zswap does not have; pass optimizer= instead"
-        )
-        return None, False, why
-    return adamw.from_config(list(module.parameters()), cfg), True, ""
+    return OffloadedAdamW.from_config(list(module.parameters()), cfg), True, ""

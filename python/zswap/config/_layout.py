@@ -10,7 +10,7 @@ Layouts (each section may be nested as DeepSpeed has it, or stand at top level, 
     zero_optimization.offload_param      | offload_param
     zero_optimization.offload_optimizer  | offload_optimizer
     zero_optimization.stage3_*, sub_group_size | the same keys at top level
-    aio, optimizer, bf16 (old name: bfloat16), fp16   (top level in both)
+    aio, optimizer, bf16 (old name: bfloat16), fp16, gradient_clipping   (top level in both)
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
     if optimizer is not None:
         out.put("optimizer", _read_optimizer(optimizer))
     _read_precision(raw, out)
+    if raw.get("gradient_clipping") is not None:  # DeepSpeed keeps it at top level; "auto" = zswap's default
+        out.data["gradient_clipping"] = _detach(raw["gradient_clipping"])
+        out.origins[("gradient_clipping",)] = "gradient_clipping"
     return out
 
 

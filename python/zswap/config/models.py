@@ -245,6 +245,9 @@ class ZswapConfig(_Model):
     dtype: Annotated[DType, v.one_of("fp32", "bf16", "fp16")] | None = None
     """Param dtype ``"fp32"``, ``"bf16"`` or ``"fp16"``; ``None`` = keep the dtype params were built with."""
     fp16: FP16Config = Field(default_factory=FP16Config)
+    gradient_clipping: v.NonNegativeFloat | None = None
+    """DeepSpeed's top-level ``gradient_clipping``: clip the gradients' global L2 norm to this before each
+    step (`zswap.initialize`); ``None`` or 0 = no clipping."""
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""
@@ -280,6 +283,7 @@ class ZswapConfig(_Model):
         bf16, fp16 = enabled[self.dtype]
         out["bf16"] = {"enabled": bf16}
         out["fp16"] = {"enabled": fp16, **self.fp16._json_fields()}
+        out["gradient_clipping"] = _to_json(self.gradient_clipping)
         return out
 
 
