@@ -5,9 +5,12 @@ PYTEST := $(PYTHON) -m pytest
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup test test-rust test-python test-dist lint fmt bench bench-rust bench-python demo clean
+.PHONY: install setup test test-rust test-python lint fmt bench bench-rust bench-python demo clean
 
-## Install zswap (editable, release build of the Rust extension) with its test tools.
+## Install zswap (editable, release build of the Rust extension); `setup` adds the test tools.
+install:
+	$(PIP) install -q -e .
+
 setup:
 	$(PIP) install -q -e ".[test]"
 
@@ -42,9 +45,12 @@ bench-rust:
 
 bench-python:
 	$(PYTHON) benches/bench_swap.py
+	$(PYTHON) benches/bench_init.py
+	$(PYTHON) benches/bench_runtime.py
+	$(PYTHON) benches/bench_adam.py
 
 ## The main job on a fresh machine: set up, then run zswap's demo on a temp dir.
-demo: setup
+demo: install
 	$(PYTHON) -m zswap.cli demo
 
 clean:
