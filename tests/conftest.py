@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -61,3 +62,31 @@ def mounted(fstype: str, options: str | None = None) -> Iterator[Path]:
             yield Path(d)
         finally:
             subprocess.run(["umount", "-l", d], capture_output=True, timeout=30)
+
+
+def run_ranks(worker: Path, tmp_path: Path, world: int = 2, timeout: float = 120) -> None:
+    """Runs ``worker rank world rendezvous_file tmp_path`` as `world` processes (env ``RANK`` and
+    ``WORLD_SIZE`` set, cwd `tmp_path`) and fails the test with a rank's output if any rank fails."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "PYTHONDONTWRITEBYTECODE": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(rank), str(world), str(tmp_path / "rendezvous"), str(tmp_path)],
+            cwd=tmp_path,
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
