@@ -251,7 +251,11 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
     o.say(
         f"peak RSS {_mib(figures['peak_rss'])} for a {_mib(model_bytes)} model, of which "
         f"{_mib(rss_before)} was Python and torch before the demo began; while training, gradients are "
-        f"kept in CPU memory ({_mib(model_bytes)})"
+        + (
+            "on NVMe with the optimizer states"
+            if cfg.offload_optimizer.device == "nvme"
+            else f"kept in CPU memory ({_mib(model_bytes)})"
+        )
     )
     engine.close()
     return figures

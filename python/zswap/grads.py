@@ -7,8 +7,8 @@ a plain model, and ``p.grad`` is read and cleared by a post-accumulate hook, so 
 folded into the partition with one in-place add — the op autograd itself uses to accumulate into ``p.grad``.
 With one rank nothing else touches the values, so they are bitwise those of the plain model.
 
-Partitions are kept in CPU memory (on the param's device for tier "none"), also when params live on NVMe;
-the optimizer reads them from there.
+Partitions are kept by a `zswap.gradstore.GradStore`: in CPU memory as ``ParamState.grad`` (on the param's
+device for tier "none"), or on NVMe when the optimizer lives there; the optimizer step loads them from it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .gather import Item, no_torch_function
+from .gradstore import store_of
 from .params import ParamState, Status, param_state
 
 
@@ -69,15 +70,8 @@ class GradSink:
 
 
 def accumulate(st: ParamState, grad: torch.Tensor) -> None:
-    """Add one backward's full gradient of a param to its local partition, ``st.grad``."""
-    part = local_part(st, grad)
-    if st.tier != "none" and part.device.type != "cpu":
-        part = part.to("cpu")
-    if st.grad is None:
-        # Autograd hands the gradient over (``p.grad`` was cleared), so the first one is kept as is.
-        st.grad = part if part.is_contiguous() else part.contiguous()
-    else:
-        st.grad.add_(part)
+    """Add one backward's full gradient of a param to its local partition (in its `GradStore`)."""
+    store_of(st).add(st, local_part(st, grad))
 
 
 def local_part(st: ParamState, grad: torch.Tensor) -> torch.Tensor:
@@ -120,9 +114,12 @@ def full_grad(p: torch.Tensor) -> torch.Tensor | None:
     st = param_state(p)
     if st is None:
         return p.grad
-    part = st.grad
-    if part is None:
+    store = store_of(st)
+    if not store.has(st):
         return None
+    part, handle = store.load(st)
+    if handle is not None:
+        handle.wait()
     with no_torch_function():
         if st.world_size == 1:
             full = part.to(st.device, copy=True)
@@ -134,14 +131,29 @@ def full_grad(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def clear(items: Iterable[Item]) -> None:
-    """Drop the gradients of ``items`` (partitions of managed params, ``p.grad`` of the rest)."""
+    """Drop the gradients of ``items`` (partitions of managed params, ``p.grad`` of the rest). Raises a
+    gradient write error nothing has reported yet, after dropping them all."""
+    stores: dict[int, tuple[Any, list[ParamState]]] = {}
     for p, st in items:
-        st.grad = None
+        store = store_of(st)
+        stores.setdefault(id(store), (store, []))[1].append(st)
         p.grad = None
+    for store, sts in stores.values():
+        store.clear(sts)
+
+
+def wait(items: Iterable[Item]) -> None:
+    """Wait until every partition gradient of ``items`` is stored; raise the first write error."""
+    for store in {id(store_of(st)): store_of(st) for _, st in items}.values():
+        store.wait_all()
 
 
 def global_scale(
-    items: Iterable[Item], others: Iterable[torch.Tensor], max_norm: float | None, check_finite: bool
+    items: Iterable[Item],
+    others: Iterable[torch.Tensor],
+    max_norm: float | None,
+    check_finite: bool,
+    chunk: int | None = None,
 ) -> tuple[float | None, float | None]:
     """``(scale, norm)`` for one optimizer step, decided from the gradients alone, before any optimizer
     state is read: the factor every gradient is to be multiplied by (clipping the global L2 norm to
@@ -149,22 +161,30 @@ def global_scale(
     ``max_norm / (norm + 1e-6)`` capped at 1), or ``None`` when ``check_finite`` and the norm is not
     finite (an fp16 overflow: the step is skipped). The norm covers every rank's partitions
     (an all-reduce of the squared local norm), so chunked optimizer steps all use the same scale.
-    ``norm`` is ``None`` when neither clipping nor the check needed it."""
+    ``norm`` is ``None`` when neither clipping nor the check needed it. Gradients on NVMe are read in
+    batches of about ``chunk`` elements (default: all at once)."""
     if max_norm is None and not check_finite:
         return 1.0, None
-    parts = [(st.grad, st.group, st.world_size) for _, st in items if st.grad is not None]
-    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g, _, _ in parts]
+    with_grad = [st for _, st in items if store_of(st).has(st)]
+    parts = [(st.group, st.world_size) for st in with_grad]
+    norms: list[torch.Tensor] = []
+    for batch in chunks(with_grad, chunk):
+        loads = [store_of(st).load(st) for st in batch]  # issued together, waited together
+        for _, handle in loads:
+            if handle is not None:
+                handle.wait()
+        norms += [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g, _ in loads]
     norms += [
         torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in others if p.grad is not None
     ]
     local = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
-    world = max((w for _, _, w in parts), default=1)
+    world = max((w for _, w in parts), default=1)
     if world > 1:
         # Unmanaged params' gradients are whole on every rank; partitions are disjoint slices. Summing
         # squares over ranks is exact for the partitions and would count unmanaged ones `world` times,
         # which is why initialize leaves no param unmanaged.
         sq = (local * local).reshape(1)
-        dist.all_reduce(sq, group=parts[0][1])
+        dist.all_reduce(sq, group=parts[0][0])
         local = sq.sqrt().reshape(())
     norm = float(local)
     if check_finite and not torch.isfinite(local):
@@ -172,3 +192,16 @@ def global_scale(
     if max_norm is None:
         return 1.0, norm
     return float(torch.clamp(max_norm / (local + 1e-6), max=1.0)), norm
+
+
+def chunks(sts: list[ParamState], chunk: int | None) -> list[list[ParamState]]:
+    """``sts`` in order, cut into runs of at most ``chunk`` partition elements (at least one each)."""
+    out: list[list[ParamState]] = []
+    size = 0
+    for st in sts:
+        if not out or (chunk is not None and size + st.partition_numel > chunk):
+            out.append([])
+            size = 0
+        out[-1].append(st)
+        size += st.partition_numel
+    return out

@@ -24,6 +24,8 @@ from .errors import ZswapError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from .gradstore import GradStore
+
 Tier = Literal["cpu", "nvme", "none"]
 
 # Unmanaged writes queued beyond this many bytes make the writer wait for the oldest ones: construction
@@ -70,7 +72,11 @@ class ParamState:
     grad: torch.Tensor | None = field(default=None, repr=False)
     """This rank's partition of the accumulated gradient (1-D, ``partition_numel`` elements, on the CPU —
     on the param's device for tier "none"), filled by `zswap.initialize`'s backward hooks; ``None`` when
-    there is none. An optimizer reads (and clears) it; `zswap.full_grad` gathers the whole."""
+    there is none, or when it lives on NVMe (``grad_store``). An optimizer reads (and clears) it;
+    `zswap.full_grad` gathers the whole."""
+    grad_store: GradStore | None = field(default=None, repr=False)
+    """Where the partition gradient lives when not in ``grad`` (`zswap.gradstore.NvmeGrads`); ``None``:
+    in memory. Set by `zswap.initialize` while its engine is open."""
 
     @property
     def numel(self) -> int:

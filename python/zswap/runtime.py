@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import grads
+from . import grads, gradstore
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, ZswapError
 from .gather import Item, no_torch_function
+from .gradstore import store_of
 from .hooks import ModuleHooks, ModuleInfo
 from .init import Init
 from .optim import OffloadedAdamW
@@ -77,10 +78,10 @@ class Sizing:
 class Engine:
     """Runs ``module``'s forward and backward with its params streamed in; `step` applies the optimizer.
 
-    The optimizer is either *partition-aware* (its ``steps_partitions`` attribute is true: it reads
-    `ParamState.grad` and updates the stores itself) or an ordinary param-based one over the model's params
-    (``torch.optim.AdamW``, `zswap.optim.OffloadedAdamW`), which `step_partitions` shows each param's local
-    partition. Also a context manager that calls `close` on exit.
+    The optimizer is either *partition-aware* (its ``steps_partitions`` attribute is true: it reads the
+    partition gradients through `zswap.gradstore.store_of` and updates the stores itself) or an ordinary
+    param-based one over the model's params (``torch.optim.AdamW``, `zswap.optim.OffloadedAdamW`), which
+    `step_partitions` shows each param's local partition. Also a context manager that calls `close` on exit.
     """
 
     def __init__(
@@ -127,13 +128,18 @@ class Engine:
             if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
                 store.pool_bytes = max(store.pool_bytes, pool)
         self._io_base = self._io_counters()
+        self._grad_stores: list[gradstore.GradStore] = []
         self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
         self._grads = grads.GradSink(self._items)
         try:
+            self._grad_stores = gradstore.attach(self._items, config)
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
             self.optimizer, self._owns_optimizer, self._no_optimizer = _optimizer(module, config, optimizer)
         except BaseException:
-            self._teardown()
+            try:
+                self._teardown()
+            finally:
+                gradstore.detach(self._items, self._grad_stores)
             raise
         _ENGINES.add(self)
 
@@ -147,18 +153,19 @@ class Engine:
         self._check_open()
         if self.optimizer is None:
             raise ZswapError(self._no_optimizer)
+        grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
         others = [p for p in self.module.parameters() if id(p) not in self._ids]
         fp16 = any(st.dtype == torch.float16 for _, st in self._items) or any(
             p.dtype == torch.float16 for p in others
         )
-        scale, self.last_grad_norm = grads.global_scale(self._items, others, self.max_grad_norm, fp16)
+        chunk = self.sizing.budget.max_live
+        scale, self.last_grad_norm = grads.global_scale(self._items, others, self.max_grad_norm, fp16, chunk)
         if scale is None:
             self.skipped_steps += 1
         elif getattr(self.optimizer, "steps_partitions", False):
             self.optimizer.step()
         else:
-            chunk = self.sizing.budget.max_live
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
             step_partitions(self.optimizer, self._items, others, chunk, scale)
@@ -223,6 +230,7 @@ class Engine:
             self._teardown()
             grads.clear(self._items)
         finally:
+            gradstore.detach(self._items, self._grad_stores)
             if self._owns_optimizer and hasattr(self.optimizer, "close"):
                 self.optimizer.close()
             self.optimizer = None
@@ -289,13 +297,10 @@ def step_partitions(
     takes_scale = "grad_scale" in inspect.signature(optimizer.step).parameters
     if grad_scale != 1.0 and not takes_scale:
         with no_torch_function():
-            for _, st in items:
-                if st.grad is not None:
-                    st.grad.mul_(grad_scale)
             for p in others:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
-    todo = [(p, st) for p, st in items if st.grad is not None]
+    todo = [(p, st) for p, st in items if store_of(st).has(st)]
     first = True
     while todo or first:
         size, n = 0, 0
@@ -303,7 +308,7 @@ def step_partitions(
             size += todo[n][1].partition_numel
             n += 1
         batch, todo = todo[:n], todo[n:]
-        _step_batch(optimizer, batch, grad_scale if takes_scale else None)
+        _step_batch(optimizer, batch, grad_scale, takes_scale)
         if first:
             first = False
             for p in others:
@@ -312,19 +317,25 @@ def step_partitions(
         store.wait_all()
 
 
-def _step_batch(optimizer: Any, batch: list[Item], grad_scale: float | None) -> None:
+def _step_batch(optimizer: Any, batch: list[Item], grad_scale: float, takes_scale: bool) -> None:
     with no_torch_function():
         loads: list[tuple[torch.Tensor, Any]] = []
         try:
-            loads = [st.store.load(st.key, st.partition_numel, st.dtype) for _, st in batch]
-            for (p, st), (part, handle) in zip(batch, loads, strict=True):
+            # Param and gradient partitions: reads issued together, waited together.
+            for _, st in batch:
+                loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
+                loads.append(store_of(st).load(st))
+            for _, handle in loads:
                 if handle is not None:
                     handle.wait()
-                p.data, p.grad = part, st.grad
-            if grad_scale is None:
-                optimizer.step()
-            else:
+            for i, (p, _) in enumerate(batch):
+                p.data, p.grad = loads[2 * i][0], loads[2 * i + 1][0]
+                if grad_scale != 1.0 and not takes_scale:
+                    p.grad.mul_(grad_scale)  # in place, as clip_grad_norm_ does
+            if takes_scale:
                 optimizer.step(grad_scale=grad_scale)
+            else:
+                optimizer.step()
             for p, st in batch:
                 st.store.put(st.key, p.data)
         finally:
