@@ -7,6 +7,7 @@ real NVMe mount or a tmpfs to run the same suite there.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -90,3 +91,13 @@ def run_ranks(worker: Path, tmp_path: Path, world: int = 2, timeout: float = 120
                 p.wait()
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+
+
+@pytest.fixture
+def quiet_transformers() -> Iterator[None]:
+    """Silences transformers' notices (the tiny test vocabularies trip irrelevant token-id ones)."""
+    transformers = pytest.importorskip("transformers")
+    level = logging.getLogger("transformers").level
+    transformers.logging.set_verbosity_error()
+    yield
+    logging.getLogger("transformers").setLevel(level)

@@ -6,7 +6,6 @@ after its module was partitioned (through ``smart_apply``, not ``nn.Module.apply
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import pytest
@@ -22,13 +21,7 @@ from ._init_helpers import TIERS, gathered, make_init
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    # The tiny vocabularies trip a token-id notice that is irrelevant here.
-    level = logging.getLogger("transformers").level
-    transformers.logging.set_verbosity_error()
-    yield
-    logging.getLogger("transformers").setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def gpt2() -> nn.Module:

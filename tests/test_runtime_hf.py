@@ -3,7 +3,6 @@ plain model built from the same seed. Tiny configs from config objects: nothing 
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import pytest
@@ -16,13 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from .test_hf_models import MODELS  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    level = logging.getLogger("transformers").level
-    transformers.logging.set_verbosity_error()
-    yield
-    logging.getLogger("transformers").setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def _build(model: str, cfg: dict) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -21,6 +21,8 @@ pytest.importorskip("transformers")
 
 from .test_hf_models import MODELS
 
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
+
 RTOL, ATOL = 1e-6, 1e-7
 
 

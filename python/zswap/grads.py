@@ -165,11 +165,11 @@ def global_scale(
     batches of about ``chunk`` elements (default: all at once)."""
     if max_norm is None and not check_finite:
         return 1.0, None
-    with_grad = [st for _, st in items if store_of(st).has(st)]
-    parts = [(st.group, st.world_size) for st in with_grad]
+    with_grad = [(p, st) for p, st in items if store_of(st).has(st)]
+    parts = [(st.group, st.world_size) for _, st in with_grad]
     norms: list[torch.Tensor] = []
     for batch in chunks(with_grad, chunk):
-        loads = [store_of(st).load(st) for st in batch]  # issued together, waited together
+        loads = [store_of(st).load(st) for _, st in batch]  # issued together, waited together
         for _, handle in loads:
             if handle is not None:
                 handle.wait()
@@ -194,14 +194,16 @@ def global_scale(
     return float(torch.clamp(max_norm / (local + 1e-6), max=1.0)), norm
 
 
-def chunks(sts: list[ParamState], chunk: int | None) -> list[list[ParamState]]:
-    """``sts`` in order, cut into runs of at most ``chunk`` partition elements (at least one each)."""
-    out: list[list[ParamState]] = []
+def chunks(items: list[Item], chunk: int | None) -> list[list[Item]]:
+    """``items`` in order, cut into runs of at most ``chunk`` partition elements (at least one item each;
+    ``None``: one run)."""
+    out: list[list[Item]] = []
     size = 0
-    for st in sts:
-        if not out or (chunk is not None and size + st.partition_numel > chunk):
+    for item in items:
+        numel = item[1].partition_numel
+        if not out or (chunk is not None and size + numel > chunk):
             out.append([])
             size = 0
-        out[-1].append(st)
-        size += st.partition_numel
+        out[-1].append(item)
+        size += numel
     return out

@@ -301,16 +301,9 @@ def step_partitions(
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
     todo = [(p, st) for p, st in items if store_of(st).has(st)]
-    first = True
-    while todo or first:
-        size, n = 0, 0
-        while n < len(todo) and (n == 0 or size + todo[n][1].partition_numel <= chunk):
-            size += todo[n][1].partition_numel
-            n += 1
-        batch, todo = todo[:n], todo[n:]
+    for i, batch in enumerate(grads.chunks(todo, chunk) or [[]]):  # one step even with no partitions
         _step_batch(optimizer, batch, grad_scale, takes_scale)
-        if first:
-            first = False
+        if i == 0:
             for p in others:
                 p.grad = None
     for store in {id(st.store): st.store for _, st in items}.values():

@@ -148,7 +148,7 @@ class SwapEngine:
         """An uninitialised-looking (zero-filled) tensor living in an engine buffer: page-aligned, on huge
         pages when large, so `write`/`read` on it copy nothing."""
         size = torch.Size([shape] if isinstance(shape, int) else shape)
-        nbytes = math.prod(size) * _itemsize(dtype)
+        nbytes = math.prod(size) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(size, dtype=dtype)
         buf = self._engine.alloc(nbytes)
@@ -206,10 +206,6 @@ def _cpu_tensor(t: object, what: str) -> torch.Tensor:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 __all__ = ["SwapEngine"]
