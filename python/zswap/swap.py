@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import _zswap
+from ._memview import tensor_over
 from .errors import ZswapWarning
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ class SwapEngine:
         if nbytes == 0:
             return torch.empty(size, dtype=dtype)
         buf = self._engine.alloc(nbytes)
-        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(size)
+        return tensor_over(buf, nbytes).view(dtype).view(size)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 
 mod adam;
 mod convert;
+mod env;
 
 use std::sync::{Arc, Mutex, Weak};
 
@@ -318,8 +319,9 @@ impl Drop for PyHandle {
     }
 }
 
-/// Engine memory behind `SwapEngine.empty`: page-aligned (huge pages when large), writable, exposed
-/// through the buffer protocol so `torch.frombuffer` can wrap it without a copy.
+/// Engine memory behind `SwapEngine.empty`: page-aligned (huge pages when large), writable. Python wraps
+/// `address`/`len` as a tensor without a copy (`zswap/_memview.py`), keeping this object alive: the
+/// buffer protocol is not in the stable ABI before 3.11, and the extension is built for abi3-py310.
 #[pyclass(module = "zswap._zswap", name = "Buffer", frozen)]
 struct PyBuffer {
     buf: Arc<AlignedBuf>,
@@ -329,25 +331,6 @@ struct PyBuffer {
 
 #[pymethods]
 impl PyBuffer {
-    /// # Safety
-    /// Called by CPython with a valid `view`; `PyBuffer_FillInfo` takes a reference to `slf`, which keeps
-    /// the mapping alive for as long as any consumer (a torch storage) holds the view.
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut pyo3::ffi::Py_buffer,
-        flags: std::os::raw::c_int,
-    ) -> PyResult<()> {
-        let (ptr, len) = {
-            let b = slf.get();
-            (b.buf.as_ptr(), b.len)
-        };
-        if pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast(), len as isize, 0, flags) != 0
-        {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
-    }
-
     fn __len__(&self) -> usize {
         self.len
     }
@@ -384,6 +367,7 @@ fn _zswap(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(io_uring_available, m)?)?;
     m.add_function(wrap_pyfunction!(raw_io_uring_baseline, m)?)?;
     adam::register(m)?;
+    env::register(m)?;
     Ok(())
 }
 
