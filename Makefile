@@ -1,17 +1,41 @@
 # The single entry point: CI (.ci/run), pre-commit habits and the README all call these targets.
-PYTHON ?= python3
+#
+# Interpreter: `PYTHON=/path/to/python make ...` uses that interpreter as it is (your venv, conda env...).
+# Without PYTHON, a project venv in $(VENV) (default .venv) is created from $(BOOTSTRAP) (default
+# python3) on first use and everything is installed there, so a distribution Python marked externally
+# managed (PEP 668) is never pip-installed into.
+VENV ?= .venv
+BOOTSTRAP ?= python3
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(VENV)/bin/python
+PY_DEP := $(VENV)/bin/python
+else
+PY_DEP :=
+endif
 PIP := $(PYTHON) -m pip
 PYTEST := $(PYTHON) -m pytest
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: install setup test test-rust test-python lint fmt bench bench-rust bench-python demo clean
+# Wheels: a separate build venv with maturin and zig (ziglang from PyPI), so the wheel links against
+# glibc 2.28's symbols whatever this machine's glibc is; maturin refuses the build if a newer one slips in.
+BUILD_VENV ?= .venv-build
+MANYLINUX ?= manylinux_2_28
+
+.PHONY: install setup test test-rust test-python lint fmt bench bench-rust bench-python demo wheel clean
+
+define make_venv
+	$(BOOTSTRAP) -m venv $(1) || { rm -rf $(1); echo "zswap: '$(BOOTSTRAP) -m venv $(1)' failed; on Debian/Ubuntu: apt install python3-venv, or pass PYTHON=/path/to/python" >&2; exit 1; }
+endef
+
+$(VENV)/bin/python:
+	$(call make_venv,$(VENV))
 
 ## Install zswap (editable, release build of the Rust extension); `setup` adds the test tools.
-install:
+install: $(PY_DEP)
 	$(PIP) install -q -e .
 
-setup:
+setup: $(PY_DEP)
 	$(PIP) install -q -e ".[test]"
 
 ## Everything CI runs: Rust unit and property tests, then the Python suite (not GPU tests).
@@ -20,7 +44,7 @@ test: setup test-rust test-python
 test-rust:
 	$(CARGO) test --release --lib
 
-test-python:
+test-python: $(PY_DEP)
 	$(PYTEST) -q -m "not gpu"
 
 ## Lints the same way CI does.
@@ -32,7 +56,7 @@ lint: setup
 	$(PYTHON) -m mypy
 	$(PYTHON) -m mypy.stubtest zswap._zswap
 
-fmt:
+fmt: $(PY_DEP)
 	$(CARGO) fmt
 	$(PYTHON) -m ruff format python tests benches
 	$(PYTHON) -m ruff check --fix python tests benches
@@ -43,7 +67,7 @@ bench: setup bench-rust bench-python
 bench-rust:
 	$(CARGO) bench --bench engine
 
-bench-python:
+bench-python: $(PY_DEP)
 	$(PYTHON) benches/bench_swap.py
 	$(PYTHON) benches/bench_init.py
 	$(PYTHON) benches/bench_runtime.py
@@ -51,7 +75,18 @@ bench-python:
 
 ## The main job on a fresh machine: set up, then run zswap's demo on a temp dir.
 demo: install
-	$(PYTHON) -m zswap.cli demo
+	$(PYTHON) -m zswap demo
+
+## dist/: one abi3 wheel (CPython 3.10+, $(MANYLINUX)) and the sdist (builds from source with cargo).
+$(BUILD_VENV)/bin/maturin:
+	$(call make_venv,$(BUILD_VENV))
+	$(BUILD_VENV)/bin/python -m pip install -q "maturin>=1.7,<2" "ziglang>=0.13"
+
+wheel: $(BUILD_VENV)/bin/maturin
+	rm -f dist/zswap-*.whl dist/zswap-*.tar.gz
+	PATH="$(abspath $(BUILD_VENV))/bin:$$PATH" $(BUILD_VENV)/bin/maturin build --release --locked --zig \
+		--compatibility $(MANYLINUX) --out dist
+	$(BUILD_VENV)/bin/maturin sdist --out dist
 
 clean:
-	rm -rf target python/zswap/*.so .pytest_cache .hypothesis
+	rm -rf target dist python/zswap/*.so .pytest_cache .hypothesis

@@ -5,7 +5,7 @@ The public surface is listed here once; everything else is internal.
 
 from __future__ import annotations
 
-from ._zswap import Handle
+from ._zswap import Handle, __version__
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, EngineClosedError, SwapIOError, UnknownKeyError, ZswapError, ZswapWarning
 from .gather import GatheredParameters
@@ -14,8 +14,6 @@ from .init import Init
 from .params import ParamState, Status, param_state
 from .runtime import Engine, initialize
 from .swap import SwapEngine
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",

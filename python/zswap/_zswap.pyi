@@ -8,11 +8,18 @@ __all__ = [
     "Buffer",
     "Engine",
     "Handle",
+    "__version__",
     "cpu_adam_isa",
     "cpu_adam_step",
     "io_uring_available",
+    "io_uring_errno",
+    "probe_direct_io",
     "raw_io_uring_baseline",
+    "version",
 ]
+
+__version__: str
+"""The package version (Cargo.toml's, the one place it is set)."""
 
 @final
 class Handle:
@@ -26,7 +33,8 @@ class Handle:
 
 @final
 class Buffer:
-    """Page-aligned engine memory exposing the buffer protocol."""
+    """Page-aligned engine memory; `zswap._memview.tensor_over` wraps it as a tensor (no buffer protocol:
+    the abi3-py310 build has none)."""
 
     @property
     def address(self) -> int: ...
@@ -97,3 +105,14 @@ def cpu_adam_step(
 
 def cpu_adam_isa() -> str:
     """The instruction set the Adam kernel runs on here: "avx512", "avx2" or "portable"."""
+
+def version() -> str:
+    """The package version; the same as `__version__`."""
+
+def io_uring_errno() -> int | None:
+    """The errno with which io_uring setup is refused here; None when it works. Honours
+    ZSWAP_DISABLE_IO_URING like the engine."""
+
+def probe_direct_io(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Opens a swap file in `path` as the engine does (O_DIRECT tried and proved, else buffered): keys
+    `direct`, `reason`, `offset_align`, `mem_align`, `statx_dioalign`."""

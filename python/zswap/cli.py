@@ -1,6 +1,6 @@
 """The `zswap` command line: `demo` (a model larger than its memory budget, run and trained from a temp dir),
-`bench` (engine next to the raw disk) and `tune` (block size × queue depth sweep printing a ready `aio`
-config block)."""
+`bench` (engine next to the raw disk), `tune` (block size × queue depth sweep printing a ready `aio`
+config block) and `env` (what this machine allows, `zswap/envreport.py`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pydantic_core import PydanticCustomError
 
+from ._zswap import __version__
 from .config._values import to_byte_size
 
 
@@ -83,8 +84,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env(args: argparse.Namespace) -> int:
+    from . import envreport
+
+    with _work_dir(args.path) as d:
+        report = envreport.collect(d)
+    sys.stdout.write(envreport.to_json(report) + "\n" if args.json else envreport.render(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zswap", description="Run and train PyTorch models larger than memory.")
+    p.add_argument("--version", action="version", version=f"zswap {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="build, run and train a GPT-style model larger than its memory budget")
@@ -112,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--queue-depths", type=int, nargs="+", default=[4, 16, 64])
     t.add_argument("--repeat", type=int, default=2)
     t.set_defaults(func=_tune)
+
+    v = sub.add_parser(
+        "env", help="what this machine allows (io_uring, O_DIRECT, huge pages...) and what zswap does"
+    )
+    v.add_argument(
+        "--path", type=Path, help="swap directory to probe (default: a temp dir on the local disk)"
+    )
+    v.add_argument("--json", action="store_true", help="machine-readable: every field, a reason for each no")
+    v.set_defaults(func=_env)
     return p
 
 
