@@ -154,6 +154,8 @@ def global_scale(
     max_norm: float | None,
     check_finite: bool,
     chunk: int | None = None,
+    *,
+    loss_scale: float = 1.0,
 ) -> tuple[float | None, float | None]:
     """``(scale, norm)`` for one optimizer step, decided from the gradients alone, before any optimizer
     state is read: the factor every gradient is to be multiplied by (clipping the global L2 norm to
@@ -162,8 +164,10 @@ def global_scale(
     finite (an fp16 overflow: the step is skipped). The norm covers every rank's partitions
     (an all-reduce of the squared local norm), so chunked optimizer steps all use the same scale.
     ``norm`` is ``None`` when neither clipping nor the check needed it. Gradients on NVMe are read in
-    batches of about ``chunk`` elements (default: all at once)."""
-    if max_norm is None and not check_finite:
+    batches of about ``chunk`` elements (default: all at once). ``loss_scale``: the gradients are that many
+    times too large (fp16 loss scaling); the norm is reported and clipped unscaled and the factor includes
+    ``1 / loss_scale``."""
+    if max_norm is None and not check_finite and loss_scale == 1.0:
         return 1.0, None
     with_grad = [(p, st) for p, st in items if store_of(st).has(st)]
     parts = [(st.group, st.world_size) for _, st in with_grad]
@@ -186,12 +190,14 @@ def global_scale(
         sq = (local * local).reshape(1)
         dist.all_reduce(sq, group=parts[0][0])
         local = sq.sqrt().reshape(())
-    norm = float(local)
     if check_finite and not torch.isfinite(local):
-        return None, norm
+        return None, float(local)
+    if loss_scale != 1.0:
+        local = local / loss_scale
+    norm = float(local)
     if max_norm is None:
-        return 1.0, norm
-    return float(torch.clamp(max_norm / (local + 1e-6), max=1.0)), norm
+        return 1.0 / loss_scale, norm
+    return float(torch.clamp(max_norm / (local + 1e-6), max=1.0)) / loss_scale, norm
 
 
 def chunks(items: list[Item], chunk: int | None) -> list[list[Item]]:

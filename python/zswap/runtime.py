@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import grads, gradstore
+from . import grads, gradstore, stepping
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, ZswapError
 from .gather import Item, no_torch_function
@@ -36,7 +36,13 @@ _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()  # open engines: one per p
 
 
 def initialize(
-    model: nn.Module, config: Any = None, *, optimizer: Any = None, max_grad_norm: float | None = None
+    model: nn.Module,
+    config: Any = None,
+    *,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    device: Any = None,
+    max_grad_norm: float | None = None,
 ) -> Engine:
     """Hook ``model`` up for forward, backward and prefetch; returns the `Engine` that steps it.
 
@@ -46,11 +52,17 @@ def initialize(
     knobs size the prefetch and the live budget, each chosen from the model where left out or ``"auto"``.
     ``optimizer``: used as given; else built from the config's ``optimizer`` section with
     ``zswap.optim.OffloadedAdamW.from_config``; else none, and `Engine.step` says so.
+    ``lr_scheduler``: a scheduler (``step()``, ``state_dict()``…; a torch one or `zswap.schedules`), or a
+    callable taking the optimizer and returning one; else built from the config's ``scheduler`` section
+    (`zswap.schedules`); both at once is a `ConfigError`. Stepped once per applied optimizer step.
+    ``device``: the compute device, ``None`` or ``"cpu"``; a CUDA device is `UnsupportedDeviceError`
+    for now.
     ``max_grad_norm``: clip the global L2 norm of the gradients (over all ranks) to this before each step;
     default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize takes an nn.Module, not {type(model).__name__}")
+    stepping.check_device(device)
     cfg = load_config(config)
     if max_grad_norm is None:
         max_grad_norm = cfg.gradient_clipping or None
@@ -60,7 +72,7 @@ def initialize(
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)
-    return Engine(model, cfg, optimizer, max_grad_norm=max_grad_norm)
+    return Engine(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm)
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class Engine:
         config: ZswapConfig,
         optimizer: Any = None,
         *,
+        lr_scheduler: Any = None,
         max_grad_norm: float | None = None,
     ) -> None:
         self.module = module
@@ -97,7 +110,17 @@ class Engine:
         self.closed = False
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skipped_steps = 0
-        """Steps skipped because an fp16 model's gradients were not finite."""
+        """Optimizer steps skipped because an fp16 model's gradients were not finite."""
+        self.global_steps = 0
+        """Optimizer steps taken (accumulation boundaries), skipped fp16 steps included, as DeepSpeed."""
+        self.micro_steps = 0
+        """`step` calls so far (one per micro-batch)."""
+        self.lr_scheduler: Any = None
+        """The learning-rate schedule stepped after each applied optimizer step, or ``None``."""
+        self.loss_scaler: Any = None
+        """fp16 runs: the `zswap.loss_scale.LossScaler` (with ``state_dict``/``load_state_dict``); else
+        ``None``."""
+        self._scaled_backward = False  # this accumulation window went through backward(): unscale it
         self.last_grad_norm: float | None = None
         """Global gradient norm seen by the last `step` (when clipping or the fp16 check needed it)."""
         self._ids: set[int] = set()
@@ -129,13 +152,22 @@ class Engine:
                 store.pool_bytes = max(store.pool_bytes, pool)
         self._io_base = self._io_counters()
         self._grad_stores: list[gradstore.GradStore] = []
+        self.optimizer: Any = None
+        self._owns_optimizer = False
         self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
         self._grads = grads.GradSink(self._items)
         try:
             self._grad_stores = gradstore.attach(self._items, config)
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
             self.optimizer, self._owns_optimizer, self._no_optimizer = _optimizer(module, config, optimizer)
+            self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
+            self._fp16 = config.dtype == "fp16" or any(p.dtype == torch.float16 for p in module.parameters())
+            self._fp16 = self._fp16 or any(st.dtype == torch.float16 for _, st in self._items)
+            self.loss_scaler = stepping.loss_scaler(config, self._fp16)
+            self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
         except BaseException:
+            if self._owns_optimizer and hasattr(self.optimizer, "close"):
+                self.optimizer.close()
             try:
                 self._teardown()
             finally:
@@ -146,21 +178,29 @@ class Engine:
     # -- training ----------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Apply the optimizer to the accumulated gradients, then clear them.
+        """One micro-step: at a gradient accumulation boundary (every ``gradient_accumulation_steps``-th
+        call, `is_gradient_accumulation_boundary`), apply the optimizer to the accumulated gradients, step
+        the learning-rate schedule and clear the gradients; between boundaries only count the call.
 
         Clipping (``max_grad_norm``) and, for fp16 params, skipping a step whose gradients are not finite
-        are decided first, from the gradients of all ranks, before the optimizer reads any state."""
+        are decided first, from the gradients of all ranks, before the optimizer reads any state. fp16
+        gradients from `backward` are divided by the loss scale (inside the Adam kernel, with the clipping
+        factor); an overflow skips the optimizer and the schedule, counts in `skipped_steps` and
+        `global_steps`, and lowers a dynamic loss scale (`zswap.loss_scale`)."""
         self._check_open()
         if self.optimizer is None:
             raise ZswapError(self._no_optimizer)
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
         others = [p for p in self.module.parameters() if id(p) not in self._ids]
-        fp16 = any(st.dtype == torch.float16 for _, st in self._items) or any(
-            p.dtype == torch.float16 for p in others
-        )
         chunk = self.sizing.budget.max_live
-        scale, self.last_grad_norm = grads.global_scale(self._items, others, self.max_grad_norm, fp16, chunk)
+        loss_scale = self.loss_scale if self._scaled_backward else 1.0
+        scale, self.last_grad_norm = grads.global_scale(
+            self._items, others, self.max_grad_norm, self._fp16, chunk, loss_scale=loss_scale
+        )
         if scale is None:
             self.skipped_steps += 1
         elif getattr(self.optimizer, "steps_partitions", False):
@@ -171,6 +211,65 @@ class Engine:
             step_partitions(self.optimizer, self._items, others, chunk, scale)
         self.zero_grad()
         self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
+        self.global_steps += 1
+        self.micro_steps += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(scale is None)
+        if scale is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+        """Run backward on ``loss`` divided by ``gradient_accumulation_steps`` (unless ``scale_wrt_gas`` is
+        false) and, in fp16, multiplied by the loss scale; returns the divided loss, as DeepSpeed does."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward takes the loss tensor, not {type(loss).__name__}")
+        if scale_wrt_gas and self._gas > 1:
+            loss = loss / self._gas
+        scaled = loss
+        if self.loss_scaler is not None:
+            scaled = loss * self.loss_scaler.loss_scale
+            self._scaled_backward = True
+        scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step` call applies the optimizer (ends an accumulation window)."""
+        return (self.micro_steps + 1) % self._gas == 0
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the config's ``gradient_accumulation_steps``, or derived from
+        ``train_batch_size`` / ``train_micro_batch_size_per_gpu``; default 1)."""
+        return self._gas
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale; 1.0 without fp16."""
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.loss_scale)
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each of the optimizer's param groups."""
+        if self.optimizer is None:
+            raise ZswapError(self._no_optimizer)
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``module(*args, **kwargs)``; with ``fp16.auto_cast`` floating-point inputs are cast to fp16."""
+        if self._fp16 and self.config.fp16.auto_cast:
+            args, kwargs = stepping.cast_half(args), stepping.cast_half(kwargs)
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> Engine:
+        """Put the module in training (or, ``mode=False``, eval) mode."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """Put the module in eval mode."""
+        self.module.train(False)
+        return self
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""

@@ -187,9 +187,72 @@ FP16 = Section(
         "loss_scale_window",
         "hysteresis",
         "min_loss_scale",
+        "consecutive_hysteresis",
+        "auto_cast",
+        "fp16_master_weights_and_grads",
     ),
-    ignored=frozenset({"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}),
 )
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""DeepSpeed's top-level batch keys; train_batch_size = micro batch × accumulation steps × world size."""
+
+SCHEDULER = Section(path="scheduler", fields=("type",), subsections=frozenset({"params"}))
+
+REQUIRED = object()
+"""Marks a schedule parameter DeepSpeed gives no default (it must be set, "auto" is refused)."""
+
+OPTIMIZER_LR = object()
+"""Marks a default taken from the optimizer's learning rate (WarmupLR's warmup_max_lr)."""
+
+SCHEDULES: dict[str, dict[str, object]] = {
+    # DeepSpeed's parameter names and defaults (deepspeed/runtime/lr_schedules.py), in its argument order.
+    "WarmupLR": {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": OPTIMIZER_LR,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+        "last_batch_iteration": -1,
+    },
+    "WarmupDecayLR": {
+        "total_num_steps": REQUIRED,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.001,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+        "last_batch_iteration": -1,
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": REQUIRED,
+        "warmup_min_ratio": 0.0,
+        "warmup_num_steps": 1000,
+        "cos_min_ratio": 0.0001,
+        "warmup_type": "log",
+        "last_batch_iteration": -1,
+    },
+    "OneCycle": {
+        "cycle_min_lr": REQUIRED,
+        "cycle_max_lr": REQUIRED,
+        "decay_lr_rate": 0.0,
+        "cycle_first_step_size": 2000,
+        "cycle_second_step_size": None,
+        "cycle_first_stair_count": 0,
+        "cycle_second_stair_count": None,
+        "decay_step_size": 0,
+        "cycle_momentum": True,
+        "cycle_min_mom": 0.8,
+        "cycle_max_mom": 0.9,
+        "decay_mom_rate": 0.0,
+        "last_batch_iteration": -1,
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": 1e-3,
+        "lr_range_test_step_size": 2000,
+        "lr_range_test_step_rate": 1.0,
+        "lr_range_test_staircase": False,
+        "last_batch_iteration": -1,
+    },
+}
+"""The five DeepSpeed schedules: parameter → default (`REQUIRED`, `OPTIMIZER_LR`, or a value)."""
 
 BF16_OLD_NAME = "bfloat16"
 """DeepSpeed still reads ``bfloat16`` as the old name of the ``bf16`` section."""

@@ -3,14 +3,15 @@
 This is where section placement, aliases and unknown keys are settled; values are checked by the models.
 Only zswap's sections are read, and each is copied into fresh dicts and tuples: nothing of the caller's
 mapping is modified, and nothing of it is kept beyond immutable leaf values. Everything outside those
-sections (batch sizes, schedulers, ``"auto"`` values there) is never looked at.
+sections (``steps_per_print``, ``wall_clock_breakdown`` …) is never looked at.
 
 Layouts (each section may be nested as DeepSpeed has it, or stand at top level, but not both)::
 
     zero_optimization.offload_param      | offload_param
     zero_optimization.offload_optimizer  | offload_optimizer
     zero_optimization.stage3_*, sub_group_size | the same keys at top level
-    aio, optimizer, bf16 (old name: bfloat16), fp16, gradient_clipping   (top level in both)
+    aio, optimizer, scheduler, bf16 (old name: bfloat16), fp16, gradient_clipping,
+    train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps   (top level in both)
 """
 
 from __future__ import annotations
@@ -62,10 +63,24 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
     if optimizer is not None:
         out.put("optimizer", _read_optimizer(optimizer))
     _read_precision(raw, out)
+    _read_batch(raw, out)
+    scheduler = _section(raw, "scheduler", "scheduler")
+    if scheduler is not None:
+        given = _read(scheduler, k.SCHEDULER, "scheduler")
+        params = _section(scheduler, "params", "scheduler.params") or {}
+        if any(not isinstance(key, str) for key in params):
+            raise ConfigError("scheduler.params has a key that is not a string")
+        given["params"] = ("scheduler.params", dict(params))
+        out.put("scheduler", given)
     if raw.get("gradient_clipping") is not None:  # DeepSpeed keeps it at top level; "auto" = zswap's default
         out.data["gradient_clipping"] = _detach(raw["gradient_clipping"])
         out.origins[("gradient_clipping",)] = "gradient_clipping"
     return out
+
+
+def _read_batch(raw: Mapping[Any, Any], out: Assembled) -> None:
+    given = {key: (key, _detach(raw[key])) for key in k.BATCH_KEYS if raw.get(key) is not None}
+    out.put("batch", given)
 
 
 def _read_zero(raw: Mapping[Any, Any], zero: Mapping[Any, Any] | None, out: Assembled) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..errors import ConfigError
@@ -223,6 +223,134 @@ class FP16Config(_Model):
     """Overflows tolerated before the scale is lowered (default 2)."""
     min_loss_scale: v.PositiveFloat = 1.0
     """Floor of the dynamic loss scale (default 1)."""
+    consecutive_hysteresis: v.StrictBool = False
+    """Refill the hysteresis after every step without overflow, not only when the scale is raised."""
+    auto_cast: v.StrictBool = False
+    """Cast the floating-point inputs of ``engine(...)`` to fp16 before calling the module (default false)."""
+    fp16_master_weights_and_grads: Annotated[
+        bool, v.only_false("zswap always keeps fp32 master weights for fp16 params")
+    ] = False
+    """DeepSpeed's fp16 master weights switch; only false is accepted."""
+
+    def dynamic(self) -> bool:
+        """Whether the loss scale is dynamic (``loss_scale`` 0) rather than static."""
+        return self.loss_scale == 0
+
+
+class BatchConfig(_Model):
+    """DeepSpeed's top-level batch keys. ``None`` = not given (derived from the others where possible)."""
+
+    train_batch_size: v.PositiveInt | None = None
+    """Samples per optimizer step over all ranks: micro batch × accumulation steps × world size."""
+    train_micro_batch_size_per_gpu: v.PositiveInt | None = None
+    """Samples per forward/backward on one rank (the batch size of `zswap.deepspeed.initialize`'s loader)."""
+    gradient_accumulation_steps: v.PositiveInt | None = None
+    """Micro-batches whose gradients are summed before each optimizer step (default 1)."""
+
+    def resolve(self, world_size: int) -> tuple[int | None, int | None, int]:
+        """``(train_batch_size, micro_batch, gradient_accumulation_steps)`` at ``world_size`` ranks, the
+        missing ones derived as DeepSpeed does; `ConfigError` naming the three keys when they disagree."""
+        train, micro, gas = (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+        )
+        if train is not None and micro is not None and gas is None:
+            gas = max(1, train // (micro * world_size))
+        elif train is not None and gas is not None and micro is None:
+            micro = max(1, train // (gas * world_size))
+        elif train is not None and micro is None and gas is None:
+            gas, micro = 1, max(1, train // world_size)
+        gas = 1 if gas is None else gas
+        if train is None and micro is not None:
+            train = micro * gas * world_size
+        if train is not None and micro is not None and train != micro * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size ({self.train_batch_size}) must equal train_micro_batch_size_per_gpu "
+                f"({self.train_micro_batch_size_per_gpu}) × gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) × world size ({world_size}) = "
+                f'{micro * gas * world_size}; fix one of the three (or set it to "auto")'
+            )
+        return train, micro, gas
+
+
+class SchedulerConfig(_Model):
+    """DeepSpeed's ``scheduler`` section: ``type`` (one of its five schedules) and its ``params``.
+
+    ``params`` holds the values given, checked against the schedule's parameter names; ``"auto"`` or null
+    leave a parameter at its default (see `zswap.schedules`)."""
+
+    _auto_refused: ClassVar[frozenset[str]] = frozenset({"type"})
+
+    type: Annotated[
+        Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"],
+        v.one_of("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"),
+    ]
+    """``"WarmupLR"``, ``"WarmupDecayLR"``, ``"WarmupCosineLR"``, ``"OneCycle"`` or ``"LRRangeTest"``."""
+    params: tuple[tuple[str, Any], ...] = ()
+    """Parameter name → value as given (DeepSpeed's names). "auto" or null leave a parameter at DeepSpeed's
+    default, except ``warmup_max_lr: "auto"``, which is the optimizer's lr (as Hugging Face fills it in)."""
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _pairs(cls, value: Any) -> Any:
+        # Kept as (name, value) pairs so that the config stays hashable; `param_values` gives a dict.
+        return tuple(value.items()) if isinstance(value, Mapping) else value
+
+    def param_values(self) -> dict[str, Any]:
+        """The parameters given, name → value (a list as a tuple)."""
+        return dict(self.params)
+
+    @model_validator(mode="after")
+    def _known_params(self) -> SchedulerConfig:
+        from . import _keys
+
+        spec = _keys.SCHEDULES[self.type]
+        checked: dict[str, Any] = {}
+        for name, value in self.params:
+            if name not in spec:
+                close = _keys.Section("scheduler.params", tuple(spec)).closest(name)
+                hint = f"; did you mean {close!r}?" if close else f"; {self.type} takes {', '.join(spec)}"
+                raise PydanticCustomError(CONFLICT, f"unknown key {name!r} in scheduler.params{hint}")
+            if value is None or (_is_auto(value) and name != "warmup_max_lr"):
+                continue
+            if _is_auto(value):  # Hugging Face's "the optimizer's lr"
+                checked[name] = "auto"
+                continue
+            try:
+                checked[name] = _schedule_value(name, value)
+            except PydanticCustomError as exc:
+                raise PydanticCustomError(
+                    CONFLICT, f"scheduler.params.{name} {exc.message()}, got {v.show(value)}"
+                ) from None
+        object.__setattr__(self, "params", tuple(checked.items()))
+        return self
+
+
+_SCHEDULE_INTS = {
+    "warmup_num_steps": 1,
+    "total_num_steps": 1,
+    "cycle_first_step_size": 1,
+    "cycle_second_step_size": 0,
+    "cycle_first_stair_count": 0,
+    "cycle_second_stair_count": 0,
+    "decay_step_size": 0,
+    "lr_range_test_step_size": 1,
+    "last_batch_iteration": -1,
+}
+_SCHEDULE_BOOLS = {"lr_range_test_staircase", "cycle_momentum"}
+
+
+def _schedule_value(name: str, value: Any) -> Any:
+    if name in _SCHEDULE_INTS:
+        return v.to_int(value, minimum=_SCHEDULE_INTS[name])
+    if name in _SCHEDULE_BOOLS:
+        return v.to_bool(value)
+    if name == "warmup_type":
+        return v.to_choice(value, choices=("log", "linear"))
+    if isinstance(value, list | tuple):  # a value per param group
+        return tuple(v.to_float(item) for item in value)
+    return v.to_float(value)
 
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -248,6 +376,10 @@ class ZswapConfig(_Model):
     gradient_clipping: v.NonNegativeFloat | None = None
     """DeepSpeed's top-level ``gradient_clipping``: clip the gradients' global L2 norm to this before each
     step (`zswap.initialize`); ``None`` or 0 = no clipping."""
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    """The top-level batch keys (gradient accumulation)."""
+    scheduler: SchedulerConfig | None = None
+    """``None`` when the config has no ``scheduler`` section."""
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""
@@ -284,6 +416,12 @@ class ZswapConfig(_Model):
         out["bf16"] = {"enabled": bf16}
         out["fp16"] = {"enabled": fp16, **self.fp16._json_fields()}
         out["gradient_clipping"] = _to_json(self.gradient_clipping)
+        out.update(self.batch._json_fields())
+        if self.scheduler is not None:
+            out["scheduler"] = {
+                "type": self.scheduler.type,
+                "params": _to_json(self.scheduler.param_values()),
+            }
         return out
 
 
@@ -296,6 +434,8 @@ def _to_json(value: Any) -> Any:
         return "auto"
     if isinstance(value, tuple):
         return [_to_json(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _to_json(item) for key, item in value.items()}
     if isinstance(value, Path):
         return str(value)
     return value
@@ -336,10 +476,12 @@ def _dotted(loc: tuple[str, ...], origins: Mapping[tuple[str, ...], str]) -> str
 
 __all__ = [
     "AioConfig",
+    "BatchConfig",
     "FP16Config",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
+    "SchedulerConfig",
     "ZeroConfig",
     "ZswapConfig",
 ]
