@@ -89,7 +89,7 @@ class Schedule:
 def _warmup_fraction(kind: str, it: int, steps: int) -> float:
     """How far warmup has come at step ``it`` of ``steps``: log(it+1)/log(steps), or it/steps."""
     if kind == "log":
-        return math.log(it + 1) / math.log(steps)
+        return (1.0 / math.log(steps)) * math.log(it + 1)  # DeepSpeed's order of operations, to the last bit
     if kind == "linear":
         return it / steps
     raise ValueError(f"warmup_type must be 'log' or 'linear', got {kind!r}")
