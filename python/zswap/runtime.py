@@ -271,6 +271,11 @@ class Engine:
         self.module.train(False)
         return self
 
+    def adopt_optimizer(self) -> None:
+        """Make `close` close the optimizer too: one a caller built for this engine only (as
+        `zswap.deepspeed.initialize` builds the config's optimizer over ``model_parameters``)."""
+        self._owns_optimizer = True
+
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""
         self._check_open()

@@ -1,0 +1,151 @@
+"""DeepSpeed's call shapes on zswap: a script ported by changing ``import deepspeed`` to
+``import zswap.deepspeed as deepspeed`` runs unchanged.
+
+zswap's own API (`zswap.initialize`, `zswap.Init`, `zswap.GatheredParameters`) keeps one spelling for each
+thing; this module maps DeepSpeed's signatures onto it and nothing more:
+
+- `initialize` returns DeepSpeed's 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``;
+- `zero.Init`, `zero.GatheredParameters`, `zero.register_external_parameter`;
+- `init_distributed` and `add_config_arguments`, which DeepSpeed scripts call around them.
+
+A DeepSpeed keyword zswap has no equivalent for (``mpu``, ``mesh_param``, quantized weights…) is a
+`TypeError` naming it when given a value other than its default — never dropped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import runtime
+from ..config import load_config
+from ..init import Init
+from ..optim import OffloadedAdamW
+from ..params import param_state
+from . import zero
+from ._args import refuse, resolve_config
+from ._data import training_dataloader
+
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+"""DeepSpeed's default ``distributed_port``."""
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[runtime.Engine, Any, Any, Any]:
+    """DeepSpeed's ``deepspeed.initialize``: a `zswap.Engine` over ``model`` and DeepSpeed's 4-tuple
+    ``(engine, engine.optimizer, dataloader or None, engine.lr_scheduler)``.
+
+    - The config: ``config`` (a path or a dict), or ``config_params`` (its old name), or
+      ``args.deepspeed_config`` (``args.deepscale_config``, older still); exactly one of them.
+    - ``optimizer``: an optimizer, or a callable taking ``model_parameters`` (default: the model's params)
+      and returning one; else built from the config's ``optimizer`` section over ``model_parameters``
+      (an `OffloadedAdamW`, closed by ``engine.close()``).
+    - ``lr_scheduler``: a scheduler or a callable taking the optimizer; else the config's ``scheduler``.
+    - ``training_data``: a dataset, returned as a `torch.utils.data.DataLoader` with the config's micro
+      batch size (``train_micro_batch_size_per_gpu``, or derived from ``train_batch_size``), shuffled by a
+      `RandomSampler` (a `DistributedSampler` over several ranks), with ``collate_fn`` — as DeepSpeed's
+      loader does.
+    - ``dist_init_required``: ``None`` initialises torch.distributed when a launcher set ``WORLD_SIZE``
+      and it is not initialised yet; ``True`` always (a single process on ``distributed_port`` when no
+      launcher did); ``False`` never.
+    - ``mpu`` and ``mesh_param`` (model / sequence parallelism) are not supported: a `TypeError`.
+    """
+    refuse("initialize", mpu=(mpu, None), mesh_param=(mesh_param, None))
+    if model is None:
+        raise TypeError("zswap.deepspeed.initialize requires a model")
+    cfg = load_config(resolve_config(args, config, config_params))
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if any(param_state(p) is None for p in model.parameters()):
+        Init(cfg, module=model)  # partitioned before an optimizer is built over its params
+    owned = False
+    params = list(model.parameters()) if model_parameters is None else list(model_parameters)
+    if optimizer is None and cfg.optimizer is not None:
+        # Over model_parameters (param groups allowed), as DeepSpeed builds its config optimizer.
+        optimizer, owned = OffloadedAdamW.from_config(params, cfg), True
+    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+    engine = runtime.initialize(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    if owned:
+        engine.adopt_optimizer()
+    loader = None
+    if training_data is not None:
+        loader = training_dataloader(training_data, cfg, engine, collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """DeepSpeed's ``deepspeed.init_distributed`` on torch.distributed.
+
+    ``dist_init_required`` ``None``: initialise when a launcher set ``WORLD_SIZE`` (``torchrun``,
+    ``deepspeed``) and torch.distributed is not initialised; ``True``: initialise (a group of one on
+    ``127.0.0.1:distributed_port`` when no launcher set the environment); ``False``: do nothing.
+    ``dist_backend`` defaults to gloo (zswap computes on the CPU). ``rank`` / ``world_size`` (-1: from the
+    environment), ``init_method`` and ``timeout`` go to ``init_process_group``. ``auto_mpi_discovery``:
+    DeepSpeed's fallback when no launcher set the environment, reading ranks from mpi4py; zswap has none,
+    so ``True`` (the default) means the same as ``False`` — the environment or the single-process defaults
+    decide. ``verbose`` (DeepSpeed's log lines) and ``config`` (read by DeepSpeed for its comms logger)
+    change nothing zswap does.
+    """
+    dist = torch.distributed
+    if dist_init_required is False or dist.is_initialized():
+        return
+    launched = "WORLD_SIZE" in os.environ
+    if dist_init_required is None and not launched and world_size == -1:
+        return  # one process: zswap needs no process group
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(distributed_port), "RANK": "0", "WORLD_SIZE": "1"}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    kwargs: dict[str, Any] = {"backend": dist_backend or "gloo"}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if rank != -1:
+        kwargs["rank"] = rank
+    if world_size != -1:
+        kwargs["world_size"] = world_size
+    dist.init_process_group(**kwargs)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's ``--deepspeed`` / ``--deepspeed_config`` (and the old ``--deepscale_config``)
+    arguments, read by `initialize` from ``args``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable DeepSpeed (zswap)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+__all__ = ["add_config_arguments", "init_distributed", "initialize", "zero"]

@@ -1,0 +1,32 @@
+"""The training data loader `zswap.deepspeed.initialize` returns, shaped as DeepSpeed's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from ..config import ZswapConfig
+from ..errors import ConfigError
+
+
+def training_dataloader(
+    data: Any, cfg: ZswapConfig, engine: Any, collate_fn: Callable[..., Any] | None
+) -> DataLoader[Any]:
+    """``data`` in batches of the config's micro batch size: a `RandomSampler` on one rank, a
+    `DistributedSampler` (this rank's share) on several — DeepSpeed's defaults."""
+    dist = torch.distributed
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    micro = cfg.batch.resolve(ranks)[1]
+    if micro is None:
+        raise ConfigError(
+            "training_data needs a batch size: set train_micro_batch_size_per_gpu or train_batch_size in "
+            "the config"
+        )
+    if ranks > 1:
+        sampler: Any = DistributedSampler(data, num_replicas=ranks, rank=dist.get_rank())
+    else:
+        sampler = RandomSampler(data)
+    return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn)

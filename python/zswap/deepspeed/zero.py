@@ -1,0 +1,120 @@
+"""``deepspeed.zero``'s call shapes on zswap: `Init`, `GatheredParameters`, `register_external_parameter`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import gather, init
+from ..errors import ZswapError
+from ._args import refuse
+
+_UNSET: Any = object()
+
+
+class Init(init.Init):
+    """DeepSpeed's ``deepspeed.zero.Init`` signature over `zswap.Init`.
+
+    ``config_dict_or_path`` (or ``config``, its deprecated name; not both) → the config;
+    ``data_parallel_group`` → ``process_group``; ``remote_device``, ``dtype``, ``enabled``, ``module`` as
+    zswap's. ``pin_memory``: as in DeepSpeed, the config's ``offload_param.pin_memory`` decides when a config
+    is given and ``pin_memory`` is left at ``False``; ``True`` pins. ``mem_efficient_linear``: zswap never
+    keeps a gathered weight alive for backward (saved weights are re-fetched), which is what DeepSpeed's
+    memory-efficient linear is for, so ``True`` (the default) is what zswap does; ``False`` is refused.
+    ``mpu``, ``zero_param_parallel_group``, ``sequence_data_parallel_group``, ``param_swapper``,
+    ``tensor_overrides`` and the quantized-weight switches are not supported: a `TypeError` naming the
+    keyword unless left at the default.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+        tensor_overrides: Any = _UNSET,
+    ) -> None:
+        refuse(
+            "zero.Init",
+            mem_efficient_linear=(mem_efficient_linear, True),
+            mpu=(mpu, None),
+            zero_param_parallel_group=(zero_param_parallel_group, None),
+            zero_quantized_weights=(zero_quantized_weights, False),
+            zero_quantized_nontrainable_weights=(zero_quantized_nontrainable_weights, False),
+            sequence_data_parallel_group=(sequence_data_parallel_group, None),
+            param_swapper=(param_swapper, None),
+            tensor_overrides=(tensor_overrides, _UNSET),
+        )
+        if config_dict_or_path is not None and config is not None:
+            raise TypeError(
+                "zswap.deepspeed.zero.Init got both config_dict_or_path= and config= (its deprecated name); "
+                "pass one"
+            )
+        cfg = config_dict_or_path if config_dict_or_path is not None else config
+        pin: bool | None = bool(pin_memory) if pin_memory or cfg is None else None
+        super().__init__(
+            cfg,
+            remote_device=remote_device,
+            pin_memory=pin,
+            dtype=dtype,
+            enabled=enabled,
+            process_group=data_parallel_group,
+            module=module,
+        )
+
+
+class GatheredParameters(gather.GatheredParameters):
+    """DeepSpeed's ``deepspeed.zero.GatheredParameters(params, modifier_rank=None, fwd_module=None,
+    enabled=True)`` over `zswap.GatheredParameters`.
+
+    ``fwd_module``: DeepSpeed registers ``params`` as external parameters of that module so its forward
+    may use them; zswap fetches a managed param wherever a hooked forward uses it, so there is nothing to
+    register (see `register_external_parameter`). It must be a module or ``None``."""
+
+    def __init__(
+        self,
+        params: Any,
+        modifier_rank: int | None = None,
+        fwd_module: nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
+        if fwd_module is not None and not isinstance(fwd_module, nn.Module):
+            raise TypeError(f"fwd_module must be an nn.Module or None, not {type(fwd_module).__name__}")
+        super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)
+
+
+class NotAParameterError(ZswapError, RuntimeError):
+    """`register_external_parameter` was given something that is not an ``nn.Parameter`` (DeepSpeed raises
+    ``RuntimeError`` too)."""
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """A no-op in zswap, kept so DeepSpeed code runs: DeepSpeed needs to be told that ``module``'s forward
+    uses a param of another module; zswap's engine catches every use of a managed param inside a hooked
+    forward (a torch-function mode) and fetches it there, so nothing needs registering. Checks its
+    arguments as DeepSpeed does."""
+    if not isinstance(parameter, nn.Parameter):
+        raise NotAParameterError(f"parameter must be an nn.Parameter, not {type(parameter).__name__}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, not {type(module).__name__}")
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """The counterpart of `register_external_parameter`: a no-op for the same reason."""
+    register_external_parameter(module, parameter)
+
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]

@@ -1,0 +1,272 @@
+"""`zswap.deepspeed`: a DeepSpeed script runs with only its import changed — DeepSpeed's signatures for
+initialize (4-tuple, data loader, config sources), zero.Init, zero.GatheredParameters,
+register_external_parameter; DeepSpeed keywords zswap does not support are a TypeError naming them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+import zswap
+import zswap.deepspeed as deepspeed
+from zswap import ConfigError, param_state
+
+from .test_runtime import TinyLM, ids, sq
+
+HYPER: dict[str, Any] = {"lr": 1e-2, "betas": [0.8, 0.95], "weight_decay": 0.1}
+
+
+def ds_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": HYPER},
+        **extra,
+    }
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        yield
+
+
+def test_a_deepspeed_training_script_runs_and_matches_torch_bitwise():
+    cfg = ds_config()
+    torch.manual_seed(0)
+    ref = TinyLM()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TinyLM()
+    assert all(param_state(p) is not None for p in model.parameters())
+    data = TensorDataset(ids(batch=12, seed=3))
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg, training_data=data
+    )
+    assert isinstance(engine, zswap.Engine) and optimizer is engine.optimizer and scheduler is None
+    assert isinstance(optimizer, zswap.optim.OffloadedAdamW)
+    assert (
+        isinstance(loader, DataLoader)
+        and loader.batch_size == 3
+        and isinstance(loader.sampler, RandomSampler)
+    )
+    batches = [b for (b,) in loader]
+    assert len(batches) == 4 and all(b.shape == (3, 8) for b in batches)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, fused=True)
+    with engine:
+        for i, batch in enumerate(batches):
+            loss = engine(batch)
+            want = ref(batch)
+            assert torch.equal(loss, want)
+            engine.backward(sq(loss))
+            (sq(want) / 2).backward()
+            engine.step()
+            if i % 2 == 1:
+                ref_opt.step()
+                ref_opt.zero_grad()
+        assert engine.global_steps == 2
+        with zswap.GatheredParameters(list(model.parameters())):
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p.data, q.data)
+
+
+def test_config_from_args_config_params_or_a_path(tmp_path: Path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds_config(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed and args.deepspeed_config == str(path)
+    for kwargs in ({"args": args}, {"config_params": str(path)}, {"config": path}):
+        model = TinyLM()
+        engine, _, loader, scheduler = deepspeed.initialize(model=model, **kwargs)
+        with engine:
+            assert loader is None and isinstance(scheduler, zswap.schedules.WarmupLR)
+            assert engine.gradient_accumulation_steps() == 2
+    with pytest.raises(
+        TypeError, match=r"got a config from config and args\.deepspeed_config; pass exactly one"
+    ):
+        deepspeed.initialize(args=args, model=TinyLM(), config=ds_config())
+    with pytest.raises(TypeError, match="needs a config"):
+        deepspeed.initialize(model=TinyLM())
+    with pytest.raises(TypeError, match="requires a model"):
+        deepspeed.initialize(config=ds_config())
+
+
+def test_optimizer_and_scheduler_callables_as_deepspeed_takes_them():
+    model = TinyLM()
+    made: dict[str, Any] = {}
+
+    def make_opt(params: Any) -> torch.optim.Optimizer:
+        made["params"] = list(params)
+        return torch.optim.AdamW(made["params"], lr=0.5)
+
+    def make_sched(opt: Any) -> Any:
+        made["opt"] = opt
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    cfg = ds_config()
+    del cfg["optimizer"]
+    engine, opt, _, sched = deepspeed.initialize(
+        model=model, optimizer=make_opt, lr_scheduler=make_sched, config=cfg
+    )
+    with engine:
+        assert (
+            made["params"] == list(model.parameters()) and made["opt"] is opt and sched is engine.lr_scheduler
+        )
+        for _ in range(2):
+            engine.backward(sq(engine(ids())))
+            engine.step()
+        assert engine.get_lr() == [0.25]
+
+
+def test_model_parameters_pick_what_the_config_optimizer_steps():
+    model = TinyLM()
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if "ln" not in n]},
+        {"params": [p for n, p in model.named_parameters() if "ln" in n], "weight_decay": 0.0},
+    ]
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config())
+    with engine:
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    with pytest.raises(zswap.ZswapError, match="closed"):
+        engine.step()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"), [({"mpu": object()}, "mpu"), ({"mesh_param": (2, 1)}, "mesh_param")]
+)
+def test_unsupported_initialize_keywords_are_type_errors_naming_them(kwargs, name):
+    with pytest.raises(TypeError, match=rf"initialize: {name}=.* is not supported by zswap"):
+        deepspeed.initialize(model=TinyLM(), config=ds_config(), **kwargs)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_thing'"):
+        deepspeed.initialize(model=TinyLM(), config=ds_config(), no_such_thing=1)  # type: ignore[call-arg]
+
+
+def test_training_data_needs_a_batch_size():
+    cfg = ds_config()
+    del cfg["train_micro_batch_size_per_gpu"]
+    with pytest.raises(ConfigError, match="training_data needs a batch size"):
+        deepspeed.initialize(model=TinyLM(), config=cfg, training_data=TensorDataset(torch.zeros(4, 2)))
+
+
+def test_collate_fn_is_used():
+    seen: list[int] = []
+
+    def collate(items: list[Any]) -> torch.Tensor:
+        seen.append(len(items))
+        return torch.stack([x for (x,) in items])
+
+    data = TensorDataset(ids(batch=7, seed=2))
+    engine, _, loader, _ = deepspeed.initialize(
+        model=TinyLM(), config=ds_config(), training_data=data, collate_fn=collate
+    )
+    with engine:
+        assert [b.shape[0] for b in loader] == [3, 3, 1] and seen == [
+            3,
+            3,
+            1,
+        ]  # drop_last false, as DeepSpeed
+
+
+def test_dist_init_is_left_alone_for_one_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for required in (None, False):
+        engine, *_ = deepspeed.initialize(model=TinyLM(), config=ds_config(), dist_init_required=required)
+        engine.close()
+    assert not torch.distributed.is_initialized()
+
+
+# -- zero -------------------------------------------------------------------------------------------------
+
+
+def test_zero_init_takes_deepspeeds_keywords(tmp_path: Path):
+    cfg = {"zero_optimization": {"offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg, data_parallel_group=None, enabled=True):
+        m = nn.Linear(4, 4)
+    assert param_state(m.weight).dtype == torch.bfloat16 and param_state(m.weight).tier == "cpu"
+    with deepspeed.zero.Init(config=cfg, dtype=torch.float32):  # config: the deprecated name
+        m2 = nn.Linear(4, 4)
+    assert param_state(m2.weight).dtype == torch.float32
+    with deepspeed.zero.Init(enabled=False):
+        m3 = nn.Linear(2, 2)
+    assert param_state(m3.weight) is None
+    plain = nn.Linear(3, 3)
+    deepspeed.zero.Init(module=plain, config_dict_or_path=cfg, mem_efficient_linear=True)
+    assert param_state(plain.weight) is not None
+    nvme = {"zero_optimization": {"offload_param": {"device": "cpu", "nvme_path": str(tmp_path)}}}
+    with deepspeed.zero.Init(config_dict_or_path=nvme, remote_device="nvme"):
+        m4 = nn.Linear(4, 4)
+    assert param_state(m4.weight).tier == "nvme"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"mpu": object()}, "mpu"),
+        ({"zero_param_parallel_group": object()}, "zero_param_parallel_group"),
+        ({"zero_quantized_weights": True}, "zero_quantized_weights"),
+        ({"zero_quantized_nontrainable_weights": True}, "zero_quantized_nontrainable_weights"),
+        ({"sequence_data_parallel_group": object()}, "sequence_data_parallel_group"),
+        ({"param_swapper": object()}, "param_swapper"),
+        ({"tensor_overrides": []}, "tensor_overrides"),
+        ({"mem_efficient_linear": False}, "mem_efficient_linear"),
+    ],
+)
+def test_zero_init_refuses_what_zswap_does_not_support(kwargs, name):
+    with pytest.raises(TypeError, match=rf"zero\.Init: {name}=.* is not supported by zswap"):
+        deepspeed.zero.Init(**kwargs)
+
+
+def test_zero_init_config_twice_is_refused():
+    with pytest.raises(TypeError, match="both config_dict_or_path= and config="):
+        deepspeed.zero.Init(config_dict_or_path={}, config={})
+
+
+def test_pin_memory_follows_the_config_unless_set(monkeypatch):
+    seen: list[Any] = []
+    original = zswap.Init.__init__
+
+    def spy(self: Any, config: Any = None, **kw: Any) -> None:
+        seen.append(kw["pin_memory"])
+        original(self, config, **kw)
+
+    monkeypatch.setattr(zswap.Init, "__init__", spy)
+    cfg = {"offload_param": {"device": "cpu", "pin_memory": True}}
+    deepspeed.zero.Init(config_dict_or_path=cfg)  # the config decides (DeepSpeed)
+    deepspeed.zero.Init(config_dict_or_path=cfg, pin_memory=True)
+    deepspeed.zero.Init(remote_device="cpu")  # no config: the keyword's False
+    assert seen == [None, True, False]
+
+
+def test_gathered_parameters_with_fwd_module_and_modifier_rank():
+    with zswap.Init({"offload_param": {"device": "cpu"}}):
+        m = nn.Linear(3, 3)
+    with deepspeed.zero.GatheredParameters(m.weight, modifier_rank=0, fwd_module=m):
+        assert m.weight.shape == (3, 3)
+        m.weight.data.fill_(2.0)
+    with zswap.GatheredParameters(m.weight):
+        assert torch.equal(m.weight.data, torch.full((3, 3), 2.0))
+    with deepspeed.zero.GatheredParameters([m.weight], enabled=False):
+        assert m.weight.numel() == 0
+    with pytest.raises(TypeError, match=r"fwd_module must be an nn\.Module or None, not str"):
+        deepspeed.zero.GatheredParameters(m.weight, fwd_module="m")  # type: ignore[arg-type]
+
+
+def test_register_external_parameter_is_a_checked_no_op():
+    with zswap.Init({"offload_param": {"device": "cpu"}}):
+        m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    deepspeed.zero.register_external_parameter(m[1], m[0].weight)
+    deepspeed.zero.unregister_external_parameter(m[1], m[0].weight)
+    with pytest.raises(RuntimeError, match=r"parameter must be an nn\.Parameter, not Tensor") as ei:
+        deepspeed.zero.register_external_parameter(m[1], torch.zeros(2))
+    assert isinstance(ei.value, zswap.ZswapError)
