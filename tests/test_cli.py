@@ -38,6 +38,96 @@ def test_bad_sizes_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--size: 'lots' must be a size in bytes" in capsys.readouterr().err
 
 
-def test_missing_path_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="is not an existing directory"):
-        main(["bench", "--path", str(tmp_path / "typo"), "--size", "1MiB"])
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one stderr line of a usage error (exit status 2)."""
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+def test_missing_path_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _usage_error(["bench", "--path", str(tmp_path / "typo"), "--size", "1MiB"], capsys)
+    assert line == (
+        f"zswap bench: error: argument --path: '{tmp_path / 'typo'}' is not an existing directory "
+        "(see zswap bench --help)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["tune", "--block-sizes", "3000"],
+            "argument --block-sizes: '3000' must be a power of two from 4096",
+        ),
+        (
+            ["tune", "--block-sizes", "1MiB", "96KiB"],
+            "argument --block-sizes: '96KiB' must be a power of two",
+        ),
+        (["tune", "--queue-depths", "4", "0"], "argument --queue-depths: 0 must be a positive integer"),
+        (["bench", "--block-size", "1000"], "argument --block-size: '1000' must be a power of two from 4096"),
+        (["bench", "--block-size", "128MiB"], "argument --block-size: '128MiB' must be a power of two"),
+        (["bench", "--queue-depth", "0"], "argument --queue-depth: 0 must be a positive integer"),
+        (["bench", "--queue-depth", "5000"], "argument --queue-depth: 5000 must be at most 4096"),
+        (["bench", "--queue-depth", "many"], "argument --queue-depth: 'many' is not an integer"),
+        (["bench", "--threads", "0"], "argument --threads: 0 must be a positive integer"),
+        (["bench", "--repeat", "0"], "argument --repeat: 0 must be a positive integer"),
+        (["demo", "--steps", "-1"], "argument --steps: -1 must be a positive integer"),
+        (["bench", "--backend", "aio"], "argument --backend: invalid choice: 'aio'"),
+    ],
+)
+def test_bad_values_are_one_line_usage_errors(argv, message, capsys):
+    line = _usage_error(argv, capsys)
+    assert line.startswith(f"zswap {argv[0]}: error: {message}"), line
+
+
+def test_demo_config_typo_missing_file_and_bad_json(tmp_path, capsys):
+    line = _usage_error(["demo", "--config", '{"aio": {"blok_size": 4096}}'], capsys)
+    assert line == (
+        "zswap demo: error: argument --config: unknown key 'blok_size' in aio; did you mean 'block_size'? "
+        "(see zswap demo --help)"
+    )
+    missing = tmp_path / "ds_config.json"
+    line = _usage_error(["demo", "--config", str(missing)], capsys)
+    assert line == f"zswap demo: error: argument --config: '{missing}': no such file (see zswap demo --help)"
+    line = _usage_error(["demo", "--config", '{"aio": '], capsys)
+    assert line.startswith("zswap demo: error: argument --config: invalid JSON at line 1, column 9")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"fp16": {"loss_scale_window": 0}}')
+    line = _usage_error(["demo", "--config", str(bad)], capsys)
+    assert line.startswith(f"zswap demo: error: argument --config: {bad}: fp16.loss_scale_window must be")
+
+
+def test_a_failure_while_running_is_one_line_and_status_1(tmp_path, capsys, monkeypatch):
+    # /proc is a directory no swap file can be made in; the failure happens inside the engine.
+    assert main(["bench", "--path", "/proc", "--size", "1MiB", "--repeat", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (
+        err.startswith("zswap bench: error: ") and "/proc" in err and "(--debug shows the traceback)" in err
+    )
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback(where, capsys):
+    argv = ["bench", "--path", "/proc", "--size", "1MiB", "--repeat", "1"]
+    argv = ["--debug", *argv] if where == "before" else [*argv[:1], "--debug", *argv[1:]]
+    with pytest.raises(OSError, match="/proc"):
+        main(argv)
+
+
+def test_runtime_errors_name_their_type_when_the_message_does_not(monkeypatch, capsys):
+    from zswap import bench
+
+    def boom(*a: object, **k: object) -> None:
+        raise ValueError("bad thing")
+
+    monkeypatch.setattr(bench, "run", boom)
+    assert main(["bench", "--size", "1MiB"]) == 1
+    assert (
+        capsys.readouterr().err == "zswap bench: error: ValueError: bad thing (--debug shows the traceback)\n"
+    )

@@ -1,6 +1,10 @@
 """The `zswap` command line: `demo` (a model larger than its memory budget, run and trained from a temp dir),
 `bench` (engine next to the raw disk), `tune` (block size × queue depth sweep printing a ready `aio`
-config block) and `env` (what this machine allows, `zswap/envreport.py`)."""
+config block) and `env` (what this machine allows, `zswap/envreport.py`).
+
+Errors reach the user as one line on stderr naming the value: a bad argument (checked while parsing, by
+the ``type=`` functions below) exits with status 2, a failure while running with status 1; ``--debug``
+shows the traceback instead."""
 
 from __future__ import annotations
 
@@ -11,26 +15,83 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 from pydantic_core import PydanticCustomError
 
 from ._zswap import __version__
-from .config._values import to_byte_size
+from .config._values import to_block_size, to_byte_size, to_int
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
 
 
-def _size(text: str) -> int:
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as one line (``zswap bench: error: argument …``), not the
+    usage block followed by the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _checked(check: Any, text: str, **options: Any) -> Any:
     try:
-        return to_byte_size(text)
+        return check(text, **options)
     except PydanticCustomError as e:
         raise argparse.ArgumentTypeError(f"{text!r} {e.message()}") from None
 
 
+def _size(text: str) -> int:
+    return int(_checked(to_byte_size, text))
+
+
+def _block_size(text: str) -> int:
+    # Checked here: the engine would refuse it only after a temp dir and a swap file were made.
+    return int(_checked(lambda t: to_block_size(to_byte_size(t)), text))
+
+
+def _int_between(minimum: int, maximum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        return int(_checked(to_int, value, minimum=minimum, maximum=maximum))
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _directory(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
+    return path
+
+
+def _config(text: str) -> str:
+    """``--config``: a JSON file or a JSON object in the argument; loaded once here to report a typo, a
+    missing file or bad JSON as a usage error (the command loads it again)."""
+    from .config import load_config
+
+    try:
+        load_config(json.loads(text) if text.lstrip().startswith("{") else text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+        ) from None
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file") from None
+    except (ValueError, TypeError, OSError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 @contextlib.contextmanager
 def _work_dir(path: Path | None) -> Iterator[Path]:
-    """The given directory (which must exist), or a temp dir on the local disk, removed afterwards."""
+    """The given directory (checked to exist by `_directory`), or a temp dir on the local disk, removed
+    afterwards."""
     if path is not None:
-        if not path.is_dir():
-            raise SystemExit(f"zswap: --path {path} is not an existing directory")
         yield path
         return
     with tempfile.TemporaryDirectory(
@@ -45,7 +106,7 @@ def _bench(args: argparse.Namespace) -> int:
     with _work_dir(args.path) as d:
         res = bench.run(
             d, args.size, block_size=args.block_size, queue_depth=args.queue_depth,
-            backend=args.backend, threads=args.threads, repeat=args.repeat,
+            backend=args.backend, threads=args.threads, repeat=args.repeat, out=sys.stdout,
         )  # fmt: skip
     if args.json:
         args.json.write_text(res.to_json())
@@ -94,38 +155,59 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zswap", description="Run and train PyTorch models larger than memory.")
+    p = _Parser(prog="zswap", description="Run and train PyTorch models larger than memory.")
     p.add_argument("--version", action="version", version=f"zswap {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
+    # --debug after the subcommand too; SUPPRESS keeps a subparser from resetting the one given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    positive = _int_between(1, 1 << 31)
 
-    d = sub.add_parser("demo", help="build, run and train a GPT-style model larger than its memory budget")
-    d.add_argument("--path", type=Path, help="swap directory (default: a temp dir on the local disk)")
+    d = sub.add_parser(
+        "demo", parents=[common], help="build, run and train a GPT-style model larger than its memory budget"
+    )
+    d.add_argument("--path", type=_directory, help="swap directory (default: a temp dir on the local disk)")
     d.add_argument("--size", type=_size, default=768 << 20, help="fp32 bytes of params (default 768MiB)")
-    d.add_argument("--config", help="a config: path to a JSON file, or a JSON string (default: built in)")
-    d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    d.add_argument(
+        "--config", type=_config, help="a config: path to a JSON file, or a JSON string (default: built in)"
+    )
+    d.add_argument("--steps", type=positive, default=5, help="training steps (default 5)")
     d.set_defaults(func=_demo)
 
-    b = sub.add_parser("bench", help="engine throughput next to the raw disk (fio, or zswap's raw loop)")
-    b.add_argument("--path", type=Path, help="directory on the drive to test (default: a temp dir)")
+    b = sub.add_parser(
+        "bench", parents=[common], help="engine throughput next to the raw disk (fio, or zswap's raw loop)"
+    )
+    b.add_argument("--path", type=_directory, help="directory on the drive to test (default: a temp dir)")
     b.add_argument("--size", type=_size, default=1 << 30, help="bytes per pass, e.g. 1GiB (default)")
-    b.add_argument("--block-size", type=_size, default=1 << 20, help="default 1MiB")
-    b.add_argument("--queue-depth", type=int, default=16, help="default 16")
+    b.add_argument(
+        "--block-size", type=_block_size, default=1 << 20, help="4KiB..64MiB, a power of two (default 1MiB)"
+    )
+    b.add_argument("--queue-depth", type=_int_between(1, 4096), default=16, help="1..4096 (default 16)")
     b.add_argument("--backend", choices=["auto", "io_uring", "psync"], default="auto")
-    b.add_argument("--threads", type=int, default=None, help="engine worker threads (default: auto)")
-    b.add_argument("--repeat", type=int, default=3, help="passes per figure; the best counts (default 3)")
+    b.add_argument(
+        "--threads", type=_int_between(1, 256), default=None, help="engine worker threads (default: auto)"
+    )
+    b.add_argument(
+        "--repeat", type=positive, default=3, help="passes per figure; the best counts (default 3)"
+    )
     b.add_argument("--json", type=Path, help="also write the figures to this file")
     b.set_defaults(func=_bench)
 
-    t = sub.add_parser("tune", help="sweep block size and queue depth; print the best aio block")
-    t.add_argument("--path", type=Path)
+    t = sub.add_parser(
+        "tune", parents=[common], help="sweep block size and queue depth; print the best aio block"
+    )
+    t.add_argument("--path", type=_directory)
     t.add_argument("--size", type=_size, default=256 << 20, help="bytes per pass (default 256MiB)")
-    t.add_argument("--block-sizes", type=_size, nargs="+", default=[256 << 10, 1 << 20, 4 << 20])
-    t.add_argument("--queue-depths", type=int, nargs="+", default=[4, 16, 64])
-    t.add_argument("--repeat", type=int, default=2)
+    t.add_argument("--block-sizes", type=_block_size, nargs="+", default=[256 << 10, 1 << 20, 4 << 20])
+    t.add_argument("--queue-depths", type=_int_between(1, 4096), nargs="+", default=[4, 16, 64])
+    t.add_argument("--repeat", type=positive, default=2)
     t.set_defaults(func=_tune)
 
     v = sub.add_parser(
-        "env", help="what this machine allows (io_uring, O_DIRECT, huge pages...) and what zswap does"
+        "env",
+        parents=[common],
+        help="what this machine allows (io_uring, O_DIRECT, huge pages...) and what zswap does",
     )
     v.add_argument(
         "--path", type=Path, help="swap directory to probe (default: a temp dir on the local disk)"
@@ -136,8 +218,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; a bad argument exits with status 2 (from argparse), an error while running returns
+    1 after one line on stderr (``--debug``: raised with its traceback)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"zswap {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"zswap {args.command}: error: {_one_line(exc)} (--debug shows the traceback)", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as one line naming its type where the message alone would not say what failed."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError | ValueError | TypeError | KeyError) and not text.startswith("["):
+        return f"{type(exc).__name__}: {text}"
+    return text
 
 
 if __name__ == "__main__":
