@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _checked(check: Any, text: str, **options: Any) -> Any:
+def _checked(check: Any, text: Any, **options: Any) -> Any:
     try:
         return check(text, **options)
     except PydanticCustomError as e:
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
     # --debug after the subcommand too; SUPPRESS keeps a subparser from resetting the one given before it.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     positive = _int_between(1, 1 << 31)
 
