@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import grads, gradstore, stepping
+from . import buffers, grads, gradstore, stepping
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, ZswapError
 from .gather import Item, no_torch_function
@@ -85,6 +85,8 @@ class Sizing:
     largest_chain: int
     """Most non-persistent elements one module's forward holds together with its ancestors'."""
     budget: Budget
+    resident: frozenset[int] = frozenset()
+    """ids of the params ``offload_param.max_in_cpu`` keeps gathered (`zswap.buffers`)."""
 
 
 class Engine:
@@ -132,7 +134,8 @@ class Engine:
         self._ids = ids
         self.sizing = _size(module, self._items, config)
         self._slots = {
-            id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold) for p, st in self._items
+            id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold or id(p) in self.sizing.resident)
+            for p, st in self._items
         }
         self._sched = Scheduler(self._slots.values(), self.sizing.budget)
         infos = {
@@ -147,6 +150,8 @@ class Engine:
         pool = (self.sizing.budget.max_live + self.sizing.persistent) * max(
             (st.dtype.itemsize for _, st in self._items), default=4
         )
+        names = {id(p): name for name, p in module.named_parameters()}
+        pool = buffers.fetch_pool_bytes(self._items, config, names, pool)  # offload_param.buffer_count/size
         for store in self._stores.values():
             if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
                 store.pool_bytes = max(store.pool_bytes, pool)
@@ -457,7 +462,8 @@ def _size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
     threshold = z.stage3_param_persistence_threshold
     if threshold is None:
         threshold = min(PERSISTENCE_MAX, total // 1000)
-    numel = {id(p): st.numel for p, st in items if st.numel > threshold}
+    resident = buffers.resident(items, cfg, threshold)  # offload_param.max_in_cpu
+    numel = {id(p): st.numel for p, st in items if st.numel > threshold and id(p) not in resident}
     chain, where = _largest_chain(module, numel)
     own = max(
         (sum(numel.get(id(p), 0) for p in m.parameters(recurse=False)) for m in module.modules()), default=0
@@ -477,7 +483,7 @@ def _size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
     reuse = z.stage3_max_reuse_distance
     if reuse is None:
         reuse = bucket
-    return Sizing(total, threshold, total - streamed, chain, Budget(bucket, max_live, reuse))
+    return Sizing(total, threshold, total - streamed, chain, Budget(bucket, max_live, reuse), resident)
 
 
 def _largest_chain(module: nn.Module, numel: dict[int, int]) -> tuple[int, str]:

@@ -44,6 +44,11 @@ def config_kwargs(
         engine = SwapEngine.from_config(cfg.aio, list(off.nvme_path))
         owned = True
     read, write = off.pipeline_read, off.pipeline_write
+    if off.buffer_count is not None:
+        # The NVMe walk holds one buffer being updated, one read ahead, one being written: fewer buffers
+        # give up the write-behind first, then the read-ahead.
+        write = write and off.buffer_count >= 2 + int(read)
+        read = read and off.buffer_count >= 2
     pipeline: Pipeline = True if read and write else "read" if read else "write" if write else False
     kwargs = {
         "lr": lr,
@@ -55,6 +60,7 @@ def config_kwargs(
         "engine": engine if device == "nvme" else None,
         "sub_group_size": cfg.zero.sub_group_size,
         "pipeline": pipeline,
+        "pin_memory": off.pin_memory,
     }
     return kwargs, owned
 
@@ -72,13 +78,15 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def make_store(device: str, nvme_path: Any, engine: Any, pipeline: Pipeline) -> CpuStore | NvmeStore:
+def make_store(
+    device: str, nvme_path: Any, engine: Any, pipeline: Pipeline, pin_memory: bool = False
+) -> CpuStore | NvmeStore:
     if pipeline not in (True, False, "read", "write"):
         raise ValueError(f"pipeline must be True, False, 'read' or 'write', got {pipeline!r}")
     if device == "cpu":
         if engine is not None or nvme_path is not None:
             raise ValueError("engine and nvme_path are for device='nvme'")
-        return CpuStore()
+        return CpuStore(pin_memory=pin_memory)
     if device != "nvme":
         raise ValueError(f"device must be 'cpu' or 'nvme', got {device!r}")
     if (engine is None) == (nvme_path is None):

@@ -34,14 +34,18 @@ class CpuStore:
     tier = "cpu"
     prefix = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, *, pin_memory: bool = False) -> None:
         self._records: dict[str, torch.Tensor] = {}
+        # Page-locked records only help copies to and from a GPU; without CUDA there is nothing to pin for.
+        self.pin = pin_memory and torch.cuda.is_available()
 
     def stream(self, sub_groups: Sequence[SubGroup], fn: Visit, *, write: bool = True) -> None:
         for sg in sub_groups:
             rec = self._records.get(sg.key)
             if rec is None:
                 rec = torch.zeros(sg.record_numel, dtype=torch.float32)
+                if self.pin:
+                    rec = rec.pin_memory()
                 if write:
                     self._records[sg.key] = rec
             fn(sg, rec)

@@ -41,6 +41,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         engine: for ``"nvme"``, an existing engine to use instead (shared; keys are prefixed per optimizer).
         sub_group_size: elements of state per sub-group, the unit moved to and from NVMe; default about
             1/32 of the state, between 1 Mi and 1e8 elements.
+        pin_memory: keep the ``"cpu"`` tier's state in page-locked memory where CUDA is available
+            (``offload_optimizer.pin_memory``); no effect without CUDA or on the ``"nvme"`` tier.
         pipeline: overlap the NVMe transfers with compute: True (read ahead and write behind, default),
             ``"read"`` or ``"write"`` for one of the two, False for neither.
         max_grad_norm: clip the gradients' global L2 norm to this, as `clip_grad_norm_` computes it; the
@@ -66,6 +68,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         engine: Any = None,
         sub_group_size: int | None = None,
         pipeline: Pipeline = True,
+        pin_memory: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
         check_hyper(lr, betas, eps, weight_decay)
@@ -85,7 +88,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "decoupled_weight_decay": bool(decoupled_weight_decay),
         }
         super().__init__(params, defaults)
-        self._store = make_store(device, nvme_path, engine, pipeline)
+        self._store = make_store(device, nvme_path, engine, pipeline, pin_memory)
         self._sub_group_size = sub_group_size
         self._sub_groups: list[SubGroup] = []
         self._placed: dict[int, int] = {}  # param index -> its numel, once it has a place in the sub-groups
