@@ -128,6 +128,30 @@ def test_gas_is_derived_from_the_batch_keys_as_deepspeed(keys, gas, tmp_path):
         assert engine.gradient_accumulation_steps() == gas
 
 
+@pytest.mark.parametrize(
+    ("keys", "world", "want"),
+    [
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+        ({"train_batch_size": 32}, 8, (32, 4, 1)),
+        ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 4, (24, 3, 2)),
+        ({"gradient_accumulation_steps": 5}, 3, (None, None, 5)),
+        ({}, 2, (None, None, 1)),
+    ],
+)
+def test_batch_keys_resolve_with_the_world_size_as_deepspeed(keys, world, want):
+    assert zswap.load_config(keys).batch.resolve(world) == want
+
+
+def test_inconsistent_batch_keys_at_a_world_size():
+    batch = zswap.load_config(
+        {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
+    ).batch
+    assert batch.resolve(1) == (16, 4, 4)
+    with pytest.raises(ConfigError, match=r"× world size \(2\) = 32; fix one of the three"):
+        batch.resolve(2)
+
+
 def test_inconsistent_batch_keys_are_a_config_error_naming_the_three(tmp_path):
     cfg = {
         **config("cpu", tmp_path),
@@ -179,6 +203,7 @@ def test_backward_without_gas_scaling(tmp_path):
     m, ref = build(TinyLM, cfg)
     with engine_for(m, cfg) as engine:
         engine.backward(sq(engine(ids())), scale_wrt_gas=False)
+        assert engine.is_gradient_accumulation_boundary() is False
         sq(ref(ids())).backward()
         for p, q in zip(m.parameters(), ref.parameters(), strict=True):
             assert torch.equal(zswap.full_grad(p), q.grad)

@@ -287,6 +287,7 @@ class Engine:
         grads.clear(self._items)
         for p in self.module.parameters():
             p.grad = None
+        self._scaled_backward = False  # no gradient of a scaled backward is left
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         """Counters since `initialize` (or the last ``reset``): swap traffic of the param store
