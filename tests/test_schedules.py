@@ -329,3 +329,31 @@ def test_each_schedule_equals_deepspeeds_own_class(name, params, formula):
         d.step()
         assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"], f"step {it}"
         assert ours.param_groups[0]["betas"] == theirs.param_groups[0]["betas"], f"step {it}"
+
+
+def test_the_schedule_drives_the_offloaded_optimizer_as_it_drives_torch_adamw(tmp_path):
+    # lr 0 for the first two steps (warmup_min_lr, then log(1) = 0), then rising: the same weights as
+    # fused AdamW under the same schedule, bit for bit.
+    sched = {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 3}}
+    cfg = {
+        **config("cpu", tmp_path),
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.1}},
+        "scheduler": sched,
+    }
+    m, ref = build(TinyLM, cfg)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1, fused=True)
+    ref_sched = _built(sched["type"], sched["params"], ref_opt)
+    with engine_for(m, cfg) as engine:
+        start = [p.detach().clone() for p in ref.parameters()]
+        for step in range(4):
+            out, want = engine(ids(seed=step)), ref(ids(seed=step))
+            assert torch.equal(out, want), f"step {step}"
+            moved = any(not torch.equal(p, q) for p, q in zip(ref.parameters(), start, strict=True))
+            assert moved == (step >= 3), f"step {step}"  # log warmup: lr 0 before and at iteration 0
+            engine.backward(sq(out))
+            sq(want).backward()
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+            assert engine.get_lr() == [g["lr"] for g in ref_opt.param_groups]
