@@ -179,7 +179,6 @@ def test_engine_is_called_like_the_module_and_switches_modes(tmp_path):
     with engine_for(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.25)) as engine:
         assert engine.module is m
         assert torch.equal(engine(ids()), ref(ids()))
-        assert torch.equal(engine.forward(ids()), ref(ids()))
         assert engine.eval() is engine and not m.training
         assert engine.train() is engine and m.training
         engine.train(False)

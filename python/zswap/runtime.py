@@ -264,8 +264,6 @@ class Engine:
             args, kwargs = stepping.cast_half(args), stepping.cast_half(kwargs)
         return self.module(*args, **kwargs)
 
-    forward = __call__
-
     def train(self, mode: bool = True) -> Engine:
         """Put the module in training (or, ``mode=False``, eval) mode."""
         self.module.train(mode)
