@@ -270,3 +270,27 @@ def test_register_external_parameter_is_a_checked_no_op():
     with pytest.raises(RuntimeError, match=r"parameter must be an nn\.Parameter, not Tensor") as ei:
         deepspeed.zero.register_external_parameter(m[1], torch.zeros(2))
     assert isinstance(ei.value, zswap.ZswapError)
+
+
+def test_init_distributed_required_makes_a_group_of_one(tmp_path):
+    # In a fresh process: a process group cannot be undone in this one.
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import os, torch.distributed as d, zswap.deepspeed as ds\n"
+        f"ds.init_distributed(dist_init_required=True, distributed_port={port})\n"
+        "print(d.get_world_size(), d.get_backend(), os.environ['MASTER_PORT'])\n"
+        "d.destroy_process_group()\n"
+    )
+    env = {
+        k: v for k, v in __import__("os").environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT")
+    }
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "gloo", str(port)]
