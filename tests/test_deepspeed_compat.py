@@ -274,7 +274,6 @@ def test_register_external_parameter_is_a_checked_no_op():
 
 def test_init_distributed_required_makes_a_group_of_one(tmp_path):
     # In a fresh process: a process group cannot be undone in this one.
-    import os
     import socket
     import subprocess
     import sys
