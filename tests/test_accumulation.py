@@ -4,6 +4,7 @@ methods (train/eval, __call__, get_lr, counters, device)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import zswap
 from zswap import ConfigError
 from zswap.stepping import UnsupportedDeviceError
 
+from .conftest import run_ranks
 from .test_runtime import TIERS, TinyLM, build, config, engine_for, ids, sq
 
 
@@ -225,3 +227,8 @@ def test_other_devices_are_refused_until_the_gpu_path_exists(device, tmp_path):
     assert isinstance(ei.value, NotImplementedError) and isinstance(ei.value, zswap.ZswapError)
     with pytest.raises(TypeError, match=r"device must be None, a str or a torch\.device, not int"):
         engine_for(m, cfg, device=0)
+
+
+@pytest.mark.dist
+def test_two_ranks_resolve_gas_share_the_data_and_skip_overflows_together(tmp_path):
+    run_ranks(Path(__file__).with_name("_stepping_dist_worker.py"), tmp_path)
