@@ -63,9 +63,16 @@ def _int_between(minimum: int, maximum: int) -> Any:
 
 
 def _directory(text: str) -> Path:
+    """An existing directory a file can be made in (what every command puts there), checked with a
+    temporary file that is gone at once: ``/proc`` or a read-only mount fails here, naming the path."""
     path = Path(text)
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot create a file there ({e.strerror})") from None
     return path
 
 
