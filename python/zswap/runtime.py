@@ -209,7 +209,10 @@ class Engine:
         if scale is None:
             self.skipped_steps += 1
         elif getattr(self.optimizer, "steps_partitions", False):
-            self.optimizer.step()
+            if scale != 1.0:  # clipping or an fp16 loss scale: it must apply the factor, never drop it
+                self.optimizer.step(grad_scale=scale)
+            else:
+                self.optimizer.step()
         else:
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
