@@ -231,3 +231,31 @@ def test_without_fp16_there_is_no_scaler():
 def test_fp16_master_weights_switch_is_refused():
     with pytest.raises(zswap.ConfigError, match=r"fp16\.fp16_master_weights_and_grads must be false"):
         zswap.load_config({"fp16": {"fp16_master_weights_and_grads": True}})
+
+
+class _PartitionAware:
+    """An optimizer that steps the partitions itself (``steps_partitions``) and records its factor."""
+
+    steps_partitions = True
+
+    def __init__(self) -> None:
+        self.param_groups = [{"lr": 0.1}]
+        self.factors: list[float | None] = []
+
+    def step(self, grad_scale: float | None = None) -> None:
+        self.factors.append(grad_scale)
+
+
+def test_a_partition_aware_optimizer_gets_the_unscale_factor():
+    cfg: dict[str, Any] = {
+        "offload_param": {"device": "cpu"},
+        "fp16": {"enabled": True, "initial_scale_power": 4},
+    }
+    m = _fp16_model(cfg)
+    opt = _PartitionAware()
+    with zswap.initialize(m, cfg, optimizer=opt) as engine:
+        engine.backward(engine(_x(0)).float().square().mean())
+        engine.step()
+        engine(_x(1)).float().square().mean().backward()  # a plain backward: nothing to unscale
+        engine.step()
+    assert opt.factors == [1 / 16, None]
