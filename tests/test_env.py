@@ -130,9 +130,11 @@ def test_refused_direct_io_is_a_no_with_the_engine_reason(
     assert c["action"].startswith("O_DIRECT refused → buffered I/O")
 
 
-def test_missing_path_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="is not an existing directory"):
+def test_missing_path_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
         main(["env", "--path", str(tmp_path / "typo")])
+    assert ei.value.code == 2  # a usage error, one line naming the path (tests/test_cli.py)
+    assert f"argument --path: '{tmp_path / 'typo'}' is not an existing directory" in capsys.readouterr().err
 
 
 def test_block_device_limits_are_the_disks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,12 +62,17 @@ def _int_between(minimum: int, maximum: int) -> Any:
     return parse
 
 
-def _directory(text: str) -> Path:
-    """An existing directory a file can be made in (what every command puts there), checked with a
-    temporary file that is gone at once: ``/proc`` or a read-only mount fails here, naming the path."""
+def _existing_directory(text: str) -> Path:
     path = Path(text)
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
+    return path
+
+
+def _directory(text: str) -> Path:
+    """An existing directory a file can be made in (what every command puts there), checked with a
+    temporary file that is gone at once: ``/proc`` or a read-only mount fails here, naming the path."""
+    path = _existing_directory(text)
     try:
         with tempfile.TemporaryFile(dir=path):
             pass
@@ -217,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="what this machine allows (io_uring, O_DIRECT, huge pages...) and what zswap does",
     )
     v.add_argument(
-        "--path", type=Path, help="swap directory to probe (default: a temp dir on the local disk)"
+        "--path",
+        type=_existing_directory,  # not _directory: whether files can be made there is what env reports
+        help="swap directory to probe (default: a temp dir on the local disk)",
     )
     v.add_argument("--json", action="store_true", help="machine-readable: every field, a reason for each no")
     v.set_defaults(func=_env)
