@@ -236,7 +236,8 @@ def test_freed_space_is_returned_to_the_file_system_and_reused(tmp_path: Path, b
 
 
 def test_checksums_catch_lost_writes_and_flipped_bytes(tmp_path: Path, backend: str) -> None:
-    with SwapEngine(tmp_path, backend=backend, block_size=1 << 20, checksum="crc32c") as e:
+    # queue_depth=1: blocks complete in order, so "the second block" is block 1.
+    with SwapEngine(tmp_path, backend=backend, block_size=1 << 20, queue_depth=1, checksum="crc32c") as e:
         assert e.info["checksum"] is True
         src = filled(3 << 20, 9)
         e._engine.inject_fault("write", "lost", skip=1)
@@ -471,5 +472,41 @@ def _thread_start_child(tmp_path: Path, prefix: list[str]) -> None:
         print("ok")
         """,
         prefix=prefix,
+    )
+    assert out.strip() == "ok"
+
+
+def test_adam_kernel_refuses_unmapped_and_read_only_state() -> None:
+    out = run_child(
+        """
+        import ctypes, mmap, warnings, torch
+        from zswap import _zswap
+        from zswap.errors import InvalidTensorError
+        n = 1 << 16
+        p, g, m, v = (torch.zeros(n) for _ in range(4))
+        ro = mmap.mmap(-1, n * 4, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: "the given buffer is not writable"
+            ro_t = torch.frombuffer(ro, dtype=torch.float32)
+        ro_addr = ro_t.data_ptr()
+        gone = mmap.mmap(-1, n * 4)
+        gone_addr = ctypes.addressof(ctypes.c_char.from_buffer(gone))
+        gone.close()
+        kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+        def call(param, grad, ea, eas):
+            _zswap.cpu_adam_step(n, param, "float32", grad, "float32", None, ea, eas, **kw)
+        for what, args, match in [
+            ("read-only exp_avg", (p.data_ptr(), g.data_ptr(), ro_addr, v.data_ptr()), "not writable"),
+            ("unmapped grad", (p.data_ptr(), gone_addr, m.data_ptr(), v.data_ptr()), "not mapped"),
+        ]:
+            try:
+                call(*args)
+            except InvalidTensorError as err:
+                assert match in str(err), (what, err)
+            else:
+                raise AssertionError(what + " accepted")
+        call(p.data_ptr(), ro_addr, m.data_ptr(), v.data_ptr())  # a read-only *grad* is fine
+        print("ok")
+        """
     )
     assert out.strip() == "ok"
