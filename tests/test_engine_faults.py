@@ -303,10 +303,16 @@ def test_enospc_at_open_is_a_swap_io_error_not_a_direct_io_refusal(backend: str)
 
 
 def test_the_swap_file_can_never_be_linked_into_the_namespace(tmp_path: Path, backend: str) -> None:
+    # linkat(/proc/self/fd, "N", ..., AT_SYMLINK_FOLLOW) names an O_TMPFILE file unless it was opened
+    # O_EXCL (a dir fd forces CPython to use linkat; plain link() would fail with EXDEV either way).
     with SwapEngine(tmp_path, backend=backend) as e:
         (fd,) = swap_fds(e)
-        with pytest.raises(OSError):
-            os.link(fd, tmp_path / "revived", follow_symlinks=True)
+        proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(FileNotFoundError):
+                os.link(os.path.basename(fd), tmp_path / "revived", src_dir_fd=proc, follow_symlinks=True)
+        finally:
+            os.close(proc)
         assert list(tmp_path.iterdir()) == []
 
 

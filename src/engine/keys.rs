@@ -10,7 +10,7 @@
 //! Nothing here waits: the table is only touched with the engine's keys mutex held, and every wait for
 //! I/O happens after the caller has released it (`Engine::read`, `Engine::free`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::job::Checksums;
@@ -66,8 +66,8 @@ pub(super) struct ReadTarget {
 #[derive(Default)]
 pub(super) struct Keys {
     map: HashMap<String, Slot>,
-    /// Keys with pending writes, so a sweep need not visit every key.
-    unsettled: Vec<String>,
+    /// Keys that may have pending writes, so a sweep need not visit every key.
+    unsettled: HashSet<String>,
     retired: Vec<Version>,
 }
 
@@ -75,10 +75,10 @@ impl Keys {
     /// Queues a write of `key` as pending.
     pub fn add_pending(&mut self, key: &str, v: Version) {
         let slot = self.map.entry(key.to_owned()).or_default();
-        if slot.pending.is_empty() {
-            self.unsettled.push(key.to_owned());
-        }
         slot.pending.push_back(v);
+        if !self.unsettled.contains(key) {
+            self.unsettled.insert(key.to_owned());
+        }
     }
 
     /// Records a write that failed before any I/O (allocation): it changes nothing, except that a key
@@ -95,7 +95,7 @@ impl Keys {
         let keys = std::mem::take(&mut self.unsettled);
         for k in keys {
             if self.settle(&k) {
-                self.unsettled.push(k);
+                self.unsettled.insert(k);
             }
         }
     }
@@ -217,7 +217,7 @@ impl Keys {
             .map
             .remove(key)
             .ok_or_else(|| Error::UnknownKey(key.to_owned()))?;
-        self.unsettled.retain(|k| k != key);
+        self.unsettled.remove(key);
         Ok(slot.current.into_iter().chain(slot.pending).collect())
     }
 
