@@ -278,7 +278,12 @@ mod tests {
         // Reuse the punched range: it is allocated again, so ENOSPC would surface here, not mid-write.
         let again = store.allocate(64 << 20).unwrap();
         assert_eq!(again.extents[0].1, big.extents[0].1);
-        assert!(store.allocated_bytes() >= after + (64 << 20));
+        // (st_blocks also counts the file system's extent-tree blocks, which come and go: allow 1 MiB.)
+        let refilled = store.allocated_bytes();
+        assert!(
+            refilled + (1 << 20) >= after + (64 << 20),
+            "{before} {after} {refilled}"
+        );
         store.free(&again);
         store.free(&small);
     }
