@@ -72,6 +72,7 @@ bench-python: $(PY_DEP)
 	$(PYTHON) benches/bench_init.py
 	$(PYTHON) benches/bench_runtime.py
 	$(PYTHON) benches/bench_adam.py
+	$(PYTHON) benches/bench_checksum.py
 
 ## The main job on a fresh machine: set up, then run zswap's demo on a temp dir.
 demo: install

@@ -87,10 +87,10 @@ impl AlignedBuf {
                 let errno = std::io::Error::last_os_error()
                     .raw_os_error()
                     .unwrap_or(libc::ENOMEM);
-                return Err(Error::InvalidArgument(format!(
-                    "cannot map {map_len} bytes of buffer memory: {}",
-                    crate::error::strerror(errno)
-                )));
+                return Err(Error::OutOfMemory {
+                    what: format!("cannot map {map_len} bytes of buffer memory"),
+                    errno,
+                });
             }
             // SAFETY: `p` is a mapping of `map_len` bytes we own; madvise only changes paging policy.
             if huge && unsafe { libc::madvise(p, map_len, libc::MADV_HUGEPAGE) } == 0 {

@@ -14,6 +14,8 @@ pub enum Op {
     Allocate,
     /// Opening or probing a swap directory.
     Open,
+    /// `io_uring_enter` submitting or reaping a worker ring.
+    Submit,
 }
 
 impl fmt::Display for Op {
@@ -23,6 +25,7 @@ impl fmt::Display for Op {
             Op::Write => "write",
             Op::Allocate => "fallocate",
             Op::Open => "open",
+            Op::Submit => "io_uring_enter",
         })
     }
 }
@@ -60,10 +63,39 @@ pub enum Error {
     UnknownKey(String),
     /// The engine was closed.
     Closed,
-    /// A caller-supplied value is unusable (sizes, counts, budgets); the message names it.
+    /// A caller-supplied setting is unusable (sizes, counts, budgets); the message names it.
     InvalidArgument(String),
+    /// Caller memory is unusable for a transfer (null, unmapped, not writable for a read, wrong size);
+    /// refused before any byte moves.
+    Memory(String),
+    /// A kernel facility the caller required was refused: `feature` names it, `errno` and `why` say why.
+    Unavailable {
+        feature: Feature,
+        errno: i32,
+        why: String,
+    },
+    /// The kernel refused memory (ENOMEM): a buffer mapping, or a ring over RLIMIT_MEMLOCK.
+    OutOfMemory { what: String, errno: i32 },
+    /// An engine thread could not be started.
+    Spawn { errno: i32, what: String },
     /// The key's last write failed, so it holds no data.
     Poisoned { key: String, cause: Box<Error> },
+}
+
+/// A facility `backend="io_uring"` or `direct=True` insists on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Feature {
+    IoUring,
+    DirectIo,
+}
+
+impl fmt::Display for Feature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Feature::IoUring => "io_uring",
+            Feature::DirectIo => "direct I/O (O_DIRECT)",
+        })
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -76,6 +108,9 @@ impl Error {
             Error::UnexpectedEof { .. } => Some(libc::EIO),
             Error::Checksum { .. } => Some(libc::EIO),
             Error::Poisoned { cause, .. } => cause.errno(),
+            Error::Unavailable { errno, .. }
+            | Error::OutOfMemory { errno, .. }
+            | Error::Spawn { errno, .. } => Some(*errno),
             _ => None,
         }
     }
@@ -160,7 +195,28 @@ impl fmt::Display for Error {
             ),
             Error::UnknownKey(k) => write!(f, "unknown key '{k}': never written, or freed"),
             Error::Closed => f.write_str("the swap engine is closed"),
-            Error::InvalidArgument(m) => f.write_str(m),
+            Error::InvalidArgument(m) | Error::Memory(m) => f.write_str(m),
+            Error::Unavailable {
+                feature,
+                errno,
+                why,
+            } => write!(
+                f,
+                "{feature} was required but refused: {why} ({}, errno {errno})",
+                strerror(*errno)
+            ),
+            Error::OutOfMemory { what, errno } => {
+                write!(
+                    f,
+                    "out of memory: {what}: {} (errno {errno})",
+                    strerror(*errno)
+                )
+            }
+            Error::Spawn { errno, what } => write!(
+                f,
+                "cannot start engine thread {what}: {} (errno {errno})",
+                strerror(*errno)
+            ),
             Error::Poisoned { key, cause } => {
                 write!(
                     f,

@@ -10,6 +10,7 @@ pub mod baseline;
 pub mod buffer;
 pub mod engine;
 pub mod error;
+pub mod memcheck;
 pub mod store;
 
 #[cfg(feature = "python")]

@@ -18,7 +18,16 @@ import torch
 
 import zswap
 from zswap import SwapEngine
-from zswap.errors import EngineClosedError, SwapIOError, UnknownKeyError, ZswapWarning
+from zswap.errors import (
+    ConfigError,
+    DirectIOUnavailable,
+    EngineClosedError,
+    NvmePathMissing,
+    NvmePathNotADirectory,
+    SwapIOError,
+    UnknownKeyError,
+    ZswapWarning,
+)
 
 from .conftest import mounted
 
@@ -177,21 +186,39 @@ def test_unknown_key_and_closed_engine(swap_dir: Path, backend: str) -> None:
         e.read("nope", torch.empty(1))
     with pytest.raises(KeyError):
         e.free("nope")
+    e.write("k", torch.zeros(4)).wait()
     e.close()
     e.close()  # idempotent
     with pytest.raises(EngineClosedError, match="closed"):
         e.write("k", torch.zeros(1))
+    # Every call says closed — not "unknown key" for a key it held.
+    calls = {
+        "read": lambda: e.read("k", torch.empty(4)),
+        "free": lambda: e.free("k"),
+        "nbytes": lambda: e.nbytes("k"),
+        "contains": lambda: "k" in e,
+        "keys": lambda: list(e.keys()),
+        "empty": lambda: e.empty(4),
+        "empty0": lambda: e.empty(0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(EngineClosedError, match="closed"):
+            call()
+            pytest.fail(f"{name} worked on a closed engine")
+    assert e.stats()["keys"] == 0 and e.closed
     assert isinstance(EngineClosedError("x"), zswap.ZswapError)
 
 
 def test_missing_and_bad_paths(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as ei:
         SwapEngine(tmp_path / "typo")
-    assert ei.value.filename == str(tmp_path / "typo")
+    assert ei.value.filename == str(tmp_path / "typo") and ei.value.errno == 2
+    assert isinstance(ei.value, NvmePathMissing) and isinstance(ei.value, ConfigError)
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(NotADirectoryError):
+    with pytest.raises(NotADirectoryError) as ei2:
         SwapEngine(f)
+    assert isinstance(ei2.value, NvmePathNotADirectory) and isinstance(ei2.value, zswap.ZswapError)
 
 
 def test_io_error_names_errno_path_offset_length_and_leaves_source_intact(engine: SwapEngine) -> None:
@@ -283,7 +310,7 @@ def test_buffered_fallback_where_o_direct_is_refused(backend: str) -> None:
             e.read("k", out).wait()
             assert same_bytes(out, src)
         assert list(d.iterdir()) == []
-        with pytest.raises(ValueError, match="direct I/O requested but refused"):
+        with pytest.raises(DirectIOUnavailable, match=r"direct I/O \(O_DIRECT\) was required but refused"):
             SwapEngine(d, backend=backend, direct=True)
 
 
@@ -408,8 +435,8 @@ def test_psync_fallback_when_io_uring_is_refused(tmp_path: Path) -> None:
         assert torch.equal(out, t)
         try:
             zswap.SwapEngine({str(tmp_path)!r}, backend="io_uring")
-        except ValueError as err:
-            assert "io_uring_setup failed" in str(err), err
+        except zswap.errors.BackendUnavailable as err:
+            assert err.errno == 1 and "io_uring was required but refused" in str(err), err
         else:
             raise AssertionError("backend='io_uring' must not fall back")
         print("ok")

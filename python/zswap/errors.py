@@ -1,11 +1,32 @@
 """zswap's exception and warning types.
 
 Every exception zswap raises on purpose derives from `ZswapError`, and also from the built-in type a caller
-would already catch for the same fault (`ValueError` for bad configuration, `OSError` for I/O), so existing
-``except OSError`` blocks keep working.
+would already catch for the same fault, so existing ``except`` blocks keep working::
+
+    ZswapError
+    ├── ConfigError (ValueError)                      bad configuration value
+    │   └── NvmePathError                             a swap directory is unusable
+    │       ├── NvmePathMissing (FileNotFoundError)
+    │       ├── NvmePathNotADirectory (NotADirectoryError)
+    │       └── NvmePathNotWritable (PermissionError)
+    ├── InvalidTensorError (ValueError)               a tensor the engine cannot move bytes of
+    ├── SwapIOError (OSError)                         I/O failed: errno, path, offset, length, key, block
+    │   └── ChecksumError                             data read back does not match its crc32c
+    ├── UnavailableError (OSError)                    a kernel facility the caller required was refused
+    │   ├── BackendUnavailable                        backend="io_uring"
+    │   └── DirectIOUnavailable                       direct=True
+    ├── SwapMemoryError (MemoryError)                 the kernel refused memory (ENOMEM)
+    ├── ThreadStartError (RuntimeError)               an engine thread could not be started
+    ├── EngineClosedError (RuntimeError)              a SwapEngine used after close()
+    └── UnknownKeyError (KeyError)                    a key never written, or freed
+    ZswapWarning (RuntimeWarning)                     a fallback was taken
+
+The Rust engine's errors become these in one place (``src/py/convert.rs``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class ZswapError(Exception):
@@ -14,6 +35,37 @@ class ZswapError(Exception):
 
 class ConfigError(ZswapError, ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+class _OSErrorArgs:
+    """Gives a class that mixes a `ValueError` with an `OSError` subclass the `OSError` constructor, so
+    ``errno``, ``strerror`` and ``filename`` are set (`ValueError` comes first in the MRO otherwise)."""
+
+    __new__ = OSError.__new__  # type: ignore[assignment]
+    __init__ = OSError.__init__
+
+
+class NvmePathError(ConfigError):
+    """A swap directory (``nvme_path``, `SwapEngine` paths) is missing, not a directory or not
+    writable. Raised before anything is built; carries ``errno`` and ``filename`` (the path)."""
+
+
+class NvmePathMissing(_OSErrorArgs, NvmePathError, FileNotFoundError):
+    """The directory does not exist (zswap never creates it: a typo must not fill the wrong disk)."""
+
+
+class NvmePathNotADirectory(_OSErrorArgs, NvmePathError, NotADirectoryError):
+    """The path exists but is not a directory."""
+
+
+class NvmePathNotWritable(_OSErrorArgs, NvmePathError, PermissionError):
+    """The directory is not writable (permissions, or a read-only file system: ``errno`` EROFS)."""
+
+
+class InvalidTensorError(ZswapError, ValueError):
+    """A tensor handed to the engine is refused before any byte moves: not a dense CPU tensor, a meta or
+    fake tensor, storage smaller than its size, a lazily conjugated/negated view as a read destination,
+    read-only memory as a read destination, or the wrong size for the key."""
 
 
 class SwapIOError(ZswapError, OSError):
@@ -54,11 +106,46 @@ class SwapIOError(ZswapError, OSError):
             parts.append(f"length={self.length}")
         return ", ".join(parts)
 
-    def __reduce__(self):  # keep every field across pickling (multiprocessing, torch.distributed)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep every field across pickling (multiprocessing)
         return (
             type(self),
             (self.errno, self.strerror, self.path, self.offset, self.length, self.key, self.block),
         )
+
+
+class ChecksumError(SwapIOError):
+    """Bytes read back do not match the crc32c recorded when they were written (a flipped bit on the
+    drive, a lost write). ``errno`` is EIO; ``key`` and ``block`` name the block."""
+
+
+class UnavailableError(ZswapError, OSError):
+    """A kernel facility the caller required was refused; the message says what and why, ``errno`` is the
+    kernel's answer. With ``"auto"`` settings zswap falls back instead (and warns once)."""
+
+
+class BackendUnavailable(UnavailableError):
+    """``backend="io_uring"`` was asked for but io_uring cannot be set up here (ENOSYS, EPERM under
+    seccomp or ``kernel.io_uring_disabled``, ENOMEM when a ring exceeds RLIMIT_MEMLOCK)."""
+
+
+class DirectIOUnavailable(UnavailableError):
+    """``direct=True`` was asked for but the file system refuses O_DIRECT."""
+
+
+class SwapMemoryError(ZswapError, MemoryError):
+    """The kernel refused memory (ENOMEM): an engine buffer mapping. ``errno`` is set."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class ThreadStartError(ZswapError, RuntimeError):
+    """An engine worker thread could not be started (``errno``: usually EAGAIN, RLIMIT_NPROC)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class EngineClosedError(ZswapError, RuntimeError):
@@ -77,9 +164,20 @@ class ZswapWarning(RuntimeWarning):
 
 
 __all__ = [
+    "BackendUnavailable",
+    "ChecksumError",
     "ConfigError",
+    "DirectIOUnavailable",
     "EngineClosedError",
+    "InvalidTensorError",
+    "NvmePathError",
+    "NvmePathMissing",
+    "NvmePathNotADirectory",
+    "NvmePathNotWritable",
     "SwapIOError",
+    "SwapMemoryError",
+    "ThreadStartError",
+    "UnavailableError",
     "UnknownKeyError",
     "ZswapError",
     "ZswapWarning",

@@ -34,7 +34,7 @@ from torch import nn
 from . import _dist
 from ._access import AccessMode
 from .config import load_config
-from .errors import ConfigError, ZswapError
+from .errors import ConfigError, NvmePathMissing, NvmePathNotADirectory, NvmePathNotWritable, ZswapError
 from .gather import Placement, fetch, manage, no_torch_function, offload
 from .params import MemoryStore, NvmeStore, ParamState, Status, param_state
 
@@ -311,9 +311,10 @@ class Init:
     (default: the default group when torch.distributed is initialised, else a single process).
     ``module``: an already built model, converted at once. ``enabled=False`` makes Init do nothing.
 
-    The nvme path is checked here, before any module is built: a missing directory is a
-    `FileNotFoundError` (never created: a typo must not fill the wrong disk), not a directory a
-    `NotADirectoryError`, not writable a `PermissionError`; the swap engine then probes direct I/O.
+    The nvme path is checked here, before any module is built: a missing directory is `NvmePathMissing`
+    (a `ConfigError` and a `FileNotFoundError`; never created: a typo must not fill the wrong disk), not a
+    directory `NvmePathNotADirectory` (also `NotADirectoryError`), not writable `NvmePathNotWritable`
+    (also `PermissionError`); the swap engine then probes direct I/O.
     """
 
     def __init__(
@@ -404,11 +405,11 @@ def _open_engine(paths: Any, aio: Any) -> Any:
         # OSError's str() appends the path: "[Errno 2] offload_param.nvme_path does not exist ...: '/x'".
         key, name = "offload_param.nvme_path", os.fspath(path)
         if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, f"{key} does not exist (zswap never creates it)", name)
+            raise NvmePathMissing(errno.ENOENT, f"{key} does not exist (zswap never creates it)", name)
         if not os.path.isdir(path):
-            raise NotADirectoryError(errno.ENOTDIR, f"{key} is not a directory", name)
+            raise NvmePathNotADirectory(errno.ENOTDIR, f"{key} is not a directory", name)
         if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, f"{key} is not writable", name)
+            raise NvmePathNotWritable(errno.EACCES, f"{key} is not writable", name)
     from .swap import SwapEngine  # the native engine is loaded only when NVMe is used
 
     return SwapEngine.from_config(aio, list(paths))

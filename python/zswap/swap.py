@@ -15,7 +15,7 @@ import torch
 
 from . import _zswap
 from ._memview import tensor_over
-from .errors import ZswapWarning
+from .errors import EngineClosedError, InvalidTensorError, ZswapWarning
 
 if TYPE_CHECKING:
     from ._zswap import Handle
@@ -69,12 +69,19 @@ class SwapEngine:
         threads: io_uring rings (default 2, at least one per path); psync uses `queue_depth` threads.
         backend: "io_uring", "psync", or "auto" (io_uring, else psync with a `ZswapWarning`).
         direct: True for O_DIRECT, False for buffered, "auto" (direct, else buffered with a warning).
-        checksum: "crc32c" records a CRC per block and checks it on read; "off" (default).
+        checksum: "crc32c" records a CRC per block and checks it on read, so a flipped bit or a lost
+            write raises `ChecksumError` instead of returning wrong bytes; "off" (default: README,
+            "Checksums", gives the measured cost) skips it.
         pinned_memory_budget: bytes of bounce buffers (default queue_depth × block_size).
         lock_memory: mlock engine buffers where RLIMIT_MEMLOCK allows.
 
     `write`/`read` return at once with a `Handle`; the engine keeps the tensor alive until the transfer
     is done, and the caller must not modify a written tensor (or touch a read one) before `wait()`.
+    Every tensor is checked before any byte moves (`InvalidTensorError`: not a dense CPU tensor, meta or
+    fake, storage smaller than its size, unmapped or — for `read` — read-only memory, a lazily
+    conjugated/negated view as a destination). An overwrite is copy-on-write: the key reads its previous
+    value until the new write has completed, and keeps it if the write fails. After `close()` every call
+    but `stats()`/`close()` raises `EngineClosedError`.
     """
 
     def __init__(
@@ -119,9 +126,12 @@ class SwapEngine:
     # -- transfers -------------------------------------------------------------------------------
 
     def write(self, key: str, tensor: torch.Tensor) -> Handle:
-        """Starts writing `tensor`'s bytes under `key` (replacing what it held)."""
+        """Starts writing `tensor`'s values under `key`; the key reads its previous value until this
+        write has completed successfully (copy-on-write), and keeps it if the write fails."""
         _check_key(key)
-        t = _cpu_tensor(tensor, "write").detach()
+        t = _checked_tensor(tensor, "write").detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()  # store the values, not the lazy view's raw bytes
         if not t.is_contiguous():
             t = t.contiguous()  # the copy is what the Handle keeps alive
         return self._engine.write(key, t.data_ptr(), _nbytes(t), t)
@@ -129,12 +139,18 @@ class SwapEngine:
     def read(self, key: str, out: torch.Tensor) -> Handle:
         """Starts reading `key` into `out`, which must be contiguous and hold exactly the bytes written."""
         _check_key(key)
-        t = _cpu_tensor(out, "read")
+        t = _checked_tensor(out, "read")
+        if t.is_conj() or t.is_neg():
+            raise InvalidTensorError(
+                f"read of key {key!r}: out is a lazily {'conjugated' if t.is_conj() else 'negated'} view; "
+                "raw bytes read into it would come back with other values (read into a plain tensor, "
+                "then copy_ into the view)"
+            )
         if not t.is_contiguous():
-            raise ValueError("read needs a contiguous output tensor")
+            raise InvalidTensorError(f"read of key {key!r} needs a contiguous output tensor")
         want = self._engine.nbytes(key)
         if _nbytes(t) != want:
-            raise ValueError(
+            raise InvalidTensorError(
                 f"key {key!r} holds {want} bytes but out holds {_nbytes(t)} "
                 f"({t.dtype}, shape {tuple(t.shape)})"
             )
@@ -150,6 +166,8 @@ class SwapEngine:
         pages when large, so `write`/`read` on it copy nothing."""
         size = torch.Size([shape] if isinstance(shape, int) else shape)
         nbytes = math.prod(size) * dtype.itemsize
+        if self.closed:
+            raise EngineClosedError("the swap engine is closed")
         if nbytes == 0:
             return torch.empty(size, dtype=dtype)
         buf = self._engine.alloc(nbytes)
@@ -197,11 +215,40 @@ def _check_key(key: object) -> None:
         raise TypeError(f"keys are str, got {type(key).__name__}")
 
 
-def _cpu_tensor(t: object, what: str) -> torch.Tensor:
+def _is_fake(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - a torch without fake tensors
+        return False
+    return isinstance(t, FakeTensor)
+
+
+def _checked_tensor(t: object, what: str) -> torch.Tensor:
+    """`t` if the engine can move its bytes, else `InvalidTensorError` naming why — checked before any
+    byte moves, since the engine trusts the address and length it is given (the Rust binding checks
+    the mapping again: unmapped or, for a read, read-only memory)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} needs a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu" or t.layout != torch.strided:
-        raise ValueError(f"{what} needs a dense CPU tensor, got layout {t.layout} on {t.device}")
+        raise InvalidTensorError(f"{what} needs a dense CPU tensor, got layout {t.layout} on {t.device}")
+    if t.is_meta or _is_fake(t):
+        raise InvalidTensorError(
+            f"{what} needs a tensor with memory, got a {'meta' if t.is_meta else 'fake'} tensor"
+        )
+    if t.numel() == 0:
+        return t
+    if t.data_ptr() == 0:
+        raise InvalidTensorError(f"{what}: the tensor has no memory (data_ptr() is 0)")
+    # The furthest element the view reaches must lie inside its storage (a storage shrunk with
+    # `untyped_storage().resize_()` would otherwise let the engine touch memory past it).
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    need = (last + 1) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if min(t.stride(), default=0) < 0 or need > have:
+        raise InvalidTensorError(
+            f"{what}: the tensor ({t.dtype}, shape {tuple(t.shape)}, offset {t.storage_offset()}) reaches "
+            f"byte {need} of its storage, which holds {have} bytes"
+        )
     return t
 
 

@@ -2,7 +2,7 @@
 //! corrupts data read back, so error paths and short-transfer handling run against real files.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 
 use crate::error::Op;
 
@@ -15,6 +15,10 @@ pub enum Fault {
     Short(usize),
     /// The data of a completed read has its first byte flipped (checksum tests).
     Corrupt,
+    /// A write is reported complete without reaching the file (a lost write: checksum tests).
+    Lost,
+    /// The worker holds the block before its I/O until `release` (lock and concurrency tests).
+    Hold,
 }
 
 struct Rule {
@@ -25,10 +29,14 @@ struct Rule {
 }
 
 /// A list of rules, each firing on the completions of `op` after skipping `skip` of them, `count` times.
+/// Rules for `Op::Submit` make an io_uring worker's `io_uring_enter` fail with their errno.
 #[derive(Default)]
 pub struct FaultInjector {
     armed: AtomicBool,
     rules: Mutex<Vec<Rule>>,
+    /// Blocks held by `Fault::Hold` wait for this to turn true.
+    released: Mutex<bool>,
+    gate: Condvar,
 }
 
 impl FaultInjector {
@@ -41,6 +49,24 @@ impl FaultInjector {
             fault,
         });
         self.armed.store(true, Ordering::Release);
+    }
+
+    /// Lets every held block (and every later one a `Hold` rule catches) proceed.
+    pub fn release(&self) {
+        *self.released.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.gate.notify_all();
+    }
+
+    /// Blocks the calling worker while a `Hold` rule catches this block of `op` and `release` has not
+    /// been called.
+    pub(crate) fn hold(&self, op: Op) {
+        if self.next(op, |f| f == Fault::Hold).is_none() {
+            return;
+        }
+        let mut r = self.released.lock().unwrap_or_else(|e| e.into_inner());
+        while !*r {
+            r = self.gate.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     pub fn clear(&self) {
@@ -72,12 +98,25 @@ impl FaultInjector {
         self.next(op, |f| f == Fault::Corrupt).is_some()
     }
 
+    /// Whether the next block of `op` is to be lost: completed as successful without any I/O.
+    pub(crate) fn lose(&self, op: Op) -> bool {
+        self.next(op, |f| f == Fault::Lost).is_some()
+    }
+
+    /// The errno the next `io_uring_enter` of a worker is to fail with, if a rule fires.
+    pub(crate) fn submit_errno(&self) -> Option<i32> {
+        match self.next(Op::Submit, |f| matches!(f, Fault::Errno(_))) {
+            Some(Fault::Errno(e)) => Some(e),
+            _ => None,
+        }
+    }
+
     /// Applies a result fault to a raw completion value (bytes, or -errno).
     pub(crate) fn adjust(&self, op: Op, res: i64) -> i64 {
         let applies = |f| match f {
             Fault::Errno(_) => true,
             Fault::Short(n) => res > n as i64,
-            Fault::Corrupt => false,
+            Fault::Corrupt | Fault::Lost | Fault::Hold => false,
         };
         match self.next(op, applies) {
             Some(Fault::Errno(e)) => -i64::from(e),

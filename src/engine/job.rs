@@ -32,6 +32,9 @@ pub(crate) struct BlockJob {
     pub req: Arc<Request>,
     /// Keeps an engine buffer mapped while the kernel may touch it.
     pub _keep: Option<Arc<AlignedBuf>>,
+    /// Set by `finish`; a job dropped without it (a closed queue, a stopped worker) completes its block
+    /// with `Error::Closed` in `Drop`, so no waiter hangs.
+    pub finished: bool,
 }
 
 // SAFETY: `user` points into memory the submitter guarantees stays valid and is not accessed by others
@@ -44,23 +47,35 @@ impl BlockJob {
     }
 
     /// Prepares the memory the kernel will use: for a bounced write, copies the caller's bytes into
-    /// `bounce` and zeroes the padding; for a write, records the checksum. Returns the I/O address.
+    /// `bounce` and zeroes the padding. Returns the I/O address.
     ///
     /// # Safety
     /// `bounce`, when the job bounces, must be valid for `io_len` bytes and owned by the caller.
     pub unsafe fn prepare(&self, bounce: *mut u8) -> *mut u8 {
         let mem = if self.bounce { bounce } else { self.user };
-        if self.op == Op::Write {
-            if self.bounce {
-                std::ptr::copy_nonoverlapping(self.user, bounce, self.data_len);
-                std::ptr::write_bytes(bounce.add(self.data_len), 0, self.io_len - self.data_len);
-            }
-            if let Some(c) = &self.checksums {
-                let data = std::slice::from_raw_parts(mem, self.data_len);
-                c[self.block].store(crc32c::crc32c(data), Ordering::Relaxed);
-            }
+        if self.op == Op::Write && self.bounce {
+            std::ptr::copy_nonoverlapping(self.user, bounce, self.data_len);
+            std::ptr::write_bytes(bounce.add(self.data_len), 0, self.io_len - self.data_len);
         }
         mem
+    }
+
+    /// Whether `record_checksum` has work to do for this job.
+    pub fn wants_checksum(&self) -> bool {
+        self.op == Op::Write && self.checksums.is_some()
+    }
+
+    /// Records the CRC32C of a write's data. The kernel only reads `mem` during a write and nobody
+    /// may modify it (the `Engine::write` contract, or our own bounce slot), so a backend may call this
+    /// after handing the block to the kernel, overlapping the checksum with the transfer.
+    ///
+    /// # Safety
+    /// `mem` must be the address `prepare` returned, valid for `data_len` bytes.
+    pub unsafe fn record_checksum(&self, mem: *const u8) {
+        if let (Op::Write, Some(c)) = (self.op, &self.checksums) {
+            let data = std::slice::from_raw_parts(mem, self.data_len);
+            c[self.block].store(crc32c::crc32c(data), Ordering::Relaxed);
+        }
     }
 
     /// Finishes a transferred read: applies an injected corruption, verifies the checksum, and copies a
@@ -119,11 +134,20 @@ impl BlockJob {
     }
 
     /// Reports the block's outcome to its request.
-    pub fn finish(self, r: Result<()>, counters: &Counters) {
+    pub fn finish(mut self, r: Result<()>, counters: &Counters) {
         counters.blocks.fetch_add(1, Ordering::Relaxed);
         if self.bounce {
             counters.bounced_blocks.fetch_add(1, Ordering::Relaxed);
         }
+        self.finished = true;
         self.req.complete_block(r);
+    }
+}
+
+impl Drop for BlockJob {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.req.complete_block(Err(Error::Closed));
+        }
     }
 }

@@ -29,8 +29,15 @@ impl PsyncWorker {
     }
 
     fn transfer(&self, job: BlockJob, ctx: &WorkerCtx) {
+        ctx.faults.hold(job.op);
         // SAFETY: the bounce buffer is this thread's own and at least block_size ≥ io_len bytes.
         let mem = unsafe { job.prepare(self.bounce.as_ptr()) };
+        // SAFETY: `mem` is what prepare returned, holding the block's data.
+        unsafe { job.record_checksum(mem) };
+        if ctx.faults.lose(job.op) {
+            job.finish(Ok(()), &ctx.counters);
+            return;
+        }
         let fd = job.fd();
         let mut done = 0usize;
         let mut result = Ok(());

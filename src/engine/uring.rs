@@ -51,7 +51,9 @@ impl UringWorker {
             .setup_cqsize(entries * 2)
             .build(entries)
             .or_else(|_| IoUring::new(entries))
-            .map_err(|e| Error::InvalidArgument(format!("io_uring setup failed: {e}")))?;
+            .map_err(|e| {
+                super::workers::ring_refusal(entries, e.raw_os_error().unwrap_or(libc::ENOSYS))
+            })?;
         let bounce = AlignedBuf::new(depth * block_size, lock)?;
         let iovecs: Vec<libc::iovec> = (0..depth)
             .map(|i| libc::iovec {
@@ -73,6 +75,11 @@ impl UringWorker {
         })
     }
 
+    /// Blocks this ring keeps in flight.
+    pub fn depth(&self) -> usize {
+        self.slots.len()
+    }
+
     pub fn fixed_buffers(&self) -> bool {
         self.fixed
     }
@@ -81,7 +88,8 @@ impl UringWorker {
         self.bounce.page_kind()
     }
 
-    /// Runs until the job queue is closed and drained and nothing is in flight.
+    /// Runs until the job queue is closed and drained and nothing is in flight, or until the ring
+    /// fails for good (see `abandon`).
     pub fn run(mut self, ctx: WorkerCtx) {
         let mut inflight = 0usize;
         loop {
@@ -99,8 +107,11 @@ impl UringWorker {
                     }
                 };
                 self.free.pop();
-                let bounced = job.bounce;
-                self.start(slot, job);
+                // Checksummed writes are handed to the kernel inside `start` already.
+                let bounced = job.bounce && !job.wants_checksum();
+                if !self.start(slot, job, &ctx) {
+                    continue; // a lost write (fault injection): completed without I/O
+                }
                 inflight += 1;
                 if bounced {
                     // Hand the block to the kernel before copying the next one, so the disk works
@@ -108,35 +119,129 @@ impl UringWorker {
                     let _ = self.ring.submit();
                 }
             }
-            if let Err(e) = self.ring.submit_and_wait(1) {
-                // EINTR/EAGAIN/EBUSY are transient; anything else cannot be acted on without abandoning
-                // memory the kernel may still be using, so retry after a pause instead.
-                if !matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                ) {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
+            if inflight == 0 {
                 continue;
             }
-            let done: Vec<(usize, i64)> = self
-                .ring
-                .completion()
-                .map(|c| (c.user_data() as usize, i64::from(c.result())))
-                .collect();
-            for (slot, res) in done {
-                if !self.on_complete(slot, res, &ctx) {
-                    inflight -= 1;
+            let submitted = match ctx.faults.submit_errno() {
+                Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
+                None => self.ring.submit_and_wait(1),
+            };
+            if let Err(e) = submitted {
+                let errno = e.raw_os_error().unwrap_or(libc::EIO);
+                // EINTR/EAGAIN/EBUSY are transient (a signal; the kernel short of request memory; the
+                // completion queue full until we reap, which the next loop does).
+                if matches!(errno, libc::EINTR | libc::EAGAIN | libc::EBUSY) {
+                    self.reap(&ctx, &mut inflight);
+                    continue;
                 }
+                self.abandon(errno, &ctx, inflight);
+                fail_rest_if_last(errno, &ctx);
+                return;
+            }
+            self.reap(&ctx, &mut inflight);
+        }
+    }
+
+    fn reap(&mut self, ctx: &WorkerCtx, inflight: &mut usize) {
+        let done: Vec<(usize, i64)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data() as usize, i64::from(c.result())))
+            .collect();
+        for (slot, res) in done {
+            if !self.on_complete(slot, res, ctx) {
+                *inflight -= 1;
             }
         }
     }
 
-    fn start(&mut self, slot: usize, job: BlockJob) {
+    /// `io_uring_enter` failed with a non-transient errno: the ring cannot be driven any more. Blocks
+    /// the kernel already holds are given a short grace to complete (their memory must not be reused
+    /// while it may still write it); then every block in flight fails with the errno, and this worker
+    /// stops — the engine's other workers carry on, and once none is left every job fails at once.
+    /// Blocks the kernel never completed keep their ring and bounce memory mapped (leaked) for good.
+    fn abandon(mut self, errno: i32, ctx: &WorkerCtx, mut inflight: usize) {
+        let queued = self.ring.submission().len();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while inflight > queued && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            self.reap_no_resubmit(errno, ctx, &mut inflight);
+        }
+        let kernel_owned = inflight > queued;
+        for slot in 0..self.slots.len() {
+            if let Some(s) = self.slots[slot].take() {
+                let dir = &s.job.store.files[s.job.path].dir;
+                let err = Error::io(
+                    Op::Submit,
+                    errno,
+                    dir,
+                    s.job.file_offset + s.done as u64,
+                    (s.job.io_len - s.done) as u64,
+                );
+                s.job.finish(Err(err), &ctx.counters);
+            }
+        }
+        if kernel_owned {
+            std::mem::forget(self);
+        }
+    }
+
+    /// Reaps completions during `abandon`: finished blocks complete; short ones fail instead of being
+    /// resubmitted on the broken ring.
+    fn reap_no_resubmit(&mut self, errno: i32, ctx: &WorkerCtx, inflight: &mut usize) {
+        let done: Vec<(usize, i64)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data() as usize, i64::from(c.result())))
+            .collect();
+        for (slot, res) in done {
+            let Some(s) = self.slots.get(slot).and_then(Option::as_ref) else {
+                continue;
+            };
+            let full = res >= 0 && s.done + res as usize >= s.job.io_len;
+            if res < 0 || full {
+                self.on_complete(slot, res, ctx);
+            } else if let Some(s) = self.slots[slot].take() {
+                let dir = &s.job.store.files[s.job.path].dir;
+                let err = Error::io(
+                    Op::Submit,
+                    errno,
+                    dir,
+                    s.job.file_offset,
+                    s.job.io_len as u64,
+                );
+                s.job.finish(Err(err), &ctx.counters);
+                self.free.push(slot);
+            }
+            *inflight -= 1;
+        }
+    }
+
+    /// Starts `job` in `slot`; false when it completed at once (an injected lost write).
+    fn start(&mut self, slot: usize, job: BlockJob, ctx: &WorkerCtx) -> bool {
+        ctx.faults.hold(job.op);
         // SAFETY: slot `slot` is free, so its `block_size` bytes of `bounce` are ours; io_len ≤ block_size.
         let mem = unsafe { job.prepare(self.bounce.as_ptr().add(slot * self.block_size)) };
+        if ctx.faults.lose(job.op) {
+            // SAFETY: as below; nothing is in flight for this block.
+            unsafe { job.record_checksum(mem) };
+            job.finish(Ok(()), &ctx.counters);
+            self.free.push(slot);
+            return false;
+        }
+        let crc = job.wants_checksum();
         self.slots[slot] = Some(Slot { job, mem, done: 0 });
         self.push(slot);
+        if crc {
+            // Let the disk work while this thread checksums the block (an error resurfaces from
+            // submit_and_wait). The block completes only when reaped, after the checksum is stored.
+            let _ = self.ring.submit();
+            if let Some(s) = &self.slots[slot] {
+                // SAFETY: `mem` holds the block's data; the kernel only reads it during a write.
+                unsafe { s.job.record_checksum(mem) };
+            }
+        }
+        true
     }
 
     /// Queues the remaining range of `slot`'s block.
@@ -208,5 +313,18 @@ impl UringWorker {
             s.job.finish(Err(e), &ctx.counters);
             self.free.push(slot);
         }
+    }
+}
+
+/// After a ring was abandoned: the last worker standing keeps receiving jobs and fails each with the
+/// ring's errno until the engine closes — a job queued with no worker left would otherwise wait forever.
+fn fail_rest_if_last(errno: i32, ctx: &WorkerCtx) {
+    if ctx.alive.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) != 1 {
+        return;
+    }
+    while let Ok(job) = ctx.rx.recv() {
+        let dir = job.store.files[job.path].dir.clone();
+        let err = Error::io(Op::Submit, errno, &dir, job.file_offset, job.io_len as u64);
+        job.finish(Err(err), &ctx.counters);
     }
 }

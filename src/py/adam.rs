@@ -1,11 +1,17 @@
 //! `cpu_adam_step`: the Adam kernel (`crate::adam`) over tensors that `zswap/optim/_kernel.py` has
 //! validated (dtype, device, contiguity, sizes) and passes as addresses.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::convert::to_pyerr;
 use crate::adam::{self, Bf16, Grad, Hyper, Param, State, F16};
+use crate::error::Error;
+use crate::memcheck;
+
+/// A refused tensor, as `zswap.errors.InvalidTensorError` (a `ValueError`).
+fn bad(msg: String) -> PyErr {
+    Python::attach(|py| to_pyerr(py, Error::Memory(msg)))
+}
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Dtype {
@@ -20,7 +26,7 @@ impl Dtype {
             "float32" => Ok(Dtype::F32),
             "bfloat16" => Ok(Dtype::Bf16),
             "float16" => Ok(Dtype::F16),
-            _ => Err(PyValueError::new_err(format!(
+            _ => Err(bad(format!(
                 "{what} dtype must be 'float32', 'bfloat16' or 'float16', got {s:?}"
             ))),
         }
@@ -45,12 +51,12 @@ struct Span {
 impl Span {
     fn new(name: &'static str, addr: usize, numel: usize, size: usize) -> PyResult<Span> {
         let len = numel.checked_mul(size).ok_or_else(|| {
-            PyValueError::new_err(format!(
+            bad(format!(
                 "{name}: {numel} elements overflow the address space"
             ))
         })?;
         if numel > 0 && (addr == 0 || addr % size != 0 || addr.checked_add(len).is_none()) {
-            return Err(PyValueError::new_err(format!(
+            return Err(bad(format!(
                 "{name}: address {addr:#x} is null, misaligned for {size}-byte elements or too high"
             )));
         }
@@ -93,9 +99,7 @@ pub(super) fn cpu_adam_step(
     let pdt = Dtype::parse("param", param_dtype)?;
     let gdt = Dtype::parse("grad", grad_dtype)?;
     if master.is_none() && pdt != Dtype::F32 {
-        return Err(PyValueError::new_err(
-            "a bfloat16/float16 param needs a float32 master",
-        ));
+        return Err(bad("a bfloat16/float16 param needs a float32 master".into()));
     }
     let p = Span::new("param", param, numel, pdt.size())?;
     let g = Span::new("grad", grad, numel, gdt.size())?;
@@ -112,7 +116,7 @@ pub(super) fn cpu_adam_step(
     for (i, a) in all.iter().enumerate() {
         for b in &all[i + 1..] {
             if a.overlaps(b) {
-                return Err(PyValueError::new_err(format!(
+                return Err(bad(format!(
                     "{} and {} share memory; each must be a separate tensor",
                     a.name, b.name
                 )));
@@ -121,6 +125,15 @@ pub(super) fn cpu_adam_step(
     }
     if numel == 0 {
         return Ok(()); // an empty tensor's address may be null, which no slice may hold
+    }
+    // Mapped, and writable for every span the kernel writes: a bad address is an error, not a SIGSEGV.
+    for s in &all {
+        let access = if s.name == "grad" {
+            memcheck::Access::Read
+        } else {
+            memcheck::Access::Write
+        };
+        memcheck::check(s.name, s.addr, s.len, access).map_err(|e| to_pyerr(py, e))?;
     }
     let h = Hyper {
         lr,

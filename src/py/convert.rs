@@ -1,11 +1,9 @@
-//! The one place engine errors become Python exceptions (the classes live in `zswap/errors.py`).
+//! The one place engine errors become Python exceptions. The classes live in `zswap/errors.py`; each is
+//! a `ZswapError` and also the built-in a caller would catch (the tree is in that module's docstring).
 
-use pyo3::exceptions::{
-    PyFileNotFoundError, PyNotADirectoryError, PyPermissionError, PyValueError,
-};
 use pyo3::prelude::*;
 
-use crate::error::{strerror, Error, Op};
+use crate::error::{strerror, Error, Feature, Op};
 
 pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     match build(py, &e) {
@@ -20,7 +18,8 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
     let class = |name: &str| errors.getattr(name);
     let path_str = |p: &std::path::Path| p.to_string_lossy().into_owned();
     Ok(match e {
-        // Problems with the swap directory itself surface as the built-in types users already catch.
+        // Problems with the swap directory itself: a config error that is also the OSError subclass
+        // users already catch (`except FileNotFoundError` keeps working).
         Error::Io {
             op: Op::Open,
             errno,
@@ -31,12 +30,17 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             libc::ENOENT | libc::EACCES | libc::EPERM | libc::ENOTDIR | libc::EROFS
         ) =>
         {
-            let args = (*errno, strerror(*errno), path_str(path));
-            match *errno {
-                libc::ENOENT => PyFileNotFoundError::new_err(args),
-                libc::ENOTDIR => PyNotADirectoryError::new_err(args),
-                _ => PyPermissionError::new_err(args),
-            }
+            let name = match *errno {
+                libc::ENOENT => "NvmePathMissing",
+                libc::ENOTDIR => "NvmePathNotADirectory",
+                _ => "NvmePathNotWritable",
+            };
+            let what = match *errno {
+                libc::ENOENT => "swap directory does not exist (zswap never creates it)".to_owned(),
+                libc::ENOTDIR => "swap path is not a directory".to_owned(),
+                e => format!("swap directory is not writable ({})", strerror(e)),
+            };
+            make(&class(name)?, (*errno, what, path_str(path)))?
         }
         Error::Io {
             op,
@@ -79,7 +83,7 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             expected,
             found,
         } => swap_io(
-            &class("SwapIOError")?,
+            &class("ChecksumError")?,
             libc::EIO,
             format!("checksum mismatch: crc32c {found:#010x}, expected {expected:#010x}"),
             path_str(path),
@@ -108,12 +112,26 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             );
             PyErr::from_value(class("SwapIOError")?.call1(args)?)
         }
-        Error::UnknownKey(_) => {
-            PyErr::from_value(class("UnknownKeyError")?.call1((e.to_string(),))?)
+        Error::UnknownKey(_) => make(&class("UnknownKeyError")?, (e.to_string(),))?,
+        Error::Closed => make(&class("EngineClosedError")?, (e.to_string(),))?,
+        Error::InvalidArgument(m) => make(&class("ConfigError")?, (m.clone(),))?,
+        Error::Memory(m) => make(&class("InvalidTensorError")?, (m.clone(),))?,
+        Error::Unavailable { feature, errno, .. } => {
+            let name = match feature {
+                Feature::IoUring => "BackendUnavailable",
+                Feature::DirectIo => "DirectIOUnavailable",
+            };
+            make(&class(name)?, (*errno, e.to_string()))?
         }
-        Error::Closed => PyErr::from_value(class("EngineClosedError")?.call1((e.to_string(),))?),
-        Error::InvalidArgument(m) => PyValueError::new_err(m.clone()),
+        Error::OutOfMemory { errno, .. } => {
+            make(&class("SwapMemoryError")?, (e.to_string(), *errno))?
+        }
+        Error::Spawn { errno, .. } => make(&class("ThreadStartError")?, (e.to_string(), *errno))?,
     })
+}
+
+fn make<'py>(class: &Bound<'py, PyAny>, args: impl pyo3::call::PyCallArgs<'py>) -> PyResult<PyErr> {
+    Ok(PyErr::from_value(class.call1(args)?))
 }
 
 #[allow(clippy::too_many_arguments)]

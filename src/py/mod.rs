@@ -7,13 +7,13 @@ mod env;
 
 use std::sync::{Arc, Mutex, Weak};
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::buffer::AlignedBuf;
 use crate::engine::{Backend, DirectMode, Engine, EngineConfig, Fault, Request};
-use crate::error::Op;
+use crate::error::{Error, Op};
+use crate::memcheck;
 use convert::to_pyerr;
 
 /// Tensors whose Handle was dropped before its I/O finished; released (under the GIL) once done.
@@ -54,9 +54,12 @@ impl PyEngine {
                 "io_uring" => Backend::IoUring,
                 "psync" => Backend::Psync,
                 other => {
-                    return Err(PyValueError::new_err(format!(
-                        "backend must be 'auto', 'io_uring' or 'psync', got {other:?}"
-                    )))
+                    return Err(to_pyerr(
+                        py,
+                        Error::InvalidArgument(format!(
+                            "backend must be 'auto', 'io_uring' or 'psync', got {other:?}"
+                        )),
+                    ))
                 }
             },
             direct: match direct {
@@ -89,6 +92,7 @@ impl PyEngine {
     ) -> PyResult<PyHandle> {
         self.sweep(py);
         let e = &self.inner;
+        self.check_memory(py, "write source", ptr, nbytes, memcheck::Access::Read)?;
         // SAFETY: `ptr..ptr+nbytes` is the tensor `keep`, which the returned Handle (or the orphan list,
         // if the Handle is dropped first) holds until the request completes; the caller promises not to
         // modify it meanwhile (SwapEngine.write's documented contract). Blocking parts (waiting for a
@@ -108,6 +112,7 @@ impl PyEngine {
     ) -> PyResult<PyHandle> {
         self.sweep(py);
         let e = &self.inner;
+        self.check_memory(py, "read destination", ptr, nbytes, memcheck::Access::Write)?;
         // SAFETY: as in `write`; the destination tensor is kept alive by the Handle or the orphan list.
         let req = py.detach(|| unsafe { e.read(key, ptr as *mut u8, nbytes) });
         self.handle(py, req, keep)
@@ -118,16 +123,16 @@ impl PyEngine {
         py.detach(|| e.free(key)).map_err(|e| to_pyerr(py, e))
     }
 
-    fn contains(&self, key: &str) -> bool {
-        self.inner.contains(key)
+    fn contains(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        self.inner.contains(key).map_err(|e| to_pyerr(py, e))
     }
 
     fn nbytes(&self, py: Python<'_>, key: &str) -> PyResult<u64> {
         self.inner.len_of(key).map_err(|e| to_pyerr(py, e))
     }
 
-    fn keys(&self) -> Vec<String> {
-        self.inner.keys()
+    fn keys(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.inner.keys().map_err(|e| to_pyerr(py, e))
     }
 
     /// A zero-filled, page-aligned buffer of `nbytes` exposing the buffer protocol.
@@ -154,6 +159,7 @@ impl PyEngine {
         d.set_item("keys", s.keys)?;
         d.set_item("reserved_bytes", s.reserved_bytes)?;
         d.set_item("file_bytes", s.file_bytes)?;
+        d.set_item("allocated_bytes", s.allocated_bytes)?;
         d.set_item("live_buffers", s.live_buffers)?;
         Ok(d)
     }
@@ -209,34 +215,36 @@ impl PyEngine {
     }
 
     /// Test hook: make the next completions of `op` ("read"/"write") fail with an errno ("errno"),
-    /// come back short ("short", `value` bytes) or, for reads, arrive corrupted ("corrupt").
+    /// come back short ("short", `value` bytes), for reads arrive corrupted ("corrupt"), for writes be
+    /// lost ("lost": reported complete, never written); or make an io_uring worker's next
+    /// `io_uring_enter` fail (`op="submit"`, "errno").
     #[pyo3(signature = (op, kind, value=0, skip=0, count=1))]
     fn inject_fault(
         &self,
+        py: Python<'_>,
         op: &str,
         kind: &str,
         value: i64,
         skip: usize,
         count: usize,
     ) -> PyResult<()> {
+        let bad = |m: String| Err(to_pyerr(py, Error::InvalidArgument(m)));
         let op = match op {
             "read" => Op::Read,
             "write" => Op::Write,
+            "submit" => Op::Submit,
             _ => {
-                return Err(PyValueError::new_err(format!(
-                    "op must be 'read' or 'write', got {op:?}"
-                )))
+                return bad(format!(
+                    "op must be 'read', 'write' or 'submit', got {op:?}"
+                ))
             }
         };
         let fault = match kind {
             "errno" => Fault::Errno(value as i32),
             "short" => Fault::Short(value.max(0) as usize),
             "corrupt" => Fault::Corrupt,
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "unknown fault kind {kind:?}"
-                )))
-            }
+            "lost" => Fault::Lost,
+            _ => return bad(format!("unknown fault kind {kind:?}")),
         };
         self.inner.faults().add(op, fault, skip, count);
         Ok(())
@@ -248,6 +256,26 @@ impl PyEngine {
 }
 
 impl PyEngine {
+    /// Refuses memory the transfer cannot use (null, unmapped, read-only for a read) before any byte
+    /// moves. Engine buffers are known good; the closed check comes first so a closed engine always
+    /// says so.
+    fn check_memory(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        ptr: usize,
+        nbytes: usize,
+        access: memcheck::Access,
+    ) -> PyResult<()> {
+        if self.inner.is_closed() {
+            return Err(to_pyerr(py, Error::Closed));
+        }
+        if nbytes > 0 && ptr != 0 && self.inner.owns(ptr, nbytes) {
+            return Ok(());
+        }
+        memcheck::check(what, ptr, nbytes, access).map_err(|e| to_pyerr(py, e))
+    }
+
     fn handle(
         &self,
         py: Python<'_>,

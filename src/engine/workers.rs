@@ -1,0 +1,155 @@
+//! Starting the worker threads: every io_uring ring is set up before any thread starts, so a refusal of
+//! any one of them (ENOMEM over RLIMIT_MEMLOCK, EPERM under seccomp, ENOSYS) can still fall back to the
+//! psync pool under `backend="auto"`, or be reported naming what was refused under `"io_uring"`.
+
+use std::thread::JoinHandle;
+
+use super::{psync, uring, Backend, EngineConfig, WorkerCtx};
+use crate::buffer::PageKind;
+use crate::error::{Error, Feature, Result};
+
+/// psync threads at most: each blocks in one pread/pwrite; past this many a drive gains nothing and
+/// the process pays a stack per thread.
+pub const PSYNC_MAX_THREADS: usize = 64;
+
+/// What the started workers are, for `Resolved`.
+pub(super) struct Started {
+    pub backend: Backend,
+    pub handles: Vec<JoinHandle<()>>,
+    pub threads: usize,
+    pub fixed_buffers: bool,
+    pub bounce_pages: PageKind,
+    pub bounce_bytes: usize,
+}
+
+/// Starts the workers of `backend` (already probed: `IoUring` or `Psync`). `want` is what the user
+/// asked for: under `Auto` a refused ring falls back to psync, adding a note.
+pub(super) fn start(
+    cfg: &EngineConfig,
+    backend: Backend,
+    want: Backend,
+    ctx: &dyn Fn() -> WorkerCtx,
+    notes: &mut Vec<String>,
+) -> Result<Started> {
+    let budget = cfg
+        .pinned_memory_budget
+        .unwrap_or(cfg.queue_depth * cfg.block_size);
+    if backend == Backend::IoUring {
+        match rings(cfg, budget) {
+            Ok(rings) => return spawn_rings(cfg, rings, ctx),
+            Err(Error::Unavailable { errno, why, .. }) if want == Backend::Auto => {
+                notes.push(format!(
+                    "io_uring unavailable ({}: {why}), using the psync backend",
+                    crate::error::strerror(errno)
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let threads = cfg
+        .queue_depth
+        .min(budget / cfg.block_size)
+        .clamp(1, PSYNC_MAX_THREADS);
+    let mut s = Started {
+        backend: Backend::Psync,
+        handles: Vec::new(),
+        threads,
+        fixed_buffers: false,
+        bounce_pages: PageKind::Small,
+        bounce_bytes: 0,
+    };
+    for i in 0..threads {
+        let w = psync::PsyncWorker::new(cfg.block_size, cfg.lock_memory)?;
+        s.bounce_pages = w.page_kind();
+        s.bounce_bytes += cfg.block_size;
+        s.handles
+            .push(spawn(format!("zswap-psync-{i}"), ctx(), move |c| w.run(c))?);
+    }
+    Ok(s)
+}
+
+/// Sets up every ring (none started yet).
+fn rings(cfg: &EngineConfig, budget: usize) -> Result<Vec<uring::UringWorker>> {
+    let threads = cfg.threads;
+    let depth = cfg
+        .queue_depth
+        .div_ceil(threads)
+        .min(budget / (threads * cfg.block_size))
+        .max(1);
+    (0..threads)
+        .map(|i| {
+            uring::UringWorker::new(depth, cfg.block_size, cfg.lock_memory).map_err(|e| match e {
+                Error::Unavailable {
+                    feature,
+                    errno,
+                    why,
+                } => Error::Unavailable {
+                    feature,
+                    errno,
+                    why: format!("ring {} of {threads}: {why}", i + 1),
+                },
+                e => e,
+            })
+        })
+        .collect()
+}
+
+fn spawn_rings(
+    cfg: &EngineConfig,
+    rings: Vec<uring::UringWorker>,
+    ctx: &dyn Fn() -> WorkerCtx,
+) -> Result<Started> {
+    let mut s = Started {
+        backend: Backend::IoUring,
+        handles: Vec::new(),
+        threads: rings.len(),
+        fixed_buffers: true,
+        bounce_pages: PageKind::Small,
+        bounce_bytes: 0,
+    };
+    for (i, w) in rings.into_iter().enumerate() {
+        s.fixed_buffers &= w.fixed_buffers();
+        s.bounce_pages = w.page_kind();
+        s.bounce_bytes += w.depth() * cfg.block_size;
+        s.handles
+            .push(spawn(format!("zswap-uring-{i}"), ctx(), move |c| w.run(c))?);
+    }
+    Ok(s)
+}
+
+/// Why a ring of `entries` was refused, with the memlock limit when that is the likely cause.
+pub(super) fn ring_refusal(entries: u32, errno: i32) -> Error {
+    let mut why = format!("io_uring_setup of a {entries}-entry ring failed");
+    if errno == libc::ENOMEM {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit fills the struct we pass.
+        if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0 {
+            why.push_str(&format!(
+                "; ring memory is charged to RLIMIT_MEMLOCK ({} KiB here) without CAP_IPC_LOCK — \
+                 lower aio.queue_depth or raise the limit (ulimit -l)",
+                lim.rlim_cur / 1024
+            ));
+        }
+    }
+    Error::Unavailable {
+        feature: Feature::IoUring,
+        errno,
+        why,
+    }
+}
+
+fn spawn<F>(name: String, ctx: WorkerCtx, f: F) -> Result<JoinHandle<()>>
+where
+    F: FnOnce(WorkerCtx) + Send + 'static,
+{
+    std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(move || f(ctx))
+        .map_err(|e| Error::Spawn {
+            errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
+            what: name,
+        })
+}

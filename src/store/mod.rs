@@ -1,0 +1,290 @@
+//! Swap space: one preallocated, already-unlinked file per path (`file`), an extent allocator over each
+//! (`extent`), and the layout that stripes a key's blocks across paths.
+//!
+//! Space given back: when a free leaves more than `PUNCH_SLACK` bytes of a file free and not yet
+//! returned, and more free than live, every free extent is punched (`FALLOC_FL_PUNCH_HOLE`) and the
+//! file truncated to its high-water mark. Steady overwrites (each key copy-on-write into a new extent,
+//! then the old one freed) keep at most the largest key free at a time, so they do not trigger it;
+//! freeing many keys does. Punched space is `fallocate`d again when reused.
+
+mod extent;
+mod file;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::align::align_up;
+use crate::error::Result;
+pub use extent::{Alloc, ExtentAllocator};
+pub(crate) use file::last_errno;
+pub use file::{check_dir, Access, OpenNotes, SwapFile};
+
+/// Allocation granularity and the smallest file offset alignment zswap uses.
+pub const UNIT: u64 = 4096;
+/// Free space a file may keep before it is returned to the file system (see the module comment).
+pub const PUNCH_SLACK: u64 = 128 << 20;
+
+/// Where one key's bytes live: blocks of `block_size` bytes dealt round-robin over the paths starting at
+/// `first`, each path's share in one contiguous extent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub len: u64,
+    pub block_size: u64,
+    pub first: usize,
+    pub npaths: usize,
+    /// `(path index, offset, reserved length)` for each path used.
+    pub extents: Vec<(usize, u64, u64)>,
+}
+
+/// One block of a layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockPos {
+    pub index: usize,
+    pub path: usize,
+    /// Offset of the block's data within the key.
+    pub data_offset: u64,
+    pub data_len: u64,
+    pub file_offset: u64,
+}
+
+impl Layout {
+    pub fn nblocks(&self) -> usize {
+        self.len.div_ceil(self.block_size) as usize
+    }
+
+    pub fn block(&self, i: usize) -> BlockPos {
+        let used = self.extents.len();
+        let slot = i % used;
+        let (path, base, _) = self.extents[slot];
+        let data_offset = i as u64 * self.block_size;
+        BlockPos {
+            index: i,
+            path,
+            data_offset,
+            data_len: self.block_size.min(self.len - data_offset),
+            file_offset: base + (i / used) as u64 * self.block_size,
+        }
+    }
+}
+
+/// The swap files of all paths of one engine.
+pub struct Store {
+    pub files: Vec<SwapFile>,
+    block_size: u64,
+    rotor: AtomicUsize,
+}
+
+impl Store {
+    pub fn new(files: Vec<SwapFile>, block_size: u64) -> Self {
+        Store {
+            files,
+            block_size,
+            rotor: AtomicUsize::new(0),
+        }
+    }
+
+    /// Reserves space for `len` bytes, growing files as needed. Consecutive keys start on different
+    /// paths so small keys spread over all drives too.
+    pub fn allocate(&self, len: u64) -> Result<Layout> {
+        let np = self.files.len();
+        let nblocks = len.div_ceil(self.block_size).max(1) as usize;
+        let used = nblocks.min(np);
+        let first = self.rotor.fetch_add(1, Ordering::Relaxed) % np;
+        let mut extents = Vec::with_capacity(used);
+        for slot in 0..used {
+            let path = (first + slot) % np;
+            // Blocks slot, slot+used, ...; only the key's last block may be partial.
+            let count = (nblocks - slot).div_ceil(used) as u64;
+            let last = slot + (count as usize - 1) * used;
+            let last_len = self
+                .block_size
+                .min(len.saturating_sub(last as u64 * self.block_size));
+            let file = &self.files[path];
+            let reserve = (count - 1) * self.block_size + align_up(last_len.max(1), file.unit());
+            let Alloc { off, needs_fill } = lock(&file.alloc).alloc(reserve);
+            let end = off + reserve;
+            let grown = file.ensure_size(end).and_then(|()| {
+                if needs_fill {
+                    // Below the old size the range may hold punched holes; growth filled the rest.
+                    let upto = end.min(file.size());
+                    if upto > off {
+                        return file.fill(off, upto - off);
+                    }
+                }
+                Ok(())
+            });
+            if let Err(e) = grown {
+                lock(&file.alloc).free(off, reserve);
+                self.free_extents(&extents);
+                return Err(e);
+            }
+            extents.push((path, off, reserve));
+        }
+        Ok(Layout {
+            len,
+            block_size: self.block_size,
+            first,
+            npaths: np,
+            extents,
+        })
+    }
+
+    pub fn free(&self, layout: &Layout) {
+        self.free_extents(&layout.extents);
+    }
+
+    fn free_extents(&self, extents: &[(usize, u64, u64)]) {
+        for &(path, off, len) in extents {
+            let file = &self.files[path];
+            let mut a = lock(&file.alloc);
+            a.free(off, len);
+            let live = a.end() - a.free_bytes();
+            let idle = a.unpunched_bytes() + file.size().saturating_sub(a.end());
+            if idle > PUNCH_SLACK && idle > live {
+                let ranges = a.take_unpunched();
+                let keep = a.end();
+                // Under the allocator lock, so no punched range is handed out before it is punched.
+                file.give_back(&ranges, keep);
+                a.truncated_to(file.size());
+            }
+        }
+    }
+
+    /// Closes every file, which frees their space at once.
+    ///
+    /// # Safety
+    /// As `SwapFile::close`: no transfer or allocation may use the files afterwards.
+    pub unsafe fn close(&self) {
+        for f in &self.files {
+            f.close();
+        }
+    }
+
+    /// Bytes the file systems hold for the swap files.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.files.iter().map(SwapFile::allocated_bytes).sum()
+    }
+
+    /// Bytes reserved in files (sum of high-water marks) and bytes preallocated.
+    pub fn usage(&self) -> (u64, u64) {
+        self.files
+            .iter()
+            .fold((0, 0), |(u, s), f| (u + lock(&f.alloc).end(), s + f.size()))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    #[test]
+    fn layout_stripes_blocks_round_robin() {
+        let l = Layout {
+            len: 5 * 100 + 7,
+            block_size: 100,
+            first: 1,
+            npaths: 3,
+            extents: vec![(1, 1000, 200), (2, 2000, 200), (0, 0, 200)],
+        };
+        assert_eq!(l.nblocks(), 6);
+        let b = l.block(4);
+        assert_eq!(
+            (b.path, b.file_offset, b.data_offset, b.data_len),
+            (2, 2100, 400, 100)
+        );
+        let b = l.block(5);
+        assert_eq!((b.path, b.file_offset, b.data_len), (0, 100, 7));
+    }
+
+    #[test]
+    fn swap_file_is_unlinked_and_checks_dir() {
+        let d = tempfile::tempdir().unwrap();
+        let (f, _) = SwapFile::create(d.path(), None).unwrap();
+        f.ensure_size(1 << 20).unwrap();
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+        let missing = d.path().join("nope");
+        match SwapFile::create(&missing, None) {
+            Err(Error::Io { errno, path, .. }) => {
+                assert_eq!(errno, libc::ENOENT);
+                assert_eq!(path, missing);
+            }
+            _ => panic!("expected ENOENT"),
+        }
+    }
+
+    #[test]
+    fn swap_file_cannot_be_linked_back_into_the_namespace() {
+        let d = tempfile::tempdir().unwrap();
+        let (f, _) = SwapFile::create(d.path(), Some(false)).unwrap();
+        // linkat with AT_SYMLINK_FOLLOW on the /proc link is how an O_TMPFILE file gets a name; O_EXCL
+        // at open makes the kernel refuse it (ENOENT).
+        let src = std::ffi::CString::new(format!("/proc/self/fd/{}", f.raw_fd())).unwrap();
+        let dst = std::ffi::CString::new(d.path().join("back").to_str().unwrap()).unwrap();
+        // SAFETY: valid NUL-terminated paths.
+        let rc = unsafe {
+            libc::linkat(
+                libc::AT_FDCWD,
+                src.as_ptr(),
+                libc::AT_FDCWD,
+                dst.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
+        };
+        assert_eq!(
+            rc, -1,
+            "an O_TMPFILE swap file was linked into the directory"
+        );
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn opening_allocates_nothing_and_close_frees_at_once() {
+        let d = tempfile::tempdir().unwrap();
+        let (f, _) = SwapFile::create(d.path(), None).unwrap();
+        assert_eq!(
+            (f.size(), f.allocated_bytes()),
+            (0, 0),
+            "the direct-I/O probe left space behind"
+        );
+        f.ensure_size(8 << 20).unwrap();
+        assert!(f.allocated_bytes() >= 8 << 20);
+        let fd = f.raw_fd();
+        // SAFETY: nothing else uses the file.
+        unsafe { f.close() };
+        // SAFETY: fcntl on a closed descriptor number only reports EBADF.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_GETFD) }, -1);
+    }
+
+    #[test]
+    fn freeing_most_of_a_file_returns_its_space_and_reuse_fills_it_again() {
+        let d = tempfile::tempdir().unwrap();
+        let (f, _) = SwapFile::create(d.path(), Some(false)).unwrap();
+        let store = Store::new(vec![f], 1 << 20);
+        let big = store.allocate(PUNCH_SLACK + (32 << 20)).unwrap();
+        let small = store.allocate(1 << 20).unwrap();
+        let before = store.allocated_bytes();
+        assert!(before >= PUNCH_SLACK + (33 << 20));
+        store.free(&big);
+        let after = store.allocated_bytes();
+        assert!(
+            after < 40 << 20,
+            "freed space kept: {before} -> {after} bytes"
+        );
+        // Reuse the punched range: it is allocated again, so ENOSPC would surface here, not mid-write.
+        let again = store.allocate(64 << 20).unwrap();
+        assert_eq!(again.extents[0].1, big.extents[0].1);
+        // (st_blocks also counts the file system's extent-tree blocks, which come and go: allow 1 MiB.)
+        let refilled = store.allocated_bytes();
+        assert!(
+            refilled + (1 << 20) >= after + (64 << 20),
+            "{before} {after} {refilled}"
+        );
+        store.free(&again);
+        store.free(&small);
+    }
+}
