@@ -85,8 +85,9 @@ class NvmeGrads(GradStore):
     Each backward's writes form one transaction (its *generation*), committed when the backward ends (an
     autograd final callback; outside a backward, at the next read): if any write failed, none of that
     backward's gradients count — every partition keeps what the earlier backwards accumulated — and
-    ``loss.backward()`` raises the `SwapIOError`, naming the key. Run the backward again once space is
-    freed. An error that could not be raised there is kept and raised by `wait_all`, `has`, `load` and
+    ``loss.backward()`` raises the `SwapIOError`, naming the key. A backward that raised for any other
+    reason (a failed param read) before its end counts for nothing either. Run the backward again once
+    space is freed. An error that could not be raised there is kept and raised by `wait_all`, `has`, `load` and
     `clear` (so by `Engine.step`, `full_grad` and `zero_grad`) until `clear`.
     """
 
@@ -96,6 +97,7 @@ class NvmeGrads(GradStore):
         self.ns = self.storage.namespace("g")
         self._meta: dict[str, tuple[int, torch.dtype]] = {}  # committed: name -> (numel, dtype)
         self._gen: Transaction | None = None
+        self._gen_task = -1  # the autograd graph task that opened it (-1: none)
         self._gen_meta: dict[str, tuple[int, torch.dtype]] = {}
         self._error: BaseException | None = None
         self._reported = False
@@ -136,11 +138,22 @@ class NvmeGrads(GradStore):
         self.ns.put(key, part, gen)
 
     def _generation(self) -> Transaction:
+        task = torch._C._current_graph_task_id()
+        if self._gen is not None and self._gen_task not in (-1, task):
+            self._drop_unfinished()
         if self._gen is None:
             self._gen = Transaction()
-            if torch._C._current_graph_task_id() != -1:  # inside a backward: commit when it ends
+            self._gen_task = task
+            if task != -1:  # inside a backward: commit when it ends
                 Variable._execution_engine.queue_callback(self._end_backward)
         return self._gen
+
+    def _drop_unfinished(self) -> None:
+        """Abort the generation of a backward that raised before its end (its error went to the caller
+        of that backward): none of its gradients count."""
+        gen, self._gen, self._gen_meta = self._gen, None, {}
+        if gen is not None:
+            gen.abort()
 
     def _end_backward(self) -> None:
         err = self._commit()
@@ -153,6 +166,8 @@ class NvmeGrads(GradStore):
 
     def _commit(self) -> BaseException | None:
         """Commit the open generation; keep and return its error (then it counted for nothing)."""
+        if self._gen is not None and self._gen_task not in (-1, torch._C._current_graph_task_id()):
+            self._drop_unfinished()  # its backward never reached its end
         gen, self._gen = self._gen, None
         if gen is None:
             return None

@@ -488,11 +488,11 @@ def _step_batch(
             for i, (p, _) in enumerate(batch):
                 p.data, p.grad = loads[2 * i][0], loads[2 * i + 1][0]
                 if loads[2 * i][1] is not None:  # read into a scratch buffer: free to change
-                    txn.volatile.add(p.data.data_ptr())
+                    txn.scratch(p.data)
                 elif not own_undo:
                     txn.save(p.data)  # the stored partition itself: changed in place
                 if loads[2 * i + 1][1] is not None:
-                    txn.volatile.add(p.grad.data_ptr())
+                    txn.scratch(p.grad)
                 elif grad_scale != 1.0 and not takes_scale:
                     txn.save(p.grad)
                 if not own_undo and txn.fallible:

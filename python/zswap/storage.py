@@ -201,6 +201,24 @@ def _named(exc: BaseException, key: str) -> BaseException:
     return exc
 
 
+class _Read:
+    """An engine read whose error names the logical key."""
+
+    __slots__ = ("handle", "key")
+
+    def __init__(self, handle: Any, key: str) -> None:
+        self.handle, self.key = handle, key
+
+    def done(self) -> bool:
+        return bool(self.handle.done())
+
+    def wait(self) -> None:
+        try:
+            self.handle.wait()
+        except SwapIOError as exc:
+            raise _named(exc, self.key) from exc
+
+
 class Namespace:
     """Names to values on one storage, copy-on-write (see the module docstring). Not thread-safe: each
     namespace is used by one thread at a time, as zswap's stores are."""
@@ -323,7 +341,7 @@ class Namespace:
         if physical is None:
             raise UnknownKeyError(f"{self.key(name)!r} was never written (or was freed)")
         try:
-            return self.storage.engine.read(physical, out)
+            return _Read(self.storage.engine.read(physical, out), self.key(name))
         except SwapIOError as exc:
             raise _named(exc, self.key(name)) from exc
 
@@ -375,7 +393,7 @@ class Transaction:
         self._storages: dict[int, Storage] = {}
         self.undo = UndoLog()
         self.volatile: set[int] = set()
-        """``data_ptr``\\s of scratch buffers a step may change freely (not saved to the undo log)."""
+        """Storage addresses of scratch buffers a step may change freely (`scratch`; never saved)."""
         self.state = "open"
 
     # -- taking part ---------------------------------------------------------------------------------
@@ -394,8 +412,12 @@ class Transaction:
     def save(self, t: torch.Tensor) -> None:
         """Save ``t``'s bytes before the step changes it in place (no-op when nothing can fail or
         ``t`` is a scratch buffer)."""
-        if self.fallible and t.numel() and t.data_ptr() not in self.volatile:
+        if self.fallible and t.numel() and t.untyped_storage().data_ptr() not in self.volatile:
             self.undo.save(t)
+
+    def scratch(self, t: torch.Tensor) -> None:
+        """Mark ``t``'s memory as a scratch buffer of the step (never saved)."""
+        self.volatile.add(t.untyped_storage().data_ptr())
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self._on_commit.append(fn)

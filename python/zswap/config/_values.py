@@ -49,7 +49,7 @@ def invalid(requirement: str) -> PydanticCustomError:
 def show(value: Any, limit: int = 80) -> str:
     """``value`` as printed after "got" in a message: its repr, cut short if long."""
     if isinstance(value, int) and value.bit_length() > 14_000:  # near int -> str's 4300-digit limit
-        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     try:
         text = repr(value)
     except (ValueError, RecursionError):  # a huge int deep inside, or nesting past the recursion limit

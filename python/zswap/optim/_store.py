@@ -52,6 +52,8 @@ class CpuStore:
                     rec = rec.pin_memory()
                 if write:
                     self._records[sg.key] = rec
+                    if txn is not None:  # a failed step leaves no record it created
+                        txn.on_abort(lambda key=sg.key: self._records.pop(key, None))
             elif write and txn is not None:
                 txn.save(rec)
             fn(sg, rec)
@@ -128,7 +130,7 @@ class NvmeStore:
         free = deque(self._buffers(max(sg.record_numel for sg in sub_groups)))
         for buf in free:
             if txn is not None:
-                txn.volatile.add(buf.data_ptr())
+                txn.scratch(buf)
         reads: deque[tuple[SubGroup, torch.Tensor, torch.Tensor, Handle | None]] = deque()
         writes: deque[tuple[torch.Tensor, _Write]] = deque()
         todo = deque(sub_groups)

@@ -164,11 +164,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if scale is None:
             self.skipped_steps += 1
             return loss
-        self._place(todo)
-        steps = {i: self._steps[i] + 1 for i in todo}  # the counters move only when the step commits
-        grads = {i: _flat(cast(torch.Tensor, self._params[i].grad)) for i in todo}
-        walk = [sg for sg in self._sub_groups if any(s.param in steps for s in sg.segments)]
         with step_transaction() as txn:
+            layout = (len(self._sub_groups), dict(self._placed), self._sub_group_size)
+
+            def unplace() -> None:  # a failed first step places nothing: the retry places the same
+                del self._sub_groups[layout[0] :]
+                self._placed, self._sub_group_size = layout[1], layout[2]
+
+            txn.on_abort(unplace)
+            self._place(todo)
+            steps = {i: self._steps[i] + 1 for i in todo}  # the counters move only when the step commits
+            grads = {i: _flat(cast(torch.Tensor, self._params[i].grad)) for i in todo}
+            walk = [sg for sg in self._sub_groups if any(s.param in steps for s in sg.segments)]
             if self._store.tier == "nvme":
                 txn.uses(cast(NvmeStore, self._store).storage)
 
