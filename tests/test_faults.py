@@ -106,7 +106,7 @@ def snapshot(m: nn.Module, engine: zswap.Engine) -> Any:
 
 def no_leftover_keys(engine: Any, *kinds: str) -> bool:
     """No key of those kinds beyond what the live namespaces hold (a failed write leaked nothing)."""
-    return not [k for k in engine.keys() if k.split("/")[0] in kinds and "@" not in k]
+    return not [k for k in list(engine.keys()) if k.split("/")[0] in kinds and "@" not in k]
 
 
 # -- the optimizer step ---------------------------------------------------------------------------------
@@ -174,7 +174,9 @@ def test_offloaded_adamw_alone_rolls_back_its_cpu_params(op, code, spill, tmp_pa
     for step in range(2):
         for ps in (params, ref_params):
             for i, p in enumerate(ps):
-                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)).to(p.dtype)
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)).to(
+                    p.dtype
+                )
         if step == 0:
             opt.step()
             ref.step()
@@ -272,7 +274,7 @@ def test_a_failed_init_build_raises_naming_the_key_and_the_next_build_is_exact(o
     n = transfers(storage.engine, op) - n
     del m
     gc.collect()
-    assert not [k for k in storage.engine.keys() if k.startswith("p/")]
+    assert not [k for k in list(storage.engine.keys()) if k.startswith("p/")]
     inject(storage.engine, op, code, int(where * (n - 1)))
     with pytest.raises(SwapIOError) as ei:
         build(TinyLM, cfg)
@@ -280,7 +282,7 @@ def test_a_failed_init_build_raises_naming_the_key_and_the_next_build_is_exact(o
     assert ei.value.errno == code and ei.value.key.startswith("p/")
     del ei  # its traceback holds the half-built model
     gc.collect()
-    assert not [k for k in storage.engine.keys() if k.startswith("p/")]  # nothing of it is left
+    assert not [k for k in list(storage.engine.keys()) if k.startswith("p/")]  # nothing of it is left
     m, ref = build(TinyLM, cfg)
     assert same(params_of(m), [p.detach() for p in ref.parameters()])
     hold.close()
@@ -372,10 +374,14 @@ def test_deeply_nested_config_is_a_config_error_naming_where(tmp_path):
 def test_a_5000_digit_integer_is_a_config_error_naming_key_and_file(tmp_path):
     path = tmp_path / "big.json"
     path.write_text('{"zero_optimization": {"sub_group_size": ' + "9" * 5000 + "}}")
-    with pytest.raises(ConfigError, match=r"big\.json: zero_optimization\.sub_group_size: an integer of 5000"):
+    with pytest.raises(
+        ConfigError, match=r"big\.json: zero_optimization\.sub_group_size: an integer of 5000"
+    ):
         load_config(path)
     path.write_text('{"train_batch_size": -' + "1" * 5000 + "}")
     with pytest.raises(ConfigError, match=r"big\.json: train_batch_size: an integer of 5000 digits"):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"sub_group_size must be at most .*an integer of about 5000 digits"):
+    with pytest.raises(
+        ConfigError, match=r"sub_group_size must be at most .*an integer of about 5000 digits"
+    ):
         load_config({"zero_optimization": {"sub_group_size": 10**4999}})

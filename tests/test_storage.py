@@ -63,7 +63,9 @@ def test_a_failed_overwrite_leaves_the_previous_value_readable(storage, code):
         ns.wait()
     assert ei.value.errno == code and ei.value.key == f"{ns.prefix}/a"  # the logical key
     assert torch.equal(read(ns, "a", 1000), t(1000, 0))
-    assert [k for k in storage.engine.keys() if k.startswith(ns.prefix)] == [ns.physical("a")]  # no leak
+    assert [k for k in list(storage.engine.keys()) if k.startswith(ns.prefix)] == [
+        ns.physical("a")
+    ]  # no leak
     ns.wait()  # raised once
 
 
@@ -74,7 +76,7 @@ def test_a_failed_first_write_leaves_no_key(storage, code):
     ns.put("a", t(10, 0))
     with pytest.raises(SwapIOError, match=f"key='{ns.prefix}/a'"):
         ns.wait()
-    assert "a" not in ns and not [k for k in storage.engine.keys() if k.startswith(ns.prefix)]
+    assert "a" not in ns and not [k for k in list(storage.engine.keys()) if k.startswith(ns.prefix)]
     with pytest.raises(UnknownKeyError, match="was never written"):
         ns.read("a", torch.empty(10))
 
@@ -96,10 +98,10 @@ def test_an_overwrite_frees_the_old_version_once_it_landed(storage):
     for i in range(5):
         ns.put("a", t(4096, i))
     ns.wait()
-    assert [k for k in storage.engine.keys() if k.startswith(ns.prefix)] == [ns.physical("a")]
+    assert [k for k in list(storage.engine.keys()) if k.startswith(ns.prefix)] == [ns.physical("a")]
     assert torch.equal(read(ns, "a", 4096), t(4096, 4))
     ns.free("a")
-    assert not [k for k in storage.engine.keys() if k.startswith(ns.prefix)]
+    assert not [k for k in list(storage.engine.keys()) if k.startswith(ns.prefix)]
 
 
 def test_the_write_queue_bounds_the_bytes_in_flight(storage, monkeypatch):
@@ -129,7 +131,9 @@ def test_a_transaction_commits_every_write_at_once(storage):
     assert torch.equal(read(a, "x", 10), t(10, 0)) and "y" not in b  # nobody else does yet
     txn.commit()
     assert torch.equal(read(a, "x", 10), t(10, 1)) and torch.equal(read(b, "y", 10), t(10, 2))
-    assert sorted(k for k in storage.engine.keys() if k[0] in "op") == sorted([a.physical("x"), b.physical("y")])
+    assert sorted(k for k in list(storage.engine.keys()) if k[0] in "op") == sorted(
+        [a.physical("x"), b.physical("y")]
+    )
 
 
 @pytest.mark.parametrize("code", FAULTS)
@@ -150,7 +154,7 @@ def test_one_failed_write_aborts_the_whole_transaction(storage, code, skip):
     assert ei.value.errno == code and ei.value.key in {f"{ns.prefix}/{i}" for i in range(5)}
     assert all(torch.equal(read(ns, str(i), 10), t(10, i)) for i in range(5))
     assert {str(i): ns.physical(str(i)) for i in range(5)} == kept
-    assert sorted(k for k in storage.engine.keys() if k.startswith("o/")) == sorted(kept.values())
+    assert sorted(k for k in list(storage.engine.keys()) if k.startswith("o/")) == sorted(kept.values())
     with pytest.raises(zswap.ZswapError, match="aborted"):
         txn.commit()
 
@@ -165,10 +169,10 @@ def test_abort_restores_the_undo_log_in_memory_and_spilled(storage, monkeypatch)
         txn.save(x[100:900])
         x[100:900] = 7.0
     txn.undo.settle()
-    assert any(k.startswith("u/") for k in storage.engine.keys())  # spilled, memory copies dropped
+    assert any(k.startswith("u/") for k in list(storage.engine.keys()))  # spilled, memory copies dropped
     txn.abort()
     assert all(torch.equal(x, w) for x, w in zip(xs, want, strict=True))
-    assert not any(k.startswith("u/") for k in storage.engine.keys())
+    assert not any(k.startswith("u/") for k in list(storage.engine.keys()))
 
 
 def test_a_failed_spill_keeps_its_memory_copy(storage, monkeypatch):
@@ -237,5 +241,31 @@ def test_params_gradients_and_optimizer_records_share_one_engine(tmp_path):
         assert st.store.storage is st.grad_store.storage is opt._store.storage  # type: ignore[attr-defined]
         sq(m(ids())).backward()
         engine.step()
-        kinds = {k.split("/")[0] for k in st.store.engine.keys()}
+        kinds = {k.split("/")[0] for k in list(st.store.engine.keys())}
         assert kinds == {"p", "o"}  # params and records in the one engine (gradients were cleared)
+
+
+def test_a_real_full_file_system_keeps_the_old_value_and_space_freed_is_reused(tmp_path):
+    """ENOSPC from a real, size-limited tmpfs (skipped where mounting is refused), not injected."""
+    from .conftest import mounted
+
+    with mounted("tmpfs", "size=72m") as d:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zswap.ZswapWarning)
+            s = zs.open_dir(d)
+        ns = s.namespace("p")
+        old = t(10 << 20, 0)  # 40 MiB: the file grows once and the rest of the fs cannot hold a copy
+        ns.put("a", old)
+        ns.wait()
+        with pytest.raises(SwapIOError) as ei:
+            ns.put("a", t(10 << 20, 1))
+            ns.wait()
+        assert ei.value.errno == errno.ENOSPC and ei.value.key == f"{ns.prefix}/a"
+        assert torch.equal(read(ns, "a", 10 << 20), old)  # copy-on-write: the old value survived
+        ns.put("b", t(4 << 20, 2))  # 16 MiB fits in what the file already holds
+        ns.wait()
+        ns.free("b")
+        ns.put("a", t(4 << 20, 3))  # a smaller new value fits: the freed space is reused
+        ns.wait()
+        assert torch.equal(read(ns, "a", 4 << 20), t(4 << 20, 3))
+        ns.close()

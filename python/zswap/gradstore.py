@@ -87,8 +87,9 @@ class NvmeGrads(GradStore):
     backward's gradients count — every partition keeps what the earlier backwards accumulated — and
     ``loss.backward()`` raises the `SwapIOError`, naming the key. A backward that raised for any other
     reason (a failed param read) before its end counts for nothing either. Run the backward again once
-    space is freed. An error that could not be raised there is kept and raised by `wait_all`, `has`, `load` and
-    `clear` (so by `Engine.step`, `full_grad` and `zero_grad`) until `clear`.
+    space is freed. An error that could not be raised there (gradients added outside a backward) is kept
+    and raised by `wait_all`, `has`, `load` and `clear` (so by `Engine.step`, `full_grad` and
+    `zero_grad`) until `clear`.
     """
 
     def __init__(self, engine: Any, *, owns_engine: bool = False) -> None:

@@ -256,9 +256,9 @@ class Scheduler:
             # A failed read: the step's other swap-ins must not be left in flight (their params would
             # stay INFLIGHT forever); they go back to not gathered, as before the step.
             for s in missing:
-                loading = loads.pop(id(s.p), None)
-                if loading is not None:
-                    cancel_fetch(loading)
+                left = loads.pop(id(s.p), None)
+                if left is not None:
+                    cancel_fetch(left)
                     s.ours = False
                     self.live -= s.numel
             raise

@@ -389,7 +389,7 @@ class Transaction:
         self._writes: list[_Write] = []
         self._error: BaseException | None = None
         self._on_commit: list[Callable[[], None]] = []
-        self._on_abort: list[Callable[[], None]] = []
+        self._on_abort: list[Callable[[], object]] = []
         self._storages: dict[int, Storage] = {}
         self.undo = UndoLog()
         self.volatile: set[int] = set()
@@ -422,7 +422,7 @@ class Transaction:
     def on_commit(self, fn: Callable[[], None]) -> None:
         self._on_commit.append(fn)
 
-    def on_abort(self, fn: Callable[[], None]) -> None:
+    def on_abort(self, fn: Callable[[], object]) -> None:
         self._on_abort.append(fn)
 
     def put(self, ns: Namespace, name: str, tensor: torch.Tensor) -> _Write:

@@ -14,6 +14,7 @@ A record never written reads as zeros.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,7 @@ class CpuStore:
                 if write:
                     self._records[sg.key] = rec
                     if txn is not None:  # a failed step leaves no record it created
-                        txn.on_abort(lambda key=sg.key: self._records.pop(key, None))
+                        txn.on_abort(functools.partial(self._records.pop, sg.key, None))
             elif write and txn is not None:
                 txn.save(rec)
             fn(sg, rec)
