@@ -6,23 +6,22 @@ used when the config puts the optimizer on NVMe, so a model larger than memory c
 ``ParamState.grad_store`` (``None``: memory), set by `zswap.initialize` (`attach`) and reset on close.
 
 NVMe writes never stall backward: a param's first gradient of a step is written asynchronously (the source
-stays alive in the queue, whose bytes are bounded as in `NvmeStore`); a later backward before the step reads
-the partition back, adds in place (the op `MemoryGrads` uses, so values are the same) and writes it again.
-The first write error is kept (backward goes on, dropping gradients) and raised by every later
-`wait_all`, `has` and `load` — so by `Engine.step` and `full_grad` — until `clear`, which raises it too
-if nothing has yet.
+stays alive in the storage's bounded write queue); a later backward before the step reads the partition
+back, adds in place (the op `MemoryGrads` uses, so values are the same) and writes it again. Each
+backward's writes commit together at its end or not at all (`NvmeGrads`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.autograd import Variable
 
-from .errors import ConfigError, ZswapError
-from .params import INFLIGHT_WRITE_BYTES, NvmeStore, ParamState
+from .errors import ConfigError
+from .params import NvmeStore, ParamState
+from .storage import Transaction, open_dir, storage_for
 
 
 class GradStore:
@@ -81,102 +80,147 @@ def store_of(st: ParamState) -> GradStore:
 
 
 class NvmeGrads(GradStore):
-    def __init__(self, engine: Any, *, owns_engine: bool = False, inflight_bytes: int | None = None) -> None:
-        self.engine = engine
-        self.owns_engine = owns_engine
-        self.inflight_bytes = INFLIGHT_WRITE_BYTES if inflight_bytes is None else inflight_bytes
-        self._meta: dict[str, tuple[int, torch.dtype]] = {}  # key -> (numel, dtype) of what it holds
-        self._writes: dict[str, tuple[Any, int]] = {}  # key -> (handle, bytes held), oldest first
-        self._queued = 0
+    """Partition gradients in a namespace (``g/<n>``) of a `zswap.storage.Storage`.
+
+    Each backward's writes form one transaction (its *generation*), committed when the backward ends (an
+    autograd final callback; outside a backward, at the next read): if any write failed, none of that
+    backward's gradients count — every partition keeps what the earlier backwards accumulated — and
+    ``loss.backward()`` raises the `SwapIOError`, naming the key. A backward that raised for any other
+    reason (a failed param read) before its end counts for nothing either. Run the backward again once
+    space is freed. An error that could not be raised there (gradients added outside a backward) is kept
+    and raised by `wait_all`, `has`, `load` and `clear` (so by `Engine.step`, `full_grad` and
+    `zero_grad`) until `clear`.
+    """
+
+    def __init__(self, engine: Any, *, owns_engine: bool = False) -> None:
+        self.storage = storage_for(engine)
+        self.owns_engine = owns_engine  # closing the namespace closes an engine zswap opened
+        self.ns = self.storage.namespace("g")
+        self._meta: dict[str, tuple[int, torch.dtype]] = {}  # committed: name -> (numel, dtype)
+        self._gen: Transaction | None = None
+        self._gen_task = -1  # the autograd graph task that opened it (-1: none)
+        self._gen_meta: dict[str, tuple[int, torch.dtype]] = {}
         self._error: BaseException | None = None
         self._reported = False
 
+    @property
+    def engine(self) -> Any:
+        return self.storage.engine
+
     @staticmethod
     def key(st: ParamState) -> str:
-        return f"grad-{id(st):x}"  # unlike param keys; unique: the zswap Engine holds each st
+        return f"{id(st):x}"  # unique: the zswap Engine holds each st
+
+    def physical(self, st: ParamState) -> str | None:
+        """The engine key holding ``st``'s committed gradient (None: none)."""
+        return self.ns._live.get(self.key(st))
 
     def add(self, st: ParamState, part: torch.Tensor) -> None:
         if self._error is not None:
             return  # gradients are lost until `clear`; `wait_all` (every step) raises the error
+        gen = self._generation()
+        if gen._error is not None:
+            return  # this backward already failed: its end raises
         key = self.key(st)
         part = part.to("cpu") if part.device.type != "cpu" else part
-        if key in self._meta:  # gradient accumulation: read, add, write back
-            self._settle(key)
-            if self._error is not None:
+        meta = self._gen_meta.get(key) or self._meta.get(key)
+        if meta is not None:  # gradient accumulation: read, add, write back
+            acc = self.engine.empty((meta[0],), meta[1])  # page-aligned: read without a bounce copy
+            try:
+                self.ns.read(key, acc, gen).wait()
+            except Exception as exc:
+                gen._error = gen._error or exc
                 return
-            acc, handle = self.load(st)
-            handle.wait()
             acc.add_(part)
             part = acc
         elif not part.is_contiguous():
             part = part.contiguous()
-        self._meta[key] = (part.numel(), part.dtype)
-        held = part.untyped_storage().nbytes()  # a view keeps its whole base alive
-        self._writes[key] = (self.engine.write(key, part), held)
-        self._queued += held
-        while self._writes and (self._queued > self.inflight_bytes or _first(self._writes)[0].done()):
-            self._settle(next(iter(self._writes)))
+        self._gen_meta[key] = (part.numel(), part.dtype)
+        self.ns.put(key, part, gen)
+
+    def _generation(self) -> Transaction:
+        task = torch._C._current_graph_task_id()
+        if self._gen is not None and self._gen_task not in (-1, task):
+            self._drop_unfinished()
+        if self._gen is None:
+            self._gen = Transaction()
+            self._gen_task = task
+            if task != -1:  # inside a backward: commit when it ends
+                Variable._execution_engine.queue_callback(self._end_backward)
+        return self._gen
+
+    def _drop_unfinished(self) -> None:
+        """Abort the generation of a backward that raised before its end (its error went to the caller
+        of that backward): none of its gradients count."""
+        gen, self._gen, self._gen_meta = self._gen, None, {}
+        if gen is not None:
+            gen.abort()
+
+    def _end_backward(self) -> None:
+        err = self._commit()
+        if err is not None:
+            # Raised from loss.backward(): that backward counted for nothing and the store is as before
+            # it, so nothing is kept — the next backward runs as if the failed one never had.
+            if self._error is err:
+                self._error, self._reported = None, False
+            raise err
+
+    def _commit(self) -> BaseException | None:
+        """Commit the open generation; keep and return its error (then it counted for nothing)."""
+        if self._gen is not None and self._gen_task not in (-1, torch._C._current_graph_task_id()):
+            self._drop_unfinished()  # its backward never reached its end
+        gen, self._gen = self._gen, None
+        if gen is None:
+            return None
+        meta, self._gen_meta = self._gen_meta, {}
+        try:
+            gen.commit()
+        except Exception as exc:
+            if self._error is None:
+                self._error, self._reported = exc, False
+            return exc
+        self._meta.update(meta)
+        return None
 
     def has(self, st: ParamState) -> bool:
+        self._commit()
         self._check()
         return self.key(st) in self._meta
 
     def load(self, st: ParamState) -> tuple[torch.Tensor, Any]:
-        key = self.key(st)
-        self._settle(key)
+        self._commit()
         self._check()
+        key = self.key(st)
         numel, dtype = self._meta[key]
         buf = self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
-        return buf, self.engine.read(key, buf)
+        return buf, self.ns.read(key, buf)
 
     def clear(self, sts: Iterable[ParamState]) -> None:
+        self._commit()
         for st in sts:
             key = self.key(st)
-            if key in self._meta:
-                self._settle(key)
-                del self._meta[key]
-                with contextlib.suppress(KeyError, ZswapError):  # a failed write left nothing to free
-                    self.engine.free(key)
+            if self._meta.pop(key, None) is not None:
+                self.ns.free(key)
         if not self._meta:
-            self.wait_all_quiet()
             err, reported = self._error, self._reported
             self._error, self._reported = None, False
             if err is not None and not reported:
                 raise err
 
     def wait_all(self) -> None:
-        self.wait_all_quiet()
+        self._commit()
         self._check()
 
-    def wait_all_quiet(self) -> None:
-        while self._writes:
-            self._settle(next(iter(self._writes)))
-
     def close(self) -> None:
-        self.wait_all_quiet()
-        if self.owns_engine:
-            self.engine.close()
-
-    def _settle(self, key: str) -> None:
-        """Wait for ``key``'s write, if one is queued; keep its error."""
-        entry = self._writes.pop(key, None)
-        if entry is None:
-            return
-        self._queued -= entry[1]
-        try:
-            entry[0].wait()
-        except Exception as exc:
-            if self._error is None:
-                self._error = exc
+        if self._gen is not None:
+            self._gen.abort()
+            self._gen = None
+        self.ns.close()
 
     def _check(self) -> None:
         if self._error is not None:
             self._reported = True
             raise self._error
-
-
-def _first(d: dict[str, tuple[Any, int]]) -> tuple[Any, int]:
-    return next(iter(d.values()))
 
 
 def attach(items: Iterable[tuple[torch.Tensor, ParamState]], cfg: Any) -> list[GradStore]:
@@ -189,7 +233,9 @@ def attach(items: Iterable[tuple[torch.Tensor, ParamState]], cfg: Any) -> list[G
         return []
     for _, st in items:
         if isinstance(st.store, NvmeStore):
-            gs = out.setdefault(id(st.store.engine), NvmeGrads(st.store.engine))
+            gs = out.get(id(st.store.storage)) or out.setdefault(
+                id(st.store.storage), NvmeGrads(st.store.storage)
+            )
         else:
             gs = out.get(0) or out.setdefault(0, _own(cfg))
         st.grad_store = gs
@@ -200,9 +246,7 @@ def _own(cfg: Any) -> NvmeGrads:
     paths = cfg.offload_optimizer.nvme_path
     if not paths:
         raise ConfigError("offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'")
-    from .swap import SwapEngine  # the native engine is loaded only when NVMe is used
-
-    return NvmeGrads(SwapEngine.from_config(cfg.aio, list(paths)), owns_engine=True)
+    return NvmeGrads(open_dir(list(paths), cfg.aio), owns_engine=True)  # shared by path with the others
 
 
 def detach(items: Iterable[tuple[torch.Tensor, ParamState]], stores: Iterable[GradStore]) -> None:

@@ -410,6 +410,6 @@ def _open_engine(paths: Any, aio: Any) -> Any:
             raise NvmePathNotADirectory(errno.ENOTDIR, f"{key} is not a directory", name)
         if not os.access(path, os.W_OK | os.X_OK):
             raise NvmePathNotWritable(errno.EACCES, f"{key} is not writable", name)
-    from .swap import SwapEngine  # the native engine is loaded only when NVMe is used
+    from .storage import open_dir  # the native engine is loaded only when NVMe is used
 
-    return SwapEngine.from_config(aio, list(paths))
+    return open_dir(list(paths), aio)  # shared with gradients and optimizer records on the same paths

@@ -7,18 +7,17 @@ is an empty tensor of the right dtype on the param's device; `param_state` gives
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import itertools
 import sys
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from . import storage as _storage
 from .errors import ZswapError
 
 if TYPE_CHECKING:
@@ -27,10 +26,6 @@ if TYPE_CHECKING:
     from .gradstore import GradStore
 
 Tier = Literal["cpu", "nvme", "none"]
-
-# Unmanaged writes queued beyond this many bytes make the writer wait for the oldest ones: construction
-# never blocks on each write, and never holds more than this (plus one module) in source buffers.
-INFLIGHT_WRITE_BYTES = 256 << 20
 
 
 class Status(enum.Enum):
@@ -202,16 +197,18 @@ def _storage_uses(t: torch.Tensor) -> int:
 
 
 class NvmeStore(Store):
-    """Partitions in the swap engine. Writes are queued, not awaited, up to `INFLIGHT_WRITE_BYTES`."""
+    """Partitions in a namespace (``p/<n>``) of the swap directory's one `zswap.storage.Storage`: writes
+    are queued, not awaited (bounded by the storage's write queue), and copy-on-write — a failed write
+    leaves the previous value readable. Inside a step transaction (`zswap.storage.step_transaction`) a
+    `put` is staged in it. ``engine``: a `SwapEngine` (or a `Storage`) to keep the partitions in."""
 
     tier: Tier = "nvme"
 
-    def __init__(self, engine: Any, inflight_bytes: int | None = None) -> None:
+    def __init__(self, engine: Any) -> None:
         super().__init__()
-        self.engine = engine
-        self.inflight_bytes = INFLIGHT_WRITE_BYTES if inflight_bytes is None else inflight_bytes
-        self._queue: deque[tuple[Any, int]] = deque()
-        self._queued = 0
+        self.storage = _storage.storage_for(engine)
+        self.ns = self.storage.namespace("p")
+        weakref.finalize(self, self.ns.close).atexit = False
         self.pool_bytes = 0
         """Bytes of load buffers kept for reuse (0: none). `zswap.initialize` sets it to its live budget
         while it runs: fetched params then land in memory already mapped, instead of faulting in (and
@@ -219,24 +216,20 @@ class NvmeStore(Store):
         self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         self._pooled = 0
 
-    def put(self, key: str, part: torch.Tensor) -> None:
-        if part.device.type != "cpu":
-            part = part.to("cpu")
-        handle = self.engine.write(key, part)
-        held = part.untyped_storage().nbytes()  # a view keeps its whole gathered tensor alive
-        self._queue.append((handle, held))
-        self._queued += held
-        self._reap()
+    @property
+    def engine(self) -> Any:
+        return self.storage.engine
 
-    def _reap(self) -> None:
-        while self._queue and (self._queued > self.inflight_bytes or self._queue[0][0].done()):
-            handle, held = self._queue.popleft()
-            self._queued -= held
-            handle.wait()
+    def physical(self, key: str) -> str | None:
+        """The engine key holding ``key``'s current value (None: none)."""
+        return self.ns.physical(key, _storage.current())
+
+    def put(self, key: str, part: torch.Tensor) -> None:
+        self.ns.put(key, part, _storage.current())
 
     def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
         buf = self._buffer(numel, dtype)  # page-aligned: read without a bounce copy
-        return buf, self.engine.read(key, buf)
+        return buf, self.ns.read(key, buf, _storage.current())
 
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A pooled buffer nothing uses any more (no tensor shares its memory, no one holds it), else a new
@@ -275,18 +268,7 @@ class NvmeStore(Store):
         self._pooled = 0
 
     def free(self, key: str) -> None:
-        # Never written (a failed write) or the engine is closed: nothing is left to free.
-        with contextlib.suppress(KeyError, ZswapError):
-            self.engine.free(key)
+        self.ns.free(key)
 
     def wait_all(self) -> None:
-        first: BaseException | None = None
-        while self._queue:
-            handle, held = self._queue.popleft()
-            self._queued -= held
-            try:
-                handle.wait()
-            except Exception as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+        self.ns.wait()

@@ -186,7 +186,10 @@ class Scheduler:
         try:
             self._gather(held)
         except BaseException:
+            # The pass is broken (a failed read): nothing it started may stay in flight — a backward
+            # that raises never reaches the end of its iteration.
             self.release(held)
+            self._cancel_prefetches()
             raise
         self._prefetch()
         return held
@@ -238,16 +241,27 @@ class Scheduler:
             s.ours = True
             self.live += s.numel
         self._note_live()
-        for s in held:  # in step order: the all-gathers of every rank line up
-            if s.loading is not None:
-                loading, s.loading = s.loading, None
-                del self._prefetched[id(s.p)]
-                self._prefetched_numel -= s.numel
-                self._finish(s, loading)
-                self.counters.prefetch_hits += 1
-            elif id(s.p) in loads:
-                self._finish(s, loads.pop(id(s.p)))
-                self.counters.demand_fetches += 1
+        try:
+            for s in held:  # in step order: the all-gathers of every rank line up
+                if s.loading is not None:
+                    loading, s.loading = s.loading, None
+                    del self._prefetched[id(s.p)]
+                    self._prefetched_numel -= s.numel
+                    self._finish(s, loading)
+                    self.counters.prefetch_hits += 1
+                elif id(s.p) in loads:
+                    self._finish(s, loads.pop(id(s.p)))
+                    self.counters.demand_fetches += 1
+        except BaseException:
+            # A failed read: the step's other swap-ins must not be left in flight (their params would
+            # stay INFLIGHT forever); they go back to not gathered, as before the step.
+            for s in missing:
+                left = loads.pop(id(s.p), None)
+                if left is not None:
+                    cancel_fetch(left)
+                    s.ours = False
+                    self.live -= s.numel
+            raise
         self.counters.wait_seconds += time.perf_counter() - t0
 
     def _finish(self, s: Slot, loading: Loading) -> None:

@@ -27,6 +27,7 @@ from .init import Init
 from .optim import OffloadedAdamW
 from .params import NvmeStore, ParamState, managed_params, param_state
 from .prefetch import Budget, Scheduler, Slot
+from .storage import step_transaction
 
 # Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
 PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
@@ -404,24 +405,76 @@ def step_partitions(
     params (``others``) step with the first chunk only. ``grad_scale`` (clipping) multiplies every gradient:
     inside the kernel for an optimizer whose ``step`` takes ``grad_scale`` (`zswap.optim.OffloadedAdamW`),
     else in place before the step, as ``clip_grad_norm_`` does.
+
+    All or nothing: the whole call is one `zswap.storage` step transaction. Partitions written back to
+    NVMe are staged copy-on-write and made live only once every one of them (and every optimizer record)
+    landed. When any I/O takes part, what the step changes in memory is saved to the transaction's undo
+    log before it changes: in-memory partitions and gradients, the unmanaged params and their gradients,
+    and — for an optimizer that does not keep its own (``transactional``) — each stepped param's
+    ``optimizer.state[p]`` (tensors by value, other entries by identity; a param without state loses the
+    state its failed first step created). So a failure leaves params, gradients and that state as they
+    were. Not covered: state an optimizer keeps outside ``optimizer.state[p]`` (LBFGS-style globals).
     """
     takes_scale = "grad_scale" in inspect.signature(optimizer.step).parameters
-    if grad_scale != 1.0 and not takes_scale:
+    own_undo = bool(getattr(optimizer, "transactional", False))
+    with step_transaction() as txn:
+        for _, st in items:
+            if isinstance(st.store, NvmeStore):
+                txn.uses(st.store.storage)
+            gs = store_of(st)
+            if isinstance(gs, gradstore.NvmeGrads):
+                txn.uses(gs.storage)
         with no_torch_function():
-            for p in others:
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
-    todo = [(p, st) for p, st in items if store_of(st).has(st)]
-    for i, batch in enumerate(grads.chunks(todo, chunk) or [[]]):  # one step even with no partitions
-        _step_batch(optimizer, batch, grad_scale, takes_scale)
-        if i == 0:
-            for p in others:
-                p.grad = None
-    for store in {id(st.store): st.store for _, st in items}.values():
-        store.wait_all()
+            if txn.fallible:
+                for p in others:
+                    if p.grad is not None:
+                        txn.save(p.data)
+                        txn.save(p.grad)
+                        if not own_undo:
+                            _save_state(txn, optimizer, p)
+                grads_before = [(p, p.grad) for p in others]
+                txn.on_abort(lambda: _put_grads(grads_before))
+            if grad_scale != 1.0 and not takes_scale:
+                for p in others:
+                    if p.grad is not None:
+                        p.grad.mul_(grad_scale)
+        todo = [(p, st) for p, st in items if store_of(st).has(st)]
+        for i, batch in enumerate(grads.chunks(todo, chunk) or [[]]):  # one step even with no partitions
+            _step_batch(optimizer, batch, grad_scale, takes_scale, txn, own_undo)
+            if i == 0:
+                for p in others:
+                    p.grad = None
 
 
-def _step_batch(optimizer: Any, batch: list[Item], grad_scale: float, takes_scale: bool) -> None:
+def _put_grads(saved: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    for p, g in saved:
+        p.grad = g
+
+
+def _save_state(txn: Any, optimizer: Any, p: torch.Tensor) -> None:
+    """Save ``optimizer.state[p]`` so that an abort puts it back as it was (or drops it if it is new)."""
+    state = getattr(optimizer, "state", None)
+    if state is None:
+        return
+    if p not in state:
+        txn.on_abort(lambda: state.pop(p, None))
+        return
+    entry = state[p]
+    saved = dict(entry)
+    for v in saved.values():
+        if isinstance(v, torch.Tensor):
+            txn.save(v)
+
+    def restore() -> None:
+        entry.clear()
+        entry.update(saved)
+
+    txn.on_abort(restore)
+
+
+def _step_batch(
+    optimizer: Any, batch: list[Item], grad_scale: float, takes_scale: bool, txn: Any, own_undo: bool
+) -> None:
     with no_torch_function():
         loads: list[tuple[torch.Tensor, Any]] = []
         try:
@@ -434,6 +487,16 @@ def _step_batch(optimizer: Any, batch: list[Item], grad_scale: float, takes_scal
                     handle.wait()
             for i, (p, _) in enumerate(batch):
                 p.data, p.grad = loads[2 * i][0], loads[2 * i + 1][0]
+                if loads[2 * i][1] is not None:  # read into a scratch buffer: free to change
+                    txn.scratch(p.data)
+                elif not own_undo:
+                    txn.save(p.data)  # the stored partition itself: changed in place
+                if loads[2 * i + 1][1] is not None:
+                    txn.scratch(p.grad)
+                elif grad_scale != 1.0 and not takes_scale:
+                    txn.save(p.grad)
+                if not own_undo and txn.fallible:
+                    _save_state(txn, optimizer, p)
                 if grad_scale != 1.0 and not takes_scale:
                     p.grad.mul_(grad_scale)  # in place, as clip_grad_norm_ does
             if takes_scale:
@@ -441,7 +504,7 @@ def _step_batch(optimizer: Any, batch: list[Item], grad_scale: float, takes_scal
             else:
                 optimizer.step()
             for p, st in batch:
-                st.store.put(st.key, p.data)
+                st.store.put(st.key, p.data)  # staged in the transaction (in place for memory stores)
         finally:
             for _, handle in loads:
                 if handle is not None:

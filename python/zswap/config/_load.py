@@ -14,6 +14,13 @@ from ..errors import ConfigError
 from ._layout import assemble
 from .models import ZswapConfig, describe
 
+MAX_DEPTH = 100
+"""Arrays and objects nested deeper than this in a config file are refused (a `ConfigError` naming where),
+before the JSON parser's own recursion could fail: no DeepSpeed or zswap key is nested more than 4 deep."""
+
+_INT_DIGITS = 4300
+"""Python's default limit on the digits of an integer parsed from text (``sys.get_int_max_str_digits``)."""
+
 ConfigSource: TypeAlias = "str | os.PathLike[str] | Mapping[str, Any] | ZswapConfig | None"
 """What every zswap entry point accepts as its config."""
 
@@ -57,11 +64,19 @@ def load_config(config: ConfigSource = None) -> ZswapConfig:
 
 
 def _validate(raw: Mapping[Any, Any]) -> ZswapConfig:
-    assembled = assemble(raw)
     try:
-        return ZswapConfig.model_validate(assembled.data)
-    except ValidationError as exc:
-        raise ConfigError(describe(exc, assembled.origins)) from None
+        assembled = assemble(raw)
+        try:
+            return ZswapConfig.model_validate(assembled.data)
+        except ValidationError as exc:
+            raise ConfigError(describe(exc, assembled.origins)) from None
+    except RecursionError:
+        # A mapping built in Python (a file is depth-checked before parsing) nested past the interpreter's
+        # recursion limit inside one of zswap's sections.
+        raise ConfigError(
+            "a value in the config is nested too deeply to read (past Python's recursion limit); "
+            f"zswap's keys are never nested more than {MAX_DEPTH} levels"
+        ) from None
 
 
 def _read_json(path: str) -> Mapping[str, Any]:
@@ -75,13 +90,83 @@ def _read_json(path: str) -> Mapping[str, Any]:
         raise FileNotFoundError(errno.ENOENT, f"zswap config file not found{where}", path) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text: {exc}") from None
+    _check_depth(text)
     try:
-        loaded = json.loads(text, object_pairs_hook=_refuse_duplicates)
+        loaded = json.loads(text, object_pairs_hook=_refuse_duplicates, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except RecursionError:  # _check_depth makes this unreachable short of a tiny recursion limit
+        raise ConfigError(f"values nested too deeply (more than {MAX_DEPTH} levels)") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"the top level must be a JSON object, got a JSON {_json_kind(loaded)}")
+    _refuse_huge_ints(loaded)
     return loaded
+
+
+def _check_depth(text: str) -> None:
+    """`ConfigError` naming line, column and depth where arrays/objects nest deeper than `MAX_DEPTH`.
+    One pass over the text, outside strings; the parser reports any other malformation."""
+    depth = 0
+    in_string = escaped = False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                line = text.count("\n", 0, i) + 1
+                column = i - (text.rfind("\n", 0, i) + 1) + 1
+                raise ConfigError(
+                    f"values nested more than {MAX_DEPTH} levels deep at line {line}, column {column}"
+                )
+        elif ch in "]}":
+            depth -= 1
+
+
+class _HugeInt:
+    """An integer literal longer than Python parses from text, kept as its digits until `_refuse_huge_ints`
+    can name its key."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {len(self.digits.lstrip('-'))} digits>"
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    if len(text) - text.startswith("-") > _INT_DIGITS:
+        return _HugeInt(text)
+    return int(text)
+
+
+def _refuse_huge_ints(root: dict[str, Any]) -> None:
+    """`ConfigError` naming the dotted key of the first integer too long to parse (an iterative walk: the
+    depth is bounded by `_check_depth`)."""
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, _HugeInt):
+            raise ConfigError(
+                f"{where or 'the config'}: an integer of {len(value.digits.lstrip('-'))} digits, more than "
+                f"the {_INT_DIGITS} Python reads from text (no zswap or DeepSpeed value needs more than 20)"
+            )
+        if isinstance(value, dict):
+            items = [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            continue
+        stack.extend(reversed(items))
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -48,7 +48,12 @@ def invalid(requirement: str) -> PydanticCustomError:
 
 def show(value: Any, limit: int = 80) -> str:
     """``value`` as printed after "got" in a message: its repr, cut short if long."""
-    text = repr(value)
+    if isinstance(value, int) and value.bit_length() > 14_000:  # near int -> str's 4300-digit limit
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # a huge int deep inside, or nesting past the recursion limit
+        return f"a {type(value).__name__} too large or too deeply nested to print"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -20,7 +20,7 @@ def config_kwargs(
     """`OffloadedAdamW` keyword arguments from a config (anything `load_config` takes), and whether the
     engine among them was built here (and so belongs to the optimizer)."""
     from ..config import load_config
-    from ..swap import SwapEngine
+    from ..storage import open_dir
 
     cfg = load_config(config)
     opt = cfg.optimizer
@@ -41,7 +41,7 @@ def config_kwargs(
             raise ConfigError(
                 "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
             )
-        engine = SwapEngine.from_config(cfg.aio, list(off.nvme_path))
+        engine = open_dir(list(off.nvme_path), cfg.aio)  # shared with params/gradients on the same paths
         owned = True
     read, write = off.pipeline_read, off.pipeline_write
     if off.buffer_count is not None:
@@ -95,9 +95,9 @@ def make_store(
         )
     owns = engine is None
     if owns:
-        from ..swap import SwapEngine
+        from ..storage import open_dir
 
-        engine = SwapEngine(nvme_path)
+        engine = open_dir(nvme_path)
     return NvmeStore(
         engine,
         owns_engine=owns,

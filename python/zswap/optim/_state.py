@@ -68,10 +68,7 @@ def scatter_state(opt: OffloadedAdamW, state_dict: dict[str, Any]) -> None:
         i = ids[saved_id]
         loaded[i] = _check_entry(i, opt._params[i], st)
 
-    for ours, theirs in zip(opt.param_groups, saved_groups, strict=True):
-        ours.update({k: v for k, v in theirs.items() if k != "params"})
     opt._place(sorted(loaded))
-    opt._steps = [loaded[i][0] if i in loaded else 0 for i in range(len(opt._params))]
 
     def put(sg: SubGroup, record: torch.Tensor) -> None:
         for seg, (exp_avg, exp_avg_sq, master) in sg.slices(record):
@@ -84,7 +81,10 @@ def scatter_state(opt: OffloadedAdamW, state_dict: dict[str, Any]) -> None:
             if master is not None:
                 master.copy_(st["master"][seg.start : seg.stop])
 
-    opt._store.stream(_touching(opt, loaded.keys()), put)
+    opt._store.stream(_touching(opt, loaded.keys()), put)  # all records or none (one transaction)
+    for ours, theirs in zip(opt.param_groups, saved_groups, strict=True):
+        ours.update({k: v for k, v in theirs.items() if k != "params"})
+    opt._steps = [loaded[i][0] if i in loaded else 0 for i in range(len(opt._params))]
 
 
 def _check_entry(i: int, p: torch.Tensor, st: dict[str, Any]) -> tuple[int, dict[str, torch.Tensor]]:

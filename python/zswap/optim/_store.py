@@ -2,9 +2,11 @@
 
 Both stores offer the same operations:
 
-- ``stream(sub_groups, fn, write=True)``: calls ``fn(sg, record)`` for each sub-group in order with its
-  record in memory, and keeps what `fn` changed. The NVMe store reads sub-group i+1 and writes sub-group
-  i-1 while `fn` runs on sub-group i, through a ring of at most three engine buffers.
+- ``stream(sub_groups, fn, write=True, txn=None)``: calls ``fn(sg, record)`` for each sub-group in order
+  with its record in memory, and keeps what `fn` changed — all of it or, when anything fails, none (the
+  writes are staged in ``txn``, or in a transaction of the walk's own). The NVMe store reads sub-group
+  i+1 and writes sub-group i-1 while `fn` runs on sub-group i, through a ring of at most three engine
+  buffers.
 - ``close()``: forgets every record.
 
 A record never written reads as zeros.
@@ -12,24 +14,25 @@ A record never written reads as zeros.
 
 from __future__ import annotations
 
-import uuid
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..storage import Transaction, _Write, storage_for
 from ._layout import SubGroup
 
 if TYPE_CHECKING:
     from .._zswap import Handle
-    from ..swap import SwapEngine
 
 Visit = Callable[[SubGroup, torch.Tensor], None]
 
 
 class CpuStore:
-    """Records as CPU tensors; `stream` hands out the stored tensor itself, so nothing is copied."""
+    """Records as CPU tensors; `stream` hands out the stored tensor itself, so nothing is copied. Inside a
+    transaction that can fail, each record is saved to its undo log before `fn` may change it."""
 
     tier = "cpu"
     prefix = "cpu"
@@ -39,7 +42,9 @@ class CpuStore:
         # Page-locked records only help copies to and from a GPU; without CUDA there is nothing to pin for.
         self.pin = pin_memory and torch.cuda.is_available()
 
-    def stream(self, sub_groups: Sequence[SubGroup], fn: Visit, *, write: bool = True) -> None:
+    def stream(
+        self, sub_groups: Sequence[SubGroup], fn: Visit, *, write: bool = True, txn: Transaction | None = None
+    ) -> None:
         for sg in sub_groups:
             rec = self._records.get(sg.key)
             if rec is None:
@@ -48,6 +53,10 @@ class CpuStore:
                     rec = rec.pin_memory()
                 if write:
                     self._records[sg.key] = rec
+                    if txn is not None:  # a failed step leaves no record it created
+                        txn.on_abort(functools.partial(self._records.pop, sg.key, None))
+            elif write and txn is not None:
+                txn.save(rec)
             fn(sg, rec)
 
     def close(self) -> None:
@@ -55,25 +64,37 @@ class CpuStore:
 
 
 class NvmeStore:
-    """Records under keys of a `SwapEngine`, each moved with one transfer into page-aligned engine memory.
+    """Records in a namespace (``o/<n>``) of a `zswap.storage.Storage`, each moved with one transfer into
+    page-aligned engine memory; written copy-on-write, all of a walk in one transaction.
 
     Args:
-        engine: the engine holding the records.
-        owns_engine: close the engine in `close` (it was built for this optimizer).
+        engine: the engine (or `Storage`) holding the records.
+        owns_engine: the engine was built for this optimizer (it closes with the last namespace on it).
         read_ahead: read the next record while the current one is processed.
         write_behind: let the write of a processed record run on while the next one is processed.
     """
 
     tier = "nvme"
 
-    def __init__(self, engine: SwapEngine, *, owns_engine: bool, read_ahead: bool, write_behind: bool):
-        self.engine = engine
+    def __init__(self, engine: Any, *, owns_engine: bool, read_ahead: bool, write_behind: bool):
+        self.storage = storage_for(engine)
+        self.ns = self.storage.namespace("o")
         self.owns_engine = owns_engine
-        self.prefix = f"optim-{uuid.uuid4().hex[:12]}"
+        self.prefix = self.ns.prefix  # sub-group keys are "<prefix>/<n>": logical keys of the namespace
         self.read_ahead = read_ahead
         self.write_behind = write_behind
         self._ring: list[torch.Tensor] = []
-        self._keys: set[str] = set()
+
+    @property
+    def engine(self) -> Any:
+        return self.storage.engine
+
+    def _name(self, sg: SubGroup) -> str:
+        return sg.key[len(self.prefix) + 1 :]
+
+    def physical(self, sg: SubGroup) -> str | None:
+        """The engine key holding ``sg``'s committed record (None: never written)."""
+        return self.ns._live.get(self._name(sg))
 
     @property
     def ring_size(self) -> int:
@@ -88,30 +109,52 @@ class NvmeStore:
             self._ring = [self.engine.empty(numel, torch.float32) for _ in range(self.ring_size)]
         return self._ring
 
-    def stream(self, sub_groups: Sequence[SubGroup], fn: Visit, *, write: bool = True) -> None:
-        """Calls `fn` on each record in order; with ``write=False`` nothing is written back (gathering)."""
+    def stream(
+        self, sub_groups: Sequence[SubGroup], fn: Visit, *, write: bool = True, txn: Transaction | None = None
+    ) -> None:
+        """Calls `fn` on each record in order; with ``write=False`` nothing is written back (gathering).
+        Writes are staged in ``txn`` (left for its owner to commit), else in a transaction of the walk's
+        own, committed at its end: either every record of the walk changes, or none does."""
         if not sub_groups:
             return
+        if write and txn is None:
+            own = Transaction()
+            try:
+                self.stream(sub_groups, fn, write=True, txn=own)
+            except BaseException:
+                own.abort()
+                raise
+            own.commit()
+            return
+        if txn is not None:
+            txn.uses(self.storage)
         free = deque(self._buffers(max(sg.record_numel for sg in sub_groups)))
+        for buf in free:
+            if txn is not None:
+                txn.scratch(buf)
         reads: deque[tuple[SubGroup, torch.Tensor, torch.Tensor, Handle | None]] = deque()
-        writes: deque[tuple[torch.Tensor, Handle]] = deque()
+        writes: deque[tuple[torch.Tensor, _Write]] = deque()
         todo = deque(sub_groups)
+
+        def land_oldest() -> None:
+            buf, w = writes.popleft()
+            w.settle()
+            free.append(buf)
+            if txn is not None:
+                txn.check()  # a failed write stops the walk: nothing after it can count
 
         def start_read() -> None:
             sg = todo.popleft()
             if not free:  # every buffer is busy: the oldest write must land before its buffer is reused
-                buf, h = writes.popleft()
-                h.wait()
-                free.append(buf)
+                land_oldest()
             buf = free.popleft()
             rec = buf[: sg.record_numel]
-            if sg.key in self._keys:
-                reads.append((sg, buf, rec, self.engine.read(sg.key, rec)))
+            if self.ns.has(self._name(sg), txn):
+                reads.append((sg, buf, rec, self.ns.read(self._name(sg), rec, txn)))
             else:
                 rec.zero_()
                 reads.append((sg, buf, rec, None))
 
-        finished = False
         try:
             while todo or reads:
                 if not reads:
@@ -125,31 +168,24 @@ class NvmeStore:
                 if not write:
                     free.append(buf)
                     continue
-                self._keys.add(sg.key)
-                writes.append((buf, self.engine.write(sg.key, rec)))
+                writes.append((buf, self.ns.put(self._name(sg), rec, txn)))
                 if not self.write_behind:
-                    buf, h = writes.popleft()
-                    h.wait()
-                    free.append(buf)
-            finished = True
+                    land_oldest()
+            while writes:
+                land_oldest()
         finally:
-            # No transfer may outlive the walk (the ring is reused by the next one). After an error the
-            # rest are still waited for and that error propagates; else the first failure is raised here.
-            errors = [_settle(h) for *_, h in reads] + [_settle(h) for _, h in writes]
-            first = next((e for e in errors if e is not None), None)
-            if finished and first is not None:
-                raise first
+            # No transfer may outlive the walk (the ring is reused by the next one). Errors of writes
+            # are the transaction's to raise; a read error propagates from its wait above.
+            for *_, h in reads:
+                _settle(h)
+            for _, w in writes:
+                w.settle()
 
     def close(self) -> None:
-        """Frees the records and the ring; closes the engine if this store built it. Idempotent."""
+        """Frees the records and the ring (the engine closes with the last namespace of a storage zswap
+        opened). Idempotent."""
         self._ring = []
-        if self.owns_engine:
-            self.engine.close()
-        elif not self.engine.closed:
-            for key in self._keys:
-                if key in self.engine:
-                    self.engine.free(key)
-        self._keys.clear()
+        self.ns.close()
 
 
 def _settle(h: Handle | None) -> Exception | None:

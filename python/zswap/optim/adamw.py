@@ -9,6 +9,10 @@ A step, in order:
 3. Walk the state's sub-groups (`_layout`) through the store (`_store`): for NVMe, the next record is read
    and the previous written while the Rust kernel updates the current one in place and writes the new
    weights, cast to the param dtype, straight into ``p.data``.
+
+The walk is one `zswap.storage` transaction (or joins the caller's, `Engine.step`): records are written
+copy-on-write, the step counters move only at its commit, and whatever changes in memory (params, CPU
+records) is saved to its undo log first when any I/O takes part — so a step that fails changes nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Literal, cast
 
 import torch
 
+from ..storage import Transaction, step_transaction
 from ._build import PathArg, Pipeline, check_hyper, config_kwargs, make_store
 from ._kernel import cpu_adam_step
 from ._layout import SubGroup, cut, default_sub_group_size
@@ -53,6 +58,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     float16 gradients a step whose gradients are not all finite is skipped: no state changes and
     `skipped_steps` counts it. `last_grad_norm` holds the global norm when it was computed.
     """
+
+    transactional = True
+    """Its step saves what it changes in memory to the step transaction's undo log itself (so
+    `zswap.runtime.step_partitions` need not)."""
 
     def __init__(
         self,
@@ -118,7 +127,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             opt = cls(params, max_grad_norm=max_grad_norm, **kwargs)
         except BaseException:
             if owned:
-                kwargs["engine"].close()
+                kwargs["engine"].close_if_unused()
             raise
         if owned:
             cast(NvmeStore, opt._store).owns_engine = True
@@ -155,17 +164,30 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if scale is None:
             self.skipped_steps += 1
             return loss
-        self._place(todo)
-        for i in todo:
-            self._steps[i] += 1
-        active = set(todo)
-        grads = {i: _flat(cast(torch.Tensor, self._params[i].grad)) for i in todo}
-        walk = [sg for sg in self._sub_groups if any(s.param in active for s in sg.segments)]
+        with step_transaction() as txn:
+            layout = (len(self._sub_groups), dict(self._placed), self._sub_group_size)
 
-        def update(sg: SubGroup, record: torch.Tensor) -> None:
-            self._update(sg, record, active, grads, scale)
+            def unplace() -> None:  # a failed first step places nothing: the retry places the same
+                del self._sub_groups[layout[0] :]
+                self._placed, self._sub_group_size = layout[1], layout[2]
 
-        self._store.stream(walk, update)
+            txn.on_abort(unplace)
+            self._place(todo)
+            steps = {i: self._steps[i] + 1 for i in todo}  # the counters move only when the step commits
+            grads = {i: _flat(cast(torch.Tensor, self._params[i].grad)) for i in todo}
+            walk = [sg for sg in self._sub_groups if any(s.param in steps for s in sg.segments)]
+            if self._store.tier == "nvme":
+                txn.uses(cast(NvmeStore, self._store).storage)
+
+            def update(sg: SubGroup, record: torch.Tensor) -> None:
+                self._update(sg, record, steps, grads, scale, txn)
+
+            def commit() -> None:
+                for i, n in steps.items():
+                    self._steps[i] = n
+
+            txn.on_commit(commit)
+            self._store.stream(walk, update, txn=txn)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -295,18 +317,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self,
         sg: SubGroup,
         record: torch.Tensor,
-        active: set[int],
+        steps: dict[int, int],
         grads: dict[int, torch.Tensor],
         scale: float,
+        txn: Transaction,
     ) -> None:
         group = self.param_groups[sg.group]
         beta1, beta2 = group["betas"]
         for seg, (m, v, w) in sg.slices(record):
-            if seg.param not in active:
+            step = steps.get(seg.param)
+            if step is None:
                 continue
             p = self._params[seg.param]
             pf = p.detach().view(-1)[seg.start : seg.stop]  # shares p's version counter
-            step = self._steps[seg.param]
+            txn.save(pf)  # a param in memory changes in place: put back if the step fails
             if step == 1:  # fresh state, as torch creates it on a param's first step
                 m.zero_()
                 v.zero_()
