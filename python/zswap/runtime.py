@@ -98,6 +98,8 @@ class Engine:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skipped_steps = 0
         """Steps skipped because an fp16 model's gradients were not finite."""
+        self.global_steps = 0
+        """Optimizer steps taken (skipped fp16 steps included, as DeepSpeed counts)."""
         self.last_grad_norm: float | None = None
         """Global gradient norm seen by the last `step` (when clipping or the fp16 check needed it)."""
         self._ids: set[int] = set()
@@ -170,6 +172,7 @@ class Engine:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
             step_partitions(self.optimizer, self._items, others, chunk, scale)
         self.zero_grad()
+        self.global_steps += 1
         self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
 
     def zero_grad(self) -> None:
@@ -217,6 +220,43 @@ class Engine:
             self._grads.placeholders = 0
             self._io_base = io
         return out
+
+    # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None) -> Any:
+        """Save params, optimizer state, scheduler, loss scaler, RNG and ``client_state`` to
+        ``save_dir/tag`` (default tag ``global_step{global_steps}``), atomically, then point
+        ``save_dir/latest`` at it. Every rank calls it; each streams its own partitions. Returns the folder."""
+        from .checkpoint import save_checkpoint
+
+        self._check_open()
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(
+        self,
+        load_dir: Any,
+        tag: str | None = None,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+    ) -> Any:
+        """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), saved at any world size;
+        returns its ``client_state`` (``None`` with ``load_module_only``). Everything is validated first:
+        a bad checkpoint raises a `zswap.ZswapError` and changes nothing."""
+        from .checkpoint import load_checkpoint
+
+        self._check_open()
+        self._sched.drop_all()  # gathered copies would go stale
+        try:
+            return load_checkpoint(
+                self,
+                load_dir,
+                tag,
+                load_optimizer_states=load_optimizer_states,
+                load_module_only=load_module_only,
+            )
+        finally:
+            self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
 
     # -- lifetime ----------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@
 mod adam;
 mod convert;
 mod env;
+mod crc;
 
 use std::sync::{Arc, Mutex, Weak};
 
@@ -368,6 +369,7 @@ fn _zswap(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(raw_io_uring_baseline, m)?)?;
     adam::register(m)?;
     env::register(m)?;
+    crc::register(m)?;
     Ok(())
 }
 

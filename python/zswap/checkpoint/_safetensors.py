@@ -1,0 +1,278 @@
+"""The safetensors file format, written and read in pieces so that no file is ever held whole in memory.
+
+Layout (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header length N, N
+bytes of JSON (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
+offsets relative to the end of the header, padded with spaces so data starts 8-byte aligned), then the raw
+little-endian tensor bytes, back to back with no holes. `StreamWriter` knows every entry up front, writes the
+header first and then appends bytes in entry order, checksumming them as they pass (`BlockCrc`); `TensorFile`
+parses the header and reads byte ranges into caller memory with ``preadv``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._crc import BlockCrc
+from .errors import CheckpointCorruptError, CheckpointNotFoundError
+
+BLOCK_BYTES = 8 << 20
+"""Checksum granularity: a reader verifies only the blocks that hold the ranges it needs."""
+MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+BY_NAME = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"safetensors cannot store {dtype}") from None
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 view (``t`` must be a contiguous CPU tensor)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """What a manifest records about one written file."""
+
+    name: str
+    nbytes: int
+    crc32c: int
+    block_bytes: int
+    block_crc32c: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "bytes": self.nbytes,
+            "crc32c": self.crc32c,
+            "block_bytes": self.block_bytes,
+            "block_crc32c": self.block_crc32c,
+        }
+
+
+def header_bytes(entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for e in entries:
+        if e.name in header:
+            raise ValueError(f"safetensors entry {e.name!r} appears twice")
+        header[e.name] = {
+            "dtype": dtype_code(e.dtype),
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+class StreamWriter:
+    """Writes a new safetensors file at ``path`` (which must not exist): the header at once, then each
+    entry's bytes through `write`, in entry order, in pieces of any size. `close` fsyncs and returns its
+    `FileInfo`; a writer left unclosed after an error must be `abort`-ed."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        entries: Sequence[Entry],
+        metadata: Mapping[str, str] | None = None,
+        block_bytes: int = BLOCK_BYTES,
+    ) -> None:
+        self.path = os.fspath(path)
+        self._entries = list(entries)
+        self._crc = BlockCrc(block_bytes)
+        self._index = 0
+        self._left = self._entries[0].nbytes if self._entries else 0
+        self._written = 0
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            head = header_bytes(self._entries, metadata)
+            self._put(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+            self._skip_empty()
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def current(self) -> Entry | None:
+        """The entry the next bytes belong to (``None`` once all are written)."""
+        return self._entries[self._index] if self._index < len(self._entries) else None
+
+    def write(self, t: torch.Tensor) -> None:
+        """Append ``t``'s bytes (contiguous CPU) to the current entry; they must not run past its end."""
+        raw = raw_bytes(t)
+        n = raw.numel()
+        if self.current is None or n > self._left:
+            name = self.current.name if self.current is not None else "(none)"
+            raise ValueError(f"{self.path}: {n} bytes run past the end of entry {name!r}")
+        self._put(raw)
+        self._left -= n
+        self._skip_empty()
+
+    def write_zeros(self, nbytes: int, scratch: torch.Tensor) -> None:
+        """Append ``nbytes`` zero bytes, through ``scratch`` (a uint8 buffer it overwrites)."""
+        while nbytes > 0:
+            piece = scratch[: min(nbytes, scratch.numel())]
+            piece.zero_()
+            self.write(piece)
+            nbytes -= piece.numel()
+
+    def close(self) -> FileInfo:
+        if self.current is not None:
+            self.abort()
+            raise ValueError(f"{self.path}: closed before entry {self.current.name!r} was complete")
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+        whole, blocks = self._crc.finish()
+        return FileInfo(os.path.basename(self.path), self._written, whole, self._crc.block_size, blocks)
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _skip_empty(self) -> None:
+        while self._left == 0 and self._index < len(self._entries):
+            self._index += 1
+            if self._index < len(self._entries):
+                self._left = self._entries[self._index].nbytes
+
+    def _put(self, raw: torch.Tensor) -> None:
+        self._crc.update(raw)
+        view = memoryview(raw.numpy()).cast("B")
+        while view:
+            done = os.write(self._fd, view)
+            view = view[done:]
+            self._written += done
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One entry of a file being read: dtype, shape and absolute byte range."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class TensorFile:
+    """A safetensors file opened for ranged reads. Errors name the file."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(2, "checkpoint file does not exist", self.path) from None
+        try:
+            self.size = os.fstat(self._fd).st_size
+            self.entries, self.metadata, self.data_start = self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse(self) -> tuple[dict[str, Stored], dict[str, str], int]:
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointCorruptError(f"{self.path}: truncated: {self.size} bytes, no safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > self.size:
+            raise CheckpointCorruptError(
+                f"{self.path}: truncated or not safetensors: header of {n} bytes in a {self.size}-byte file"
+            )
+        try:
+            header = json.loads(os.pread(self._fd, n, 8))
+            meta = header.pop("__metadata__", None) or {}
+            start = 8 + n
+            entries = {}
+            for name, e in header.items():
+                begin, end = (int(x) for x in e["data_offsets"])
+                entries[name] = Stored(
+                    BY_NAME[e["dtype"]], tuple(int(d) for d in e["shape"]), start + begin, start + end
+                )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointCorruptError(f"{self.path}: unreadable safetensors header ({exc})") from None
+        last = max((e.end for e in entries.values()), default=start)
+        if last > self.size:
+            raise CheckpointCorruptError(
+                f"{self.path}: truncated: {self.size} bytes, its header needs {last}"
+            )
+        return entries, meta, start
+
+    def entry(self, name: str) -> Stored:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointCorruptError(f"{self.path}: has no entry {name!r}") from None
+
+    def read_at(self, offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (contiguous CPU) with the file's bytes from ``offset``."""
+        view = memoryview(raw_bytes(out).numpy()).cast("B")
+        pos = offset
+        while view:
+            got = os.preadv(self._fd, [view], pos)
+            if got == 0:
+                raise CheckpointCorruptError(f"{self.path}: truncated: no data at offset {pos}")
+            view = view[got:]
+            pos += got
+
+    def read_elements(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with ``out.numel()`` elements of entry ``name`` from flat element ``start``."""
+        e = self.entry(name)
+        size = e.dtype.itemsize
+        begin = e.begin + start * size
+        if out.dtype != e.dtype or start < 0 or begin + out.numel() * size > e.end:
+            raise CheckpointCorruptError(
+                f"{self.path}: entry {name!r} ({e.dtype}, {(e.end - e.begin) // size} elements) cannot give "
+                f"{out.numel()} {out.dtype} elements from {start}"
+            )
+        self.read_at(begin, out)
+
+    def close(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
