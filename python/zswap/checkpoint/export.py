@@ -69,12 +69,12 @@ def export(
         clear_old_weights(out)
         shards = plan_shards(entries, limit)
         names = shard_names(len(shards))
-        todo = iter(m["weights"])
+        key_of = {key: (kind, source) for key, kind, source in m["weights"]}
         for shard, name in zip(shards, names, strict=True):
             w = StreamWriter(out / name, shard, METADATA)
             try:
-                for _ in shard:
-                    key, kind, source = next(todo)
+                for e in shard:  # shards need not follow key order (a tensor over the limit goes alone)
+                    kind, source = key_of[e.name]
                     if kind == "param":
                         _copy_param(reader, params[source], w, dtype)
                     else:

@@ -67,12 +67,12 @@ def save_weights(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         clear_old_weights(out)
-    todo = iter(keys)
+    key_of = {k.key: k for k in keys}
     for shard, name in zip(shards, names, strict=True):
         w = StreamWriter(out / name, shard, METADATA) if rank == 0 else None
         try:
-            for _ in shard:
-                k = next(todo)
+            for e in shard:  # a tensor over the limit gets its own shard out of key order, as in HF
+                k = key_of[e.name]
                 if k.kind == "param":
                     r = rec_of[k.source]
                     st = param_state(r.p)
