@@ -18,7 +18,6 @@ from ._safetensors import TensorFile
 from .errors import CheckpointCorruptError
 from .manifest import dtype_of, file_name
 
-SCRATCH_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -105,19 +104,14 @@ class Reader:
         self._whole.add(name)
 
     def verify(self) -> None:
-        scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)
         for name, blocks in sorted(self._needed.items()):
             f, info = self.file(name), self.infos[name]
             bb, crcs = int(info["block_bytes"]), info["block_crc32c"]
             for b in sorted(blocks):
                 if b >= len(crcs):
                     raise CheckpointCorruptError(f"{f.path}: the manifest has no checksum for block {b}")
-                crc, pos, end = 0, b * bb, min((b + 1) * bb, f.size)
-                while pos < end:
-                    piece = scratch[: min(end - pos, SCRATCH_BYTES)]
-                    f.read_at(pos, piece)
-                    crc = crc32c(piece, crc)
-                    pos += piece.numel()
+                end = min((b + 1) * bb, f.size)
+                crc = f.crc_range(b * bb, end - b * bb)
                 if crc != crcs[b]:
                     raise CheckpointCorruptError(
                         f"{f.path}: checksum mismatch in bytes {b * bb}..{end} (crc32c {crc:#010x}, "

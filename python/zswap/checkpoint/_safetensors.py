@@ -10,7 +10,11 @@ parses the header and reads byte ranges into caller memory with ``preadv``.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import errno
 import json
+import mmap
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -19,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._crc import BlockCrc
+from ._crc import BlockCrc, crc32c
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 
 BLOCK_BYTES = 8 << 20
@@ -103,7 +107,14 @@ def header_bytes(entries: Sequence[Entry], metadata: Mapping[str, str] | None) -
 class StreamWriter:
     """Writes a new safetensors file at ``path`` (which must not exist): the header at once, then each
     entry's bytes through `write`, in entry order, in pieces of any size. `close` fsyncs and returns its
-    `FileInfo`; a writer left unclosed after an error must be `abort`-ed."""
+    `FileInfo`; a writer left unclosed after an error must be `abort`-ed.
+
+    Bytes are staged in `STAGES` page-aligned buffers of `STAGE_BYTES` and written with ``O_DIRECT`` by
+    a small thread pool (``pwrite`` releases the GIL), several chunks in flight: buffered writes go through
+    the page cache and its dirty-page throttling, which on this project's test VM writes at 89 MB/s against
+    776 MB/s for O_DIRECT (dd, 16 MiB blocks). The last chunk is padded to the alignment and the file
+    truncated to its size. Where O_DIRECT is refused (tmpfs before 6.6, some FUSE), plain writes are used.
+    """
 
     def __init__(
         self,
@@ -117,8 +128,20 @@ class StreamWriter:
         self._crc = BlockCrc(block_bytes)
         self._index = 0
         self._left = self._entries[0].nbytes if self._entries else 0
-        self._written = 0
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._written = 0  # bytes handed to the file (submitted), always a multiple of ALIGN until close
+        self._fd = -1
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            self._fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+            self._direct = hasattr(os, "O_DIRECT")
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._fd = os.open(self.path, flags, 0o644)
+            self._direct = False
+        self._stages = [_Stage() for _ in range(STAGES)]
+        self._cur = 0
+        self._fill = 0
         try:
             head = header_bytes(self._entries, metadata)
             self._put(torch.frombuffer(bytearray(head), dtype=torch.uint8))
@@ -143,27 +166,34 @@ class StreamWriter:
         self._left -= n
         self._skip_empty()
 
-    def write_zeros(self, nbytes: int, scratch: torch.Tensor) -> None:
-        """Append ``nbytes`` zero bytes, through ``scratch`` (a uint8 buffer it overwrites)."""
-        while nbytes > 0:
-            piece = scratch[: min(nbytes, scratch.numel())]
-            piece.zero_()
-            self.write(piece)
-            nbytes -= piece.numel()
-
     def close(self) -> FileInfo:
         if self.current is not None:
             self.abort()
             raise ValueError(f"{self.path}: closed before entry {self.current.name!r} was complete")
         try:
+            size = self._written + self._fill
+            if self._fill:
+                st = self._stages[self._cur]
+                padded = -(-self._fill // ALIGN) * ALIGN
+                st.view[self._fill : padded].zero_()
+                self._submit(st, padded)
+            for st in self._stages:
+                st.settle()
+            if self._direct:
+                os.ftruncate(self._fd, size)
             os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._fd = -1
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self._fd)
+        self._fd = -1
         whole, blocks = self._crc.finish()
-        return FileInfo(os.path.basename(self.path), self._written, whole, self._crc.block_size, blocks)
+        return FileInfo(os.path.basename(self.path), size, whole, self._crc.block_size, blocks)
 
     def abort(self) -> None:
+        for st in self._stages:
+            with contextlib.suppress(BaseException):
+                st.settle()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -176,11 +206,87 @@ class StreamWriter:
 
     def _put(self, raw: torch.Tensor) -> None:
         self._crc.update(raw)
-        view = memoryview(raw.numpy()).cast("B")
+        pos, n = 0, raw.numel()
+        while pos < n:
+            st = self._stages[self._cur]
+            if self._fill == 0:
+                st.settle()  # its previous chunk must be on its way to the disk before it is refilled
+            take = min(n - pos, STAGE_BYTES - self._fill)
+            st.view[self._fill : self._fill + take].copy_(raw[pos : pos + take])
+            self._fill += take
+            pos += take
+            if self._fill == STAGE_BYTES:
+                self._submit(st, STAGE_BYTES)
+                self._cur = (self._cur + 1) % len(self._stages)
+                self._fill = 0
+
+    def _submit(self, st: _Stage, nbytes: int) -> None:
+        st.pending = _POOL.submit(_pwrite_all, self._fd, st.mem, nbytes, self._written, self.path)
+        self._written += nbytes
+
+
+def _pwrite_all(fd: int, mem: mmap.mmap, nbytes: int, offset: int, path: str) -> None:
+    view = memoryview(mem)[:nbytes]
+    try:
         while view:
-            done = os.write(self._fd, view)
-            view = view[done:]
-            self._written += done
+            done = os.pwrite(fd, view, offset)
+            if done == 0:
+                raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset}", path)
+            view, offset = view[done:], offset + done
+    finally:
+        view.release()
+
+
+def _pread_all(fd: int, raw: torch.Tensor, offset: int, path: str) -> None:
+    view = memoryview(raw.numpy()).cast("B")
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise CheckpointCorruptError(f"{path}: truncated: no data at offset {offset}")
+        view, offset = view[got:], offset + got
+
+
+def _pread_direct(fd: int, mem: mmap.mmap, length: int, offset: int, path: str) -> None:
+    """Read ``length`` (aligned) bytes at ``offset`` into ``mem``; the file's end may cut it short."""
+    view = memoryview(mem)[:length]
+    try:
+        while view:
+            got = os.preadv(fd, [view], offset)
+            if got == 0:
+                return  # end of file: the caller copies out only bytes below the file's size
+            view, offset = view[got:], offset + got
+    finally:
+        view.release()
+
+
+_READER_STAGES: list[_Stage] = []
+
+
+def _reader_stages() -> list[_Stage]:
+    """Staging buffers for reads, mapped once per process (a load runs one read at a time)."""
+    if not _READER_STAGES:
+        _READER_STAGES.extend(_Stage() for _ in range(STAGES))
+    return _READER_STAGES
+
+
+class _Stage:
+    """One page-aligned staging buffer and the write that may still be reading it."""
+
+    def __init__(self) -> None:
+        self.mem = mmap.mmap(-1, STAGE_BYTES)
+        self.view = torch.frombuffer(self.mem, dtype=torch.uint8)
+        self.pending: concurrent.futures.Future[None] | None = None
+
+    def settle(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+
+STAGE_BYTES = 8 << 20
+STAGES = 4
+ALIGN = 4096  # O_DIRECT offsets, lengths and addresses: the logical block size, at most 4 KiB in practice
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=STAGES, thread_name_prefix="zswap-ckpt")
 
 
 @dataclass(frozen=True)
@@ -202,9 +308,12 @@ class TensorFile:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CheckpointNotFoundError(2, "checkpoint file does not exist", self.path) from None
+        self._direct_fd = -1
         try:
             self.size = os.fstat(self._fd).st_size
             self.entries, self.metadata, self.data_start = self._parse()
+            with contextlib.suppress(OSError, AttributeError):  # O_DIRECT refused: buffered reads
+                self._direct_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
         except BaseException:
             self.close()
             raise
@@ -245,14 +354,70 @@ class TensorFile:
 
     def read_at(self, offset: int, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous CPU) with the file's bytes from ``offset``."""
-        view = memoryview(raw_bytes(out).numpy()).cast("B")
-        pos = offset
-        while view:
-            got = os.preadv(self._fd, [view], pos)
-            if got == 0:
-                raise CheckpointCorruptError(f"{self.path}: truncated: no data at offset {pos}")
-            view = view[got:]
-            pos += got
+        raw = raw_bytes(out)
+
+        def take(pos: int, window: torch.Tensor) -> None:
+            raw[pos - offset : pos - offset + window.numel()].copy_(window)
+
+        self._scan(offset, raw.numel(), take, raw)
+
+    def crc_range(self, offset: int, nbytes: int) -> int:
+        """CRC-32C of ``nbytes`` of the file from ``offset``, computed on the staging buffers (no copy)."""
+        crc = 0
+
+        def take(pos: int, window: torch.Tensor) -> None:
+            nonlocal crc
+            crc = crc32c(window, crc)
+
+        self._scan(offset, nbytes, take, None)
+        return crc
+
+    def _scan(self, offset: int, n: int, take: Any, raw: torch.Tensor | None) -> None:
+        """Hand ``take(pos, bytes)`` the file's bytes ``[offset, offset+n)`` in order, in windows.
+
+        With O_DIRECT, aligned windows of `STAGE_BYTES` are read into the staging buffers, several in
+        flight on the thread pool: cold buffered reads run at 191 MB/s on the test VM against 579 MB/s
+        direct with one request in flight (dd, 16 MiB)."""
+        if n == 0:
+            return
+        if offset + n > self.size:
+            raise CheckpointCorruptError(f"{self.path}: truncated: no data at offset {self.size}")
+        end = offset + n
+        if self._direct_fd < 0:
+            if raw is not None:  # straight into the caller's memory
+                _pread_all(self._fd, raw, offset, self.path)
+                return
+            buf = torch.empty(min(n, STAGE_BYTES), dtype=torch.uint8)
+            pos = offset
+            while pos < end:
+                piece = buf[: min(end - pos, buf.numel())]
+                _pread_all(self._fd, piece, pos, self.path)
+                take(pos, piece)
+                pos += piece.numel()
+            return
+        todo = iter(range(offset // ALIGN * ALIGN, end, STAGE_BYTES))
+        inflight: list[tuple[int, _Stage]] = []
+
+        def issue(st: _Stage) -> None:
+            start = next(todo, None)
+            if start is not None:
+                length = -(-(min(start + STAGE_BYTES, self.size, end) - start) // ALIGN) * ALIGN
+                st.pending = _POOL.submit(_pread_direct, self._direct_fd, st.mem, length, start, self.path)
+                inflight.append((start, st))
+
+        try:
+            for st in _reader_stages():
+                issue(st)
+            while inflight:
+                start, st = inflight.pop(0)
+                st.settle()
+                lo, hi = max(start, offset), min(start + STAGE_BYTES, end)
+                take(lo, st.view[lo - start : hi - start])
+                issue(st)
+        finally:
+            for _, st in inflight:
+                with contextlib.suppress(BaseException):
+                    st.settle()
 
     def read_elements(self, name: str, start: int, out: torch.Tensor) -> None:
         """Fill ``out`` with ``out.numel()`` elements of entry ``name`` from flat element ``start``."""
@@ -270,6 +435,9 @@ class TensorFile:
         if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
+        if getattr(self, "_direct_fd", -1) >= 0:
+            os.close(self._direct_fd)
+            self._direct_fd = -1
 
     def __enter__(self) -> TensorFile:
         return self
