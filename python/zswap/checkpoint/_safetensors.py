@@ -100,7 +100,9 @@ def header_bytes(entries: Sequence[Entry], metadata: Mapping[str, str] | None) -
         }
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-(8 + len(text)) % 8)
+    # Data starts on a 4 KiB boundary (trailing spaces are valid JSON, and safetensors pads with them too):
+    # then tensors whose sizes are multiples of 4 KiB lie aligned, and move by direct I/O without a copy.
+    text += b" " * (-(8 + len(text)) % ALIGN)
     return struct.pack("<Q", len(text)) + text
 
 
@@ -207,6 +209,14 @@ class StreamWriter:
     def _put(self, raw: torch.Tensor) -> None:
         self._crc.update(raw)
         pos, n = 0, raw.numel()
+        if self._direct and self._fill % ALIGN == 0 and raw.data_ptr() % ALIGN == 0 and n >= ALIGN:
+            if self._fill:  # staged bytes end on an aligned offset: send them off first
+                self._submit(self._stages[self._cur], self._fill)
+                self._cur = (self._cur + 1) % len(self._stages)
+                self._fill = 0
+            pos = n // ALIGN * ALIGN  # aligned memory to an aligned offset: written in place, no copy
+            _write_from(self._fd, raw[:pos], self._written, self.path)
+            self._written += pos
         while pos < n:
             st = self._stages[self._cur]
             if self._fill == 0:
@@ -225,7 +235,21 @@ class StreamWriter:
         self._written += nbytes
 
 
-def _pwrite_all(fd: int, mem: mmap.mmap, nbytes: int, offset: int, path: str) -> None:
+def _write_from(fd: int, raw: torch.Tensor, offset: int, path: str) -> None:
+    """Write ``raw`` (aligned memory and length) at ``offset``, `STAGE_BYTES` per request, `STAGES` in
+    flight; returns when all are done (the caller may reuse the memory then)."""
+    mem = memoryview(raw.numpy()).cast("B")
+    jobs = [
+        _POOL.submit(_pwrite_all, fd, mem[i : i + STAGE_BYTES], min(STAGE_BYTES, len(mem) - i), offset + i, path)
+        for i in range(0, len(mem), STAGE_BYTES)
+    ]
+    errors = [j.exception() for j in jobs]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+def _pwrite_all(fd: int, mem: Any, nbytes: int, offset: int, path: str) -> None:
     view = memoryview(mem)[:nbytes]
     try:
         while view:
@@ -239,6 +263,26 @@ def _pwrite_all(fd: int, mem: mmap.mmap, nbytes: int, offset: int, path: str) ->
 
 def _pread_all(fd: int, raw: torch.Tensor, offset: int, path: str) -> None:
     view = memoryview(raw.numpy()).cast("B")
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise CheckpointCorruptError(f"{path}: truncated: no data at offset {offset}")
+        view, offset = view[got:], offset + got
+
+
+def _read_into(fd: int, raw: torch.Tensor, offset: int, path: str) -> None:
+    mem = memoryview(raw.numpy()).cast("B")
+    jobs = [
+        _POOL.submit(_pread_exact, fd, mem[i : i + STAGE_BYTES], offset + i, path)
+        for i in range(0, len(mem), STAGE_BYTES)
+    ]
+    errors = [j.exception() for j in jobs]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
     while view:
         got = os.preadv(fd, [view], offset)
         if got == 0:
@@ -355,11 +399,18 @@ class TensorFile:
     def read_at(self, offset: int, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous CPU) with the file's bytes from ``offset``."""
         raw = raw_bytes(out)
+        n = raw.numel()
+        if self._direct_fd >= 0 and offset % ALIGN == 0 and raw.data_ptr() % ALIGN == 0 and n >= ALIGN:
+            if offset + n > self.size:
+                raise CheckpointCorruptError(f"{self.path}: truncated: no data at offset {self.size}")
+            done = n // ALIGN * ALIGN  # aligned both sides: read in place, no copy
+            _read_into(self._direct_fd, raw[:done], offset, self.path)
+            raw, offset, n = raw[done:], offset + done, n - done
 
         def take(pos: int, window: torch.Tensor) -> None:
             raw[pos - offset : pos - offset + window.numel()].copy_(window)
 
-        self._scan(offset, raw.numel(), take, raw)
+        self._scan(offset, n, take, raw)
 
     def crc_range(self, offset: int, nbytes: int) -> int:
         """CRC-32C of ``nbytes`` of the file from ``offset``, computed on the staging buffers (no copy)."""
