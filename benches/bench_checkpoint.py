@@ -48,7 +48,8 @@ def fio(path: Path, size: int, bs: str, depth: int) -> tuple[float, float] | Non
         for rw in ("write", "read"):
             cmd = [
                 "fio", "--name=ckpt", f"--filename={target}", f"--size={size}", f"--bs={bs}",
-                f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", f"--rw={rw}", "--output-format=json",
+                f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", f"--rw={rw}",
+                "--output-format=json",
             ]  # fmt: skip
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
             job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
@@ -90,7 +91,9 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", zswap.ZswapWarning)
             with zswap.Init(cfg):
-                m = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(args.size // (WIDTH * WIDTH * 4))))
+                m = nn.Sequential(
+                    *(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(args.size // (WIDTH * WIDTH * 4)))
+                )
             engine = zswap.initialize(m, cfg)
         with engine:
             m(torch.randn(1, WIDTH)).square().mean().backward()
@@ -104,7 +107,10 @@ def main() -> None:
             load_s = time.perf_counter() - t0
         shutil.rmtree(root / "ckpt")
         baselines = {}
-        for label, bs, depth in (("fio 8MiB x4 (same concurrency)", "8m", 4), ("fio 1MiB x16 (disk best)", "1m", 16)):
+        for label, bs, depth in (
+            ("fio 8MiB x4 (same concurrency)", "8m", 4),
+            ("fio 1MiB x16 (disk best)", "1m", 16),
+        ):
             r = fio(root, nbytes, bs, depth)
             if r is not None:
                 baselines[label] = r
@@ -115,8 +121,10 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     save, load = nbytes / save_s / 1e9, nbytes / load_s / 1e9
-    print(f"checkpoint: {nbytes / 1e9:.2f} GB (params {args.size / 2**20:.0f} MiB fp32 + exp_avg + exp_avg_sq), "
-          f"save {save_s:.2f} s, load {load_s:.2f} s (load verifies every block's CRC first)")  # fmt: skip
+    print(
+        f"checkpoint: {nbytes / 1e9:.2f} GB (params {args.size / 2**20:.0f} MiB fp32 + exp_avg + exp_avg_sq),"
+        f" save {save_s:.2f} s, load {load_s:.2f} s (load verifies every block's CRC first)"
+    )
     print(f"{'':42}{'write/save GB/s':>17}{'read/load GB/s':>16}")
     print(f"{'zswap checkpoint':42}{save:>17.2f}{load:>16.2f}")
     for label, (w, r) in baselines.items():
@@ -126,7 +134,10 @@ def main() -> None:
     load_bound = 1 / (2 / r + 1 / w)
     print(f"{'copy bound (tier <-> checkpoint, same disk)':42}{save_bound:>17.2f}{load_bound:>16.2f}   "
           f"ratio save {save / save_bound:.2f}x, load {load / load_bound:.2f}x")  # fmt: skip
-    print(f"{'memcpy (torch copy_, 8 MiB)':42}{copy:>17.2f}{copy:>16.2f}   ratio save {save / copy:.2f}x, load {load / copy:.2f}x")
+    print(
+        f"{'memcpy (torch copy_, 8 MiB)':42}{copy:>17.2f}{copy:>16.2f}   "
+        f"ratio save {save / copy:.2f}x, load {load / copy:.2f}x"
+    )
     sys.stdout.flush()
 
 

@@ -92,7 +92,9 @@ def run(phase: str, case: dict[str, Any], root: Path, rank: int, spec: dict[str,
     with engine:
         if phase == "resume":
             cs = engine.load_checkpoint(root / "ckpt" / name)
-            saved_world = json.loads((root / "ckpt" / name / f"global_step{K}" / "manifest.json").read_text())["world_size"]
+            saved_world = json.loads(
+                (root / "ckpt" / name / f"global_step{K}" / "manifest.json").read_text()
+            )["world_size"]
             assert cs == {"case": name, "rank": rank if rank < saved_world else 0}, cs
             assert engine.global_steps == K, engine.global_steps
             losses = [step(m, engine, model, i, rank).hex() for i in range(K, N)]

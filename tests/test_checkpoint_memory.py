@@ -23,8 +23,17 @@ LIMIT = 256 << 20
 
 
 def probe(op: str, root: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROBE.parents[1] / "python"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(PROBE), op, str(root), str(PARAM_BYTES)], env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(PROBE.parents[1] / "python"), os.environ.get("PYTHONPATH", "")]),
+    }
+    r = subprocess.run(
+        [sys.executable, str(PROBE), op, str(root), str(PARAM_BYTES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -18,7 +18,9 @@ from .conftest import run_ranks
 WORKER = Path(__file__).with_name("_ckpt_worker.py")
 
 
-def phase(tmp_path: Path, run: str, world: int, phase: str, cases: list[dict[str, Any]], **extra: str) -> None:
+def phase(
+    tmp_path: Path, run: str, world: int, phase: str, cases: list[dict[str, Any]], **extra: str
+) -> None:
     d = tmp_path / run
     d.mkdir()
     (d / "spec.json").write_text(json.dumps({"phase": phase, "root": str(tmp_path), "cases": cases, **extra}))
@@ -58,7 +60,7 @@ def full(ckpt: Path, kind: str) -> dict[str, torch.Tensor]:
         parts = []
         for r in range(p["partition"]["ranks"]):
             with safe_open(str(tag / f"rank{r:05d}-of-{world:05d}.{kind}.safetensors"), "pt") as f:
-                if p["name"] in f.keys():
+                if p["name"] in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
                     parts.append(f.get_tensor(p["name"]))
         if parts:
             out[p["name"]] = torch.cat(parts)[:numel]

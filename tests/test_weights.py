@@ -1,5 +1,5 @@
-"""Weights that leave zswap: `zswap.save_weights` and ``zswap export`` write the Hugging Face layout that plain
-safetensors and ``from_pretrained`` read back bitwise; ``state_dict()`` of a partitioned model returns
+"""Weights that leave zswap: `zswap.save_weights` and ``zswap export`` write the Hugging Face layout that
+plain safetensors and ``from_pretrained`` read back bitwise; ``state_dict()`` of a partitioned model returns
 full values (so ``torch.save`` and ``save_pretrained`` are correct); the optimizer's state_dict works."""
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ def trained_hf(tmp_path: Path, kind: str, tier: str = "nvme") -> tuple[torch.nn.
 
 def read_folder(d: Path) -> dict[str, torch.Tensor]:
     index = d / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(d / f))
@@ -126,7 +130,9 @@ def test_export_writes_what_save_weights_writes(tmp_path, shard):
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(Path(zswap.__file__).parents[1])}
-    return subprocess.run([sys.executable, "-m", "zswap.cli", *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "zswap.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_export(tmp_path):
@@ -137,7 +143,9 @@ def test_cli_export(tmp_path):
         zswap.save_weights(m, tmp_path / "direct", dtype=torch.bfloat16)
     r = _cli("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--tag", "t1", "--dtype", "bfloat16")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "direct" / "model.safetensors").read_bytes()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        tmp_path / "direct" / "model.safetensors"
+    ).read_bytes()
     bad = _cli("export", str(tmp_path / "missing"), str(tmp_path / "out2"))
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().count("\n") == 0 and str(tmp_path / "missing") in bad.stderr
@@ -160,7 +168,11 @@ def test_state_dict_returns_full_values(tmp_path, tier):
         assert sd.keys() == ref.state_dict().keys()
         for k, v in ref.state_dict().items():
             assert torch.equal(sd[k], v), k
-        assert all(param_state(p).partition_numel and p.numel() == 0 for p in m.parameters() if not param_state(p).status.value == "available")
+        assert all(
+            param_state(p).partition_numel and p.numel() == 0
+            for p in m.parameters()
+            if param_state(p).status.value != "available"
+        )
         torch.save(sd, tmp_path / "sd.pt")
         assert torch.equal(torch.load(tmp_path / "sd.pt")["wte.weight"], ref.wte.weight)
         kept = m.state_dict(keep_vars=True)
@@ -200,11 +212,13 @@ def test_optimizer_state_dict_round_trips_on_a_partitioned_model(tmp_path, tier)
         sd = engine.optimizer.state_dict()
         st = sd["state"][0]
         assert st["exp_avg"].shape == (32 * 12,) and st["exp_avg"].abs().sum() > 0
-        m2, engine2 = build(cfg(tmp_path, tier, tier), seed=1)
+        _, engine2 = build(cfg(tmp_path, tier, tier), seed=1)
         with engine2:
             engine2.optimizer.load_state_dict(sd)
             sd2 = engine2.optimizer.state_dict()
-            assert all(torch.equal(sd2["state"][i][k], v) for i in sd["state"] for k, v in sd["state"][i].items())
+            assert all(
+                torch.equal(sd2["state"][i][k], v) for i in sd["state"] for k, v in sd["state"][i].items()
+            )
             bad = {**sd, "state": {0: {**st, "exp_avg": torch.zeros(7), "exp_avg_sq": torch.zeros(7)}}}
-            with pytest.raises(ValueError, match="its partition on this rank 384; .*save_checkpoint"):
+            with pytest.raises(ValueError, match=r"its partition on this rank 384; .*save_checkpoint"):
                 engine2.optimizer.load_state_dict(bad)

@@ -226,7 +226,8 @@ class Engine:
     def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None) -> Any:
         """Save params, optimizer state, scheduler, loss scaler, RNG and ``client_state`` to
         ``save_dir/tag`` (default tag ``global_step{global_steps}``), atomically, then point
-        ``save_dir/latest`` at it. Every rank calls it; each streams its own partitions. Returns the folder."""
+        ``save_dir/latest`` at it. Every rank calls it; each streams its own partitions. Returns the
+        folder."""
         from .checkpoint import save_checkpoint
 
         self._check_open()

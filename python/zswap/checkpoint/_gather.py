@@ -19,7 +19,7 @@ def full_copy(p: torch.Tensor, st: ParamState) -> torch.Tensor:
             data = p.data
             # A swap-in lands in a pooled engine buffer and a device tensor is not a CPU one: copy those.
             # A private single-rank gather or an all-gather output is already a fresh tensor.
-            if st.tier == "nvme" and st.world_size == 1 or data.device.type != "cpu":
+            if (st.tier == "nvme" and st.world_size == 1) or data.device.type != "cpu":
                 return data.to("cpu", copy=True)
             return data
         finally:

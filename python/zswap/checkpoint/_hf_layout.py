@@ -34,7 +34,8 @@ _UNITS = {
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a string such as ``"5GB"`` (10⁹, as Hugging Face counts) or ``"512MiB"``."""
+    """Bytes in ``size``: an int, or a string such as ``"5GB"`` (10⁹, as Hugging Face counts) or
+    ``"512MiB"``."""
     if isinstance(size, bool):
         raise TypeError("max_shard_size must be an int or a size string such as '5GB'")
     if isinstance(size, int):

@@ -19,7 +19,6 @@ from .errors import CheckpointCorruptError
 from .manifest import dtype_of, file_name
 
 
-
 @dataclass(frozen=True)
 class Piece:
     file: str

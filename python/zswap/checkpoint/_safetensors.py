@@ -19,7 +19,7 @@ import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,6 +44,11 @@ def dtype_code(dtype: torch.dtype) -> str:
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"safetensors cannot store {dtype}") from None
+
+
+def _byte_view(raw: torch.Tensor) -> memoryview:
+    """A writable memoryview of a uint8 CPU tensor's memory (numpy's buffer export, no copy)."""
+    return memoryview(cast(Any, raw.numpy())).cast("B")
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -238,9 +243,11 @@ class StreamWriter:
 def _write_from(fd: int, raw: torch.Tensor, offset: int, path: str) -> None:
     """Write ``raw`` (aligned memory and length) at ``offset``, `STAGE_BYTES` per request, `STAGES` in
     flight; returns when all are done (the caller may reuse the memory then)."""
-    mem = memoryview(raw.numpy()).cast("B")
+    mem = _byte_view(raw)
     jobs = [
-        _POOL.submit(_pwrite_all, fd, mem[i : i + STAGE_BYTES], min(STAGE_BYTES, len(mem) - i), offset + i, path)
+        _POOL.submit(
+            _pwrite_all, fd, mem[i : i + STAGE_BYTES], min(STAGE_BYTES, len(mem) - i), offset + i, path
+        )
         for i in range(0, len(mem), STAGE_BYTES)
     ]
     errors = [j.exception() for j in jobs]
@@ -262,7 +269,7 @@ def _pwrite_all(fd: int, mem: Any, nbytes: int, offset: int, path: str) -> None:
 
 
 def _pread_all(fd: int, raw: torch.Tensor, offset: int, path: str) -> None:
-    view = memoryview(raw.numpy()).cast("B")
+    view = _byte_view(raw)
     while view:
         got = os.preadv(fd, [view], offset)
         if got == 0:
@@ -271,7 +278,7 @@ def _pread_all(fd: int, raw: torch.Tensor, offset: int, path: str) -> None:
 
 
 def _read_into(fd: int, raw: torch.Tensor, offset: int, path: str) -> None:
-    mem = memoryview(raw.numpy()).cast("B")
+    mem = _byte_view(raw)
     jobs = [
         _POOL.submit(_pread_exact, fd, mem[i : i + STAGE_BYTES], offset + i, path)
         for i in range(0, len(mem), STAGE_BYTES)

@@ -140,12 +140,14 @@ class _Plan:
         zswap_kind = isinstance(opt, OffloadedAdamW)
         if (saved["kind"] == "zswap") != zswap_kind or saved["type"] != type(opt).__name__:
             raise CheckpointMismatchError(
-                f"{folder} holds the state of a {saved['type']} optimizer; this engine's is {type(opt).__name__}"
+                f"{folder} holds the state of a {saved['type']} optimizer; "
+                f"this engine's is {type(opt).__name__}"
             )
         if groups != saved["groups"]:
             raise CheckpointMismatchError(
                 f"{folder}: the optimizer's param groups differ from the saved ones "
-                f"({[len(g) for g in saved['groups']]} params per group there, {[len(g) for g in groups]} here)"
+                f"({[len(g) for g in saved['groups']]} params per group there, "
+                f"{[len(g) for g in groups]} here)"
             )
         r = self.reader
         if not zswap_kind:

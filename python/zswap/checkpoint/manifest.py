@@ -189,7 +189,8 @@ def check_model(manifest: dict[str, Any], records: list[ParamRecord], folder: Pa
         if list(ours.shape) != theirs["shape"] or dtype_name(ours.dtype) != theirs["dtype"]:
             raise CheckpointMismatchError(
                 f"{folder} is a checkpoint of another model: param {ours.name!r} is "
-                f"{theirs['dtype']} {tuple(theirs['shape'])} there, {dtype_name(ours.dtype)} {ours.shape} here"
+                f"{theirs['dtype']} {tuple(theirs['shape'])} there, "
+                f"{dtype_name(ours.dtype)} {ours.shape} here"
             )
     if len(records) != len(saved):
         extra = records[len(saved)].name if len(records) > len(saved) else saved[len(records)]["name"]

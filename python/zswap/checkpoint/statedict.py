@@ -35,7 +35,9 @@ def _full_values(
 ) -> None:
     for name, p in module._parameters.items():
         st = param_state(p)
+        if p is None or st is None:
+            continue
         key = prefix + name
-        if st is None or st.status is Status.AVAILABLE or key not in state_dict or state_dict[key] is p:
+        if st.status is Status.AVAILABLE or key not in state_dict or state_dict[key] is p:
             continue
         state_dict[key] = full_copy(p, st)

@@ -92,7 +92,8 @@ def cut(
     size: int,
 ) -> Iterator[SubGroup]:
     """Sub-groups of at most `size` elements over `params` ((index, param, elements of state) of one param
-    group, in order; a partitioned param's state is its local partition, not ``p.numel()``), keyed ``{prefix}/{n}`` from ``n = first_index``. A run of params with and without a master
+    group, in order; a partitioned param's state is its local partition, not ``p.numel()``), keyed
+    ``{prefix}/{n}`` from ``n = first_index``. A run of params with and without a master
     is split where that changes, so each record has one layout."""
     index = first_index
     segs: list[Segment] = []

@@ -114,7 +114,8 @@ def _check_entry(
             what = "its partition on this rank" if partitioned else f"the param (shape {tuple(p.shape)})"
             raise ValueError(
                 f"loaded state of param {i}: {name} has {t.numel()} elements, {what} {numel}; to move "
-                "optimizer state between processes or world sizes use engine.save_checkpoint / load_checkpoint"
+                "optimizer state between processes or world sizes use engine.save_checkpoint / "
+                "load_checkpoint"
             )
         out[name] = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
     return int(step), out

@@ -18,11 +18,11 @@ from typing import Any, Literal, cast
 
 import torch
 
+from ..params import param_state
 from ._build import PathArg, Pipeline, check_hyper, config_kwargs, make_store
 from ._kernel import cpu_adam_step
 from ._layout import SubGroup, cut, default_sub_group_size
 from ._state import gather_state, scatter_state
-from ..params import param_state
 from ._store import NvmeStore
 
 StateVisit = Callable[[int, int, tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]], None]
