@@ -3,8 +3,8 @@
 
 mod adam;
 mod convert;
-mod env;
 mod crc;
+mod env;
 
 use std::sync::{Arc, Mutex, Weak};
 
