@@ -6,6 +6,7 @@ The public surface is listed here once; everything else is internal.
 from __future__ import annotations
 
 from ._zswap import Handle, __version__
+from .checkpoint import save_weights
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, EngineClosedError, SwapIOError, UnknownKeyError, ZswapError, ZswapWarning
 from .gather import GatheredParameters
@@ -35,4 +36,5 @@ __all__ = [
     "initialize",
     "load_config",
     "param_state",
+    "save_weights",
 ]

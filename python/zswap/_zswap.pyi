@@ -11,6 +11,7 @@ __all__ = [
     "__version__",
     "cpu_adam_isa",
     "cpu_adam_step",
+    "crc32c",
     "io_uring_available",
     "io_uring_errno",
     "probe_direct_io",
@@ -121,3 +122,6 @@ def io_uring_errno() -> int | None:
 def probe_direct_io(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Opens a swap file in `path` as the engine does (O_DIRECT tried and proved, else buffered): keys
     `direct`, `reason`, `offset_align`, `mem_align`, `statx_dioalign`."""
+
+def crc32c(address: int, nbytes: int, seed: int = 0) -> int:
+    """CRC-32C of `nbytes` bytes at `address` (memory the caller keeps alive), continuing from `seed`."""

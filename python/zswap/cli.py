@@ -1,6 +1,7 @@
 """The `zswap` command line: `demo` (a model larger than its memory budget, run and trained from a temp dir),
 `bench` (engine next to the raw disk), `tune` (block size × queue depth sweep printing a ready `aio`
-config block) and `env` (what this machine allows, `zswap/envreport.py`).
+config block), `env` (what this machine allows, `zswap/envreport.py`) and `export` (checkpoint →
+consolidated safetensors).
 
 Errors reach the user as one line on stderr naming the value: a bad argument (checked while parsing, by
 the ``type=`` functions below) exits with status 2, a failure while running with status 1; ``--debug``
@@ -166,6 +167,23 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    # torch is needed for the tensor casts, torch.distributed is never started and no model is built.
+    from .checkpoint import export
+    from .errors import ZswapError
+
+    dtype = None if args.dtype is None else getattr(__import__("torch"), args.dtype)
+    try:
+        out = export(
+            args.ckpt_dir, args.out_dir, tag=args.tag, dtype=dtype, max_shard_size=args.max_shard_size
+        )
+    except (ZswapError, OSError, ValueError) as e:
+        print(f"zswap export: {e}", file=sys.stderr)
+        return 1
+    print(f"zswap export: weights written to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zswap", description="Run and train PyTorch models larger than memory.")
     p.add_argument("--version", action="version", version=f"zswap {__version__}")
@@ -228,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--json", action="store_true", help="machine-readable: every field, a reason for each no")
     v.set_defaults(func=_env)
+
+    x = sub.add_parser("export", parents=[common], help="checkpoint folder -> consolidated Hugging Face safetensors weights")
+    x.add_argument("ckpt_dir", type=Path, help="the folder given to engine.save_checkpoint")
+    x.add_argument("out_dir", type=Path, help="where model.safetensors (or shards + index) are written")
+    x.add_argument("--tag", help="checkpoint tag (default: the one CKPT_DIR/latest names)")
+    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors")
+    x.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB (default) or 500MB")
+    x.set_defaults(func=_export)
     return p
 
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import _dist
 from ._access import AccessMode
+from .checkpoint import statedict
 from .config import load_config
 from .errors import ConfigError, NvmePathMissing, NvmePathNotADirectory, NvmePathNotWritable, ZswapError
 from .gather import Placement, fetch, manage, no_torch_function, offload
@@ -145,6 +146,7 @@ class _InitContext:
         frame = self.frames[-1]
         frame.built.add(module)
         self.manage_new(module.parameters(), frame)
+        statedict.install(module)  # state_dict() gathers partitioned params instead of returning empties
         for orphan in list(frame.orphans):
             self.manage_new(orphan.parameters(recurse=False), frame)
         self.sync_touched()
@@ -357,6 +359,7 @@ class Init:
     def _convert(self, module: nn.Module) -> None:
         frame = _Frame(self._placement, torch.get_default_dtype())
         _CTX.manage_new(module.parameters(), frame)
+        statedict.install(module)
         self._placement.store.wait_all()
 
     def __enter__(self) -> Init:

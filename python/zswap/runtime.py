@@ -330,6 +330,44 @@ class Engine:
             self._io_base = io
         return out
 
+    # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None) -> Any:
+        """Save params, optimizer state, scheduler, loss scaler, RNG and ``client_state`` to
+        ``save_dir/tag`` (default tag ``global_step{global_steps}``), atomically, then point
+        ``save_dir/latest`` at it. Every rank calls it; each streams its own partitions. Returns the
+        folder."""
+        from .checkpoint import save_checkpoint
+
+        self._check_open()
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(
+        self,
+        load_dir: Any,
+        tag: str | None = None,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+    ) -> Any:
+        """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), saved at any world size;
+        returns its ``client_state`` (``None`` with ``load_module_only``). Everything is validated first:
+        a bad checkpoint raises a `zswap.ZswapError` and changes nothing."""
+        from .checkpoint import load_checkpoint
+
+        self._check_open()
+        self._sched.drop_all()  # gathered copies would go stale
+        try:
+            return load_checkpoint(
+                self,
+                load_dir,
+                tag,
+                load_optimizer_states=load_optimizer_states,
+                load_module_only=load_module_only,
+            )
+        finally:
+            self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
+
     # -- lifetime ----------------------------------------------------------------------------------
 
     def close(self) -> None:

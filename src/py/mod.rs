@@ -3,6 +3,7 @@
 
 mod adam;
 mod convert;
+mod crc;
 mod env;
 
 use std::sync::{Arc, Mutex, Weak};
@@ -396,6 +397,7 @@ fn _zswap(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(raw_io_uring_baseline, m)?)?;
     adam::register(m)?;
     env::register(m)?;
+    crc::register(m)?;
     Ok(())
 }
 

@@ -88,11 +88,12 @@ def cut(
     prefix: str,
     first_index: int,
     group: int,
-    params: Iterable[tuple[int, torch.Tensor]],
+    params: Iterable[tuple[int, torch.Tensor, int]],
     size: int,
 ) -> Iterator[SubGroup]:
-    """Sub-groups of at most `size` elements over `params` ((index, param) pairs of one param group, in
-    order), keyed ``{prefix}/{n}`` from ``n = first_index``. A run of params with and without a master
+    """Sub-groups of at most `size` elements over `params` ((index, param, elements of state) of one param
+    group, in order; a partitioned param's state is its local partition, not ``p.numel()``), keyed
+    ``{prefix}/{n}`` from ``n = first_index``. A run of params with and without a master
     is split where that changes, so each record has one layout."""
     index = first_index
     segs: list[Segment] = []
@@ -105,11 +106,11 @@ def cut(
         index, segs, filled = index + 1, [], 0
         return sg
 
-    for i, p in params:
+    for i, p, n in params:
         if segs and needs_master(p) != master:
             yield close()
         master = needs_master(p)
-        start, n = 0, p.numel()
+        start = 0
         while start < n:
             take = min(n - start, size - filled)
             segs.append(Segment(i, start, start + take, filled))

@@ -1,5 +1,9 @@
 """`state_dict` / `load_state_dict` for `OffloadedAdamW`: per-param tensors gathered from, and scattered
 into, the sub-group records, one record in memory at a time (plus the ring the NVMe store reads through).
+
+For a param zswap partitioned, the state is this rank's partition (1-D, `OffloadedAdamW.state_numel`
+elements), as for a torch optimizer stepped by `zswap.Engine`: a state dict round-trips on the same ranks.
+`zswap.checkpoint` (``engine.save_checkpoint``) is the way to keep it across processes and world sizes.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..params import param_state
 from ._layout import SubGroup, needs_master
 
 if TYPE_CHECKING:
@@ -24,8 +29,9 @@ def gather_state(opt: OffloadedAdamW) -> dict[int, dict[str, torch.Tensor]]:
             continue
         p = opt._params[i]
         st = {"step": torch.tensor(float(step), dtype=torch.float32)}
+        shape = p.shape if param_state(p) is None else torch.Size([opt.state_numel(i)])
         for name in (*_MOMENTS, "master") if needs_master(p) else _MOMENTS:
-            st[name] = torch.empty(p.shape, dtype=torch.float32)
+            st[name] = torch.empty(shape, dtype=torch.float32)
         state[i] = st
 
     def take(sg: SubGroup, record: torch.Tensor) -> None:
@@ -66,7 +72,7 @@ def scatter_state(opt: OffloadedAdamW, state_dict: dict[str, Any]) -> None:
         if saved_id not in ids:
             raise ValueError(f"loaded state dict has state for param id {saved_id!r}, which no group lists")
         i = ids[saved_id]
-        loaded[i] = _check_entry(i, opt._params[i], st)
+        loaded[i] = _check_entry(i, opt._params[i], opt.state_numel(i), st)
 
     opt._place(sorted(loaded))
 
@@ -87,7 +93,9 @@ def scatter_state(opt: OffloadedAdamW, state_dict: dict[str, Any]) -> None:
     opt._steps = [loaded[i][0] if i in loaded else 0 for i in range(len(opt._params))]
 
 
-def _check_entry(i: int, p: torch.Tensor, st: dict[str, Any]) -> tuple[int, dict[str, torch.Tensor]]:
+def _check_entry(
+    i: int, p: torch.Tensor, numel: int, st: dict[str, Any]
+) -> tuple[int, dict[str, torch.Tensor]]:
     """(step, flat float32 tensors) of one saved param state; errors name the param and the entry."""
     missing = [k for k in ("step", *_MOMENTS) if k not in st]
     if missing:
@@ -97,14 +105,17 @@ def _check_entry(i: int, p: torch.Tensor, st: dict[str, Any]) -> tuple[int, dict
         raise ValueError(f"loaded state of param {i} has step {step}; expected a whole number >= 1")
     out: dict[str, torch.Tensor] = {}
     names = (*_MOMENTS, "master") if needs_master(p) else _MOMENTS
+    partitioned = param_state(p) is not None
     for name in names:
-        t = st.get(name, p.data if name == "master" else None)
+        t = st.get(name, p.data if name == "master" and not partitioned else None)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"loaded state of param {i}: {name} must be a tensor, got {type(t).__name__}")
-        if t.numel() != p.numel():
+        if t.numel() != numel:
+            what = "its partition on this rank" if partitioned else f"the param (shape {tuple(p.shape)})"
             raise ValueError(
-                f"loaded state of param {i}: {name} has {t.numel()} elements, the param {p.numel()} "
-                f"(shape {tuple(p.shape)})"
+                f"loaded state of param {i}: {name} has {t.numel()} elements, {what} {numel}; to move "
+                "optimizer state between processes or world sizes use engine.save_checkpoint / "
+                "load_checkpoint"
             )
         out[name] = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
     return int(step), out

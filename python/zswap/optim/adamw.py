@@ -22,12 +22,16 @@ from typing import Any, Literal, cast
 
 import torch
 
+from ..params import param_state
 from ..storage import Transaction, step_transaction
 from ._build import PathArg, Pipeline, check_hyper, config_kwargs, make_store
 from ._kernel import cpu_adam_step
 from ._layout import SubGroup, cut, default_sub_group_size
 from ._state import gather_state, scatter_state
 from ._store import NvmeStore
+
+StateVisit = Callable[[int, int, tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]], None]
+"""``fn(param index, start, (exp_avg, exp_avg_sq, master or None))`` of `OffloadedAdamW.stream_state`."""
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -237,6 +241,55 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """The state's records so far (a param gets its place on its first step), in walk order."""
         return tuple(self._sub_groups)
 
+    # -- checkpoints (zswap.checkpoint) ------------------------------------------------------------
+
+    def state_numel(self, i: int) -> int:
+        """Elements of param ``i``'s state: its local partition for a param zswap partitioned (which is
+        what `zswap.Engine` shows the optimizer while it steps), else the param's own size."""
+        p = self._params[i]
+        st = param_state(p)
+        return st.partition_numel if st is not None else p.numel()
+
+    def state_layout(self) -> list[tuple[int, int, int]]:
+        """(param index, steps taken, elements of state) of each param with state, in the order the records
+        hold them (the order `stream_state` visits them)."""
+        order: dict[int, None] = {}
+        for sg in self._sub_groups:
+            for seg in sg.segments:
+                order.setdefault(seg.param)
+        return [(i, self._steps[i], self._placed[i]) for i in order if self._steps[i] > 0]
+
+    def stream_state(self, fn: StateVisit, *, write: bool, params: Iterable[int] | None = None) -> None:
+        """Calls ``fn(i, start, (exp_avg, exp_avg_sq, master or None))`` for each segment of state (the
+        float32 views of elements ``start:start+len`` of param ``i``'s state), record by record, in
+        `state_layout` order with a param's segments in increasing ``start``. With ``write`` each record is
+        written back after its visit. ``params``: only the records holding these params."""
+        wanted = None if params is None else set(params)
+        walk = [
+            sg for sg in self._sub_groups if wanted is None or any(s.param in wanted for s in sg.segments)
+        ]
+
+        def visit(sg: SubGroup, record: torch.Tensor) -> None:
+            for seg, views in sg.slices(record):
+                if wanted is None or seg.param in wanted:
+                    fn(seg.param, seg.start, views)
+
+        self._store.stream(walk, visit, write=write)
+
+    def restore_layout(self, entries: Sequence[tuple[int, int, int]]) -> None:
+        """Give each ``(param index, steps taken, elements)`` of a checkpoint its place in the records and its
+        step count; every other param starts afresh. `stream_state` with ``write=True`` then fills them."""
+        for i, step, numel in entries:
+            if not 0 <= i < len(self._params) or step < 1 or numel != self.state_numel(i):
+                raise ValueError(
+                    f"param {i}: saved state of {numel} elements after {step} steps does not fit "
+                    f"(the param's state has {self.state_numel(i) if 0 <= i < len(self._params) else 0})"
+                )
+        self._place(sorted(i for i, _, _ in entries))
+        self._steps = [0] * len(self._params)
+        for i, step, _ in entries:
+            self._steps[i] = step
+
     def close(self) -> None:
         """Frees the state (and closes the engine if this optimizer built it). Idempotent."""
         self._store.close()
@@ -304,14 +357,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not new:
             return
         if self._sub_group_size is None:
-            total = sum(self._params[i].numel() for i in new)
+            total = sum(self.state_numel(i) for i in new)
             self._sub_group_size = default_sub_group_size(total)
         prefix = self._store.prefix
         for group in sorted({self._group_of[i] for i in new}):
-            members = [(i, self._params[i]) for i in new if self._group_of[i] == group]
+            members = [(i, self._params[i], self.state_numel(i)) for i in new if self._group_of[i] == group]
             for sg in cut(prefix, len(self._sub_groups), group, members, self._sub_group_size):
                 self._sub_groups.append(sg)
-        self._placed.update((i, self._params[i].numel()) for i in new)
+        self._placed.update((i, self.state_numel(i)) for i in new)
 
     def _update(
         self,

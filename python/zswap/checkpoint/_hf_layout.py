@@ -1,0 +1,149 @@
+"""The Hugging Face weights layout, shared by `zswap.save_weights` and ``zswap export``.
+
+As transformers 5 writes it (``save_pretrained``): keys are ``model.state_dict()``'s, in its order; a
+tied param is stored once, under the name transformers keeps (``all_tied_weights_keys`` lists the tied
+*targets*, which are dropped; without it, the first name); one ``model.safetensors`` when everything fits
+in ``max_shard_size``, else ``model-00001-of-0000N.safetensors`` shards filled greedily in key order (a
+tensor bigger than the limit alone in its shard) plus ``model.safetensors.index.json``; every file has the
+metadata ``{"format": "pt"}``; ``config.json`` next to them for a `PreTrainedModel`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._safetensors import Entry
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+METADATA = {"format": "pt"}
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+_UNITS = {
+    "": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string such as ``"5GB"`` (10⁹, as Hugging Face counts) or
+    ``"512MiB"``."""
+    if isinstance(size, bool):
+        raise TypeError("max_shard_size must be an int or a size string such as '5GB'")
+    if isinstance(size, int):
+        value = size
+    elif isinstance(size, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
+        if m is None or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"max_shard_size {size!r} is not a size such as '5GB', '500MB' or '1GiB'")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    else:
+        raise TypeError(
+            f"max_shard_size must be an int or a size string such as '5GB', not {type(size).__name__}"
+        )
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Key:
+    """One tensor of the weights: its key, and which param or buffer (by its checkpoint name) it is."""
+
+    key: str
+    kind: str  # "param" or "buffer"
+    source: str
+
+
+def weight_keys(model: nn.Module, param_names: dict[int, str], buffer_names: dict[int, str]) -> list[Key]:
+    """The keys ``model``'s weights are saved under. ``param_names`` / ``buffer_names`` map the identity of
+    each param / buffer to its checkpoint name. Reads no data (``state_dict(keep_vars=True)``)."""
+    sd = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for key, t in sd.items():
+        groups.setdefault(id(t), []).append(key)
+    tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    dropped: set[str] = set()
+    for keys in groups.values():
+        if len(keys) > 1:
+            keep = [k for k in keys if k not in tied_targets] or keys[:1]
+            dropped.update(k for k in keys if k != keep[0])
+    out = []
+    for key, t in sd.items():
+        if key in dropped or key in ignore:
+            continue
+        if id(t) in param_names:
+            out.append(Key(key, "param", param_names[id(t)]))
+        elif id(t) in buffer_names:
+            out.append(Key(key, "buffer", buffer_names[id(t)]))
+        else:
+            raise ValueError(
+                f"state_dict key {key!r} is neither a param nor a persistent buffer of the model"
+            )
+    return out
+
+
+def plan_shards(entries: Sequence[Entry], max_shard_size: int) -> list[list[Entry]]:
+    """Hugging Face's greedy split (huggingface_hub ``split_torch_state_dict_into_shards``)."""
+    shards: list[list[Entry]] = []
+    current: list[Entry] = []
+    size = 0
+    for e in entries:
+        if e.nbytes > max_shard_size:
+            shards.append([e])
+            continue
+        if current and size + e.nbytes > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(e)
+        size += e.nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    if n == 1:
+        return [WEIGHTS]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_index(out_dir: Path, shards: list[list[Entry]], names: list[str], total_parameters: int) -> None:
+    if len(shards) == 1:
+        return
+    index: dict[str, Any] = {
+        "metadata": {
+            "total_parameters": total_parameters,
+            "total_size": sum(e.nbytes for s in shards for e in s),
+        },
+        "weight_map": {e.name: name for s, name in zip(shards, names, strict=True) for e in s},
+    }
+    (out_dir / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def clear_old_weights(out_dir: Path) -> None:
+    """Remove weight files of an earlier save that this one would not overwrite (as save_pretrained)."""
+    for f in out_dir.iterdir():
+        if f.is_file() and (
+            f.name in (WEIGHTS, INDEX) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f.name)
+        ):
+            f.unlink()
+
+
+def set_config_dtype(out_dir: Path, dtype: torch.dtype | None) -> None:
+    """Record the dtype the weights were saved in, where a config.json was written."""
+    path = out_dir / "config.json"
+    if dtype is None or not path.is_file():
+        return
+    cfg = json.loads(path.read_text())
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

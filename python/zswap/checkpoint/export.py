@@ -1,0 +1,115 @@
+"""``zswap export``: a checkpoint folder → consolidated Hugging Face weights, offline.
+
+No model is built and torch.distributed is not started: each param is read from the files of every rank
+that saved a slice of it, `CHUNK_BYTES` at a time, cast, and appended to its shard — memory stays at one
+chunk whatever the model size. The output is byte for byte what `zswap.save_weights` writes for the same
+weights. Every block read is checksum-verified first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ._hf_layout import (
+    CONFIG_FILES,
+    METADATA,
+    clear_old_weights,
+    parse_size,
+    plan_shards,
+    set_config_dtype,
+    shard_names,
+    write_index,
+)
+from ._reader import Reader
+from ._safetensors import Entry, StreamWriter
+from .manifest import dtype_of, file_name, read_manifest, resolve
+from .weights import cast_dtype
+
+CHUNK_BYTES = 64 << 20
+
+
+def export(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write the weights of checkpoint ``ckpt_dir/tag`` (default: ``latest``) to ``out_dir``, as
+    `zswap.save_weights` would have. Returns ``out_dir``."""
+    limit = parse_size(max_shard_size)
+    folder, _ = resolve(ckpt_dir, tag)
+    m = read_manifest(folder)
+    reader = Reader(folder, m)
+    try:
+        params = {p["name"]: p for p in m["params"]}
+        buffers = {b["name"]: b for b in m["buffers"]}
+        rank0 = file_name(0, reader.world, "params")
+        entries = []
+        for key, kind, source in m["weights"]:
+            spec = params[source] if kind == "param" else buffers[source]
+            dt = dtype_of(spec["dtype"])
+            entries.append(Entry(key, cast_dtype(dt, dtype), tuple(spec["shape"])))
+            if kind == "param":
+                numel = _numel(spec["shape"])
+                reader.need(reader.pieces(spec, "params", 0, numel), dt)
+            else:
+                reader.need_entry(rank0, source)
+        configs = [n for n in CONFIG_FILES if n in reader.infos]
+        for n in configs:
+            reader.need_whole(n)
+        reader.verify()
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        clear_old_weights(out)
+        shards = plan_shards(entries, limit)
+        names = shard_names(len(shards))
+        key_of = {key: (kind, source) for key, kind, source in m["weights"]}
+        for shard, name in zip(shards, names, strict=True):
+            w = StreamWriter(out / name, shard, METADATA)
+            try:
+                for e in shard:  # shards need not follow key order (a tensor over the limit goes alone)
+                    kind, source = key_of[e.name]
+                    if kind == "param":
+                        _copy_param(reader, params[source], w, dtype)
+                    else:
+                        spec = buffers[source]
+                        t = torch.empty(_numel(spec["shape"]), dtype=dtype_of(spec["dtype"]))
+                        reader.file(rank0).read_elements(source, 0, t)
+                        w.write(t.to(cast_dtype(t.dtype, dtype)))
+                w.close()
+            finally:
+                w.abort()
+        write_index(out, shards, names, int(m["total_parameters"]))
+        for n in configs:
+            shutil.copyfile(folder / n, out / n)
+        set_config_dtype(out, dtype)
+        return out
+    finally:
+        reader.close()
+
+
+def _copy_param(reader: Reader, spec: dict, w: StreamWriter, dtype: torch.dtype | None) -> None:
+    dt = dtype_of(spec["dtype"])
+    numel = _numel(spec["shape"])
+    chunk = max(1, CHUNK_BYTES // dt.itemsize)
+    buf = torch.empty(min(chunk, numel), dtype=dt)
+    pos = 0
+    while pos < numel:
+        n = min(chunk, numel - pos)
+        piece = buf[:n]
+        reader.read(reader.pieces(spec, "params", pos, n), piece)
+        w.write(piece.to(cast_dtype(dt, dtype)))
+        pos += n
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

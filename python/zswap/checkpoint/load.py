@@ -1,0 +1,302 @@
+"""``engine.load_checkpoint``: validate everything, then stream each rank's slices into its partitions.
+
+Order, so that a bad checkpoint changes nothing: (1) manifest, model (every param's name, shape and dtype)
+and optimizer checked; (2) every read planned — which bytes of which file this rank needs, at this world
+size — and the CRC-32C of every block they touch verified, with every file's size; (3) all ranks agree that
+all of that passed; only then (4) partitions are written to their stores (at most `WRITE_BATCH_BYTES`
+queued), buffers copied, optimizer records filled through the optimizer's record walk, and the scheduler,
+loss scaler, RNG and counters restored. An I/O error in step 4 is the one case that can leave the model
+partly loaded; it is raised.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..gather import no_torch_function
+from ..optim import OffloadedAdamW
+from ..optim._layout import needs_master
+from ._collective import agree, group_of
+from ._reader import Piece, Reader
+from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .manifest import (
+    STATE_KINDS,
+    ParamRecord,
+    check_model,
+    describe,
+    dtype_of,
+    file_name,
+    persistent_buffers,
+    read_manifest,
+    resolve,
+)
+
+if TYPE_CHECKING:
+    from ..runtime import Engine
+
+WRITE_BATCH_BYTES = 64 << 20
+"""Partition writes queued to a store before waiting for them."""
+
+
+def load_checkpoint(
+    engine: Engine,
+    load_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+) -> Any:
+    """See `zswap.Engine.load_checkpoint`. Returns the saved ``client_state``."""
+    records = describe(engine.module)
+    group, rank, world = group_of(records)
+    plan: _Plan | None = None
+    error: BaseException | None = None
+    try:
+        folder, _ = resolve(load_dir, tag)
+        plan = _Plan(
+            engine,
+            records,
+            folder,
+            rank,
+            world,
+            optimizer=load_optimizer_states and not load_module_only,
+            full=not load_module_only,
+        )
+        plan.reader.verify()
+    except Exception as e:
+        error = e
+    try:
+        agree(error, "load_checkpoint (validation)", group, world)
+        assert plan is not None
+        return plan.apply()
+    finally:
+        if plan is not None:
+            plan.reader.close()
+
+
+class _Plan:
+    def __init__(
+        self,
+        engine: Engine,
+        records: list[ParamRecord],
+        folder: Path,
+        rank: int,
+        world: int,
+        *,
+        optimizer: bool,
+        full: bool,
+    ) -> None:
+        self.engine, self.records, self.rank, self.world = engine, records, rank, world
+        self.full = full
+        self.manifest = m = read_manifest(folder)
+        check_model(m, records, folder)
+        self.reader = r = Reader(folder, m)
+        self.saved = {p["name"]: p for p in m["params"]}
+        self.src = rank if rank < r.world else 0  # the saved rank whose small state this rank takes
+        # Params: this rank's slice of each.
+        self.params: list[tuple[ParamRecord, list[Piece]]] = []
+        for rec in records:
+            pcs = r.pieces(self.saved[rec.name], "params", rec.start, rec.partition_numel)
+            r.need(pcs, rec.dtype)
+            self.params.append((rec, pcs))
+        self.buffers = self._plan_buffers(folder)
+        self.state_file = file_name(self.src, r.world, "state")
+        if full:
+            r.need_whole(self.state_file)
+        self.optim: Any = None
+        if optimizer and engine.optimizer is not None:
+            self.optim = self._plan_optimizer(folder)
+
+    def _plan_buffers(self, folder: Path) -> list[tuple[torch.Tensor, str]]:
+        live = persistent_buffers(self.engine.module)
+        saved = {b["name"]: b for b in self.manifest["buffers"]}
+        out = []
+        for name, b in live:
+            s = saved.get(name)
+            if s is None or list(b.shape) != s["shape"] or dtype_of(s["dtype"]) != b.dtype:
+                found = "none" if s is None else f"{s['dtype']} {tuple(s['shape'])}"
+                raise CheckpointMismatchError(
+                    f"{folder} is a checkpoint of another model: buffer {name!r} is {found} there, "
+                    f"{str(b.dtype).removeprefix('torch.')} {tuple(b.shape)} here"
+                )
+            self.reader.need_entry(file_name(0, self.reader.world, "params"), name)
+            out.append((b, name))
+        return out
+
+    def _plan_optimizer(self, folder: Path) -> Any:
+        opt = self.engine.optimizer
+        saved = self.manifest["optimizer"]
+        if saved is None:
+            raise CheckpointMismatchError(
+                f"{folder} holds no optimizer state; pass load_optimizer_states=False to load the rest"
+            )
+        by_id = {id(rec.p): rec.name for rec in self.records}
+        groups = [[by_id.get(id(p), "?") for p in g["params"]] for g in opt.param_groups]
+        zswap_kind = isinstance(opt, OffloadedAdamW)
+        if (saved["kind"] == "zswap") != zswap_kind or saved["type"] != type(opt).__name__:
+            raise CheckpointMismatchError(
+                f"{folder} holds the state of a {saved['type']} optimizer; "
+                f"this engine's is {type(opt).__name__}"
+            )
+        if groups != saved["groups"]:
+            raise CheckpointMismatchError(
+                f"{folder}: the optimizer's param groups differ from the saved ones "
+                f"({[len(g) for g in saved['groups']]} params per group there, "
+                f"{[len(g) for g in groups]} here)"
+            )
+        r = self.reader
+        if not zswap_kind:
+            if r.world != self.world:
+                raise CheckpointMismatchError(
+                    f"{folder} was saved by {r.world} ranks; the state of a {type(opt).__name__} (not "
+                    f"zswap.optim.OffloadedAdamW) holds per-rank partitions and loads only at that world size"
+                )
+            name = file_name(self.rank, r.world, "optim")
+            for entry in r.file(name).entries:
+                r.need_entry(name, entry)
+            return ("torch", name)
+        flat = [n for g in groups for n in g]
+        index = {n: i for i, n in enumerate(flat)}
+        params = [p for g in opt.param_groups for p in g["params"]]
+        layout = []
+        reads: dict[int, list[tuple[str, list[Piece]]]] = {}
+        for name, step, _ in saved["layout"][self.src]:
+            i = index[name]
+            rec = next(x for x in self.records if x.name == name)
+            layout.append((i, int(step), opt.state_numel(i)))
+            kinds = [k for k in STATE_KINDS if k != "master" or needs_master(params[i])]
+            reads[i] = []
+            for kind in kinds:
+                pcs = r.pieces(self.saved[name], kind, rec.start, rec.partition_numel)
+                r.need(pcs, torch.float32)
+                reads[i].append((kind, pcs))
+        return ("zswap", layout, reads)
+
+    # -- applying ------------------------------------------------------------------------------------
+
+    def apply(self) -> Any:
+        with no_torch_function(), torch.no_grad():
+            self._load_params()
+            for b, name in self.buffers:
+                tmp = torch.empty(b.shape, dtype=b.dtype)
+                self.reader.file(file_name(0, self.reader.world, "params")).read_elements(
+                    name, 0, tmp.view(-1)
+                )
+                b.copy_(tmp)
+            state = None
+            if self.full:
+                state = torch.load(self.reader.folder / self.state_file, weights_only=False)
+            if self.optim is not None:
+                self._load_optimizer(state)
+        if state is None:
+            return None
+        self._restore_small(state)
+        return state["client_state"]
+
+    def _load_params(self) -> None:
+        queued: dict[int, Any] = {}
+        queued_bytes = 0
+        for rec, pcs in self.params:
+            if rec.st is None:
+                part = torch.empty(rec.numel, dtype=rec.dtype)
+                self.reader.read(pcs, part)
+                rec.p.data.copy_(part.view(rec.shape))
+                continue
+            st = rec.st
+            engine = getattr(st.store, "engine", None)
+            part = (
+                engine.empty((st.partition_numel,), st.dtype)
+                if engine is not None
+                else torch.empty(st.partition_numel, dtype=st.dtype)
+            )
+            self.reader.read(pcs, part)
+            if st.device.type != "cpu" and st.tier == "none":
+                part = part.to(st.device)
+            st.store.put(st.key, part)
+            queued[id(st.store)] = st.store
+            queued_bytes += part.numel() * part.element_size()
+            if queued_bytes > WRITE_BATCH_BYTES:
+                for store in queued.values():
+                    store.wait_all()
+                queued, queued_bytes = {}, 0
+        for store in queued.values():
+            store.wait_all()
+
+    def _load_optimizer(self, state: Any) -> None:
+        opt = self.engine.optimizer
+        if self.optim[0] == "torch":
+            name = self.optim[1]
+            f = self.reader.file(name)
+            skeleton = state["optimizer"]
+            sd_state: dict[Any, dict[str, Any]] = {}
+            for pid, st in skeleton["state"].items():
+                out: dict[str, Any] = {}
+                for k, v in st.items():
+                    if isinstance(v, tuple) and len(v) == 2 and v[0] == "__tensor__":
+                        e = f.entry(v[1])
+                        t = torch.empty(e.shape, dtype=e.dtype)
+                        f.read_elements(v[1], 0, t.view(-1))
+                        out[k] = t
+                    else:
+                        out[k] = v
+                sd_state[pid] = out
+            opt.load_state_dict({"state": sd_state, "param_groups": skeleton["param_groups"]})
+            return
+        _, layout, reads = self.optim
+        if state is not None:
+            for ours, theirs in zip(opt.param_groups, state["optimizer"]["param_groups"], strict=True):
+                ours.update(theirs)
+            opt.skipped_steps = int(state["optimizer"]["skipped_steps"])
+        opt.restore_layout(layout)
+        kind_at = {k: j for j, k in enumerate(STATE_KINDS)}
+
+        def fill(i: int, start: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> None:
+            n = views[0].numel()
+            for kind, pcs in reads[i]:
+                view = views[kind_at[kind]]
+                if view is None:
+                    raise CheckpointCorruptError(f"optimizer state of param {i} has no {kind} record here")
+                self.reader.read(_window(pcs, start, n), view)
+
+        opt.stream_state(fill, write=True, params=reads)
+
+    def _restore_small(self, state: dict[str, Any]) -> None:
+        e = self.engine
+        m = self.manifest
+        e.global_steps = int(m["global_steps"])
+        e.skipped_steps = int(m["skipped_steps"])
+        if hasattr(e, "micro_steps"):
+            e.micro_steps = int(m.get("micro_steps", 0))
+        for attr in ("lr_scheduler", "loss_scaler"):
+            obj = getattr(e, attr, None)
+            if obj is not None and state.get(attr) is not None:
+                obj.load_state_dict(state[attr])
+        if self.rank < self.reader.world:  # RNG streams belong to their rank
+            set_rng_state(state["rng"])
+
+
+def _window(pieces: list[Piece], start: int, count: int) -> list[Piece]:
+    """The part of ``pieces`` (planned for a whole partition) covering its elements ``[start, start+count)``,
+    re-based to 0."""
+    out = []
+    for pc in pieces:
+        lo, hi = max(pc.out_start, start), min(pc.out_start + pc.count, start + count)
+        if lo < hi:
+            out.append(Piece(pc.file, pc.entry, pc.elem_start + lo - pc.out_start, lo - start, hi - lo))
+    return out
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if rng.get("numpy") is not None:
+        import numpy as np
+
+        np.random.set_state(rng["numpy"])

@@ -1,0 +1,201 @@
+"""What a checkpoint folder holds, and how the live model is described and compared with it.
+
+A tag folder (``save_dir/<tag>/``) holds ``manifest.json`` and, per saving rank *r* of *W*:
+``rank{r:05d}-of-{W:05d}.params.safetensors`` (its partition of every param, 1-D; rank 0 also the module's
+persistent buffers), ``….exp_avg`` / ``….exp_avg_sq`` / ``….master.safetensors`` (its partition of
+`OffloadedAdamW`'s states, float32), ``….optim.safetensors`` (the tensors of any other optimizer's
+state_dict, as that rank sees them) and ``….state.pt`` (small Python state: RNG, scheduler, loss scaler,
+optimizer settings, client_state; a `torch.save` pickle). The manifest lists every param (name, tied
+aliases, full shape, dtype, partitioning), the world size, zswap's version, and every file with its size
+and CRC-32C (whole and per 8 MiB block).
+
+Partitioning: a param of ``numel`` elements saved with ``ranks`` holders of ``partition_numel`` each is the
+flat, zero-padded range ``[0, ranks·partition_numel)``; holder *s* has ``[s·n, (s+1)·n)``. A param zswap
+manages has ``ranks`` = world size; one it does not (replicated on every rank) has ``ranks`` = 1. Any
+rank of any new world size reads the slice it needs from the files that hold it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..params import ParamState, param_state
+from ._atomic import LATEST, TMP_PREFIX
+from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+
+FORMAT = "zswap-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
+
+
+def file_name(rank: int, world: int, kind: str) -> str:
+    ext = "pt" if kind == "state" else "safetensors"
+    return f"rank{rank:05d}-of-{world:05d}.{kind}.{ext}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointCorruptError(f"unknown dtype {name!r} in a checkpoint manifest")
+    return dt
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """One unique param of the live model, as a checkpoint sees it."""
+
+    name: str
+    aliases: list[str]
+    p: torch.Tensor
+    st: ParamState | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def partition_numel(self) -> int:
+        """Elements this rank holds (and the optimizer's state of this param has)."""
+        return self.st.partition_numel if self.st is not None else self.numel
+
+    @property
+    def ranks(self) -> int:
+        return self.st.world_size if self.st is not None else 1
+
+    @property
+    def start(self) -> int:
+        """First flat element this rank holds."""
+        return self.st.rank * self.st.partition_numel if self.st is not None else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "aliases": self.aliases,
+            "shape": list(self.shape),
+            "dtype": dtype_name(self.dtype),
+            "partition": {
+                "kind": "flat" if self.st is not None else "replicated",
+                "ranks": self.ranks,
+                "partition_numel": self.partition_numel,
+            },
+        }
+
+
+def describe(model: nn.Module) -> list[ParamRecord]:
+    """Every unique param of ``model`` (by identity, under its first name), with its tied aliases."""
+    by_id: dict[int, ParamRecord] = {}
+    out: list[ParamRecord] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        rec = by_id.get(id(p))
+        if rec is not None:
+            rec.aliases.append(name)
+            continue
+        st = param_state(p)
+        shape = tuple(st.shape) if st is not None else tuple(p.shape)
+        rec = ParamRecord(name, [], p, st, shape, st.dtype if st is not None else p.dtype)
+        by_id[id(p)] = rec
+        out.append(rec)
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``model.state_dict()`` would hold, in its order, each once."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for mod_name, m in model.named_modules():
+        for name, b in m._buffers.items():
+            if b is None or name in m._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((f"{mod_name}.{name}" if mod_name else name, b))
+    return out
+
+
+def check_tag(tag: object) -> str:
+    if not isinstance(tag, str) or not tag or tag in (".", "..", LATEST) or "/" in tag or "\0" in tag:
+        raise ValueError(f"checkpoint tag must be a folder name other than {LATEST!r}, got {tag!r}")
+    if tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must not start with '.' (zswap's temp folders do)")
+    return tag
+
+
+def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, str]:
+    """(tag folder, tag) for ``tag``, or for the one ``load_dir/latest`` names."""
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(2, "checkpoint folder does not exist", str(root))
+    if tag is None:
+        latest = root / LATEST
+        if not latest.is_file():
+            raise CheckpointNotFoundError(
+                2, f"no {LATEST!r} file in the checkpoint folder (pass tag= to name one)", str(latest)
+            )
+        tag = latest.read_text().strip()
+    check_tag(tag)
+    folder = root / tag
+    if not folder.is_dir():
+        tags = sorted(e.name for e in root.iterdir() if e.is_dir() and not e.name.startswith(TMP_PREFIX[0]))
+        raise CheckpointNotFoundError(2, f"checkpoint tag {tag!r} does not exist (tags: {tags})", str(folder))
+    return folder, tag
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(2, "checkpoint manifest does not exist", str(path)) from None
+    try:
+        m = json.loads(text)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{path}: not a zswap checkpoint manifest")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{path}: format version {m.get('format_version')!r}; this zswap reads {FORMAT_VERSION}"
+        )
+    for p in m["params"]:
+        dtype_of(p["dtype"])
+    return m
+
+
+def check_model(manifest: dict[str, Any], records: list[ParamRecord], folder: Path) -> None:
+    """Raise `CheckpointMismatchError` naming the first param whose name, shape or dtype differs."""
+    saved = manifest["params"]
+    for i, (ours, theirs) in enumerate(zip(records, saved, strict=False)):
+        if ours.name != theirs["name"]:
+            raise CheckpointMismatchError(
+                f"{folder} is a checkpoint of another model: param {i} is {theirs['name']!r} there, "
+                f"{ours.name!r} here"
+            )
+        if list(ours.shape) != theirs["shape"] or dtype_name(ours.dtype) != theirs["dtype"]:
+            raise CheckpointMismatchError(
+                f"{folder} is a checkpoint of another model: param {ours.name!r} is "
+                f"{theirs['dtype']} {tuple(theirs['shape'])} there, "
+                f"{dtype_name(ours.dtype)} {ours.shape} here"
+            )
+    if len(records) != len(saved):
+        extra = records[len(saved)].name if len(records) > len(saved) else saved[len(records)]["name"]
+        where = "here only" if len(records) > len(saved) else "in the checkpoint only"
+        raise CheckpointMismatchError(
+            f"{folder} is a checkpoint of another model: {len(saved)} params there, {len(records)} here "
+            f"(first extra: {extra!r}, {where})"
+        )

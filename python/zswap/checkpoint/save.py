@@ -1,0 +1,299 @@
+"""``engine.save_checkpoint``: every rank streams its partitions from the offload tier into safetensors files
+in a temp folder; rank 0 adds the manifest, renames the folder into place and points ``latest`` at it.
+
+Memory: a param partition is read from its store and written to its file one at a time (an NVMe partition
+lands in the engine's pooled fetch buffers); optimizer records go through the optimizer's own record walk
+(`OffloadedAdamW.stream_state`), each segment appended to its file as it passes. What a save adds to the
+peak RSS is therefore the largest partition or record, not the model.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ZswapError
+from ..optim import OffloadedAdamW
+from ..optim._layout import needs_master
+from . import _atomic
+from ._collective import agree, all_gather, group_of
+from ._crc import BlockCrc
+from ._gather import local_partition
+from ._hf_layout import CONFIG_FILES, weight_keys
+from ._safetensors import BLOCK_BYTES, Entry, FileInfo, StreamWriter
+from .manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    STATE_KINDS,
+    ParamRecord,
+    check_tag,
+    describe,
+    dtype_name,
+    file_name,
+    persistent_buffers,
+)
+
+if TYPE_CHECKING:
+    from ..runtime import Engine
+
+
+def save_checkpoint(
+    engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: Any = None
+) -> Path:
+    """See `zswap.Engine.save_checkpoint`. Returns the tag folder."""
+    records = describe(engine.module)
+    group, rank, world = group_of(records)
+    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    root = Path(save_dir)
+    tmp_name: str | None = None
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _atomic.remove_stale(root)
+            tmp_name = _atomic.new_temp_dir(root, tag).name
+        except OSError as e:
+            error = e
+    agree(error, "save_checkpoint (creating the temp folder)", group, world)
+    tmp = root / all_gather(tmp_name, group, world)[0]
+    try:
+        error, report = None, None
+        try:
+            report = _write_rank(engine, records, tmp, rank, world, client_state)
+        except Exception as e:
+            error = e
+        agree(error, "save_checkpoint", group, world)
+        reports = all_gather(report, group, world)
+        error = None
+        if rank == 0:
+            try:
+                _finish(engine, records, tmp, root, tag, world, reports)
+            except Exception as e:
+                error = e
+        agree(error, "save_checkpoint (commit)", group, world)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root / tag
+
+
+def _write_rank(
+    engine: Engine, records: list[ParamRecord], tmp: Path, rank: int, world: int, client_state: Any
+) -> dict[str, Any]:
+    files: list[FileInfo] = []
+    buffers = persistent_buffers(engine.module) if rank == 0 else []
+    entries = [Entry(r.name, r.dtype, (r.partition_numel,)) for r in records]
+    entries += [Entry(name, b.dtype, tuple(b.shape)) for name, b in buffers]
+    w = StreamWriter(tmp / file_name(rank, world, "params"), entries)
+    try:
+        for r in records:
+            w.write(local_partition(r.p, r.st))
+        for _, b in buffers:
+            w.write(b.detach().to("cpu").contiguous())
+        files.append(w.close())
+    finally:
+        w.abort()
+    opt = engine.optimizer
+    optim: dict[str, Any] | None = None
+    extra: dict[str, Any] = {}
+    if isinstance(opt, OffloadedAdamW):
+        optim, groups = _write_offloaded(opt, records, tmp, rank, world, files)
+        extra["optimizer"] = {"param_groups": groups, "skipped_steps": opt.skipped_steps}
+    elif opt is not None:
+        optim, extra["optimizer"] = _write_torch_optimizer(opt, records, tmp, rank, world, files)
+    state = {
+        "rng": rng_state(),
+        "lr_scheduler": _state_of(getattr(engine, "lr_scheduler", None)),
+        "loss_scaler": _state_of(getattr(engine, "loss_scaler", None)),
+        "client_state": client_state,
+        **extra,
+    }
+    path = tmp / file_name(rank, world, "state")
+    torch.save(state, path)
+    files.append(_file_info(path))
+    return {"files": [f.to_json() for f in files], "optimizer": optim}
+
+
+def _names(opt: Any, records: list[ParamRecord]) -> list[list[str]]:
+    by_id = {id(r.p): r.name for r in records}
+    out = []
+    for g in opt.param_groups:
+        names = []
+        for p in g["params"]:
+            if id(p) not in by_id:
+                raise ZswapError(
+                    f"the optimizer holds a param of shape {tuple(p.shape)} that is not one of the model's: "
+                    "save_checkpoint saves the model's params and their optimizer state only"
+                )
+            names.append(by_id[id(p)])
+        out.append(names)
+    return out
+
+
+def _write_offloaded(
+    opt: OffloadedAdamW, records: list[ParamRecord], tmp: Path, rank: int, world: int, files: list[FileInfo]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    groups = _names(opt, records)
+    flat = [n for g in groups for n in g]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    layout = opt.state_layout()
+    plan = {
+        kind: [
+            Entry(flat[i], torch.float32, (numel,))
+            for i, _, numel in layout
+            if kind != "master" or needs_master(params[i])
+        ]
+        for kind in STATE_KINDS
+    }
+    writers = {kind: StreamWriter(tmp / file_name(rank, world, kind), plan[kind]) for kind in STATE_KINDS}
+    order = iter(layout)
+    at = [-1, 0, 0]  # param index, next expected start, its numel
+
+    def visit(i: int, start: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> None:
+        if i != at[0]:
+            if at[1] != at[2]:
+                raise ZswapError(f"optimizer state of {flat[at[0]]!r} was not walked whole")
+            nxt = next(order, None)
+            if nxt is None or nxt[0] != i:
+                raise ZswapError(f"optimizer records visit {flat[i]!r} out of their layout order")
+            at[:] = [i, 0, nxt[2]]
+        if start != at[1]:
+            raise ZswapError(f"optimizer state of {flat[i]!r} visited at element {start}, expected {at[1]}")
+        for kind, v in zip(STATE_KINDS, views, strict=True):
+            if v is not None:
+                writers[kind].write(v)
+        at[1] += views[0].numel()
+
+    try:
+        opt.stream_state(visit, write=False)
+        files.extend(writers[kind].close() for kind in STATE_KINDS)
+    finally:
+        for wr in writers.values():
+            wr.abort()
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    summary = {
+        "kind": "zswap",
+        "type": type(opt).__name__,
+        "groups": groups,
+        "layout": [[flat[i], step, numel] for i, step, numel in layout],
+    }
+    return summary, settings
+
+
+def _write_torch_optimizer(
+    opt: Any, records: list[ParamRecord], tmp: Path, rank: int, world: int, files: list[FileInfo]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    groups = _names(opt, records)
+    sd = opt.state_dict()
+    tensors: list[tuple[str, torch.Tensor]] = []
+    skeleton: dict[Any, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        sk: dict[str, Any] = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                name = f"{pid}/{k}"
+                tensors.append((name, v.detach().to("cpu").contiguous()))
+                sk[k] = ("__tensor__", name)
+            else:
+                sk[k] = v
+        skeleton[pid] = sk
+    w = StreamWriter(
+        tmp / file_name(rank, world, "optim"), [Entry(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    )
+    try:
+        for _, t in tensors:
+            w.write(t)
+        files.append(w.close())
+    finally:
+        w.abort()
+    summary = {"kind": "torch", "type": type(opt).__name__, "groups": groups}
+    return summary, {"state": skeleton, "param_groups": sd["param_groups"]}
+
+
+def _state_of(obj: Any) -> Any:
+    return None if obj is None else obj.state_dict()
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "cuda": None,
+        "numpy": None,
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch here
+        pass
+    else:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def _file_info(path: Path) -> FileInfo:
+    """Size and CRCs of a small finished file, read back in blocks; fsynced."""
+    crc = BlockCrc(BLOCK_BYTES)
+    with open(path, "rb") as f:
+        while chunk := f.read(BLOCK_BYTES):
+            crc.update(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
+        os.fsync(f.fileno())
+    whole, blocks = crc.finish()
+    return FileInfo(path.name, path.stat().st_size, whole, BLOCK_BYTES, blocks)
+
+
+def _finish(
+    engine: Engine,
+    records: list[ParamRecord],
+    tmp: Path,
+    root: Path,
+    tag: str,
+    world: int,
+    reports: list[dict[str, Any]],
+) -> None:
+    from .. import __version__
+
+    model = engine.module
+    files = [f for rep in reports for f in rep["files"]]
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(tmp)  # so that ``zswap export`` makes a folder from_pretrained loads
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and getattr(model, "can_generate", lambda: False)():
+            gen.save_pretrained(tmp)
+        files += [_file_info(tmp / n).to_json() for n in CONFIG_FILES if (tmp / n).is_file()]
+    buffers = persistent_buffers(model)
+    keys = weight_keys(model, {id(r.p): r.name for r in records}, {id(b): n for n, b in buffers})
+    optim = reports[0]["optimizer"]
+    if optim is not None and optim["kind"] == "zswap":
+        optim = {**optim, "layout": [rep["optimizer"]["layout"] for rep in reports]}
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "zswap_version": __version__,
+        "tag": tag,
+        "world_size": world,
+        "global_steps": int(engine.global_steps),
+        "skipped_steps": int(engine.skipped_steps),
+        "micro_steps": int(getattr(engine, "micro_steps", 0)),
+        "params": [r.to_json() for r in records],
+        "buffers": [{"name": n, "shape": list(b.shape), "dtype": dtype_name(b.dtype)} for n, b in buffers],
+        "optimizer": optim,
+        "weights": [[k.key, k.kind, k.source] for k in keys],
+        "total_parameters": sum(r.numel for r in records),
+        "files": files,
+    }
+    path = tmp / MANIFEST
+    import json
+
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    _atomic.commit(tmp, root / tag)
+    _atomic.write_latest(root, tag)

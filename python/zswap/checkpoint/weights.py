@@ -1,0 +1,106 @@
+"""`zswap.save_weights`: consolidated weights in the Hugging Face layout, one param gathered at a time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .._dist import resolve_group
+from ..gather import no_torch_function
+from ..params import param_state
+from ._gather import full_copy
+from ._hf_layout import (
+    METADATA,
+    clear_old_weights,
+    parse_size,
+    plan_shards,
+    set_config_dtype,
+    shard_names,
+    weight_keys,
+    write_index,
+)
+from ._safetensors import Entry, StreamWriter
+from .manifest import describe, persistent_buffers
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+def save_weights(
+    model: nn.Module,
+    save_dir: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+) -> None:
+    """Write ``model``'s weights to ``save_dir`` as Hugging Face does (``model.safetensors``, or shards plus
+    ``model.safetensors.index.json``; tied weights once; ``config.json`` for a `PreTrainedModel`), so plain
+    ``safetensors`` and ``from_pretrained`` read them without zswap. Params are gathered one at a time (every
+    rank must call this; rank 0 writes), so memory holds one param, never the model. ``dtype`` casts
+    floating tensors; ``max_shard_size``: bytes or a string such as ``"5GB"`` (default)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    limit = parse_size(max_shard_size)
+    records = describe(model)
+    group: ProcessGroup | None = next((r.st.group for r in records if r.st is not None), None)
+    _, rank, _ = resolve_group(group) if any(r.st is not None for r in records) else resolve_group(None)
+    buffers = persistent_buffers(model)
+    keys = weight_keys(model, {id(r.p): r.name for r in records}, {id(b): n for n, b in buffers})
+    rec_of = {r.name: r for r in records}
+    buf_of = dict(buffers)
+    entries = []
+    for k in keys:
+        if k.kind == "param":
+            r = rec_of[k.source]
+            shape, dt = r.shape, r.dtype
+        else:
+            b = buf_of[k.source]
+            shape, dt = tuple(b.shape), b.dtype
+        entries.append(Entry(k.key, cast_dtype(dt, dtype), shape))
+    shards = plan_shards(entries, limit)
+    names = shard_names(len(shards))
+    out = Path(save_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        clear_old_weights(out)
+    key_of = {k.key: k for k in keys}
+    for shard, name in zip(shards, names, strict=True):
+        w = StreamWriter(out / name, shard, METADATA) if rank == 0 else None
+        try:
+            for e in shard:  # a tensor over the limit gets its own shard out of key order, as in HF
+                k = key_of[e.name]
+                if k.kind == "param":
+                    r = rec_of[k.source]
+                    st = param_state(r.p)
+                    with no_torch_function():
+                        value = full_copy(r.p, st) if st is not None else r.p.detach().to("cpu")
+                else:
+                    value = buf_of[k.source].detach().to("cpu")
+                if w is not None:
+                    w.write(_cast(value, dtype))
+            if w is not None:
+                w.close()
+        finally:
+            if w is not None:
+                w.abort()
+    if rank == 0:
+        write_index(out, shards, names, sum(r.numel for r in records))
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(out)
+            gen = getattr(model, "generation_config", None)
+            if gen is not None and getattr(model, "can_generate", lambda: False)():
+                gen.save_pretrained(out)
+            set_config_dtype(out, dtype)
+
+
+def cast_dtype(dt: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and dt.is_floating_point else dt
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(cast_dtype(t.dtype, dtype)).contiguous()
