@@ -230,6 +230,37 @@ def test_config_optimizer_is_used_when_configure_optimizers_returns_none(tmp_pat
     assert trainer.optimizers[0].tier == "nvme"
 
 
+WARMUP = {
+    "type": "WarmupLR",
+    "params": {"warmup_max_lr": 2e-2, "warmup_num_steps": 8, "warmup_type": "linear"},
+}
+
+
+def test_config_scheduler_is_stepped_by_the_engine_at_each_optimizer_step(tmp_path):
+    class Reference(Regressor):
+        """Lightning steps the same DeepSpeed schedule (zswap's implementation) over a torch AdamW."""
+
+        def configure_optimizers(self) -> Any:
+            opt = super().configure_optimizers()
+            sched = zswap.schedules.build(zswap.load_config({"scheduler": WARMUP}).scheduler, opt)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+            scheduler.step()
+
+    ref, ref_trainer = _fit(module=Reference(), accumulate_grad_batches=2)
+    ours, trainer = _fit(ZswapStrategy(_config(tmp_path, scheduler=WARMUP)), accumulate_grad_batches=2)
+    _assert_same_run(ours, ref, 2 * STEPS)
+    engine = trainer.strategy.engine
+    assert engine.get_lr() == [ref_trainer.optimizers[0].param_groups[0]["lr"]]
+    assert engine.lr_scheduler.last_batch_iteration == STEPS - 1 and engine.global_steps == STEPS
+
+
+def test_module_scheduler_and_config_scheduler_together_are_refused(tmp_path):
+    with pytest.raises(zswap.ConfigError, match=r"the config has a 'scheduler' section \(WarmupLR\)"):
+        _fit(ZswapStrategy(_config(tmp_path, scheduler=WARMUP)), module=Regressor(schedule=True))
+
+
 def test_config_optimizer_and_module_optimizer_together_are_refused(tmp_path):
     cfg = _config(tmp_path, optimizer={"type": "AdamW", "params": {"lr": 1e-2}})
     with pytest.raises(zswap.ConfigError, match="returned a AdamW and the config has an 'optimizer' section"):
@@ -267,9 +298,16 @@ def test_accumulation_in_the_config_must_agree_with_the_trainer(tmp_path):
     _assert_same_run(ours, ref, 2 * STEPS)
     with pytest.raises(
         zswap.ConfigError,
-        match=r"gradient_accumulation_steps=4 differs from Trainer\(accumulate_grad_batches=2\)",
+        match=r"gradient_accumulation_steps=4 \(given or derived from its batch sizes\) differs from "
+        r"Trainer\(accumulate_grad_batches=2\)",
     ):
         _fit(ZswapStrategy(_config(tmp_path, gradient_accumulation_steps=4)), accumulate_grad_batches=2)
+    derived = _config(tmp_path, train_batch_size=16, train_micro_batch_size_per_gpu=4)  # 16 / 4 = 4 steps
+    with pytest.raises(zswap.ConfigError, match=r"gradient_accumulation_steps=4 \(given or derived"):
+        _fit(ZswapStrategy(derived), accumulate_grad_batches=2)
+    agreeing = _config(tmp_path, train_batch_size=8, train_micro_batch_size_per_gpu=4)
+    again, _ = _fit(ZswapStrategy(agreeing), accumulate_grad_batches=2)
+    _assert_same_run(again, ref, 2 * STEPS)
 
 
 # -- evaluation and prediction ---------------------------------------------------------------------
@@ -378,11 +416,46 @@ def test_bad_config_fails_when_the_strategy_is_built(tmp_path):
         ZswapStrategy(42)  # type: ignore[arg-type]
 
 
-def test_bf16_true_keeps_params_in_bf16(tmp_path):
-    ours, _ = _fit(ZswapStrategy(_config(tmp_path)), precision="bf16-true")
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_half_precision_equals_zswaps_own_loop(tmp_path, precision, dtype):
+    """Params in the half dtype (fp32 masters in the optimizer), inputs cast, fp16 loss-scaled: the run
+    equals the same training written against zswap directly (``engine.backward`` + ``engine.step``)."""
+    (tmp_path / "lightning").mkdir()
+    ours, trainer = _fit(ZswapStrategy(_config(tmp_path / "lightning")), precision=precision)
     assert ours.net is not None
-    assert {zswap.param_state(p).dtype for p in ours.net.parameters()} == {torch.bfloat16}  # type: ignore[union-attr]
-    assert all(loss.dtype == torch.bfloat16 and torch.isfinite(loss) for loss in ours.losses)
+    assert {zswap.param_state(p).dtype for p in ours.net.parameters()} == {dtype}  # type: ignore[union-attr]
+
+    cfg = _config(tmp_path, **{"bf16" if dtype == torch.bfloat16 else "fp16": {"enabled": True}})
+    torch.manual_seed(0)
+    module = Regressor()
+    with zswap.Init(cfg):
+        module.configure_model()
+    assert module.net is not None
+    opt = zswap.optim.OffloadedAdamW(
+        module.net.parameters(),
+        lr=2e-2,
+        betas=(0.8, 0.95),
+        weight_decay=0.1,
+        device="nvme",
+        nvme_path=tmp_path,
+    )
+    losses = []
+    with zswap.initialize(module.net, cfg, optimizer=opt) as engine:
+        for x, y in list(_data())[:STEPS]:
+            x, y = x.to(dtype), y.to(dtype)
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                loss = nn.functional.mse_loss(module.net(x), y)
+            finally:
+                torch.set_default_dtype(previous)
+            losses.append(loss.detach())
+            engine.backward(loss)
+            engine.step()
+        assert trainer.strategy.engine.skipped_steps == engine.skipped_steps
+        assert trainer.strategy.engine.loss_scale == engine.loss_scale
+    opt.close()
+    assert torch.equal(torch.stack(ours.losses), torch.stack(losses))
 
 
 def test_precision_conflicting_with_the_config_is_refused(tmp_path):
@@ -402,10 +475,11 @@ def test_precision_plugin_takes_true_precisions_only():
         ZswapPrecision("16-mixed")  # type: ignore[arg-type]
 
 
-def test_cuda_accelerator_is_a_clear_error(tmp_path):
+def test_cuda_accelerator_is_refused_by_the_engines_device_check(tmp_path):
     from lightning.pytorch.accelerators import CUDAAccelerator
 
     strategy = ZswapStrategy(_config(tmp_path))
     strategy.accelerator = CUDAAccelerator()
-    with pytest.raises(zswap.ZswapError, match="ZswapStrategy runs on accelerator='cpu' only"):
+    strategy.parallel_devices = [torch.device("cuda", 0)]
+    with pytest.raises(zswap.stepping.UnsupportedDeviceError, match="computes on the CPU only for now"):
         strategy.setup_environment()

@@ -86,13 +86,15 @@ class ZswapPrecision(Precision):
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        engine = self._current()
         if is_overridden("backward", model):
-            model.backward(tensor, *args, **kwargs)  # the module's own backward is honoured as written
-        elif hasattr(engine, "backward"):
-            engine.backward(tensor, *args, **kwargs)
-        else:
-            tensor.backward(*args, **kwargs)
+            model.backward(tensor, *args, **kwargs)  # the module's own backward, as written (no loss scale)
+            return
+        if args or set(kwargs) - {"retain_graph"}:
+            raise TypeError(
+                "ZswapStrategy runs backward through the zswap Engine, which takes retain_graph= only; got "
+                f"{len(args)} positional argument(s) and {sorted(kwargs)}"
+            )
+        self._current().backward(tensor, **kwargs)  # fp16: scaled by the engine's loss scale
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any

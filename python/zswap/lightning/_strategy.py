@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -50,6 +49,7 @@ from ..errors import ConfigError, ZswapError
 from ..init import Init
 from ..optim import OffloadedAdamW
 from ..runtime import Engine, initialize
+from ..stepping import check_device
 from ._optim import is_convertible, rebind_schedulers, to_offloaded
 from ._parallel import ProcessGroupStrategy
 from ._precision import DTYPES, VALUE_CLIPPING, ZswapPrecision
@@ -166,12 +166,7 @@ class ZswapStrategy(ProcessGroupStrategy):
         return False  # the engine checkpoint holds the optimizer state
 
     def setup_environment(self) -> None:
-        if not isinstance(self.accelerator, CPUAccelerator):
-            name = type(self.accelerator).__name__
-            raise ZswapError(
-                f"ZswapStrategy runs on accelerator='cpu' only: zswap's Engine gathers params into CPU "
-                f"memory and computes there; got {name}"
-            )
+        check_device(self.root_device)  # the engine's own check: a device it cannot compute on is refused
         super().setup_environment()
 
     @contextmanager
@@ -200,8 +195,9 @@ class ZswapStrategy(ProcessGroupStrategy):
         try:
             engine = initialize(
                 module,
-                self._engine_config(keep_optimizer=use_section),
+                self._engine_config(fitting=fitting, use_section=use_section),
                 optimizer=None if isinstance(given, _MockOptimizer) else given,
+                device=self.root_device,
             )
         except BaseException:
             if owned is not None:
@@ -276,13 +272,18 @@ class ZswapStrategy(ProcessGroupStrategy):
                 f"Trainer(gradient_clip_val={clip}) and the config's gradient_clipping={configured} differ; "
                 "set one of them"
             )
-        steps = self.config.get("gradient_accumulation_steps")
-        if steps not in (None, "auto") and steps != trainer.accumulate_grad_batches:
-            raise ConfigError(
-                f"the config's gradient_accumulation_steps={steps!r} differs from "
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}); under Lightning the "
-                "Trainer's argument sets the accumulation: drop the key or make them agree"
-            )
+        batch = self.zswap_config.batch
+        if batch.gradient_accumulation_steps is not None or None not in (
+            batch.train_batch_size,
+            batch.train_micro_batch_size_per_gpu,
+        ):
+            steps = batch.resolve(self.world)[2]  # given, or derived from the batch sizes (as DeepSpeed)
+            if steps != trainer.accumulate_grad_batches:
+                raise ConfigError(
+                    f"the config's gradient_accumulation_steps={steps} (given or derived from its batch "
+                    f"sizes) differs from Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})"
+                    "; under Lightning the Trainer's argument sets the accumulation: make them agree"
+                )
 
     def _client_optimizer(self) -> tuple[Any, list[Any], bool]:
         """(the optimizer configure_optimizers returned or None, its scheduler configs, whether the
@@ -308,10 +309,10 @@ class ZswapStrategy(ProcessGroupStrategy):
                 f"configure_optimizers returned a {type(optimizer).__name__} and the config has an "
                 "'optimizer' section: keep one (return None from configure_optimizers to use the config's)"
             )
-        if schedulers and "scheduler" in self.config:
+        if schedulers and self.zswap_config.scheduler is not None:
             raise ConfigError(
-                "configure_optimizers returned an lr scheduler and the config has a 'scheduler' section: "
-                "keep one"
+                f"configure_optimizers returned an lr scheduler and the config has a 'scheduler' section "
+                f"({self.zswap_config.scheduler.type}): keep one"
             )
         if (
             not is_convertible(optimizer)
@@ -346,18 +347,19 @@ class ZswapStrategy(ProcessGroupStrategy):
             cfg[off] = {**cfg[off], "enabled": False}
         return cfg
 
-    def _engine_config(self, *, keep_optimizer: bool) -> dict[str, Any]:
+    def _engine_config(self, *, fitting: bool, use_section: bool) -> dict[str, Any]:
         """The config for ``initialize``. Lightning runs the accumulation (the loss divided by
-        ``accumulate_grad_batches``, ``optimizer_step`` at its boundaries only), so the engine sees one
-        micro-step per step; without an optimizer of the config's to build, its ``optimizer`` and
-        ``scheduler`` sections are left out."""
+        ``accumulate_grad_batches``, ``optimizer_step`` at its boundaries only; `_check_trainer` made
+        sure the config agrees), so the engine sees one micro-step per step. The ``optimizer`` section
+        is left out unless it is the one to use; the ``scheduler`` section (stepped by the engine at each
+        optimizer step) too when nothing is trained."""
         cfg = copy.deepcopy(self._model_config())
-        if "gradient_accumulation_steps" in cfg:
-            cfg["gradient_accumulation_steps"] = 1
+        cfg["gradient_accumulation_steps"] = 1
         if "train_batch_size" in cfg:
-            cfg["train_batch_size"] = "auto"  # batches come from the DataLoaders
-        if not keep_optimizer:
+            cfg["train_batch_size"] = "auto"  # derived again from the micro batch, with one micro-step
+        if not use_section:
             cfg.pop("optimizer", None)
+        if not fitting:
             cfg.pop("scheduler", None)
         return cfg
 
