@@ -241,11 +241,8 @@ class ZswapStrategy(ProcessGroupStrategy):
         load = self._checkpointing("load_checkpoint")
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        client = load(
-            os.fspath(self.broadcast(checkpoint_path)),
-            load_optimizer_states=fitting,
-            load_module_only=not fitting,
-        )
+        # The Trainer's state is needed whatever the run (loops, callbacks, datamodule): never module-only.
+        client = load(os.fspath(self.broadcast(checkpoint_path)), load_optimizer_states=fitting)
         if not isinstance(client, dict):
             raise ZswapError(
                 f"{checkpoint_path}: the engine checkpoint holds no Lightning state (was it written by "
