@@ -378,19 +378,34 @@ def test_checkpoint_without_engine_checkpoints_is_a_clear_error_and_writes_nothi
 @pytest.mark.skipif(
     not ENGINE_CHECKPOINTS, reason="zswap's Engine has no save_checkpoint/load_checkpoint yet"
 )
-def test_save_and_resume_through_the_trainer_equals_an_uninterrupted_run(tmp_path):
+def test_save_and_resume_through_the_trainer_equals_lightnings_own(tmp_path):
+    """fit → trainer.save_checkpoint → fit(ckpt_path=…) in a new Trainer on a new module, and
+    validate(ckpt_path=…): the same losses and weights as Lightning's own checkpoints give a plain run."""
+
+    def run(strategy: Any, folder: Path) -> tuple[list[torch.Tensor], Regressor, list[Any]]:
+        first, trainer = _fit(strategy(), samples=24)
+        path = folder / "half.ckpt"
+        trainer.save_checkpoint(path)
+        resumed, _ = _fit(
+            strategy(), module=Regressor(), samples=24, max_steps=2 * STEPS, ckpt_path=str(path)
+        )
+        evaluated = Regressor()
+        scores = _trainer(strategy()).validate(evaluated, _data(8), ckpt_path=str(path), verbose=False)
+        return first.losses + resumed.losses, resumed, [scores, evaluated.evals]
+
     swap = tmp_path / "swap"
     swap.mkdir()
-    # 20 samples in batches of 4: the save after STEPS steps falls on an epoch boundary.
-    ref, _ = _fit(ZswapStrategy(_config(swap)), samples=20, max_steps=2 * STEPS)
-    first, trainer = _fit(ZswapStrategy(_config(swap)), samples=20)
-    path = tmp_path / "half.ckpt"
-    trainer.save_checkpoint(path)
-    resumed = Regressor()
-    _fit(ZswapStrategy(_config(swap)), module=resumed, samples=20, max_steps=2 * STEPS, ckpt_path=str(path))
-    assert torch.equal(torch.stack(first.losses + resumed.losses), torch.stack(ref.losses))
-    for a, b in zip(_weights(resumed), _weights(ref), strict=True):
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "plain").mkdir()
+    ours = run(lambda: ZswapStrategy(_config(swap)), tmp_path / "ours")
+    plain = run(lambda: None, tmp_path / "plain")
+    assert len(ours[0]) == 2 * STEPS
+    assert torch.equal(torch.stack(ours[0]), torch.stack(plain[0]))
+    for a, b in zip(_weights(ours[1]), _weights(plain[1]), strict=True):
         assert torch.equal(a, b)
+    assert ours[2][0] == plain[2][0]
+    assert torch.equal(torch.stack(ours[2][1]), torch.stack(plain[2][1]))
+    assert (tmp_path / "ours" / "half.ckpt").is_dir()  # an engine checkpoint: partitions, not empty tensors
 
 
 # -- configuration, precision, devices -------------------------------------------------------------
