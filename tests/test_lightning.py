@@ -310,6 +310,37 @@ def test_accumulation_in_the_config_must_agree_with_the_trainer(tmp_path):
     _assert_same_run(again, ref, 2 * STEPS)
 
 
+class Manual(Regressor):
+    """Manual optimization: the module calls backward and step itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(self(batch[0]), batch[1])
+        self.losses.append(loss.detach().clone())
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def test_manual_optimization_equals_plain_trainer(tmp_path):
+    ref, _ = _fit(module=Manual())
+    ours, _ = _fit(ZswapStrategy(_config(tmp_path)), module=Manual())
+    _assert_same_run(ours, ref, STEPS)
+
+
+def test_default_config_keeps_everything_in_memory():
+    ref, _ = _fit()
+    ours, trainer = _fit(ZswapStrategy())
+    _assert_same_run(ours, ref, STEPS)
+    assert ours.net is not None and all(zswap.param_state(p) is not None for p in ours.net.parameters())
+    assert trainer.optimizers[0].tier == "cpu"
+
+
 # -- evaluation and prediction ---------------------------------------------------------------------
 
 
