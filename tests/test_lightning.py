@@ -462,6 +462,13 @@ def test_bad_config_fails_when_the_strategy_is_built(tmp_path):
         ZswapStrategy(42)  # type: ignore[arg-type]
 
 
+def test_checkpoint_io_plugins_are_refused(tmp_path):
+    from lightning.pytorch.plugins import TorchCheckpointIO
+
+    with pytest.raises(TypeError, match=r"a CheckpointIO plugin \(TorchCheckpointIO\) would not be used"):
+        _trainer(ZswapStrategy(_config(tmp_path)), plugins=[TorchCheckpointIO()])
+
+
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
 def test_half_precision_equals_zswaps_own_loop(tmp_path, precision, dtype):
     """Params in the half dtype (fp32 masters in the optimizer), inputs cast, fp16 loss-scaled: the run

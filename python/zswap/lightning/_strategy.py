@@ -115,7 +115,6 @@ class ZswapStrategy(ProcessGroupStrategy):
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -127,7 +126,6 @@ class ZswapStrategy(ProcessGroupStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -147,6 +145,17 @@ class ZswapStrategy(ProcessGroupStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = None if plugin is None else _as_zswap_precision(plugin)
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        return super().checkpoint_io  # Lightning's default, used only to remove checkpoint folders
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        raise TypeError(
+            f"ZswapStrategy writes checkpoints through the zswap Engine, so a CheckpointIO plugin "
+            f"({type(io).__name__}) would not be used; drop it from Trainer(plugins=...)"
+        )
 
     @property
     def engine(self) -> Engine:
