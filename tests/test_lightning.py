@@ -536,3 +536,17 @@ def test_cuda_accelerator_is_refused_by_the_engines_device_check(tmp_path):
     strategy.parallel_devices = [torch.device("cuda", 0)]
     with pytest.raises(zswap.stepping.UnsupportedDeviceError, match="computes on the CPU only for now"):
         strategy.setup_environment()
+
+
+def test_without_lightning_the_import_error_says_what_to_install(monkeypatch):
+    import importlib
+    import sys
+
+    for name in [n for n in sys.modules if n == "zswap.lightning" or n.startswith("zswap.lightning.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lightning", None)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    with pytest.raises(
+        ImportError, match=r"zswap.lightning needs the 'lightning' package .*zswap\[lightning\]"
+    ):
+        importlib.import_module("zswap.lightning")
