@@ -261,6 +261,20 @@ def test_module_scheduler_and_config_scheduler_together_are_refused(tmp_path):
         _fit(ZswapStrategy(_config(tmp_path, scheduler=WARMUP)), module=Regressor(schedule=True))
 
 
+def test_no_optimizer_anywhere_runs_without_steps_as_lightning_does(tmp_path):
+    with pytest.warns(UserWarning, match="configure_optimizers` returned `None`"):
+        ref, _ = _fit(module=Regressor("none"))
+    with pytest.warns(UserWarning, match="configure_optimizers` returned `None`"):
+        ours, trainer = _fit(ZswapStrategy(_config(tmp_path)), module=Regressor("none"))
+    _assert_same_run(ours, ref, STEPS)
+    torch.manual_seed(0)
+    untouched = Regressor()
+    untouched.configure_model()
+    for a, b in zip(_weights(ours), _weights(untouched), strict=True):
+        assert torch.equal(a, b)
+    assert trainer.strategy.engine.optimizer is None
+
+
 def test_config_optimizer_and_module_optimizer_together_are_refused(tmp_path):
     cfg = _config(tmp_path, optimizer={"type": "AdamW", "params": {"lr": 1e-2}})
     with pytest.raises(zswap.ConfigError, match="returned a AdamW and the config has an 'optimizer' section"):
