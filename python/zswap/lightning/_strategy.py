@@ -248,6 +248,11 @@ class ZswapStrategy(ProcessGroupStrategy):
         """Loads an engine checkpoint written by `save_checkpoint` (optimizer state only when fitting) and
         returns the Trainer's state saved with it."""
         load = self._checkpointing("load_checkpoint")
+        if weights_only:
+            raise TypeError(
+                "ZswapStrategy cannot load with weights_only=True: the Trainer's state saved in the engine "
+                "checkpoint is a pickle (weights_only=None or False loads it)"
+            )
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         # The Trainer's state is needed whatever the run (loops, callbacks, datamodule): never module-only.
