@@ -1,0 +1,21 @@
+"""zswap for Lightning 2.x: ``Trainer(strategy=zswap.lightning.ZswapStrategy(config))``.
+
+Needs the ``lightning`` package (``pip install 'zswap[lightning]'``). Modules: ``_strategy`` (the strategy:
+Lightning's hooks mapped onto ``Init`` / ``initialize`` / the Engine), ``_precision`` (backward, optimizer
+step and clipping through the engine; the param dtype), ``_optim`` (the module's Adam/AdamW turned into
+zswap's offloaded AdamW, its lr schedulers re-pointed).
+"""
+
+from __future__ import annotations
+
+try:
+    import lightning.pytorch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "zswap.lightning needs the 'lightning' package (Lightning 2.x): pip install 'zswap[lightning]'"
+    ) from exc
+
+from ._precision import ZswapPrecision
+from ._strategy import CheckpointUnavailableError, ZswapStrategy
+
+__all__ = ["CheckpointUnavailableError", "ZswapPrecision", "ZswapStrategy"]
