@@ -13,7 +13,7 @@ from torch import nn
 
 import zswap
 from zswap import ZswapError, param_state
-from zswap.device import Copy, CpuDevice, StandInDevice, UnsupportedDeviceError, resolve
+from zswap.device import Copy, CpuDevice, ReusePool, StandInDevice, UnsupportedDeviceError, resolve
 
 from .test_runtime import (
     MLP,
@@ -85,6 +85,36 @@ def test_registrations_last_as_long_as_the_buffer_and_close_unregisters():
     assert keep.numel() == 256  # the memory itself belongs to its holder
 
 
+def test_reuse_pool_hands_out_free_buffers_with_the_event_of_their_release():
+    events = iter(range(100))
+    pool = ReusePool(lambda numel, dtype: torch.empty(numel, dtype=dtype), lambda: next(events))
+    pool.pool_bytes = 2 * 16 * 4
+    a, _ = pool.take(16, torch.float32)
+    b, _ = pool.take(16, torch.float32)
+    assert a.data_ptr() != b.data_ptr()
+    p = nn.Parameter(torch.empty(0))
+    p.data = a[:16].view(4, 4)  # a gathered param over the buffer
+    del a
+    c, _ = pool.take(16, torch.float32)  # a is in use, b is held: a third buffer (not pooled: over budget)
+    assert c.data_ptr() not in {p.data_ptr(), b.data_ptr()}
+    pool.retire(p)  # the release: its event is recorded now
+    ptr = p.data_ptr()
+    p.data = torch.empty(0)
+    again, ev = pool.take(16, torch.float32)
+    assert again.data_ptr() == ptr and ev == 3  # the release's event (0-2 went to the three takes)
+    q = nn.Parameter(torch.empty(0))
+    q.data = again.view(4, 4)
+    alias = q.data  # outlives the release (as non-reentrant checkpointing keeps saved data)
+    del again
+    pool.retire(q)  # not the only user: no early event
+    q.data = torch.empty(0)
+    assert pool.take(16, torch.float32)[0].data_ptr() != alias.data_ptr()  # still in use: not reused
+    del alias
+    reused, ev = pool.take(16, torch.float32)
+    assert reused.data_ptr() == ptr and ev == 5  # an event recorded when found free, after every use
+    assert pool.reused == 2
+
+
 def test_resolve():
     assert isinstance(resolve("cpu"), CpuDevice)
     assert isinstance(resolve(torch.device("cpu")), CpuDevice)
@@ -120,6 +150,7 @@ def test_mlp_bitwise_through_deferred_copies(tier, tmp_path):
         s = engine.stats()
         assert s["prefetch_hits"] > 0
         assert s["device"] == "cpu"
+        assert dev.pool.reused > 0 and dev.retired > 0  # device buffers came back, after their release
     n_params = len(list(m.parameters()))
     assert dev.copies >= s["fetches"] + 3 * n_params  # an H2D copy per fetch, a D2H copy per gradient
     assert dev.pending == 0 and dev.registered_bytes == 0

@@ -144,7 +144,9 @@ def test_hf_models_bitwise(model, tmp_path, quiet_transformers):
     m.train()
     ref.train()
     x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(CUDA)
-    with engine_for(m, cfg):
+    with engine_for(m, cfg), warnings.catch_warnings():
+        # Attention kernels may note how they honour deterministic mode; both models get the same kernels.
+        warnings.simplefilter("ignore", UserWarning)
         for seed in (1, 2):
             torch.manual_seed(seed)  # dropout draws the same masks in both
             out = m(input_ids=x, labels=x, use_cache=False)

@@ -26,6 +26,7 @@ Implementations:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,7 +44,8 @@ Alloc = Callable[[Sequence[int], torch.dtype], torch.Tensor]
 @dataclass(eq=False)
 class Copy:
     """One transfer issued on a device's copy stream. ``dst`` is usable on the compute stream after
-    `Device.wait`; ``src`` is held until the copy completed (`Device.reap` drops it)."""
+    `Device.wait`. The device holds the source until the copy completed (`Device.reap` then drops it;
+    the stand-in keeps it in ``src`` until it runs the copy)."""
 
     dst: torch.Tensor
     src: torch.Tensor | None
@@ -92,6 +94,11 @@ class Device(Protocol):
 
     def reap(self) -> None:
         """Drop the sources of completed copies (they may go back to their pools)."""
+        ...
+
+    def retire(self, p: torch.Tensor) -> None:
+        """``p``'s gathered data is about to be dropped: the compute stream's work queued so far is the last
+        that uses it, so its memory may be refilled after that point (not after all later compute)."""
         ...
 
     def close(self) -> None:
@@ -174,6 +181,9 @@ class CpuDevice:
     def reap(self) -> None:
         pass
 
+    def retire(self, p: torch.Tensor) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -231,6 +241,59 @@ class _Registrations:
         self._unregister(ptr)
 
 
+class ReusePool:
+    """Device buffers for gathered params, reused across fetches, each with the point on the compute stream
+    after which it may be refilled.
+
+    A buffer is free when nothing but the pool references its memory. `retire` (the scheduler releasing a
+    param) records an event on the compute stream right then — if the param's data is its only other user —
+    so the next copy into that buffer waits only for the compute queued before the release, and the H2D copy
+    of module i+1 runs under module i's compute. A buffer that became free otherwise (an alias outlived the
+    release: non-reentrant checkpointing) gets an event recorded when it is found free, after every use of
+    it was queued: later than needed, never too early. Buffers beyond ``pool_bytes`` are not kept. No
+    ``record_stream``: the pool owns the memory, so the caching allocator never sees a cross-stream free.
+    """
+
+    def __init__(self, alloc: Callable[[int, torch.dtype], torch.Tensor], record: Callable[[], Any]) -> None:
+        self._alloc = alloc
+        self._record = record
+        self.pool_bytes = 0
+        self._pooled = 0
+        # (numel, dtype) -> [buffer, baseline storage uses, event after which it is free (or None)]
+        self._free: dict[tuple[int, torch.dtype], list[list[Any]]] = {}
+        self._by_ptr: dict[int, list[Any]] = {}
+        self.reused = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """(a buffer of ``numel`` ``dtype`` elements, the event the copy into it must wait for)."""
+        for entry in self._free.get((numel, dtype), []):
+            buf, base, ev = entry
+            if sys.getrefcount(buf) == 3 and _storage_uses(buf) == base:  # entry, loop variable, argument
+                entry[2] = None  # the next retire sets it again
+                self.reused += 1
+                return buf, ev if ev is not None else self._record()
+        buf = self._alloc(numel, dtype)
+        nbytes = numel * dtype.itemsize
+        if self._pooled + nbytes <= self.pool_bytes and (base := _storage_uses(buf)) >= 0:
+            entry = [buf, base, None]
+            self._free.setdefault((numel, dtype), []).append(entry)
+            self._by_ptr[buf.data_ptr()] = entry
+            self._pooled += nbytes
+        return buf, self._record()  # fresh memory from the compute stream's pool: safe after "now"
+
+    def retire(self, p: torch.Tensor) -> None:
+        """``p`` (a param whose ``.data`` is about to be dropped) holds one of the pool's buffers."""
+        with torch._C.DisableTorchFunction():
+            entry = self._by_ptr.get(p.untyped_storage().data_ptr())
+            if entry is not None and _storage_uses(entry[0]) == entry[1] + 1:  # the param alone uses it
+                entry[2] = self._record()
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._by_ptr.clear()
+        self._pooled = 0
+
+
 class CudaDevice:
     """Compute on one CUDA device, with a dedicated copy stream for host↔device transfers."""
 
@@ -239,8 +302,15 @@ class CudaDevice:
     def __init__(self, index: int) -> None:
         self.torch_device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.torch_device)
-        self._inflight: deque[Copy] = deque()
+        # (completion event, source) of each copy issued, in issue order (one stream: completes in order).
+        # Only the source is held here, never the destination: a released param's GPU memory is freed
+        # when its last user lets go, whatever the copy queue holds.
+        self._inflight: deque[tuple[Any, torch.Tensor]] = deque()
         self._regs = _Registrations(self._register, self._unregister)
+        self.pool = ReusePool(
+            lambda numel, dtype: torch.empty(numel, dtype=dtype, device=self.torch_device), self._free_point
+        )
+        """GPU buffers of gathered params; `zswap.initialize` sizes ``pool.pool_bytes`` to its live budget."""
         self.staged_copies = 0
         """H2D copies that went through a pinned staging buffer (the source was neither pinned nor
         registered)."""
@@ -288,28 +358,25 @@ class CudaDevice:
             src = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
             src.copy_(host)
             self.staged_copies += 1
-        dst = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
-        ready = self._free_point()
+        if host.dim() == 1:
+            dst, ready = self.pool.take(host.numel(), host.dtype)
+        else:
+            dst = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+            ready = self._free_point()
+        return self._issue(src, dst, ready)
+
+    def _issue(self, src: torch.Tensor, dst: torch.Tensor, ready: Any) -> Copy:
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(ready)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
-        copy = Copy(dst, src, done)
-        self._inflight.append(copy)
-        return copy
+        self._inflight.append((done, src))
+        return Copy(dst, None, done)
 
     def d2h(self, t: torch.Tensor, out: torch.Tensor) -> Copy:
         self.reap()
-        ready = self._free_point()  # t was produced on the compute stream
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(ready)
-            out.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-        copy = Copy(out, t, done)
-        self._inflight.append(copy)
-        return copy
+        return self._issue(t, out, self._free_point())  # t was produced on the compute stream
 
     def wait(self, copy: Copy) -> torch.Tensor:
         if not copy.done:
@@ -319,26 +386,29 @@ class CudaDevice:
     def synchronize(self, copy: Copy) -> torch.Tensor:
         if not copy.done:
             copy.event.synchronize()
-            copy.done, copy.src = True, None
+            copy.done = True
         return copy.dst
 
     def query(self, copy: Copy) -> bool:
         if not copy.done and copy.event.query():
-            copy.done, copy.src = True, None
+            copy.done = True
         return copy.done
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
     def reap(self) -> None:
-        while self._inflight and self.query(self._inflight[0]):
-            self._inflight.popleft()
+        while self._inflight and self._inflight[0][0].query():
+            self._inflight.popleft()  # the source may go back to its pool now
         self._regs.sweep()
+
+    def retire(self, p: torch.Tensor) -> None:
+        self.pool.retire(p)
 
     def close(self) -> None:
         self.copy_stream.synchronize()
-        while self._inflight:
-            self.synchronize(self._inflight.popleft())
+        self._inflight.clear()
+        self.pool.clear()
         self._regs.unregister_all()
 
     def max_memory_allocated(self) -> int | None:
@@ -366,6 +436,14 @@ class StandInDevice:
         self.copies = 0
         self.staged_copies = 0
         self.waits = 0
+        self.retired = 0
+        self.events = 0
+        self.pool = ReusePool(lambda numel, dtype: torch.empty(numel, dtype=dtype), self._event)
+        """Reused destination buffers, as `CudaDevice`'s (its events are counters here)."""
+
+    def _event(self) -> int:
+        self.events += 1
+        return self.events
 
     def register_alloc(self, alloc: Alloc) -> Alloc:
         return self._regs.wrap(alloc)
@@ -385,7 +463,11 @@ class StandInDevice:
 
     def h2d(self, host: torch.Tensor) -> Copy:
         self.reap()
-        return self._issue(host, torch.empty_like(host, memory_format=torch.contiguous_format))
+        if host.dim() == 1:
+            dst, _ = self.pool.take(host.numel(), host.dtype)
+        else:
+            dst = torch.empty_like(host, memory_format=torch.contiguous_format)
+        return self._issue(host, dst)
 
     def d2h(self, t: torch.Tensor, out: torch.Tensor) -> Copy:
         self.reap()
@@ -423,9 +505,14 @@ class StandInDevice:
     def reap(self) -> None:
         self._regs.sweep()
 
+    def retire(self, p: torch.Tensor) -> None:
+        self.retired += 1
+        self.pool.retire(p)
+
     def close(self) -> None:
         while self._queue:
             self._run_through(self._queue[-1])
+        self.pool.clear()
         self._regs.unregister_all()
 
     @property

@@ -230,6 +230,7 @@ class Scheduler:
         for s in self.slots.values():
             s.holds, s.retained = 0, False
             if s.ours and s.st.status is Status.AVAILABLE:
+                self._retire(s)
                 release([s.item], write_back=False)
             s.ours = False
         self._retained.clear()
@@ -357,7 +358,12 @@ class Scheduler:
         nxt = self._trace.next_use(s, self._pos) if self._trace is not None else None
         return self._trace.fetched_between(self._pos, nxt) if self._trace and nxt is not None else 1 << 62
 
+    def _retire(self, s: Slot) -> None:
+        if self.device is not None and not self.device.passthrough:
+            self.device.retire(s.p)  # its device memory may be refilled after the compute queued so far
+
     def _drop(self, s: Slot) -> None:
+        self._retire(s)
         release([s.item], write_back=False)
         self._retained.pop(id(s.p), None)
         s.retained = s.ours = False

@@ -164,6 +164,8 @@ class Engine:
                 store.pool_bytes = max(store.pool_bytes, pool)
                 if not self.device.passthrough:  # read buffers registered for one-hop DMA to the device
                     store.host_alloc = self.device.register_alloc(store.engine.empty)
+        if isinstance(self.device, _device.CudaDevice | _device.StandInDevice):
+            self.device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
         self._io_base = self._io_counters()
         self._grad_stores: list[gradstore.GradStore] = []
         self.optimizer: Any = None
