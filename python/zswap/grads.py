@@ -228,8 +228,11 @@ def global_scale(
         # squares over ranks is exact for the partitions and would count unmanaged ones `world` times,
         # which is why initialize leaves no param unmanaged.
         sq = (local * local).reshape(1)
-        dist.all_reduce(sq, group=parts[0][0])
-        local = sq.sqrt().reshape(())
+        group = parts[0][0]
+        if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only; the norm is tiny
+            sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(sq, group=group)
+        local = sq.sqrt().reshape(()).cpu()
     if check_finite and not torch.isfinite(local):
         return None, float(local)
     if loss_scale != 1.0:
