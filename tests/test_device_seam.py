@@ -115,6 +115,20 @@ def test_reuse_pool_hands_out_free_buffers_with_the_event_of_their_release():
     assert pool.reused == 2
 
 
+def test_reuse_pool_evicts_idle_buffers_of_other_sizes_to_stay_in_budget():
+    pool = ReusePool(lambda numel, dtype: torch.empty(numel, dtype=dtype), lambda: None)
+    pool.pool_bytes = 16 * 4
+    big, _ = pool.take(16, torch.float32)
+    del big  # free again, still pooled
+    small, _ = pool.take(8, torch.float32)  # pooling it needs the idle 16-element buffer's room
+    assert pool._pooled == 8 * 4
+    del small
+    pool.take(8, torch.float32)
+    assert pool.reused == 1  # the pooled 8-element buffer came back
+    held, _ = pool.take(16, torch.float32)  # the idle 8-element one is evicted, this one pooled
+    assert pool._pooled == 16 * 4 and list(pool._by_ptr) == [held.data_ptr()]
+
+
 def test_resolve():
     assert isinstance(resolve("cpu"), CpuDevice)
     assert isinstance(resolve(torch.device("cpu")), CpuDevice)

@@ -272,14 +272,32 @@ class ReusePool:
                 entry[2] = None  # the next retire sets it again
                 self.reused += 1
                 return buf, ev if ev is not None else self._record()
-        buf = self._alloc(numel, dtype)
         nbytes = numel * dtype.itemsize
+        if self._pooled + nbytes > self.pool_bytes:
+            self._evict(self._pooled + nbytes - self.pool_bytes)  # the mix of sizes in use shifts
+        buf = self._alloc(numel, dtype)
         if self._pooled + nbytes <= self.pool_bytes and (base := _storage_uses(buf)) >= 0:
             entry = [buf, base, None]
             self._free.setdefault((numel, dtype), []).append(entry)
             self._by_ptr[buf.data_ptr()] = entry
             self._pooled += nbytes
         return buf, self._record()  # fresh memory from the compute stream's pool: safe after "now"
+
+    def _evict(self, nbytes: int) -> None:
+        """Stop pooling free buffers until ``nbytes`` are gone, so idle pooled memory and fresh buffers of
+        other sizes never add up beyond the budget. Their memory goes back to the compute stream's caching
+        allocator, which orders any reuse after their last (compute-stream) use."""
+        for (numel, dtype), entries in self._free.items():
+            keep = []
+            for entry in entries:
+                buf, base = entry[0], entry[1]
+                if nbytes > 0 and sys.getrefcount(buf) == 3 and _storage_uses(buf) == base:
+                    nbytes -= numel * dtype.itemsize
+                    self._pooled -= numel * dtype.itemsize
+                    del self._by_ptr[buf.data_ptr()]
+                else:
+                    keep.append(entry)
+            entries[:] = keep
 
     def retire(self, p: torch.Tensor) -> None:
         """``p`` (a param whose ``.data`` is about to be dropped) holds one of the pool's buffers."""
