@@ -32,7 +32,7 @@ from .test_runtime import (
 )
 
 
-def engine_on(m: nn.Module, cfg: dict, dev: StandInDevice, **kwargs: object) -> zswap.Engine:
+def engine_on(m: nn.Module, cfg: dict, dev: object, **kwargs: object) -> zswap.Engine:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         return zswap.initialize(m, cfg, device=dev, **kwargs)
@@ -241,3 +241,21 @@ def test_bf16_grads_cross_in_their_dtype(tmp_path):
             g = zswap.full_grad(p)
             assert g.dtype == torch.bfloat16
             assert torch.equal(g, q.grad)
+
+
+def test_initialize_takes_the_device(tmp_path):
+    cfg = config("cpu", tmp_path, **STREAM)
+    m, ref = build(MLP, cfg)
+    with engine_on(m, cfg, "cpu") as engine:
+        assert isinstance(engine.device, CpuDevice)
+        s = engine.stats()
+        assert s["device"] == "cpu" and "gpu_max_memory_allocated" not in s
+        train_pass(m, ref, xs(1, 4, 12)[0], sq)
+        assert_same_grads(m, ref)
+    for bad, err, match in [(3, TypeError, "device must be"), ("tpu", ValueError, "not a device")]:
+        with pytest.raises(err, match=match):
+            zswap.initialize(m, cfg, device=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ZswapError, match=r"device='cuda': CUDA is not available"):
+            zswap.initialize(m, cfg, device="cuda")
+    assert zswap.initialize(m, cfg, device="cpu").close() is None  # the failed calls left nothing open
