@@ -280,3 +280,10 @@ def test_no_pinned_registration_left_after_close(tmp_path):
     engine.close()
     assert dev.registered_bytes == 0
     assert view.data_ptr() == ptr and not view.is_pinned()  # close() unregistered it
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
+    from .conftest import run_ranks
+
+    run_ranks(Path(__file__).with_name("_gpu_dist_worker.py"), tmp_path, world=2, timeout=300)
