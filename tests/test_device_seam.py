@@ -149,7 +149,7 @@ def test_resolve():
 # -- the runtime through the stand-in ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", [*TIERS, "none"])
 def test_mlp_bitwise_through_deferred_copies(tier, tmp_path):
     cfg = config(tier, tmp_path, **STREAM)
     m, ref = build(MLP, cfg)

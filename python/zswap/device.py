@@ -558,8 +558,8 @@ def place(
     homes: dict[int, Any] = {}
     with torch._C.DisableTorchFunction():
         for p, st in items:
-            if st.device == dev or st.tier == "none":
-                continue  # tier "none": the partition is its own device's; gathered there
+            if st.device == dev or not on_host(st):
+                continue  # a tier-"none" partition built on an accelerator is gathered where it lives
             homes[id(st)] = (p, st, st.device)
             st.device = dev
             if st.status.value == "not_available":
@@ -569,6 +569,15 @@ def place(
                 if b is not None and b.device != dev:
                     m._buffers[name] = b.to(dev)
     return homes
+
+
+def on_host(st: Any) -> bool:
+    """Whether a param's partition lives in host memory (tiers cpu and nvme; tier "none" when built on the
+    CPU), so it crosses to the compute device to be gathered and its gradient comes back."""
+    if st.tier != "none":
+        return True
+    with torch._C.DisableTorchFunction():
+        return bool(st.store.load(st.key, st.partition_numel, st.dtype)[0].device.type == "cpu")
 
 
 def unplace(items: Sequence[tuple[torch.Tensor, Any]], homes: dict[int, Any]) -> None:

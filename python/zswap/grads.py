@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .device import Copy, Device
+from .device import Copy, Device, on_host
 from .gather import Item, no_torch_function
 from .gradstore import store_of
 from .params import ParamState, Status, param_state
@@ -101,7 +101,7 @@ class GradSink:
                 if st.status is not Status.AVAILABLE:
                     p.data = torch.empty(0, dtype=st.dtype, device=st.device)
                 if grad is not None:
-                    if self.device is not None and st.tier != "none":
+                    if self.device is not None and on_host(st):
                         self._to_host(st, local_part(st, grad))  # reduce-scatter on the device first
                     else:
                         accumulate(st, grad)
