@@ -259,3 +259,30 @@ def test_initialize_takes_the_device(tmp_path):
         with pytest.raises(ZswapError, match=r"device='cuda': CUDA is not available"):
             zswap.initialize(m, cfg, device="cuda")
     assert zswap.initialize(m, cfg, device="cpu").close() is None  # the failed calls left nothing open
+
+
+class _NoWait(StandInDevice):
+    """A device whose compute never waits for its copies: what a missing ``wait_event`` would be."""
+
+    def wait(self, copy: Copy) -> torch.Tensor:
+        return copy.dst
+
+
+class _ReusedSource(StandInDevice):
+    """A device whose source buffer is refilled (the pool handing it to the next read) before the copy
+    from it ran: what returning an engine buffer to its pool before the H2D copy completed would be."""
+
+    def h2d(self, host: torch.Tensor) -> Copy:
+        copy = super().h2d(host)
+        host.fill_(float("nan"))
+        return copy
+
+
+@pytest.mark.parametrize("broken", [_NoWait, _ReusedSource])
+def test_the_stand_in_catches_ordering_bugs(broken, tmp_path):
+    cfg = config("nvme", tmp_path, **STREAM)
+    m, ref = build(MLP, cfg)
+    x = xs(1, 4, 12)[0]
+    with engine_on(m, cfg, broken()):
+        out = m(x)
+    assert not torch.equal(out, ref(x))  # the bitwise tests above would fail
