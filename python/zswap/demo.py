@@ -202,6 +202,8 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
     )
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=g)
+    batch = batch.to(engine.device.torch_device)  # inputs live on the compute device (a GPU if any)
+    o.say(f"  compute device: {engine.device.torch_device}")
     figures: dict[str, Any] = {"params": shape.params, "model_bytes": model_bytes, "raw_read_gbs": raw.read}
 
     o.say(f"inference (batch {BATCH} × {shape.seq} tokens, no_grad): 3 passes")
@@ -243,6 +245,13 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
             o.say(f"  loss {losses[-1]:.4f}, gradient norm {norm:.4f} ({time.perf_counter() - t0:.1f} s)")
             engine.zero_grad()
     figures["training"] = _phase(o, engine, time.perf_counter() - t_all, steps, raw.read)
+    if "gpu_max_memory_allocated" in figures["training"]:
+        t = figures["training"]
+        o.say(
+            f"  peak GPU memory {_mib(t['gpu_max_memory_allocated'])} (live budget "
+            f"{_mib(t['gpu_live_budget_bytes'])} + prefetch bucket {_mib(t['gpu_prefetch_bucket_bytes'])} "
+            "+ activations)"
+        )
     figures["losses"] = losses
     if len(losses) > 1:
         trend = "down" if losses[-1] < losses[0] else "NOT down"

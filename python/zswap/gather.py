@@ -14,13 +14,14 @@ import contextlib
 import warnings
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _dist
+from .device import Copy, Device
 from .errors import ZswapError, ZswapWarning
 from .params import ParamState, Status, Store, local_slice, param_state, partition_numel, register
 
@@ -89,6 +90,8 @@ class Loading:
 
     items: list[Item]
     loads: list[tuple[torch.Tensor, Any]]
+    copies: list[Copy | None] = field(default_factory=list)
+    """With a compute `Device`: each partition's host-to-device copy, once started (`advance`)."""
 
 
 def start_fetch(items: Sequence[Item]) -> Loading:
@@ -106,40 +109,69 @@ def start_fetch(items: Sequence[Item]) -> Loading:
         return loading
 
 
-def finish_fetch(loading: Loading, *, private: bool) -> None:
-    """Wait for `loading`'s swap-ins, all-gather across ranks in item order, make each ``.data`` full."""
+def advance(loading: Loading, device: Device) -> None:
+    """Start the host-to-device copy of each partition whose swap-in has completed (never blocks), so the
+    copy of a prefetched module overlaps the compute of the one running."""
+    if device.passthrough:
+        return
+    with no_torch_function():
+        if not loading.copies:
+            loading.copies = [None] * len(loading.loads)
+        for i, (local, handle) in enumerate(loading.loads):
+            if loading.copies[i] is None and _to_device(local, device) and (handle is None or handle.done()):
+                loading.copies[i] = device.h2d(local)  # a failed read raises at its wait in finish_fetch
+
+
+def _to_device(local: torch.Tensor, device: Device | None) -> bool:
+    # A tier-"none" partition already on an accelerator is gathered there as before.
+    return device is not None and not device.passthrough and local.device.type == "cpu"
+
+
+def finish_fetch(loading: Loading, *, private: bool, device: Device | None = None) -> None:
+    """Wait for `loading`'s swap-ins, all-gather across ranks in item order, make each ``.data`` full.
+
+    With a compute ``device`` each partition crosses to it first (one copy on its copy stream, which the
+    compute stream then waits for), and the all-gather runs there."""
     with no_torch_function():
         try:
-            for (p, st), (local, handle) in zip(loading.items, loading.loads, strict=True):
+            for i, ((p, st), (local, handle)) in enumerate(zip(loading.items, loading.loads, strict=True)):
                 if handle is not None:
                     handle.wait()
+                copied = False
+                if device is not None and _to_device(local, device):
+                    copy = loading.copies[i] if i < len(loading.copies) else None
+                    local = device.wait(copy if copy is not None else device.h2d(local))
+                    copied = True
                 if st.world_size > 1:
                     full = torch.empty(st.partition_numel * st.world_size, dtype=st.dtype, device=st.device)
                     _dist.all_gather_flat(full, local, st.group)
                 elif local.device != st.device:
                     full = local.to(st.device)
                 else:
-                    full = local.clone() if private and handle is None else local
+                    full = local.clone() if private and handle is None and not copied else local
                 p.data = full[: st.numel].view(st.shape)
                 st.status = Status.AVAILABLE
         except BaseException:
-            _abort(loading, loading.items)
+            _abort(loading, loading.items, device)
             raise
         finally:
-            loading.loads = []
+            loading.loads, loading.copies = [], []
 
 
-def cancel_fetch(loading: Loading) -> None:
+def cancel_fetch(loading: Loading, device: Device | None = None) -> None:
     """Drop `loading`: wait for its reads to stop using their buffers, leave its params not gathered."""
-    _abort(loading, loading.items)
-    loading.loads = []
+    _abort(loading, loading.items, device)
+    loading.loads, loading.copies = [], []
 
 
-def _abort(loading: Loading, items: list[Item]) -> None:
+def _abort(loading: Loading, items: list[Item], device: Device | None = None) -> None:
     for _, handle in loading.loads:
         if handle is not None:
             with contextlib.suppress(Exception):
                 handle.wait()  # engine buffers must not be dropped under a running read
+    for copy in loading.copies:
+        if copy is not None and device is not None:
+            device.wait(copy)  # its destination is freed on the compute stream: order that after the copy
     release([(p, st) for p, st in items if st.status is not Status.NOT_AVAILABLE], write_back=False)
 
 

@@ -7,18 +7,23 @@ a plain model, and ``p.grad`` is read and cleared by a post-accumulate hook, so 
 folded into the partition with one in-place add — the op autograd itself uses to accumulate into ``p.grad``.
 With one rank nothing else touches the values, so they are bitwise those of the plain model.
 
-Partitions are kept by a `zswap.gradstore.GradStore`: in CPU memory as ``ParamState.grad`` (on the param's
-device for tier "none"), or on NVMe when the optimizer lives there; the optimizer step loads them from it.
+With a compute device (`zswap.device`) the reduce-scatter runs there (NCCL) and each partition gradient is
+copied to page-locked host memory on the device's copy stream, in its own dtype; the store receives it once
+the copy has landed, so backward goes on meanwhile. Partitions are kept by a `zswap.gradstore.GradStore`:
+in CPU memory as ``ParamState.grad`` (on the param's device for tier "none"), or on NVMe when the optimizer
+lives there; the optimizer step loads them from it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .device import Copy, Device, on_host
 from .gather import Item, no_torch_function
 from .gradstore import store_of
 from .params import ParamState, Status, param_state
@@ -28,8 +33,11 @@ class GradSink:
     """Installs, on each managed param that requires grad, the hooks that move its gradient to its
     partition. ``remove()`` takes them off again."""
 
-    def __init__(self, items: Iterable[Item]) -> None:
+    def __init__(self, items: Iterable[Item], device: Device | None = None) -> None:
         self._handles: list[Any] = []
+        self.device = None if device is None or device.passthrough else device
+        self._pending: deque[tuple[ParamState, Copy]] = deque()
+        self._flush_task = -1
         self.placeholders = 0
         """Times a param was not gathered when autograd accumulated its gradient (see `_pre`)."""
         for p, st in items:
@@ -41,6 +49,35 @@ class GradSink:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.flush()
+
+    def flush(self) -> None:
+        """Hand every gradient still being copied to the host to its store, in arrival order."""
+        dev = self.device
+        while self._pending:
+            st, copy = self._pending.popleft()
+            assert dev is not None
+            store_of(st).add(st, dev.synchronize(copy))
+
+    def _to_host(self, st: ParamState, part: torch.Tensor) -> None:
+        """Start the device-to-host copy of one partition gradient (in its own dtype) on the copy stream;
+        it reaches the store when it has landed: at a later gradient's hook if done by then, at the end
+        of the backward (a callback on the graph task) at the latest, so backward never waits for it."""
+        dev = self.device
+        assert dev is not None
+        part = part.contiguous()
+        self._pending.append((st, dev.d2h(part, dev.host_empty(part.numel(), part.dtype))))
+        while self._pending and dev.query(self._pending[0][1]):
+            st0, copy = self._pending.popleft()
+            store_of(st0).add(st0, copy.dst)
+        task = int(torch._C._current_graph_task_id())
+        if self._pending and task >= 0 and task != self._flush_task:
+            self._flush_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._task_done)
+
+    def _task_done(self) -> None:
+        self._flush_task = -1
+        self.flush()
 
     def _make_pre(self, p: torch.Tensor, st: ParamState) -> Any:
         def pre(grad: torch.Tensor) -> None:
@@ -64,7 +101,10 @@ class GradSink:
                 if st.status is not Status.AVAILABLE:
                     p.data = torch.empty(0, dtype=st.dtype, device=st.device)
                 if grad is not None:
-                    accumulate(st, grad)
+                    if self.device is not None and on_host(st):
+                        self._to_host(st, local_part(st, grad))  # reduce-scatter on the device first
+                    else:
+                        accumulate(st, grad)
 
         return post
 
@@ -188,8 +228,11 @@ def global_scale(
         # squares over ranks is exact for the partitions and would count unmanaged ones `world` times,
         # which is why initialize leaves no param unmanaged.
         sq = (local * local).reshape(1)
-        dist.all_reduce(sq, group=parts[0][0])
-        local = sq.sqrt().reshape(())
+        group = parts[0][0]
+        if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only; the norm is tiny
+            sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(sq, group=group)
+        local = sq.sqrt().reshape(()).cpu()
     if check_finite and not torch.isfinite(local):
         return None, float(local)
     if loss_scale != 1.0:

@@ -215,6 +215,9 @@ class NvmeStore(Store):
         zeroing) fresh pages on every fetch."""
         self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         self._pooled = 0
+        self.host_alloc: Any = None
+        """``alloc(shape, dtype)`` for load buffers instead of ``engine.empty`` (``None``: that): a GPU
+        `zswap.initialize` sets one that registers each buffer with CUDA (`zswap.device`)."""
 
     @property
     def engine(self) -> Any:
@@ -239,7 +242,7 @@ class NvmeStore(Store):
             for buf, uses in pool:
                 if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
                     return buf
-        buf = self.engine.empty((numel,), dtype)
+        buf = (self.host_alloc or self.engine.empty)((numel,), dtype)
         nbytes, uses = numel * dtype.itemsize, _storage_uses(buf)
         if uses < 0:  # no way to tell when a buffer is free again: no pooling
             return buf

@@ -16,6 +16,11 @@ params, then the furthest prefetches, first. Only if the params held at once exc
 
 All-gathers happen when a step is served, in the order of its params, so ranks that run the same modules
 issue the same collectives in the same order; nothing here depends on I/O timing.
+
+With a compute device (`zswap.device`), a prefetched param's host-to-device copy is started on the copy
+stream as soon as its swap-in has completed (checked at every step's acquire and release), so module i+1's
+read and copy both run under module i's compute; the compute stream waits on the copy's event only when the
+step is served.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .gather import Loading, cancel_fetch, finish_fetch, release, start_fetch
+from .device import Device
+from .gather import Loading, advance, cancel_fetch, finish_fetch, release, start_fetch
 from .params import ParamState, Status
 
 StepKey = tuple[str, int]
@@ -124,9 +130,11 @@ class Budget:
 
 
 class Scheduler:
-    def __init__(self, slots: Iterable[Slot], budget: Budget) -> None:
+    def __init__(self, slots: Iterable[Slot], budget: Budget, device: Device | None = None) -> None:
         self.slots = {id(s.p): s for s in slots}
         self.budget = budget
+        self.device = device
+        """The compute device gathered params go to (``None``: the CPU path); see `zswap.device`."""
         self.counters = Counters()
         self.live = 0
         self._traces: dict[Hashable, Trace] = {}
@@ -210,7 +218,7 @@ class Scheduler:
         todo = [s for s in slots if s.st.status is Status.NOT_AVAILABLE]
         if todo:
             t0 = time.perf_counter()
-            finish_fetch(start_fetch([s.item for s in todo]), private=False)
+            finish_fetch(start_fetch([s.item for s in todo]), private=False, device=self.device)
             self.counters.wait_seconds += time.perf_counter() - t0
             for s in todo:
                 s.ours = True
@@ -222,6 +230,7 @@ class Scheduler:
         for s in self.slots.values():
             s.holds, s.retained = 0, False
             if s.ours and s.st.status is Status.AVAILABLE:
+                self._retire(s)
                 release([s.item], write_back=False)
             s.ours = False
         self._retained.clear()
@@ -266,7 +275,7 @@ class Scheduler:
 
     def _finish(self, s: Slot, loading: Loading) -> None:
         try:
-            finish_fetch(loading, private=False)
+            finish_fetch(loading, private=False, device=self.device)
         except BaseException:
             s.ours = False
             self.live -= s.numel
@@ -292,6 +301,7 @@ class Scheduler:
         return nxt is not None and self._trace.fetched_between(self._pos, nxt) <= self.budget.reuse_distance
 
     def _prefetch(self) -> None:
+        self._advance()
         trace, b = self._trace, self.budget
         if not self._on_trace or trace is None or b.bucket <= 0:
             return
@@ -312,6 +322,18 @@ class Scheduler:
             j += 1
         self._ahead = j
         self._note_live()
+        self._advance()  # in-memory partitions need no read: their copies start now
+
+    def _advance(self) -> None:
+        """Start the device copies of prefetched params whose swap-in completed (next module's H2D copy
+        runs under the current module's compute)."""
+        dev = self.device
+        if dev is None or dev.passthrough:
+            return
+        dev.reap()
+        for s in self._prefetched.values():
+            if s.loading is not None:
+                advance(s.loading, dev)
 
     def _make_room(self, need: int, keep: list[Slot]) -> None:
         over = self.live + need - self.budget.max_live
@@ -336,7 +358,12 @@ class Scheduler:
         nxt = self._trace.next_use(s, self._pos) if self._trace is not None else None
         return self._trace.fetched_between(self._pos, nxt) if self._trace and nxt is not None else 1 << 62
 
+    def _retire(self, s: Slot) -> None:
+        if self.device is not None and not self.device.passthrough:
+            self.device.retire(s.p)  # its device memory may be refilled after the compute queued so far
+
     def _drop(self, s: Slot) -> None:
+        self._retire(s)
         release([s.item], write_back=False)
         self._retained.pop(id(s.p), None)
         s.retained = s.ours = False
@@ -354,7 +381,7 @@ class Scheduler:
         self.live -= s.numel
         self.counters.prefetch_dropped += 1
         if loading is not None:
-            cancel_fetch(loading)
+            cancel_fetch(loading, self.device)
 
     def _cancel_prefetches(self) -> None:
         for s in list(self._prefetched.values()):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import buffers, grads, gradstore, stepping
+from . import device as _device
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, ZswapError
 from .gather import Item, no_torch_function
@@ -56,14 +57,14 @@ def initialize(
     ``lr_scheduler``: a scheduler (``step()``, ``state_dict()``…; a torch one or `zswap.schedules`), or a
     callable taking the optimizer and returning one; else built from the config's ``scheduler`` section
     (`zswap.schedules`); both at once is a `ConfigError`. Stepped once per applied optimizer step.
-    ``device``: the compute device, ``None`` or ``"cpu"``; a CUDA device is `UnsupportedDeviceError`
-    for now.
+    ``device``: where modules compute: ``None`` = the current CUDA device when CUDA is available, else
+    the CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a `torch.device`. Partitions stay on their offload
+    tier; gathered params, module buffers and the model's inputs (the caller's) are on this device.
     ``max_grad_norm``: clip the global L2 norm of the gradients (over all ranks) to this before each step;
     default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize takes an nn.Module, not {type(model).__name__}")
-    stepping.check_device(device)
     cfg = load_config(config)
     if max_grad_norm is None:
         max_grad_norm = cfg.gradient_clipping or None
@@ -71,9 +72,10 @@ def initialize(
         isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float) or not max_grad_norm > 0
     ):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    dev = _device.resolve(device)
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)
-    return Engine(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm)
+    return Engine(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,11 @@ class Engine:
         *,
         lr_scheduler: Any = None,
         max_grad_norm: float | None = None,
+        device: Any = "cpu",
     ) -> None:
         self.module = module
+        self.device = _device.resolve(device)
+        """The compute device (`zswap.device`)."""
         self.config = config
         self.closed = False
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -134,11 +139,12 @@ class Engine:
                 raise ZswapError("these params are already run by another zswap Engine; close() it first")
         self._ids = ids
         self.sizing = _size(module, self._items, config)
+        self._homes = _device.place(module, self._items, self.device)
         self._slots = {
             id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold or id(p) in self.sizing.resident)
             for p, st in self._items
         }
-        self._sched = Scheduler(self._slots.values(), self.sizing.budget)
+        self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.device)
         infos = {
             id(m): ModuleInfo(
                 i, name, [self._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
@@ -156,12 +162,16 @@ class Engine:
         for store in self._stores.values():
             if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
                 store.pool_bytes = max(store.pool_bytes, pool)
+                if not self.device.passthrough:  # read buffers registered for one-hop DMA to the device
+                    store.host_alloc = self.device.register_alloc(store.engine.empty)
+        if isinstance(self.device, _device.CudaDevice | _device.StandInDevice):
+            self.device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
         self._io_base = self._io_counters()
         self._grad_stores: list[gradstore.GradStore] = []
         self.optimizer: Any = None
         self._owns_optimizer = False
         self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
-        self._grads = grads.GradSink(self._items)
+        self._grads = grads.GradSink(self._items, self.device)
         try:
             self._grad_stores = gradstore.attach(self._items, config)
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
@@ -199,6 +209,7 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
+        self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
         others = [p for p in self.module.parameters() if id(p) not in self._ids]
@@ -286,6 +297,7 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""
         self._check_open()
+        self._grads.flush()
         grads.clear(self._items)
         for p in self.module.parameters():
             p.grad = None
@@ -323,7 +335,10 @@ class Engine:
             "persistent_elements": self.sizing.persistent,
             "model_elements": self.sizing.total,
         }
+        size = max((st.dtype.itemsize for _, st in self._items), default=4)
+        out.update(_device.stats(self.device, (b.max_live + self.sizing.persistent) * size, b.bucket * size))
         if reset:
+            self.device.reset_peak()
             peak = self._sched.live
             self._sched.counters = type(c)(peak_live=peak)
             self._grads.placeholders = 0
@@ -407,7 +422,10 @@ class Engine:
             for store in self._stores.values():
                 if isinstance(store, NvmeStore):
                     store.pool_bytes = 0
+                    store.host_alloc = None
                     store.trim()
+            self.device.close()  # every copy done, every host buffer unregistered
+            _device.unplace(self._items, self._homes)
 
     def _check_open(self) -> None:
         if self.closed:

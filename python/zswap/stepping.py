@@ -1,5 +1,5 @@
 """What `zswap.Engine` adds around the optimizer step, with DeepSpeed's semantics: gradient accumulation,
-the learning-rate schedule, fp16 loss scaling, and the compute device check.
+the learning-rate schedule and fp16 loss scaling.
 
 Gradient accumulation (``gradient_accumulation_steps``, GAS): every `Engine.step` call is one micro-step;
 only every GAS-th one (an *accumulation boundary*, `Engine.is_gradient_accumulation_boundary`) applies the
@@ -22,31 +22,9 @@ import torch
 
 from . import schedules
 from .config import ZswapConfig
-from .errors import ConfigError, ZswapError
+from .device import UnsupportedDeviceError  # noqa: F401  (its home was here before the GPU path)
+from .errors import ConfigError
 from .loss_scale import LossScaler
-
-
-class UnsupportedDeviceError(ZswapError, NotImplementedError):
-    """`zswap.initialize` was asked for a compute device zswap cannot run on yet."""
-
-
-def check_device(device: Any) -> torch.device:
-    """The compute device `initialize` runs on: ``None`` or ``"cpu"`` (a `torch.device` too) is the CPU.
-    A CUDA device is refused until zswap's GPU path lands."""
-    if device is None:
-        return torch.device("cpu")
-    if not isinstance(device, str | torch.device):
-        raise TypeError(f"device must be None, a str or a torch.device, not {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
-    if dev.type != "cpu":
-        raise UnsupportedDeviceError(
-            f"device {str(device)!r}: zswap.initialize computes on the CPU only for now (device=None or "
-            f"'cpu'); GPU compute is not implemented yet"
-        )
-    return dev
 
 
 def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
