@@ -247,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="machine-readable: every field, a reason for each no")
     v.set_defaults(func=_env)
 
-    x = sub.add_parser("export", parents=[common], help="checkpoint folder -> consolidated Hugging Face safetensors weights")
+    x = sub.add_parser(
+        "export", parents=[common], help="checkpoint folder -> consolidated Hugging Face safetensors weights"
+    )
     x.add_argument("ckpt_dir", type=Path, help="the folder given to engine.save_checkpoint")
     x.add_argument("out_dir", type=Path, help="where model.safetensors (or shards + index) are written")
     x.add_argument("--tag", help="checkpoint tag (default: the one CKPT_DIR/latest names)")

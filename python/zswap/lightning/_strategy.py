@@ -45,11 +45,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from ..config import ZswapConfig, load_config
+from ..device import resolve as resolve_device
 from ..errors import ConfigError, ZswapError
 from ..init import Init
 from ..optim import OffloadedAdamW
 from ..runtime import Engine, initialize
-from ..stepping import check_device
 from ._optim import is_convertible, rebind_schedulers, to_offloaded
 from ._parallel import ProcessGroupStrategy
 from ._precision import DTYPES, VALUE_CLIPPING, ZswapPrecision
@@ -175,7 +175,7 @@ class ZswapStrategy(ProcessGroupStrategy):
         return False  # the engine checkpoint holds the optimizer state
 
     def setup_environment(self) -> None:
-        check_device(self.root_device)  # the engine's own check: a device it cannot compute on is refused
+        resolve_device(self.root_device)  # the engine's own check: a device it cannot compute on is refused
         super().setup_environment()
 
     @contextmanager
