@@ -14,6 +14,7 @@ from .init import Init
 from .params import ParamState, Status, param_state
 from .runtime import Engine, initialize
 from .swap import SwapEngine
+from .weights import LoadWeightsError, load_weights
 
 __all__ = [
     "ConfigError",
@@ -22,6 +23,7 @@ __all__ = [
     "GatheredParameters",
     "Handle",
     "Init",
+    "LoadWeightsError",
     "ParamState",
     "Status",
     "SwapEngine",
@@ -34,5 +36,6 @@ __all__ = [
     "full_grad",
     "initialize",
     "load_config",
+    "load_weights",
     "param_state",
 ]
