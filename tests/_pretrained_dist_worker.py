@@ -1,4 +1,4 @@
-"""One rank of test_pretrained's two-rank test: ``python _pretrained_dist_worker.py RANK WORLD INIT_FILE DIR``.
+"""One rank of test_pretrained.py's two-rank test: ``python _pretrained_dist_worker.py RANK WORLD INIT DIR``.
 
 Both ranks load the same checkpoints with ``from_pretrained`` under ``zswap.Init`` (cpu and nvme tiers) and
 with ``zswap.load_weights``. Every byte range read from the checkpoint files is recorded: a rank must read, of

@@ -187,8 +187,7 @@ def test_unsupported_transformers_version_is_named(tmp_path, monkeypatch):
 
 
 def test_conversions_that_need_whole_tensors_are_refused(tmp_path, monkeypatch):
-    from transformers.core_model_loading import WeightConverter
-    from transformers.core_model_loading import Concatenate
+    from transformers.core_model_loading import Concatenate, WeightConverter
 
     ckpt = save("gpt2", tmp_path / "ckpt", sharded=False)
     conv = WeightConverter(["attn.c_attn.weight"], "attn.c_attn.weight", operations=[Concatenate(dim=0)])
