@@ -169,18 +169,22 @@ def test_pickle_checkpoints_are_refused(tmp_path):
 
     torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
     os.remove(ckpt / "model.safetensors")
-    with pytest.raises(zswap.ZswapError, match=r"safetensors checkpoints only.*pytorch_model\.bin"):
-        with init_for("cpu", tmp_path):
-            _load(ckpt)
+    with (
+        pytest.raises(zswap.ZswapError, match=r"safetensors checkpoints only.*pytorch_model\.bin"),
+        init_for("cpu", tmp_path),
+    ):
+        _load(ckpt)
 
 
 def test_unsupported_transformers_version_is_named(tmp_path, monkeypatch):
     ckpt = save("gpt2", tmp_path / "ckpt", sharded=False)
     # transformers may swap its lazy module in sys.modules: patch the one `import transformers` gives now
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.44.2")
-    with pytest.raises(zswap.ZswapError, match=r"transformers 4\.44\.2 is not supported") as info:
-        with init_for("cpu", tmp_path):
-            _load(ckpt)
+    with (
+        pytest.raises(zswap.ZswapError, match=r"transformers 4\.44\.2 is not supported") as info,
+        init_for("cpu", tmp_path),
+    ):
+        _load(ckpt)
     assert isinstance(info.value, RuntimeError)
     assert "_zswap" not in repr(transformers.PreTrainedModel.__dict__["from_pretrained"])
     _load(ckpt)  # outside Init: transformers' own path, whatever the version says
@@ -195,9 +199,11 @@ def test_conversions_that_need_whole_tensors_are_refused(tmp_path, monkeypatch):
 
     real = mu.get_model_conversion_mapping
     monkeypatch.setattr(mu, "get_model_conversion_mapping", lambda *a, **k: [*real(*a, **k), conv])
-    with pytest.raises(zswap.ZswapError, match=r"h\.0\.attn\.c_attn\.weight: this checkpoint needs"):
-        with init_for("cpu", tmp_path):
-            _load(ckpt)
+    with (
+        pytest.raises(zswap.ZswapError, match=r"h\.0\.attn\.c_attn\.weight: this checkpoint needs"),
+        init_for("cpu", tmp_path),
+    ):
+        _load(ckpt)
 
 
 @pytest.mark.dist
