@@ -91,8 +91,10 @@ def test_dtype_argument_casts_as_it_loads(kw, tmp_path):
 def test_init_dtype_casts_the_loaded_weights(tmp_path):
     ckpt = save("gpt2", tmp_path / "ckpt", sharded=False)
     files = file_tensors(ckpt)
-    with init_for("cpu", tmp_path, dtype=torch.bfloat16):
+    init = init_for("nvme", tmp_path, dtype=torch.bfloat16)
+    with init:
         m = _load(ckpt)
+    assert init._placement.store.engine.stats()["bytes_read"] == 0  # cast as loaded: no pass at the exit
     assert {param_state(p).dtype for p in m.parameters()} == {torch.bfloat16}
     got = gathered_named(m)
     assert all(torch.equal(got[n], t.to(torch.bfloat16)) for n, t in files.items())

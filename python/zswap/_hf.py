@@ -27,6 +27,8 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .errors import ZswapError
 
 if TYPE_CHECKING:
@@ -168,6 +170,7 @@ def load_into_partitions(
     _apply_dtype_plan(targets, load_config)
     plan = weights.plan(targets, renamed)
     frame = ctx.frames[-1]
+    _cast_on_load(plan, frame.placement.dtype)
     weights.check_optimizer(plan.items)
     weights.write(plan.items, frame.build_placement, weights.frame_hook(frame))
     for target, _, _ in plan.items:
@@ -182,6 +185,27 @@ def load_into_partitions(
         skipped_pp_keys=set(),
     )
     return info, None
+
+
+_EXACT = {
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+    (torch.float64, torch.float64), (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+}  # fmt: skip
+"""(file dtype, model dtype) pairs where loading changes no value: casting the file's tensor straight to the
+Init's dtype then gives the bits of load-then-cast."""
+
+
+def _cast_on_load(plan: Any, dtype: torch.dtype | None) -> None:
+    """Under ``Init(dtype=…)``, load straight into that dtype where that is bitwise load-then-cast, so the
+    cast at Init's exit (a read and a write of every param) has nothing left to do for them."""
+    if dtype is None:
+        return
+    for target, _, src in plan.items:
+        t = target.tensor
+        exact = (src.dtype, target.dtype or t.dtype) in _EXACT
+        if t.device.type == "meta" and target.slots[0][2] and t.is_floating_point() and exact:
+            target.dtype = dtype
 
 
 def _apply_dtype_plan(targets: dict[str, Any], load_config: Any) -> None:

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import threading
-import types
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -47,10 +46,40 @@ def attach(modules: Iterable[nn.Module]) -> None:
             continue
         _ATTACHED.add(m)
         m.register_load_state_dict_pre_hook(_load_pre_hook)
-        m.__dict__["_apply"] = types.MethodType(_apply, m)
+        m.__dict__["_apply"] = _Bound(m, _apply)
         if hasattr(type(m), "resize_token_embeddings") and hasattr(type(m), "num_parameters"):
-            m.__dict__["resize_token_embeddings"] = types.MethodType(_resize_token_embeddings, m)
-            m.__dict__["num_parameters"] = types.MethodType(_num_parameters, m)
+            m.__dict__["resize_token_embeddings"] = _Bound(m, _resize_token_embeddings)
+            m.__dict__["num_parameters"] = _Bound(m, _num_parameters)
+
+
+class _Bound:
+    """``fn`` bound to a module through a weak reference: an instance attribute that shadows a method
+    without making the module part of a reference cycle (it is freed as soon as it is unreferenced).
+    ``copy.deepcopy`` binds the copy to the copied module; pickling keeps the module."""
+
+    __slots__ = ("_fn", "_ref")
+
+    def __init__(self, module: nn.Module, fn: Any) -> None:
+        self._ref = weakref.ref(module)
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._ref()
+        if module is None:
+            raise ReferenceError("the module this zswap wrapper belongs to was freed")
+        return self._fn(module, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Bound:
+        module = self._ref()
+        if module is None:
+            raise ReferenceError("the module this zswap wrapper belongs to was freed")
+        return _Bound(memo.get(id(module), module), self._fn)
+
+    def __reduce__(self) -> Any:
+        module = self._ref()
+        if module is None:
+            raise ReferenceError("the module this zswap wrapper belongs to was freed")
+        return (_Bound, (module, self._fn))
 
 
 # -- dtype -----------------------------------------------------------------------------------------
