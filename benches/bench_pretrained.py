@@ -226,8 +226,8 @@ def main() -> None:
         "(weights left memory-mapped: no byte read yet)"
     )
     print(
-        f"  + touch every weight{touched['seconds']:10.2f} s    peak RSS {touched['peak_rss'] / MIB:8.0f} MiB "
-        "(what its first forward does)"
+        f"  + touch every weight{touched['seconds']:10.2f} s    peak RSS "
+        f"{touched['peak_rss'] / MIB:8.0f} MiB  (what its first forward does)"
     )
     print(
         f"under Init(nvme)      {zs['seconds']:10.2f} s    peak RSS {zs['peak_rss'] / MIB:8.0f} MiB  "
