@@ -116,6 +116,18 @@ def test_missing_weights_are_initialised_and_partitioned(tmp_path):
     assert all(torch.equal(got[n], t) for n, t in sd.items())
 
 
+def test_state_dict_argument_is_streamed_too(tmp_path):
+    ckpt = save("llama", tmp_path / "ckpt", sharded=False)
+    files = file_tensors(ckpt)
+    with init_for("nvme", tmp_path):
+        config = transformers.AutoConfig.from_pretrained(ckpt)
+        sd = {k: v.clone() for k, v in files.items()}
+        m = transformers.LlamaForCausalLM.from_pretrained(None, config=config, state_dict=sd)
+    assert all(param_state(p) is not None for p in m.parameters())
+    got = gathered_named(m)
+    assert all(torch.equal(got[n], t) for n, t in files.items())
+
+
 def test_trains_like_the_plain_model_loaded_the_plain_way(tmp_path):
     ckpt = save("gpt2", tmp_path / "ckpt", sharded=True)
     swap = tmp_path / "swap"
