@@ -220,6 +220,8 @@ def test_params_kept_gathered_by_an_engine_change_too(tmp_path):
     cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 1000}}  # all kept gathered
     with zswap.initialize(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)) as engine:
         assert all(param_state(p).status is zswap.Status.AVAILABLE for p in m.parameters())
+        with torch.no_grad():
+            m(torch.randn(4, 7))  # a forward first: the engine holds gathered copies
         load_weights(m, tmp_path / "w.safetensors")
         torch.manual_seed(0)
         plain = Net()

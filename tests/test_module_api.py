@@ -95,8 +95,10 @@ def test_load_state_dict_after_initialize(tmp_path):
     }
     with zswap.initialize(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)):
         assert {param_state(p).status for p in m.parameters()} == {Status.AVAILABLE, Status.NOT_AVAILABLE}
-        m.load_state_dict(plain.state_dict())
         x = torch.randn(3, 7)
+        with torch.no_grad():
+            m(x), m(x)  # traced and prefetching
+        m.load_state_dict(plain.state_dict())
         with torch.no_grad():
             assert torch.equal(m(x), plain(x))
     assert same(m, plain) == []

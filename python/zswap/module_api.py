@@ -179,9 +179,10 @@ def _load_pre_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    from .weights import Target, TensorSource, check_optimizer, fill
+    from .weights import Target, TensorSource, check_optimizer, fill, quiesce
 
     todo = []
+    seen: list[tuple[str, torch.Tensor]] = []
     for name, p in module._parameters.items():
         st = param_state(p)
         key = prefix + name
@@ -202,9 +203,13 @@ def _load_pre_hook(
             )
         else:
             todo.append((Target(p, [key]), key, TensorSource(value)))
-        state_dict[key] = p.detach()  # torch's own copy is then a no-op on the (empty or gathered) data
+        seen.append((key, p))
     if todo:
         check_optimizer(todo)
+        quiesce([t.tensor for t, _, _ in todo])
+    for key, held in seen:
+        state_dict[key] = held.detach()  # torch's own copy is then a no-op on the (empty or gathered) data
+    if todo:
         with no_torch_function(), torch.no_grad():
             for target, _, src in todo:
                 st = param_state(target.tensor)

@@ -211,6 +211,7 @@ def write(
             raise ZswapError(
                 f"{name} is on the meta device: load it under zswap.Init, which says where it goes"
             )
+    quiesce([t.tensor for t, _, _ in items])
     stores: dict[int, Store] = {}
     with _tight_queues(items, placement), no_torch_function(), torch.no_grad():
         for target, _, src in items:
@@ -237,9 +238,25 @@ def write(
             store.wait_all()
 
 
+def quiesce(params: list[torch.Tensor]) -> None:
+    """Before params are overwritten: an open engine drops every copy it gathered or is prefetching (as its
+    own step does), so none goes stale; it gathers them again at their next use."""
+    from .runtime import _ENGINES
+
+    live = [p for p in params if (st := param_state(p)) is not None and st.status is not Status.NOT_AVAILABLE]
+    if not live:
+        return
+    ids = {id(p) for p in live}
+    for engine in list(_ENGINES):
+        if not engine.closed and ids & engine._ids:
+            engine._sched.drop_all()
+
+
 def fill(p: torch.Tensor, st: ParamState, src: Source) -> None:
     """Store this rank's slice of ``src`` (cast to ``st.dtype``) as ``p``'s partition."""
-    if st.status is not Status.NOT_AVAILABLE:  # gathered: its full data must change too
+    if st.status is Status.INFLIGHT:
+        raise ZswapError(f"a param of shape {tuple(st.shape)} is being gathered; cannot load into it now")
+    if st.status is Status.AVAILABLE:  # gathered (touched inside Init): its full data must change too
         full = _read_all(src).to(st.dtype)
         p.data.copy_(full.view(st.shape))
         st.store.put(st.key, local_slice(full, st.rank, st.partition_numel).clone())
