@@ -324,15 +324,20 @@ def _read_all(src: Source) -> torch.Tensor:
 def _tight_queues(items: list[tuple[Target, str, Source]], placement: Placement | None) -> Any:
     stores = [placement.store] if placement is not None else []
     stores += [st.store for t, _, _ in items if (st := param_state(t.tensor)) is not None]
-    nvme = {id(s): s for s in stores if isinstance(s, NvmeStore)}.values()
-    before = [(s, s.inflight_bytes) for s in nvme]
-    for s, b in before:
-        s.inflight_bytes = min(b, LOAD_INFLIGHT_BYTES)
+    queues = {id(q): q for s in stores if isinstance(s, NvmeStore) and (q := _queue_of(s)) is not None}
+    before = [(q, q.limit) for q in queues.values()]
+    for q, b in before:
+        q.limit = min(b, LOAD_INFLIGHT_BYTES)
     try:
         yield
     finally:
-        for s, b in before:
-            s.inflight_bytes = b
+        for q, b in before:
+            q.limit = b
+
+
+def _queue_of(store: NvmeStore) -> Any:
+    """The write queue bounding ``store``'s writes in flight (the storage layer's), if it has one."""
+    return getattr(getattr(store, "storage", None), "queue", None)
 
 
 def check_optimizer(items: Iterable[tuple[Target, str, Source]]) -> None:
