@@ -206,7 +206,7 @@ def test_nested_init_applies_inner_settings():
         a = nn.Linear(2, 3)
         with Init(remote_device="none", dtype=torch.float64):
             b = Child()
-            assert torch.empty(1).dtype == torch.float64
+            assert torch.empty(1).dtype == torch.float32  # built as a plain build, cast at exit
         assert torch.get_default_dtype() == torch.float32
         assert hasattr(nn.Linear.__init__, "__zswap_init__")  # the outer context still holds its patches
         c = nn.Linear(2, 3)
@@ -289,7 +289,7 @@ def test_meta_then_to_empty_is_partitioned(tier, tmp_path):
 
 def test_dtype_keyword_and_config():
     with Init(remote_device="cpu", dtype=torch.bfloat16):
-        assert torch.empty(2).dtype == torch.bfloat16 and torch.randn(2).dtype == torch.bfloat16
+        assert torch.empty(2).dtype == torch.float32  # the build is a plain fp32 build; cast at exit
         m = Child()
         explicit = nn.Linear(2, 2, dtype=torch.float32)  # kept in the Init dtype too
     assert torch.get_default_dtype() == torch.float32

@@ -15,6 +15,7 @@ from .init import Init
 from .params import ParamState, Status, param_state
 from .runtime import Engine, initialize
 from .swap import SwapEngine
+from .weights import LoadWeightsError, load_weights
 
 __all__ = [
     "ConfigError",
@@ -23,6 +24,7 @@ __all__ = [
     "GatheredParameters",
     "Handle",
     "Init",
+    "LoadWeightsError",
     "ParamState",
     "Status",
     "SwapEngine",
@@ -35,6 +37,7 @@ __all__ = [
     "full_grad",
     "initialize",
     "load_config",
+    "load_weights",
     "param_state",
     "save_weights",
 ]

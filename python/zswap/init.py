@@ -19,6 +19,7 @@ exit.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import os
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _dist
+from . import _dist, _hf, module_api
 from ._access import AccessMode
 from .checkpoint import statedict
 from .config import load_config
@@ -79,12 +80,18 @@ def _own_attr(owner: Any, name: str) -> Any:
 
 @dataclass(eq=False)
 class _Frame:
-    """One active Init: where its params go, and the modules built under it."""
+    """One active Init: where its params go, the modules built under it, and the params it manages (cast
+    to ``placement.dtype`` at its exit: the build itself runs in the dtypes a plain build uses)."""
 
     placement: Placement
-    prev_default_dtype: torch.dtype
     built: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     orphans: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
+    created: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def build_placement(self) -> Placement:
+        """Where params go while the frame builds: its store and group, in the dtype they were built in."""
+        return dataclasses.replace(self.placement, dtype=None)
 
 
 class _InitContext:
@@ -115,6 +122,7 @@ class _InitContext:
             self.patches.set(nn.Module, "__init_subclass__", classmethod(_make_init_subclass(self)))
             self.patches.set(nn.Module, "apply", _make_apply(self, nn.Module.apply))
             self.patches.set(nn.Module, "to_empty", _make_to_empty(self, nn.Module.to_empty))
+            _hf.install(self)  # from_pretrained partitions as it loads (when transformers is imported)
             self.mode = AccessMode(self)
             self.mode.__enter__()
         except BaseException:
@@ -152,11 +160,13 @@ class _InitContext:
         self.sync_touched()
 
     def manage_new(self, params: Iterable[torch.Tensor], frame: _Frame | None = None) -> None:
-        where = (frame or self.frames[-1]).placement
+        frame = frame or self.frames[-1]
+        where = frame.build_placement
         with no_torch_function():
             for p in params:
                 if param_state(p) is None and p.device.type != "meta" and not _uninitialized(p):
                     manage(p, where)
+                    frame.created.append(weakref.ref(p))
 
     def touch(self, items: list[tuple[torch.Tensor, ParamState]]) -> None:
         need = sum(st.numel * st.dtype.itemsize for _, st in items)
@@ -196,10 +206,16 @@ class _InitContext:
             self.touched_bytes -= nbytes
 
     def finish(self, frame: _Frame) -> None:
-        """Exit of ``frame``: partition what its modules gained after ``__init__``, write back, wait."""
-        for module in [*frame.built, *frame.orphans]:
+        """Exit of ``frame``: partition what its modules gained after ``__init__``, write back, cast to the
+        frame's dtype, wait."""
+        modules = [*frame.built, *frame.orphans]
+        for module in modules:
             self.manage_new(module.parameters(recurse=False), frame)
         self.sync_touched()
+        if frame.placement.dtype is not None:
+            module_api.cast_params([r() for r in frame.created], frame.placement.dtype)
+        frame.created.clear()
+        module_api.attach(modules)
         frame.placement.store.wait_all()
         if len(self.frames) == 1:
             stores, self.dirty = list(self.dirty.values()), {}
@@ -270,6 +286,7 @@ def _make_init_subclass(ctx: _InitContext) -> Callable[..., None]:
     def __init_subclass__(cls: type[nn.Module], **kwargs: Any) -> None:
         super(nn.Module, cls).__init_subclass__(**kwargs)
         ctx.hook_class(cls)
+        _hf.class_defined(ctx, cls)  # transformers imported inside the context
 
     return __init_subclass__
 
@@ -308,9 +325,11 @@ class Init:
     ``config``: a path, mapping, `ZswapConfig` or ``None`` (`zswap.load_config`); only the values Init
     needs are kept, so later changes to the caller's config change nothing. Keyword arguments override it:
     ``remote_device`` ("cpu", "nvme", or "none": partitioned across ranks only, the partition stays on the
-    device the param was built on), ``pin_memory``, ``dtype`` (floating dtype params are built and kept in;
-    ``None``: the config's, where ``None`` keeps the built dtype). ``process_group``: partition across it
-    (default: the default group when torch.distributed is initialised, else a single process).
+    device the param was built on), ``pin_memory``, ``dtype`` (floating params are kept in; ``None``: the
+    config's, where ``None`` keeps the built dtype). The model is built exactly as a plain build (float32
+    where that is the default, the same random numbers) and each floating param is cast to ``dtype`` when
+    the Init exits: the same seed gives bitwise ``plain_model.to(dtype)``. ``process_group``: partition
+    across it (default: the default group when torch.distributed is initialised, else a single process).
     ``module``: an already built model, converted at once. ``enabled=False`` makes Init do nothing.
 
     The nvme path is checked here, before any module is built: a missing directory is `NvmePathMissing`
@@ -356,9 +375,19 @@ class Init:
         if module is not None:
             self._convert(module)
 
+    @classmethod
+    def _at(cls, placement: Placement) -> Init:
+        """An Init that puts new params where ``placement`` says (with its store and group)."""
+        self = cls.__new__(cls)
+        self._enabled, self._frames, self._placement = True, [], placement
+        return self
+
     def _convert(self, module: nn.Module) -> None:
-        frame = _Frame(self._placement, torch.get_default_dtype())
-        _CTX.manage_new(module.parameters(), frame)
+        with no_torch_function():  # already built: cast as it is partitioned, no build to reproduce
+            for p in module.parameters():
+                if param_state(p) is None and p.device.type != "meta" and not _uninitialized(p):
+                    manage(p, self._placement)
+        module_api.attach(module.modules())
         statedict.install(module)
         self._placement.store.wait_all()
 
@@ -368,13 +397,11 @@ class Init:
         ctx = _CTX
         if ctx.frames and ctx.thread != threading.get_ident():
             raise ZswapError("zswap.Init is already active in another thread")
-        frame = _Frame(self._placement, torch.get_default_dtype())
+        frame = _Frame(self._placement)
         if not ctx.frames:
             ctx.install()
         ctx.frames.append(frame)
         self._frames.append(frame)
-        if self._placement.dtype is not None:
-            torch.set_default_dtype(self._placement.dtype)  # factories used by initialisers follow it
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -394,7 +421,6 @@ class Init:
                 note(f"zswap.Init could not finish offloading while this error propagated: {err!r}")
         finally:
             ctx.frames.remove(frame)
-            torch.set_default_dtype(frame.prev_default_dtype)
             if not ctx.frames:
                 ctx.uninstall()
 

@@ -1,0 +1,252 @@
+"""Loading a safetensors checkpoint with ``from_pretrained`` under ``zswap.Init(nvme)`` (not run in CI).
+
+A Llama checkpoint of ``--size`` MiB (float32, 64 MiB shards with an index) is written from random tensors,
+then each measurement runs in a fresh subprocess with the checkpoint's pages dropped from the page cache
+(``posix_fadvise(DONTNEED)`` after ``fsync``), so every run reads it from the disk. Peak RSS is the kernel's
+high-water mark of the child's address space (``VmHWM``, reset right before the load), minus its RSS then.
+Baselines measured in the same run:
+
+- reading the same bytes: ``fio`` (sequential, 1 MiB blocks, buffered, as the loader reads) when it is
+  installed, else the same bytes read with ``pread`` into one reused 4 MiB buffer;
+- a plain ``from_pretrained`` of the same checkpoint (time, peak RSS): as returned (transformers leaves the
+  weights memory-mapped, so nothing is read yet), and after touching every weight once (what the first forward
+  does — each page is then read and counted in RSS);
+- the target peak RSS = 0.25 × model + 300 MiB, and the target load rate ≥ 0.7 × the read rate.
+
+Usage: ``python benches/bench_pretrained.py [--path DIR] [--size 1024]`` (DIR holds the checkpoint and the
+swap; default a temp dir under /tmp, removed afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+HIDDEN, FFN, VOCAB = 1024, 2816, 16384
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_peak() -> int:
+    """Reset this address space's peak RSS (``VmHWM``) to its current RSS and return that.
+
+    ``ru_maxrss`` alone misleads in a child: it is the larger of this address space's peak and the peak of
+    the one it replaced at ``exec`` — the forked copy of the parent, which here wrote the checkpoint."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset the peak-RSS counter
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _status("VmRSS")
+
+
+def peak() -> int:
+    try:
+        return _status("VmHWM")
+    except (OSError, KeyError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write_checkpoint(path: Path, size: int) -> int:
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    per_layer = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN
+    layers = max(1, round((size / 4 - 2 * VOCAB * HIDDEN) / per_layer))
+    cfg = transformers.LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    path.mkdir(parents=True)
+    cfg.save_pretrained(path)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in transformers.LlamaForCausalLM(cfg).named_parameters()}
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    total = 0
+    for n, shape in shapes.items():
+        shard[n] = torch.randn(shape) * 0.02
+        total += shard[n].numel() * 4
+        if sum(t.numel() for t in shard.values()) * 4 >= 64 * MIB:
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, path / name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            shard = {}
+    if shard:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, path / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return total
+
+
+def drop_cache(path: Path) -> None:
+    for f in path.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _child(mode: str, ckpt: str, swap: str) -> dict[str, Any]:
+    import warnings
+
+    import transformers
+
+    import zswap
+
+    transformers.logging.set_verbosity_error()
+    warnings.simplefilter("ignore", zswap.ZswapWarning)
+    files = sorted(Path(ckpt).glob("*.safetensors"))
+    out: dict[str, Any] = {"bytes": sum(f.stat().st_size for f in files)}
+    init = zswap.Init({"offload_param": {"device": "nvme", "nvme_path": swap}}) if mode == "zswap" else None
+    config = transformers.AutoConfig.from_pretrained(ckpt)
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # its module imported before the base
+    base = reset_peak()
+    t0 = time.perf_counter()
+    if mode == "read":
+        buf = bytearray(4 * MIB)
+        view = memoryview(buf)
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                off = 0
+                while n := os.preadv(fd, [view], off):
+                    off += n
+            finally:
+                os.close(fd)
+    elif mode in ("plain", "plain-touched"):
+        m = cls.from_pretrained(ckpt)
+        if mode == "plain-touched":  # what the first forward does: every weight's pages come in
+            out["checksum"] = float(sum(p.detach().float().sum() for p in m.parameters()))
+    else:
+        assert init is not None
+        with init:
+            m = cls.from_pretrained(ckpt)
+        out["engine"] = {k: init._placement.store.engine.info.get(k) for k in ("backend", "direct")}
+        out["partitioned"] = all(zswap.param_state(p) is not None for p in m.parameters())
+    out["seconds"] = time.perf_counter() - t0
+    out["peak_rss"] = peak() - base
+    return out
+
+
+def fio_read(ckpt: Path) -> dict[str, Any] | None:
+    if shutil.which("fio") is None:
+        return None
+    files = sorted(ckpt.glob("*.safetensors"))
+    cmd = [
+        "fio",
+        "--name=read",
+        "--rw=read",
+        "--bs=1M",
+        "--ioengine=psync",
+        "--direct=0",
+        "--output-format=json",
+    ]
+    cmd += ["--filename=" + ":".join(str(f) for f in files)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        return None
+    job = json.loads(r.stdout)["jobs"][0]["read"]
+    return {"bytes": job["io_bytes"], "seconds": job["runtime"] / 1000}
+
+
+def _run(mode: str, ckpt: Path, swap: Path) -> dict[str, Any]:
+    drop_cache(ckpt)
+    cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--swap", str(swap)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"{mode} run failed:\n{r.stderr}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--path", help="directory for the checkpoint and the swap (default: a temp dir)")
+    ap.add_argument("--size", type=int, default=1024, help="checkpoint size in MiB (default 1024)")
+    ap.add_argument("--child", choices=("read", "plain", "plain-touched", "zswap"), help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--swap", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child, args.ckpt, args.swap)))
+        return
+    tmp = None if args.path else tempfile.mkdtemp(prefix="zswap-bench-pretrained-", dir="/tmp")
+    root = Path(args.path or tmp)
+    ckpt, swap = root / "ckpt", root / "swap"
+    swap.mkdir(parents=True, exist_ok=True)
+    try:
+        model = write_checkpoint(ckpt, args.size * MIB)
+        drop_cache(ckpt)
+        fio = fio_read(ckpt)
+        read = fio or _run("read", ckpt, swap)
+        plain = _run("plain", ckpt, swap)
+        touched = _run("plain-touched", ckpt, swap)
+        zs = _run("zswap", ckpt, swap)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    read_rate = read["bytes"] / read["seconds"]
+    load_rate = zs["bytes"] / zs["seconds"]
+    rss_target = 0.25 * model + 300 * MIB
+    rss_ratio = touched["peak_rss"] / max(zs["peak_rss"], 1)
+    how = "fio, 1 MiB sequential, buffered" if fio else "pread loop, 4 MiB buffer (fio not installed)"
+    print(
+        f"checkpoint            {model / MIB:10.0f} MiB  float32 Llama, 64 MiB shards; engine {zs['engine']}"
+    )
+    print(f"read same bytes       {read['seconds']:10.2f} s    {read_rate / MIB:8.0f} MiB/s  ({how})")
+    print(
+        f"plain from_pretrained {plain['seconds']:10.2f} s    peak RSS {plain['peak_rss'] / MIB:8.0f} MiB  "
+        "(weights left memory-mapped: no byte read yet)"
+    )
+    print(
+        f"  + touch every weight{touched['seconds']:10.2f} s    peak RSS "
+        f"{touched['peak_rss'] / MIB:8.0f} MiB  (what its first forward does)"
+    )
+    print(
+        f"under Init(nvme)      {zs['seconds']:10.2f} s    peak RSS {zs['peak_rss'] / MIB:8.0f} MiB  "
+        f"(every param partitioned: {zs['partitioned']})"
+    )
+    print(
+        f"peak RSS / target     {zs['peak_rss'] / rss_target:10.2f}      (target {rss_target / MIB:.0f} MiB "
+        f"= 0.25 x model + 300 MiB; plain touched / Init: {rss_ratio:.1f}x)"
+    )
+    print(
+        f"load rate / read rate {load_rate / read_rate:10.2f}      (target >= 0.7; Init / plain touched time "
+        f"{zs['seconds'] / touched['seconds']:.2f}x)"
+    )
+    stream = zs["bytes"] / max(zs["seconds"] - plain["seconds"], 1e-9)
+    print(
+        f"  without the fixed   {stream / read_rate:10.2f}      (load time minus plain from_pretrained's, "
+        f"which reads no byte: {stream / MIB:.0f} MiB/s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

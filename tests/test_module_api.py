@@ -1,0 +1,247 @@
+"""The module API on a partitioned model works on the partitions or refuses: ``load_state_dict``,
+``resize_token_embeddings``, ``.to(dtype)`` and friends, devices, param counts; ``Init(dtype=)`` is a plain
+float32 build cast at the end (same seed: bitwise ``plain.to(dtype)``, same random-generator state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zswap
+from zswap import Status, ZswapError, param_state
+
+from ._pretrained import gathered_named, init_for
+from .test_hf_models import MODELS
+
+TIERS = ("cpu", "nvme")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 5)
+        self.norm = nn.LayerNorm(5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def pair(tier, tmp_path, make=Net, **kwargs):
+    """(plain build, the same build under Init) from the same seed."""
+    torch.manual_seed(0)
+    plain = make()
+    torch.manual_seed(0)
+    with init_for(tier, tmp_path, **kwargs):
+        m = make()
+    return plain, m
+
+
+def same(m: nn.Module, plain: nn.Module) -> list[str]:
+    got = gathered_named(m)
+    return [n for n, p in plain.named_parameters(remove_duplicate=False) if not torch.equal(got[n], p.data)]
+
+
+# -- load_state_dict -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_load_state_dict_writes_into_the_partitions(tier, tmp_path):
+    plain, m = pair(tier, tmp_path)
+    torch.manual_seed(5)
+    sd = Net().state_dict()
+    assert m.load_state_dict(sd) == plain.load_state_dict(sd)
+    assert same(m, plain) == []
+    assert all(param_state(p).status is Status.NOT_AVAILABLE and p.numel() == 0 for p in m.parameters())
+    half = {k: v.half() for k, v in sd.items()}  # cast to the param dtype, as torch's copy_
+    m.load_state_dict(half)
+    plain.load_state_dict(half)
+    assert same(m, plain) == []
+
+
+def test_load_state_dict_strict_errors_are_torchs_with_the_real_shape(tmp_path):
+    plain, m = pair("cpu", tmp_path)
+    sd = plain.state_dict()
+    before = gathered_named(m)
+    missing = {k: v for k, v in sd.items() if k != "a.bias"}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "a\.bias"'):
+        m.load_state_dict({**missing, "zzz": torch.ones(1)})
+    res = m.load_state_dict({**missing, "zzz": torch.ones(1)}, strict=False)
+    assert (res.missing_keys, res.unexpected_keys) == (["a.bias"], ["zzz"])
+    wrong = {**sd, "b.weight": torch.ones(4, 5)}
+    with pytest.raises(RuntimeError) as info:
+        m.load_state_dict(wrong)
+    with pytest.raises(RuntimeError) as plain_info:
+        plain.load_state_dict(wrong)
+    assert str(info.value) == str(plain_info.value)  # "... the shape in current model is torch.Size([3, 5])."
+    assert "torch.Size([3, 5])" in str(info.value)
+    assert torch.equal(gathered_named(m)["b.weight"], before["b.weight"])
+
+
+def test_load_state_dict_assign_is_refused(tmp_path):
+    _, m = pair("cpu", tmp_path)
+    with pytest.raises(ZswapError, match=r"assign=True\) would replace the partitioned param 'a\.weight'"):
+        m.load_state_dict(Net().state_dict(), assign=True)
+
+
+def test_load_state_dict_after_initialize(tmp_path):
+    torch.manual_seed(0)
+    plain = Net()
+    m = Net()  # built plainly: initialize partitions it
+    cfg = {
+        "offload_param": {"device": "cpu"},
+        "zero_optimization": {"stage3_param_persistence_threshold": 10},
+    }
+    with zswap.initialize(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)):
+        assert {param_state(p).status for p in m.parameters()} == {Status.AVAILABLE, Status.NOT_AVAILABLE}
+        x = torch.randn(3, 7)
+        with torch.no_grad():
+            m(x), m(x)  # traced and prefetching
+        m.load_state_dict(plain.state_dict())
+        with torch.no_grad():
+            assert torch.equal(m(x), plain(x))
+    assert same(m, plain) == []
+
+
+# -- resize_token_embeddings -----------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+@pytest.mark.parametrize("mean_resizing", [False, True])
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("model", MODELS)
+def test_resize_token_embeddings_after_init(model, tier, mean_resizing, tmp_path):
+    plain, m = pair(tier, tmp_path, MODELS[model])
+    for n in (150, 100):
+        torch.manual_seed(n)
+        plain.resize_token_embeddings(n, mean_resizing=mean_resizing)
+        want_rng = torch.get_rng_state()
+        torch.manual_seed(n)
+        m.resize_token_embeddings(n, mean_resizing=mean_resizing)
+        assert torch.equal(torch.get_rng_state(), want_rng)
+        emb = m.get_input_embeddings()
+        st = param_state(emb.weight)
+        assert (
+            st is not None and st.shape == (n, 64) and st.status is Status.NOT_AVAILABLE and st.tier == tier
+        )
+        assert m.get_output_embeddings().weight is emb.weight  # still tied: one param
+        assert m.config.vocab_size == n and emb.num_embeddings == n
+        assert same(m, plain) == []
+        assert m.num_parameters() == plain.num_parameters()
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+def test_resize_token_embeddings_after_initialize(tmp_path):
+    torch.manual_seed(0)
+    plain = MODELS["gpt2"]()
+    torch.manual_seed(0)
+    m = MODELS["gpt2"]()
+    cfg = {"offload_param": {"device": "cpu"}}
+    engine = zswap.initialize(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(ZswapError, match="resize_token_embeddings on params an open zswap Engine runs"):
+        m.resize_token_embeddings(140)
+    engine.close()
+    torch.manual_seed(1)
+    plain.resize_token_embeddings(140, mean_resizing=False)
+    torch.manual_seed(1)
+    m.resize_token_embeddings(140, mean_resizing=False)
+    assert param_state(m.get_input_embeddings().weight).shape == (140, 64)
+    ids = torch.randint(0, 140, (2, 8))
+    with zswap.initialize(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)), torch.no_grad():
+        assert torch.equal(m.eval()(ids).logits, plain.eval()(ids).logits)
+
+
+# -- dtype and device ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.half(),
+        lambda m: m.bfloat16().float(),
+        lambda m: m.double(),
+        lambda m: m.to(dtype=torch.float16, device="cpu"),
+    ],
+    ids=["to-bf16", "half", "bf16-float", "double", "to-kw"],
+)
+def test_dtype_conversion_converts_the_partitions(convert, tier, tmp_path):
+    plain, m = pair(tier, tmp_path)
+    assert convert(m) is m
+    convert(plain)
+    want = {p.dtype for p in plain.parameters()}
+    assert {param_state(p).dtype for p in m.parameters()} == want == {p.dtype for p in m.parameters()}
+    assert same(m, plain) == []
+    x = torch.randn(3, 7, dtype=next(iter(want)))
+    with zswap.initialize(m, {"offload_param": {"device": tier}}), torch.no_grad():
+        assert torch.equal(m(x), plain(x))
+
+
+def test_hf_model_to_bf16_runs_in_bf16(tmp_path, quiet_transformers):
+    plain, m = pair("nvme", tmp_path, MODELS["llama"])
+    m.to(torch.bfloat16)
+    plain.to(torch.bfloat16)
+    assert same(m, plain) == []
+    ids = torch.randint(0, 128, (2, 6))
+    with zswap.initialize(m, {}), torch.no_grad():
+        out = m.eval()(ids).logits
+    assert out.dtype == torch.bfloat16 and torch.equal(out, plain.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("target", ["meta", torch.device("meta")])
+def test_moving_to_meta_is_refused_and_changes_nothing(target, tmp_path):
+    plain, m = pair("cpu", tmp_path)
+    with pytest.raises(ZswapError, match=r"to meta would drop its partitioned weights \(param 'a\.weight'"):
+        m.to(target)
+    with pytest.raises(ZswapError, match="to meta"):
+        m.to(target, torch.bfloat16)
+    assert all(p.device.type == "cpu" and param_state(p).dtype == torch.float32 for p in m.parameters())
+    assert same(m, plain) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_moving_to_a_gpu_is_refused(tmp_path):
+    _, m = pair("cpu", tmp_path)
+    with pytest.raises(ZswapError, match="to cuda:0 is not supported yet"):
+        m.cuda()
+
+
+def test_dtype_change_under_an_open_engine_is_refused(tmp_path):
+    _, m = pair("cpu", tmp_path)
+    with zswap.initialize(m, {}, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)):
+        with pytest.raises(ZswapError, match="cannot convert the dtype of params an open zswap Engine runs"):
+            m.half()
+        assert {param_state(p).dtype for p in m.parameters()} == {torch.float32}
+    m.half()  # closed: fine
+    assert {param_state(p).dtype for p in m.parameters()} == {torch.float16}
+
+
+def test_param_counts(tmp_path):
+    plain, m = pair("nvme", tmp_path)
+    assert [param_state(p).numel for p in m.parameters()] == [p.numel() for p in plain.parameters()]
+    assert all(p.numel() == 0 for p in m.parameters())  # the contract: not gathered, empty data
+
+
+# -- Init(dtype=) ----------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+@pytest.mark.parametrize("tier", ("cpu", "none", "nvme"))
+@pytest.mark.parametrize(
+    "make", [lambda: nn.Linear(64, 32), MODELS["gpt2"], MODELS["llama"]], ids=["linear", *MODELS]
+)
+def test_init_dtype_is_the_plain_build_cast(make, tier, tmp_path):
+    torch.manual_seed(0)
+    plain = make()
+    rng = torch.get_rng_state()
+    plain.to(torch.bfloat16)
+    torch.manual_seed(0)
+    with init_for(tier, tmp_path, dtype=torch.bfloat16):
+        m = make()
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert {param_state(p).dtype for p in m.parameters()} == {torch.bfloat16}
+    assert same(m, plain) == []
+    assert torch.get_default_dtype() == torch.float32
