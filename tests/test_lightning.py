@@ -542,13 +542,14 @@ def test_precision_plugin_takes_true_precisions_only():
         ZswapPrecision("16-mixed")  # type: ignore[arg-type]
 
 
-def test_cuda_accelerator_is_refused_by_the_engines_device_check(tmp_path):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the engine computes on it")
+def test_cuda_accelerator_without_cuda_is_refused_by_the_engines_device_check(tmp_path):
     from lightning.pytorch.accelerators import CUDAAccelerator
 
     strategy = ZswapStrategy(_config(tmp_path))
     strategy.accelerator = CUDAAccelerator()
     strategy.parallel_devices = [torch.device("cuda", 0)]
-    with pytest.raises(zswap.stepping.UnsupportedDeviceError, match="computes on the CPU only for now"):
+    with pytest.raises(zswap.device.UnsupportedDeviceError, match="CUDA is not available on this machine"):
         strategy.setup_environment()
 
 
