@@ -22,7 +22,7 @@ pl = pytest.importorskip(
     "lightning.pytorch", reason="the 'lightning' package (zswap[lightning]) is not installed"
 )
 
-from zswap.lightning import CheckpointUnavailableError, ZswapPrecision, ZswapStrategy  # noqa: E402
+from zswap.lightning import ZswapPrecision, ZswapStrategy  # noqa: E402
 
 pytestmark = [
     # Lightning's own notices about this tiny setup (no DataLoader workers, a log interval longer than
@@ -403,26 +403,7 @@ def test_predict_without_fit_on_a_module_built_under_init(tmp_path):
 
 # -- checkpoints -----------------------------------------------------------------------------------
 
-ENGINE_CHECKPOINTS = hasattr(zswap.Engine, "save_checkpoint") and hasattr(zswap.Engine, "load_checkpoint")
 
-
-@pytest.mark.skipif(ENGINE_CHECKPOINTS, reason="the engine can checkpoint: the resume test runs instead")
-def test_checkpoint_without_engine_checkpoints_is_a_clear_error_and_writes_nothing(tmp_path):
-    swap = tmp_path / "swap"
-    swap.mkdir()
-    _, trainer = _fit(ZswapStrategy(_config(swap)))
-    path = tmp_path / "run.ckpt"
-    with pytest.raises(CheckpointUnavailableError, match=r"zswap's Engine has no save_checkpoint\(\)"):
-        trainer.save_checkpoint(path)
-    assert not path.exists()
-    with pytest.raises(CheckpointUnavailableError, match=r"no load_checkpoint\(\)"):
-        _fit(ZswapStrategy(_config(swap)), ckpt_path=str(path))
-    assert issubclass(CheckpointUnavailableError, zswap.ZswapError)
-
-
-@pytest.mark.skipif(
-    not ENGINE_CHECKPOINTS, reason="zswap's Engine has no save_checkpoint/load_checkpoint yet"
-)
 def test_save_and_resume_through_the_trainer_equals_lightnings_own(tmp_path):
     """fit → trainer.save_checkpoint → fit(ckpt_path=…) in a new Trainer on a new module, and
     validate(ckpt_path=…): the same losses and weights as Lightning's own checkpoints give a plain run."""

@@ -16,6 +16,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ._precision import ZswapPrecision
-from ._strategy import CheckpointUnavailableError, ZswapStrategy
+from ._strategy import ZswapStrategy
 
-__all__ = ["CheckpointUnavailableError", "ZswapPrecision", "ZswapStrategy"]
+__all__ = ["ZswapPrecision", "ZswapStrategy"]

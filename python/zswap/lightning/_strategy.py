@@ -61,11 +61,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-class CheckpointUnavailableError(ZswapError, NotImplementedError):
-    """The zswap `Engine` in use cannot save or load checkpoints (no ``save_checkpoint`` /
-    ``load_checkpoint``): rather than write a checkpoint of empty, partitioned tensors, nothing is written."""
-
-
 _OPEN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Run]] = weakref.WeakKeyDictionary()
 """The open run of each module, so that a second strategy over the same module closes the first one's."""
 
@@ -224,7 +219,6 @@ class ZswapStrategy(ProcessGroupStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Empty: the weights go into the engine checkpoint (`save_checkpoint`), partition by partition."""
-        self._checkpointing("save_checkpoint")
         return {}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -239,7 +233,7 @@ class ZswapStrategy(ProcessGroupStrategy):
             raise TypeError(
                 "ZswapStrategy.save_checkpoint takes no storage_options (no CheckpointIO is used)"
             )
-        save = self._checkpointing("save_checkpoint")
+        save = self.engine.save_checkpoint
         filepath = self.broadcast(filepath)
         client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         save(os.fspath(filepath), client_state=client)
@@ -247,7 +241,7 @@ class ZswapStrategy(ProcessGroupStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads an engine checkpoint written by `save_checkpoint` (optimizer state only when fitting) and
         returns the Trainer's state saved with it."""
-        load = self._checkpointing("load_checkpoint")
+        load = self.engine.load_checkpoint
         if weights_only:
             raise TypeError(
                 "ZswapStrategy cannot load with weights_only=True: the Trainer's state saved in the engine "
@@ -373,18 +367,6 @@ class ZswapStrategy(ProcessGroupStrategy):
         if not fitting:
             cfg.pop("scheduler", None)
         return cfg
-
-    def _checkpointing(self, name: str) -> Any:
-        engine = self.engine
-        method = getattr(engine, name, None)
-        if method is None:
-            raise CheckpointUnavailableError(
-                f"zswap's Engine has no {name}() in this version, so ZswapStrategy cannot checkpoint: "
-                "nothing was written (the module's own state_dict holds only empty partitions). Pass "
-                "Trainer(enable_checkpointing=False) and do not use trainer.save_checkpoint / ckpt_path= "
-                "until then"
-            )
-        return method
 
     def _close_open(self, module: nn.Module) -> None:
         if self._run is not None:
