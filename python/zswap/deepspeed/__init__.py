@@ -109,8 +109,9 @@ def init_distributed(
     ``dist_init_required`` ``None``: initialise when a launcher set ``WORLD_SIZE`` (``torchrun``,
     ``deepspeed``) and torch.distributed is not initialised; ``True``: initialise (a group of one on
     ``127.0.0.1:distributed_port`` when no launcher set the environment); ``False``: do nothing.
-    ``dist_backend`` defaults to gloo (zswap computes on the CPU). ``rank`` / ``world_size`` (-1: from the
-    environment), ``init_method`` and ``timeout`` go to ``init_process_group``. ``auto_mpi_discovery``:
+    ``dist_backend`` defaults to nccl where CUDA is available (as DeepSpeed picks its accelerator's
+    backend), else gloo. ``rank`` / ``world_size`` (-1: from the environment), ``init_method`` and
+    ``timeout`` go to ``init_process_group``. ``auto_mpi_discovery``:
     DeepSpeed's fallback when no launcher set the environment, reading ranks from mpi4py; zswap has none,
     so ``True`` (the default) means the same as ``False`` — the environment or the single-process defaults
     decide. ``verbose`` (DeepSpeed's log lines) and ``config`` (read by DeepSpeed for its comms logger)
@@ -125,7 +126,8 @@ def init_distributed(
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(distributed_port), "RANK": "0", "WORLD_SIZE": "1"}
     for key, value in env.items():
         os.environ.setdefault(key, value)
-    kwargs: dict[str, Any] = {"backend": dist_backend or "gloo"}
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kwargs: dict[str, Any] = {"backend": backend}
     if init_method is not None:
         kwargs["init_method"] = init_method
     if timeout is not None:
