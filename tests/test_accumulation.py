@@ -12,7 +12,7 @@ import torch
 
 import zswap
 from zswap import ConfigError
-from zswap.stepping import UnsupportedDeviceError
+from zswap.device import UnsupportedDeviceError
 
 from .conftest import run_ranks
 from .test_runtime import TIERS, TinyLM, build, config, engine_for, ids, sq

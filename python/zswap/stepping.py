@@ -22,7 +22,6 @@ import torch
 
 from . import schedules
 from .config import ZswapConfig
-from .device import UnsupportedDeviceError  # noqa: F401  (its home was here before the GPU path)
 from .errors import ConfigError
 from .loss_scale import LossScaler
 
