@@ -95,6 +95,13 @@ def _warmup_fraction(kind: str, it: int, steps: int) -> float:
     raise ValueError(f"warmup_type must be 'log' or 'linear', got {kind!r}")
 
 
+def _check_warmup(steps: object, kind: str) -> None:
+    """The warmup arguments WarmupLR and WarmupCosineLR share: a positive step count and a known kind."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"warmup_num_steps must be a positive integer, got {steps!r}")
+    _warmup_fraction(kind, 0, 2)  # raises for an unknown kind
+
+
 class WarmupLR(Schedule):
     """From ``warmup_min_lr`` up to ``warmup_max_lr`` (default: the optimizer's lr) over
     ``warmup_num_steps`` steps (at least 2), by ``warmup_type`` ``"log"`` (default) or ``"linear"``; then
@@ -109,13 +116,7 @@ class WarmupLR(Schedule):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        if (
-            isinstance(warmup_num_steps, bool)
-            or not isinstance(warmup_num_steps, int)
-            or warmup_num_steps <= 0
-        ):
-            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
-        _warmup_fraction(warmup_type, 0, 2)  # checks the kind
+        _check_warmup(warmup_num_steps, warmup_type)
         super().__init__(optimizer, last_batch_iteration)
         if warmup_max_lr is None:
             warmup_max_lr = _group_lrs(optimizer)
@@ -179,13 +180,7 @@ class WarmupCosineLR(Schedule):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        if (
-            isinstance(warmup_num_steps, bool)
-            or not isinstance(warmup_num_steps, int)
-            or warmup_num_steps <= 0
-        ):
-            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
-        _warmup_fraction(warmup_type, 0, 2)
+        _check_warmup(warmup_num_steps, warmup_type)
         super().__init__(optimizer, last_batch_iteration)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = float(warmup_min_ratio)
