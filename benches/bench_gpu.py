@@ -37,7 +37,7 @@ from torch import nn
 import zswap
 from zswap.bench import baseline
 from zswap.cli import _size
-from zswap.demo import GPT, Shape
+from zswap.demo import GPT, Shape, default_config
 from zswap.device import StandInDevice
 from zswap.optim import OffloadedAdamW
 
@@ -135,21 +135,6 @@ def fetch_rate(env: Env, path: Path, total: int, per_param: int) -> dict[str, An
 # -- 2. training -----------------------------------------------------------------------------------------
 
 
-def train_config(path: Path, shape: Shape, live_fraction: int) -> dict[str, Any]:
-    largest = max(shape.vocab * shape.width, 4 * shape.width * shape.width) + shape.seq * shape.width
-    live = max(shape.params // live_fraction, 2 * largest)
-    return {
-        "zero_optimization": {
-            "offload_param": {"device": "nvme", "nvme_path": str(path)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
-            "stage3_max_live_parameters": live,
-            "stage3_prefetch_bucket_size": live - largest,
-            "stage3_param_persistence_threshold": 10 * shape.width,
-        },
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-    }
-
-
 def loss_of(model: nn.Module, batch: torch.Tensor, vocab: int) -> torch.Tensor:
     logits = model(batch[:, :-1])
     return F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
@@ -186,7 +171,7 @@ def compute_baseline(env: Env, shape: Shape, batch: torch.Tensor, iters: int) ->
 
 
 def train(env: Env, path: Path, shape: Shape, batch: torch.Tensor, iters: int, frac: int) -> dict[str, Any]:
-    cfg = train_config(path, shape, frac)
+    cfg = default_config(path, shape, live_fraction=frac, lr=1e-4)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)

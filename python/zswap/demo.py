@@ -105,11 +105,13 @@ def _init(m: nn.Module) -> None:
         nn.init.zeros_(m.bias)
 
 
-def default_config(path: Path, shape: Shape) -> dict[str, Any]:
-    """Params and optimizer states on NVMe in ``path``; a live-param budget of 1/LIVE_FRACTION of the
+def default_config(
+    path: Path, shape: Shape, *, live_fraction: int = LIVE_FRACTION, lr: float = 1e-3
+) -> dict[str, Any]:
+    """Params and optimizer states on NVMe in ``path``; a live-param budget of 1/``live_fraction`` of the
     model (at least twice its largest module)."""
     largest = max(shape.vocab * shape.width, 4 * shape.width * shape.width) + shape.seq * shape.width
-    live = max(shape.params // LIVE_FRACTION, 2 * largest)
+    live = max(shape.params // live_fraction, 2 * largest)
     return {
         "zero_optimization": {
             "offload_param": {"device": "nvme", "nvme_path": str(path)},
@@ -118,7 +120,7 @@ def default_config(path: Path, shape: Shape) -> dict[str, Any]:
             "stage3_prefetch_bucket_size": live - largest,
             "stage3_param_persistence_threshold": 10 * shape.width,
         },
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
     }
 
 
