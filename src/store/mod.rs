@@ -254,10 +254,14 @@ mod tests {
         f.ensure_size(8 << 20).unwrap();
         assert!(f.allocated_bytes() >= 8 << 20);
         let fd = f.raw_fd();
+        // Parallel tests may reuse the number at once: what must be gone is a descriptor naming a
+        // file in `d`.
+        let target = |fd: i32| std::fs::read_link(format!("/proc/self/fd/{fd}")).ok();
+        let before = target(fd).expect("an open swap file has a /proc/self/fd entry");
+        assert!(before.starts_with(d.path()), "{before:?}");
         // SAFETY: nothing else uses the file.
         unsafe { f.close() };
-        // SAFETY: fcntl on a closed descriptor number only reports EBADF.
-        assert_eq!(unsafe { libc::fcntl(fd, libc::F_GETFD) }, -1);
+        assert_ne!(target(fd), Some(before), "fd {fd} kept open");
     }
 
     #[test]
