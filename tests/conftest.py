@@ -2,6 +2,10 @@
 
 Directories: pytest's `tmp_path`, plus each entry of `$ZSWAP_TEST_DIRS` (colon-separated) — point it at a
 real NVMe mount or a tmpfs to run the same suite there.
+
+Every test not marked ``gpu`` runs as on a machine without CUDA (`cpu_unless_gpu`), so that the CPU suite
+passes unchanged on a GPU machine: ``zswap.initialize`` without ``device=`` would otherwise compute on the
+current CUDA device there, ``init_distributed`` pick NCCL and Lightning's "auto" accelerator the GPU.
 """
 
 from __future__ import annotations
@@ -17,14 +21,31 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from zswap import _zswap
+
+# Asked once, before any test hides the GPU: the CUDA driver reads CUDA_VISIBLE_DEVICES when it first
+# initialises, and it must see the real one (the gpu tests of the same session need the device).
+HAS_CUDA = torch.cuda.is_available()
 
 BACKENDS = ["io_uring", "psync"]
 
 
 def _extra_dirs() -> list[str]:
     return [d for d in os.environ.get("ZSWAP_TEST_DIRS", "").split(":") if d]
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests not marked ``gpu`` see no CUDA device: in this process (``torch.cuda.is_available`` and
+    ``device_count``, which zswap's device choice, its NCCL/pinned-memory decisions and Lightning's
+    accelerator detection read) and in every subprocess they start (``CUDA_VISIBLE_DEVICES=""``)."""
+    if request.node.get_closest_marker("gpu") is not None:
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -212,11 +212,48 @@ def test_bf16_trains(tmp_path):
             if step == 0:
                 for p, q in zip(m.parameters(), ref.parameters(), strict=True):
                     g = full_grad(p)
-                    assert g.dtype == torch.bfloat16 and torch.equal(g, q.grad)  # bf16 on the wire
+                    # bf16 on the wire (exact), accumulated in fp32 on the host
+                    assert g.dtype == torch.float32 and torch.equal(g, q.grad.float())
             losses.append(float(loss.detach()))
             engine.step()
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
+
+
+def test_bf16_grads_accumulate_in_fp32_where_they_land(tmp_path):
+    """Three backwards of a bf16 model: the gradients cross in bf16 and their sum is the plain CUDA model's
+    gradients summed in fp32, bitwise (for memory and NVMe gradient stores)."""
+    for grads in ("memory", "nvme"):
+        cfg = nvme_config(tmp_path / grads)
+        cfg["bf16"] = {"enabled": True}
+        if grads == "nvme":
+            cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / grads)}
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zswap.ZswapWarning)
+            with zswap.Init(cfg):
+                m = TinyLM()
+        ref = TinyLM().to(torch.bfloat16)
+        with zswap.GatheredParameters(list(m.parameters())):
+            for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+                q.data.copy_(p.data)
+        ref.to(CUDA)
+        acc: list[torch.Tensor | None] = [None] * len(list(ref.parameters()))
+        with engine_for(m, cfg):
+            for seed in (1, 2, 3):
+                x = ids(seed=seed).to(CUDA)
+                out, want = m(x), ref(x)
+                assert torch.equal(out, want)
+                sq(out).backward()
+                sq(want).backward()
+                for i, q in enumerate(ref.parameters()):
+                    assert q.grad is not None
+                    acc[i] = q.grad.float() if acc[i] is None else acc[i].add_(q.grad.float())
+                    q.grad = None
+            for (name, p), a in zip(m.named_parameters(), acc, strict=True):
+                g = full_grad(p)
+                assert g is not None and g.dtype == torch.float32, name
+                assert torch.equal(g, a), f"{grads} {name}: max diff {(g - a).abs().max()}"
 
 
 class Deep(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -546,3 +546,39 @@ def test_without_lightning_the_import_error_says_what_to_install(monkeypatch):
         ImportError, match=r"zswap.lightning needs the 'lightning' package .*zswap\[lightning\]"
     ):
         importlib.import_module("zswap.lightning")
+
+
+# -- model summary ---------------------------------------------------------------------------------
+
+
+class _Recorded(pl.callbacks.ModelSummary):
+    """Lightning's summary callback, keeping what it would print."""
+
+    seen: ClassVar[list[tuple[Any, ...]]] = []
+
+    @staticmethod
+    def summarize(summary_data: Any, total: int, trainable: int, size: float, *args: Any, **kw: Any) -> None:
+        _Recorded.seen.append((dict(summary_data), total, trainable, size))
+
+
+@pytest.mark.parametrize("rich", [False, True])
+def test_model_summary_counts_partitioned_params_by_their_real_size(rich, tmp_path):
+    _Recorded.seen = []
+    if rich:
+        pytest.importorskip("rich")
+        from lightning.pytorch.callbacks import RichModelSummary
+
+        class Cb(RichModelSummary):
+            summarize = staticmethod(_Recorded.summarize)
+    else:
+        Cb = _Recorded
+    _fit(None, enable_model_summary=True, callbacks=[Cb(max_depth=2)], max_steps=1)
+    _fit(
+        ZswapStrategy(_config(tmp_path)), enable_model_summary=True, callbacks=[Cb(max_depth=2)], max_steps=1
+    )
+    (plain, p_total, p_trainable, p_size), (ours, total, trainable, size) = _Recorded.seen
+    want = 6 * 24 + 24 + 24 * 24 + 24 + 24 + 1
+    assert p_total == p_trainable == want  # the plain run: Lightning's own counts
+    assert (total, trainable, size) == (p_total, p_trainable, p_size)
+    assert ours["Params"] == plain["Params"]  # per layer too (net, net.0, ...)
+    assert ours["Params"][0] != "0"

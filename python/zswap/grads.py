@@ -8,8 +8,10 @@ folded into the partition with one in-place add — the op autograd itself uses 
 With one rank nothing else touches the values, so they are bitwise those of the plain model.
 
 With a compute device (`zswap.device`) the reduce-scatter runs there (NCCL) and each partition gradient is
-copied to page-locked host memory on the device's copy stream, in its own dtype; the store receives it once
-the copy has landed, so backward goes on meanwhile. Partitions are kept by a `zswap.gradstore.GradStore`:
+copied to page-locked host memory on the device's copy stream, in its own dtype (a registered engine buffer
+from a reused pool where the store lets go of it: `GradSink.land_in`); the store receives it once the copy
+has landed, so backward goes on meanwhile, and accumulates float16/bfloat16 gradients in float32
+(`GradStore.add_fp32`). Partitions are kept by a `zswap.gradstore.GradStore`:
 in CPU memory as ``ParamState.grad`` (on the param's device for tier "none"), or on NVMe when the optimizer
 lives there; the optimizer step loads them from it.
 """
@@ -23,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .device import Copy, Device, on_host
+from .device import Alloc, Copy, Device, ReusePool, on_host
 from .gather import Item, no_torch_function
-from .gradstore import store_of
+from .gradstore import LOW_PRECISION, MemoryGrads, NvmeGrads, store_of
 from .params import ParamState, Status, param_state
 
 
@@ -40,6 +42,8 @@ class GradSink:
         self._flush_task = -1
         self.placeholders = 0
         """Times a param was not gathered when autograd accumulated its gradient (see `_pre`)."""
+        self.landing: ReusePool | None = None
+        """Registered host buffers the device-to-host copies land in (`land_in`); ``None``: pinned memory."""
         for p, st in items:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._make_pre(p, st)))
@@ -51,13 +55,34 @@ class GradSink:
         self._handles.clear()
         self.flush()
 
+    def land_in(self, alloc: Alloc | None, pool_bytes: int) -> None:
+        """Land device-to-host copies in buffers from ``alloc`` (engine buffers registered with the device:
+        one DMA hop, and the NVMe write goes out of the same page-aligned memory), reused once their store
+        let go of them, up to ``pool_bytes`` kept. Used where the store does let go: a float16/bfloat16
+        gradient (widened into float32 memory of the store's own) or a gradient store on NVMe (written out
+        of it). A float32 gradient kept in memory *is* the landed buffer, so it lands in torch's pinned
+        memory instead (cached by torch, never registered again per step)."""
+        if alloc is None:
+            self.landing = None
+            return
+        self.landing = ReusePool(lambda numel, dtype: alloc((numel,), dtype), lambda: None)
+        self.landing.pool_bytes = pool_bytes
+
+    def _host_buffer(self, st: ParamState, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        dev = self.device
+        assert dev is not None
+        store = store_of(st)
+        if self.landing is not None and (dtype in LOW_PRECISION or not isinstance(store, MemoryGrads)):
+            return self.landing.take(numel, dtype)[0]
+        return dev.host_empty(numel, dtype)
+
     def flush(self) -> None:
         """Hand every gradient still being copied to the host to its store, in arrival order."""
         dev = self.device
         while self._pending:
             st, copy = self._pending.popleft()
             assert dev is not None
-            store_of(st).add(st, dev.synchronize(copy))
+            store_of(st).add_fp32(st, dev.synchronize(copy))
 
     def _to_host(self, st: ParamState, part: torch.Tensor) -> None:
         """Start the device-to-host copy of one partition gradient (in its own dtype) on the copy stream;
@@ -66,10 +91,10 @@ class GradSink:
         dev = self.device
         assert dev is not None
         part = part.contiguous()
-        self._pending.append((st, dev.d2h(part, dev.host_empty(part.numel(), part.dtype))))
+        self._pending.append((st, dev.d2h(part, self._host_buffer(st, part.numel(), part.dtype))))
         while self._pending and dev.query(self._pending[0][1]):
             st0, copy = self._pending.popleft()
-            store_of(st0).add(st0, copy.dst)
+            store_of(st0).add_fp32(st0, copy.dst)
         task = int(torch._C._current_graph_task_id())
         if self._pending and task >= 0 and task != self._flush_task:
             self._flush_task = task
@@ -107,6 +132,37 @@ class GradSink:
                         accumulate(st, grad)
 
         return post
+
+
+def landing_alloc(device: Device, grad_stores: Iterable[Any], stores: Iterable[Any]) -> Alloc | None:
+    """Registered engine buffers for `GradSink.land_in`: from the gradient store's engine on NVMe, else
+    the params' NVMe engine; ``None`` (torch's pinned memory) on the CPU or where no engine runs."""
+    if device.passthrough:
+        return None
+    engines = [gs.engine for gs in grad_stores if isinstance(gs, NvmeGrads)]
+    engines += [s.engine for s in stores if hasattr(s, "engine") and hasattr(s, "host_alloc")]
+    return device.register_alloc(engines[0].empty) if engines else None
+
+
+def step_grad(p: torch.Tensor, grad: torch.Tensor, wide_ok: bool) -> torch.Tensor:
+    """What to assign to ``p.grad`` for an optimizer step over a partition. A float32 gradient accumulated
+    for a float16/bfloat16 partition (`GradStore.add_fp32`) stays float32 where the optimizer takes any
+    gradient dtype (``wide_ok``: `zswap.optim.OffloadedAdamW`, which up-casts in its kernel) — the param's
+    ``grad_dtype`` is opened for it (torch ≥ 2.10) and put back by `clear_step_grad` — and is rounded
+    once to the param's dtype for any other optimizer (torch's own need matching dtypes)."""
+    if grad.dtype != p.dtype:
+        if wide_ok and hasattr(p, "grad_dtype"):
+            p.grad_dtype = None
+        else:
+            grad = grad.to(p.dtype)
+    return grad
+
+
+def clear_step_grad(p: torch.Tensor, dtype: torch.dtype) -> None:
+    """Undo `step_grad`: no gradient, and ``grad_dtype`` the param's own again."""
+    p.grad = None
+    if hasattr(p, "grad_dtype") and p.grad_dtype != dtype:
+        p.grad_dtype = dtype
 
 
 def accumulate(st: ParamState, grad: torch.Tensor) -> None:

@@ -31,6 +31,13 @@ class GradStore:
         """Accumulate one backward's local partition (the store may keep ``part``: callers hand it over)."""
         raise NotImplementedError
 
+    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+        """`add`, accumulating in float32: a float16/bfloat16 ``part`` (it crossed from the compute device in
+        its own dtype) is added to a float32 partition gradient, so the sum of several backwards is rounded
+        once per add in float32 rather than in the low precision. As with `add` the store may keep ``part``
+        (a pooled landing buffer counts as in use while anything references it). Other dtypes: `add`."""
+        raise NotImplementedError
+
     def has(self, st: ParamState) -> bool:
         raise NotImplementedError
 
@@ -59,6 +66,16 @@ class MemoryGrads(GradStore):
         else:
             st.grad.add_(part)
 
+    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+        if part.dtype not in LOW_PRECISION:
+            self.add(st, part if part.is_contiguous() else part.contiguous())
+            return
+        if st.grad is None:
+            home = "cpu" if st.tier != "none" else part.device
+            st.grad = part.to(home, torch.float32, copy=True)  # exact: every low-precision value is a float32
+        else:
+            st.grad.add_(part)  # float32 += float32(part): computed and rounded in float32
+
     def has(self, st: ParamState) -> bool:
         return st.grad is not None
 
@@ -73,6 +90,7 @@ class MemoryGrads(GradStore):
 
 
 MEMORY = MemoryGrads()
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def store_of(st: ParamState) -> GradStore:
@@ -137,6 +155,31 @@ class NvmeGrads(GradStore):
             part = part.contiguous()
         self._gen_meta[key] = (part.numel(), part.dtype)
         self.ns.put(key, part, gen)
+
+    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+        """A partition's first gradient of a step is written in its own dtype (its float32 value is the
+        same, at half the bytes); accumulating into it reads it back, widens it to float32 and writes the
+        float32 sum. `load` then returns float32 or the one low-precision gradient, the same values."""
+        key = self.key(st)
+        meta = self._gen_meta.get(key) or self._meta.get(key)
+        if part.dtype not in LOW_PRECISION or meta is None or self._error is not None:
+            self.add(st, part)  # kept in the write queue until written: its landing buffer stays in use
+            return
+        gen = self._generation()
+        if gen._error is not None:
+            return
+        stored = self.engine.empty((meta[0],), meta[1])
+        try:
+            self.ns.read(key, stored, gen).wait()
+        except Exception as exc:
+            gen._error = gen._error or exc
+            return
+        acc = stored if meta[1] == torch.float32 else self.engine.empty((meta[0],), torch.float32)
+        if acc is not stored:
+            acc.copy_(stored)
+        acc.add_(part.to("cpu") if part.device.type != "cpu" else part)
+        self._gen_meta[key] = (acc.numel(), torch.float32)
+        self.ns.put(key, acc, gen)
 
     def _generation(self) -> Transaction:
         task = torch._C._current_graph_task_id()

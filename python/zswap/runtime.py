@@ -174,6 +174,9 @@ class Engine:
         self._grads = grads.GradSink(self._items, self.device)
         try:
             self._grad_stores = gradstore.attach(self._items, config)
+            self._grads.land_in(
+                grads.landing_alloc(self.device, self._grad_stores, self._stores.values()), pool
+            )
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
             self.optimizer, self._owns_optimizer, self._no_optimizer = _optimizer(module, config, optimizer)
             self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
@@ -542,7 +545,8 @@ def _step_batch(
                 if handle is not None:
                     handle.wait()
             for i, (p, _) in enumerate(batch):
-                p.data, p.grad = loads[2 * i][0], loads[2 * i + 1][0]
+                p.data = loads[2 * i][0]
+                p.grad = grads.step_grad(p, loads[2 * i + 1][0], isinstance(optimizer, OffloadedAdamW))
                 if loads[2 * i][1] is not None:  # read into a scratch buffer: free to change
                     txn.scratch(p.data)
                 elif not own_undo:
@@ -567,7 +571,8 @@ def _step_batch(
                     with contextlib.suppress(Exception):
                         handle.wait()  # engine buffers must not be dropped under a running read
             for p, st in batch:
-                p.data, p.grad = torch.empty(0, dtype=st.dtype, device=st.device), None
+                grads.clear_step_grad(p, st.dtype)
+                p.data = torch.empty(0, dtype=st.dtype, device=st.device)
 
 
 def _unique(params: Any) -> list[torch.Tensor]:

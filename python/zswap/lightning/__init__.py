@@ -3,7 +3,8 @@
 Needs the ``lightning`` package (``pip install 'zswap[lightning]'``). Modules: ``_strategy`` (the strategy:
 Lightning's hooks mapped onto ``Init`` / ``initialize`` / the Engine), ``_precision`` (backward, optimizer
 step and clipping through the engine; the param dtype), ``_optim`` (the module's Adam/AdamW turned into
-zswap's offloaded AdamW, its lr schedulers re-pointed).
+zswap's offloaded AdamW, its lr schedulers re-pointed), ``_summary`` (the model summary with the real size
+of partitioned params).
 """
 
 from __future__ import annotations
@@ -17,5 +18,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ._precision import ZswapPrecision
 from ._strategy import ZswapStrategy
+from ._summary import ZswapSummary
 
-__all__ = ["ZswapPrecision", "ZswapStrategy"]
+__all__ = ["ZswapPrecision", "ZswapStrategy", "ZswapSummary"]

@@ -15,6 +15,7 @@ Lightning                                  zswap
                                            at its boundaries only; the engine sees one micro-step each
 ``gradient_clip_val``                      the engine's ``max_grad_norm`` for that step (global norm)
 ``trainer.save_checkpoint`` / ``ckpt_path``  ``engine.save_checkpoint`` / ``engine.load_checkpoint``
+``ModelSummary`` callbacks                 `ZswapSummary`: partitioned params counted by their full size
 several processes                          Lightning's launcher (DDP's), gloo/NCCL process group, each
                                            rank holding 1/world of every param; no DDP wrapper
 =========================================  =============================================================
@@ -53,6 +54,7 @@ from ..runtime import Engine, initialize
 from ._optim import is_convertible, rebind_schedulers, to_offloaded
 from ._parallel import ProcessGroupStrategy
 from ._precision import DTYPES, VALUE_CLIPPING, ZswapPrecision
+from ._summary import use_real_sizes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -185,6 +187,7 @@ class ZswapStrategy(ProcessGroupStrategy):
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_trainer(trainer, fitting)
+        use_real_sizes(trainer)  # Lightning's summary would count the empty partitioned params: 0
         client: Any = None  # what configure_optimizers returned (None: nothing, or the config's is used)
         owned: OffloadedAdamW | None = None  # the offloaded AdamW built here from the client optimizer
         schedulers: list[Any] = []
