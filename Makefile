@@ -92,13 +92,13 @@ wheel: $(BUILD_VENV)/bin/maturin
 clean:
 	rm -rf target dist python/zswap/*.so .pytest_cache .hypothesis
 
-## wheelhouse/: the test tools benches/gpu_check.sh installs on a GPU machine without an index (CPython
+## wheelhouse/: the test tools benches/gpu_check.sh installs, where that machine lacks them, without an index (CPython
 ## $(GPU_PY), manylinux x86-64; torch is never bundled: it must be on that machine). With dist/ from
 ## `make wheel`, carry both along and run `bash benches/gpu_check.sh` there. GPU_BUNDLE_HF=0 leaves out
 ## transformers and its dependencies (~25 MB of the ~45 MB; the GPT-2 / Llama GPU tests then skip).
 GPU_PY ?= 3.12
 GPU_BUNDLE_HF ?= 1
-GPU_BUNDLE := "pytest>=8" "pydantic>=2.7" "safetensors>=0.4" numpy $(if $(filter 1,$(GPU_BUNDLE_HF)),"transformers>=4.44")
+GPU_BUNDLE := "pytest>=8" "hypothesis>=6.100" "pydantic>=2.7" "safetensors>=0.4" numpy $(if $(filter 1,$(GPU_BUNDLE_HF)),"transformers>=4.44")
 .PHONY: gpu-check-bundle
 gpu-check-bundle: $(PY_DEP)
 	rm -rf wheelhouse

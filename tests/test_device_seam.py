@@ -146,6 +146,16 @@ def test_resolve():
         resolve(3)
 
 
+def test_the_cpu_suite_runs_as_without_cuda():
+    """tests/conftest.py hides CUDA from every test not marked gpu (here and in subprocesses), so that
+    ``device=None`` means the CPU for the CPU suite on a GPU machine too."""
+    import os
+
+    assert not torch.cuda.is_available() and torch.cuda.device_count() == 0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert isinstance(resolve(None), CpuDevice)
+
+
 # -- the runtime through the stand-in ------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .device import Alloc, Copy, Device, ReusePool, on_host
 from .gather import Item, no_torch_function
 from .gradstore import LOW_PRECISION, MemoryGrads, NvmeGrads, store_of
-from .params import ParamState, Status, param_state
+from .params import NvmeStore, ParamState, Status, param_state
 
 
 class GradSink:
@@ -140,7 +140,7 @@ def landing_alloc(device: Device, grad_stores: Iterable[Any], stores: Iterable[A
     if device.passthrough:
         return None
     engines = [gs.engine for gs in grad_stores if isinstance(gs, NvmeGrads)]
-    engines += [s.engine for s in stores if hasattr(s, "engine") and hasattr(s, "host_alloc")]
+    engines += [s.engine for s in stores if isinstance(s, NvmeStore)]
     return device.register_alloc(engines[0].empty) if engines else None
 
 
