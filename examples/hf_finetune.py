@@ -84,13 +84,14 @@ def main() -> None:
             warnings.simplefilter("ignore", zswap.ZswapWarning)  # a temp dir on tmpfs: buffered I/O
             with zswap.Init(cfg):
                 model = build(args.model, len(chars), args.dim, args.layers)
-        with zswap.initialize(model, cfg) as engine:
+        with zswap.initialize(model, cfg) as engine:  # on the GPU when there is one, else the CPU
+            windows = windows.to(engine.device.torch_device)  # inputs go where the modules compute
             with torch.no_grad():  # before any step: the loss of the weights as built or loaded
                 first = windows[: args.batch_size]
                 print(f"initial loss {model.eval()(input_ids=first, labels=first).loss.item()!r}", flush=True)
             model.train()
             for step in range(1, args.steps + 1):
-                batch = windows[torch.randint(len(windows), (args.batch_size,))]
+                batch = windows[torch.randint(len(windows), (args.batch_size,)).to(windows.device)]
                 loss = model(input_ids=batch, labels=batch).loss
                 loss.backward()
                 engine.step()
