@@ -205,7 +205,9 @@ def full_grad(p: torch.Tensor) -> torch.Tensor | None:
     does not manage), or ``None`` if it has none.
 
     For a partitioned param the partitions are gathered across ranks, so every rank must call it for the
-    same params in the same order. The result is a new tensor on the param's device.
+    same params in the same order. The result is a new tensor on the param's device, in the dtype its
+    partition gradient is kept in: the param's, except float32 for a float16/bfloat16 param whose gradients
+    came from a compute device (accumulated in float32 where they landed, `GradStore.add_fp32`).
     """
     st = param_state(p)
     if st is None:
