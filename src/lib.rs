@@ -8,6 +8,7 @@ pub mod adam;
 pub mod align;
 pub mod baseline;
 pub mod buffer;
+pub mod copy;
 pub mod engine;
 pub mod error;
 pub mod memcheck;

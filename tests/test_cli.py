@@ -15,11 +15,18 @@ def test_bench_prints_engine_next_to_baseline(tmp_path: Path, capsys: pytest.Cap
     args = ["bench", "--path", str(tmp_path), "--size", "8MiB", "--repeat", "1"]
     assert main([*args, "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "raw disk:" in text and "zswap SwapEngine, engine buffers" in text and "×)" in text
     figures = json.loads(out.read_text())
     assert figures["size"] == 8 << 20
-    assert figures["engine_buffers"]["write"] > 0 and figures["torch_tensors"]["read"] > 0
-    assert figures["ratios"]["engine_buffers"]["write"] is not None
+    cases = ["fresh write", "rewrite", "read, touched memory", "read, untouched memory"]
+    for kind in ("engine buffers", "torch tensors"):
+        assert kind in text
+        rows = figures["rows"][kind]
+        assert [r["case"] for r in rows] == cases
+        for r in rows:
+            assert r["zswap"] > 0 and r["baseline"] > 0 and r["ratio"] == round(r["zswap"] / r["baseline"], 3)
+            assert f"{r['case']:30}{r['zswap']:>8.2f}{r['baseline']:>10.2f}{r['ratio']:>7.2f}×" in text
+        assert [r["baseline_case"] for r in rows] == ["fresh write", "rewrite", "read", "read"]
+    assert figures["baseline"] and all(b["source"] in text for b in figures["baseline"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.json"]  # no swap or fio file left
 
 

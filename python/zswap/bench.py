@@ -1,8 +1,20 @@
-"""Engine throughput next to the raw disk, measured in the same run on the same directory.
+"""Engine throughput next to the raw disk, like with like, measured in the same run on the same directory.
 
-The baseline is fio (io_uring, O_DIRECT, same block size and queue depth), best of its ordinary and
-huge-page buffers; without fio, the bare io_uring loop in the Rust crate (`baseline.rs`). Every figure is
-the best of `repeat` passes, each an overwrite of space written once before (as fio's are after layout).
+Four cases, each for engine buffers (`SwapEngine.empty`) and for ordinary torch tensors, each beside the
+fio figure for the same case (io_uring, O_DIRECT, same block size and queue depth, best of its buffer
+kinds) and the ratio:
+
+- fresh write: the engine writes into a new swap file, fio onto a new file (both `fallocate`d, never
+  written: the file system converts unwritten extents as it goes);
+- rewrite: both write over space already written once (for the engine: the key's copy-on-write target
+  is an extent written before);
+- read into touched memory: into the tensor that was just written (fio reuses its buffers);
+- read into untouched memory: into a tensor allocated just before the timed read (outside the timer),
+  as every fetch into a new buffer does. fio has no such case; its read figure is the baseline.
+
+Without fio the crate's bare io_uring loop (`baseline.rs`) is the baseline (one write and one read
+figure for every row). Every figure is the best of `repeat` passes; fio and the engine alternate pass by
+pass so a drifting disk moves both.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -24,71 +36,164 @@ import torch
 from . import _zswap
 from .swap import Backend, SwapEngine
 
+#: The four cases, in the order printed.
+CASES = ("fresh write", "rewrite", "read, touched memory", "read, untouched memory")
+#: Which fio figure each case is compared with.
+_FIO_CASE = {
+    "fresh write": "fresh write",
+    "rewrite": "rewrite",
+    "read, touched memory": "read",
+    "read, untouched memory": "read",
+}
+#: ratio targets of issue 14 (engine buffers, ordinary tensors).
+TARGETS = {"engine buffers": 0.95, "torch tensors": 0.90}
+#: fio's buffer kinds: plain malloc, malloc on transparent huge pages (glibc's `hugetlb=1` tunable makes
+#: malloc advise MADV_HUGEPAGE, as the engine does with its buffers), and reserved hugetlb pages.
+_FIO_IOMEM = {
+    "malloc": ("malloc", {}),
+    "malloc+THP": ("malloc", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}),
+    "shmhuge": ("shmhuge", {}),
+}
+
 
 @dataclass(frozen=True)
 class Rate:
-    """Throughput in GB/s (10^9 bytes per second)."""
+    """Throughput in GB/s (10^9 bytes per second). `write` is over space written before, `fresh_write`
+    onto a new file (0 where not measured)."""
 
     write: float
     read: float
     source: str
     #: Why the figure could not be measured (then write and read are 0).
     unavailable: str | None = None
+    fresh_write: float = 0.0
 
 
-def fio_rate(path: Path, size: int, block_size: int, queue_depth: int, iomem: str, repeat: int) -> Rate:
-    """fio's best of `repeat` write and read passes on a temp file in `path` (deleted afterwards)."""
+def _fio_pass(target: Path, size: int, block_size: int, queue_depth: int, rw: str, iomem: str) -> float:
+    mem, env = _FIO_IOMEM[iomem]
+    cmd = [
+        "fio", "--name=zswap-baseline", f"--filename={target}", f"--size={size}",
+        f"--bs={block_size}", f"--iodepth={queue_depth}", "--ioengine=io_uring", "--direct=1",
+        f"--rw={rw}", f"--iomem={mem}", "--output-format=json",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    if r.returncode != 0:
+        first = (r.stderr or r.stdout).strip().splitlines() or ["no output"]
+        raise RuntimeError(f"fio failed: {first[0][:160]}")
+    job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
+    return float(job[rw]["bw_bytes"]) / 1e9
+
+
+def fio_cases(path: Path, size: int, block_size: int, queue_depth: int, iomem: str) -> dict[str, float]:
+    """One fio pass of each case on a new temp file in `path` (deleted afterwards): write onto the new
+    file, write over it again, read it."""
     target = path / f".zswap-fio-{os.getpid()}"
-    best = {"write": 0.0, "read": 0.0}
+    target.unlink(missing_ok=True)
     try:
-        for rw in ["write"] * (repeat + 1) + ["read"] * repeat:
-            cmd = [
-                "fio", "--name=zswap-baseline", f"--filename={target}", f"--size={size}",
-                f"--bs={block_size}", f"--iodepth={queue_depth}", "--ioengine=io_uring", "--direct=1",
-                f"--rw={rw}", f"--iomem={iomem}", "--output-format=json",
-            ]  # fmt: skip
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if r.returncode != 0:
-                raise RuntimeError(f"fio failed: {(r.stderr or r.stdout).strip()[-300:]}")
-            job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
-            best[rw] = max(best[rw], job[rw]["bw_bytes"] / 1e9)
+        return {
+            "fresh write": _fio_pass(target, size, block_size, queue_depth, "write", iomem),
+            "rewrite": _fio_pass(target, size, block_size, queue_depth, "write", iomem),
+            "read": _fio_pass(target, size, block_size, queue_depth, "read", iomem),
+        }
     finally:
         target.unlink(missing_ok=True)
-    return Rate(best["write"], best["read"], f"fio io_uring O_DIRECT iomem={iomem}")
+
+
+def _best(into: dict[str, float], new: dict[str, float]) -> None:
+    for k, v in new.items():
+        into[k] = max(into.get(k, 0.0), v)
 
 
 def baseline(path: Path, size: int, block_size: int, queue_depth: int, repeat: int) -> list[Rate]:
-    """The raw-disk figures: fio with ordinary and huge-page buffers, or the crate's own loop."""
+    """The raw-disk figures: fio with each buffer kind (best of `repeat`), or the crate's own loop."""
     if shutil.which("fio") is None:
-        best = Rate(0.0, 0.0, "zswap raw io_uring loop (fio not installed)")
-        for _ in range(repeat):
-            w, r = _zswap.raw_io_uring_baseline(path, size, block_size, queue_depth)
-            best = Rate(max(best.write, size / w / 1e9), max(best.read, size / r / 1e9), best.source)
-        return [best]
-    rates = [fio_rate(path, size, block_size, queue_depth, "malloc", repeat)]
-    try:  # needs reserved hugetlb pages (/proc/sys/vm/nr_hugepages)
-        rates.append(fio_rate(path, size, block_size, queue_depth, "shmhuge", repeat))
-    except RuntimeError as e:
-        rates.append(Rate(0.0, 0.0, "fio io_uring O_DIRECT iomem=shmhuge", unavailable=str(e)[:160]))
+        return [_raw_loop(path, size, block_size, queue_depth, repeat)]
+    rates = []
+    for iomem in _FIO_IOMEM:
+        best: dict[str, float] = {}
+        try:
+            for _ in range(repeat):
+                _best(best, fio_cases(path, size, block_size, queue_depth, iomem))
+        except RuntimeError as e:  # shmhuge needs reserved hugetlb pages (/proc/sys/vm/nr_hugepages)
+            rates.append(Rate(0.0, 0.0, f"fio io_uring O_DIRECT iomem={iomem}", unavailable=str(e)[:160]))
+            continue
+        rates.append(_fio_rate(best, iomem))
     return rates
+
+
+def _fio_rate(best: dict[str, float], iomem: str) -> Rate:
+    return Rate(
+        best["rewrite"], best["read"], f"fio io_uring O_DIRECT iomem={iomem}", None, best["fresh write"]
+    )
+
+
+def _raw_loop(path: Path, size: int, block_size: int, queue_depth: int, repeat: int) -> Rate:
+    w_best = r_best = 0.0
+    for _ in range(repeat):
+        w, r = _zswap.raw_io_uring_baseline(path, size, block_size, queue_depth)
+        w_best, r_best = max(w_best, size / w / 1e9), max(r_best, size / r / 1e9)
+    return Rate(w_best, r_best, "zswap raw io_uring loop (fio not installed)", None, w_best)
 
 
 def engine_rate(
     engine: SwapEngine, tensor: torch.Tensor, repeat: int, label: str, progress: Callable[[str], None]
 ) -> Rate:
-    """The engine's best of `repeat` write and read passes of `tensor` through the Python API."""
+    """The engine's best of `repeat` overwrite and read (into `tensor`, touched) passes, after a layout
+    pass: the steady-state figures `zswap tune` and other benches compare."""
     size = tensor.numel() * tensor.element_size()
     best = {"write": 0.0, "read": 0.0}
     engine.write("bench", tensor).wait()  # layout pass: later passes overwrite, like fio's
     for i in range(repeat):
         for op in ("write", "read"):
+            move = getattr(engine, op)
             with _Progress(engine, f"{label}: {op} {i + 1}/{repeat}", size, progress):
-                t0 = time.perf_counter()
-                getattr(engine, op)("bench", tensor).wait()
-                dt = time.perf_counter() - t0
+                dt = _timed(lambda: move("bench", tensor).wait())  # noqa: B023 (called at once)
             best[op] = max(best[op], size / dt / 1e9)
     engine.free("bench")
     return Rate(best["write"], best["read"], label)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+#: How each kind of tensor is made: in an engine buffer, or by torch's own allocator.
+_MAKERS: dict[str, Callable[[SwapEngine, int], torch.Tensor]] = {
+    "engine buffers": lambda e, n: e.empty(n, torch.float32),
+    "torch tensors": lambda _e, n: torch.empty(n, dtype=torch.float32),
+}
+
+
+def engine_cases(
+    path: Path, size: int, kind: str, engine_kwargs: dict[str, object], progress: Callable[[str], None]
+) -> tuple[dict[str, float], dict[str, object]]:
+    """One pass of each case through a new engine (so the first write lands on a new swap file);
+    returns GB/s by case and the engine's `info`. Raises `AssertionError` if a read returns other bytes
+    than were written (a benchmark of wrong results would mean nothing)."""
+    make = _MAKERS[kind]
+    numel = size // 4
+    out: dict[str, float] = {}
+    with SwapEngine(path, **engine_kwargs) as e:  # type: ignore[arg-type]
+
+        def timed(case: str, fn: Callable[[], object]) -> None:
+            with _Progress(e, f"{kind}: {case}", size, progress):
+                out[case] = size / _timed(fn) / 1e9
+
+        src = make(e, numel)
+        torch.arange(numel, out=src, dtype=torch.float32)  # a pattern a misplaced block would break
+        sample = src[:: 1 << 16].clone()
+        timed("fresh write", lambda: e.write("bench", src).wait())
+        e.write("bench", src).wait()  # the copy-on-write target of the next write is now laid out too
+        timed("rewrite", lambda: e.write("bench", src).wait())
+        timed("read, touched memory", lambda: e.read("bench", src).wait())
+        fresh = make(e, numel)  # allocated outside the timer, never touched
+        timed("read, untouched memory", lambda: e.read("bench", fresh).wait())
+        if not torch.equal(fresh, src) or not torch.equal(src[:: 1 << 16], sample):
+            raise AssertionError(f"zswap bench: {kind}: the bytes read back differ from those written")
+        info = dict(e.info)
+    return out, info
 
 
 class _Progress:
@@ -116,6 +221,16 @@ class _Progress:
             self.out(f"{self.label} {done / 2**20:,.0f}/{self.size / 2**20:,.0f} MiB")
 
 
+@dataclass(frozen=True)
+class Row:
+    case: str
+    zswap: float
+    #: The same-run baseline figure (GB/s) and what it is.
+    baseline: float
+    baseline_case: str
+    ratio: float | None
+
+
 @dataclass
 class BenchResult:
     path: str
@@ -124,25 +239,21 @@ class BenchResult:
     queue_depth: int
     backend: str
     direct: bool
+    #: The raw-disk figures, one per fio buffer kind (or the crate's loop).
     baseline: list[Rate]
-    engine_buffers: Rate
-    torch_tensors: Rate
-
-    def best_baseline(self) -> tuple[float, float]:
-        return max(r.write for r in self.baseline), max(r.read for r in self.baseline)
+    #: "engine buffers" / "torch tensors" -> the four cases.
+    rows: dict[str, list[Row]] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        w, r = self.best_baseline()
-        d = asdict(self)
-        d["ratios"] = {
-            name: {"write": _ratio(rate.write, w), "read": _ratio(rate.read, r)}
-            for name, rate in (("engine_buffers", self.engine_buffers), ("torch_tensors", self.torch_tensors))
-        }
-        return json.dumps(d, indent=2)
+        return json.dumps(asdict(self), indent=2)
 
 
 def _ratio(x: float, base: float) -> float | None:
     return round(x / base, 3) if base > 0 else None
+
+
+def _baseline_for(case: str, fio: dict[str, float]) -> float:
+    return fio[_FIO_CASE[case]]
 
 
 def run(
@@ -168,32 +279,70 @@ def run(
         out.write(("\r\033[K" if tty else "") + line + "\n")
         out.flush()
 
+    size = max(4096, size // 4096 * 4096)
     say(
         f"zswap bench: {size / 2**30:.2f} GiB in {path}, "
-        f"block {block_size >> 10} KiB, queue depth {queue_depth}"
+        f"block {block_size >> 10} KiB, queue depth {queue_depth}, best of {repeat}"
     )
-    progress("raw disk baseline...")
-    base = baseline(path, size, block_size, queue_depth, repeat)
-    with SwapEngine(
-        path, block_size=block_size, queue_depth=queue_depth, backend=backend, threads=threads
-    ) as e:
-        numel = size // 4
-        eng = engine_rate(e, e.empty(numel, torch.float32).fill_(1.25), repeat, "engine buffers", progress)
-        plain = engine_rate(e, torch.full((numel,), 1.25), repeat, "torch tensors", progress)
-        info = e.info
+    kwargs: dict[str, object] = {
+        "block_size": block_size, "queue_depth": queue_depth, "backend": backend, "threads": threads,
+    }  # fmt: skip
+    have_fio = shutil.which("fio") is not None
+    fio_best: dict[str, dict[str, float]] = {k: {} for k in _FIO_IOMEM}
+    fio_errors: dict[str, str] = {}
+    eng_best: dict[str, dict[str, float]] = {k: {} for k in _MAKERS}
+    info: dict[str, object] = {}
+    for i in range(repeat):
+        # fio and the engine alternate pass by pass, so a drifting disk moves both.
+        for iomem in _FIO_IOMEM if have_fio else ():
+            if iomem in fio_errors:
+                continue
+            progress(f"fio iomem={iomem} {i + 1}/{repeat}...")
+            try:
+                _best(fio_best[iomem], fio_cases(path, size, block_size, queue_depth, iomem))
+            except RuntimeError as e:  # shmhuge needs reserved hugetlb pages
+                fio_errors[iomem] = str(e)[:160]
+        for kind in _MAKERS:
+            got, info = engine_cases(path, size, kind, kwargs, progress)
+            _best(eng_best[kind], got)
+    if have_fio:
+        base = [
+            Rate(0.0, 0.0, f"fio io_uring O_DIRECT iomem={k}", unavailable=fio_errors[k])
+            if k in fio_errors
+            else _fio_rate(fio_best[k], k)
+            for k in _FIO_IOMEM
+        ]
+    else:
+        base = [_raw_loop(path, size, block_size, queue_depth, repeat)]
+    usable = [r for r in base if not r.unavailable]
+    fio = {
+        "fresh write": max(r.fresh_write for r in usable),
+        "rewrite": max(r.write for r in usable),
+        "read": max(r.read for r in usable),
+    }
     res = BenchResult(
-        str(path), size, block_size, queue_depth, info["backend"], info["direct"], base, eng, plain
+        str(path), size, block_size, queue_depth, str(info["backend"]), bool(info["direct"]), base
     )
-    bw, br = res.best_baseline()
+    for kind, figures in eng_best.items():
+        res.rows[kind] = [
+            Row(c, figures[c], _baseline_for(c, fio), _FIO_CASE[c], _ratio(figures[c], _baseline_for(c, fio)))
+            for c in CASES
+        ]
     say(f"backend {info['backend']}, direct I/O {info['direct']}, {info['threads']} thread(s)")
-    say(f"{'':44}{'write GB/s':>18}{'read GB/s':>18}")
+    say(f"{'raw disk, GB/s':48}{'fresh write':>12}{'rewrite':>10}{'read':>8}")
     for r in base:
         if r.unavailable:
-            say(f"{'raw disk: ' + r.source:44}{'n/a':>18}{'n/a':>18}  ({r.unavailable})")
+            say(f"  {r.source:46}{'n/a':>12}  ({r.unavailable})")
         else:
-            say(f"{'raw disk: ' + r.source:44}{r.write:>18.2f}{r.read:>18.2f}")
-    for r in (eng, plain):
-        cells = [f"{v:.2f} ({_ratio(v, b) or 0:.2f}×)" for v, b in ((r.write, bw), (r.read, br))]
-        say(f"{'zswap SwapEngine, ' + r.source:44}{cells[0]:>18}{cells[1]:>18}")
-    say("ratios are against the best raw-disk figure above")
+            say(f"  {r.source:46}{r.fresh_write:>12.2f}{r.write:>10.2f}{r.read:>8.2f}")
+    say(f"{'zswap SwapEngine, GB/s':34}{'zswap':>8}{'baseline':>10}{'ratio':>8}{'target':>8}")
+    for kind, rows in res.rows.items():
+        say(f"  {kind}")
+        for row in rows:
+            ok = row.ratio is not None and row.ratio >= TARGETS[kind]
+            say(
+                f"    {row.case:30}{row.zswap:>8.2f}{row.baseline:>10.2f}"
+                f"{(row.ratio or 0):>7.2f}×{f'≥ {TARGETS[kind]:.2f}':>8}{'' if ok else '  (below)'}"
+            )
+    say("baseline: the best raw-disk figure above for the same case (both reads: fio's read)")
     return res

@@ -54,7 +54,7 @@ impl BlockJob {
     pub unsafe fn prepare(&self, bounce: *mut u8) -> *mut u8 {
         let mem = if self.bounce { bounce } else { self.user };
         if self.op == Op::Write && self.bounce {
-            std::ptr::copy_nonoverlapping(self.user, bounce, self.data_len);
+            crate::copy::copy_block(bounce, self.user, self.data_len);
             std::ptr::write_bytes(bounce.add(self.data_len), 0, self.io_len - self.data_len);
         }
         mem
@@ -103,7 +103,7 @@ impl BlockJob {
             }
         }
         if self.bounce {
-            std::ptr::copy_nonoverlapping(mem, self.user, self.data_len);
+            crate::copy::copy_block(self.user, mem, self.data_len);
         }
         Ok(())
     }

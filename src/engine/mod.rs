@@ -336,6 +336,10 @@ impl Engine {
             }
         };
         let jobs = self.jobs(Op::Read, dst, &target.layout, &target.checksums, &req);
+        if jobs.iter().any(|j| j.bounce) {
+            // Caller's memory: let its untouched pages fault in as huge pages (see buffer.rs).
+            crate::buffer::advise_huge_destination(dst as usize, len);
+        }
         self.send(&open, jobs);
         Ok(req)
     }

@@ -107,17 +107,7 @@ impl UringWorker {
                     }
                 };
                 self.free.pop();
-                // Checksummed writes are handed to the kernel inside `start` already.
-                let bounced = job.bounce && !job.wants_checksum();
-                if !self.start(slot, job, &ctx) {
-                    continue; // a lost write (fault injection): completed without I/O
-                }
-                inflight += 1;
-                if bounced {
-                    // Hand the block to the kernel before copying the next one, so the disk works
-                    // while this thread copies. An error here resurfaces from submit_and_wait below.
-                    let _ = self.ring.submit();
-                }
+                self.launch(slot, job, &ctx, &mut inflight);
             }
             if inflight == 0 {
                 continue;
@@ -142,6 +132,27 @@ impl UringWorker {
         }
     }
 
+    /// Starts `job` in the free `slot` (already taken off `free`).
+    fn launch(&mut self, slot: usize, job: BlockJob, ctx: &WorkerCtx, inflight: &mut usize) {
+        // Checksummed writes are handed to the kernel inside `start` already.
+        let bounced = job.bounce && !job.wants_checksum();
+        let dest = (job.bounce && job.op == Op::Read).then_some((job.user, job.data_len));
+        if !self.start(slot, job, ctx) {
+            return; // a lost write (fault injection): completed without I/O
+        }
+        *inflight += 1;
+        if bounced {
+            // Hand the block to the kernel before copying the next one, so the disk works
+            // while this thread copies. An error here resurfaces from submit_and_wait.
+            let _ = self.ring.submit();
+        }
+        if let Some((user, len)) = dest {
+            // Fault the destination in while the disk reads the block, not in the copy out
+            // after it completes (a fresh tensor's first touch runs far below disk speed).
+            crate::buffer::prefault_destination(user, len);
+        }
+    }
+
     fn reap(&mut self, ctx: &WorkerCtx, inflight: &mut usize) {
         let done: Vec<(usize, i64)> = self
             .ring
@@ -151,6 +162,14 @@ impl UringWorker {
         for (slot, res) in done {
             if !self.on_complete(slot, res, ctx) {
                 *inflight -= 1;
+                // Refill the slot just freed before copying out the next completed block, so a burst
+                // of completions does not leave the disk idle while this thread copies them all.
+                if let Some(&free) = self.free.last() {
+                    if let Ok(job) = ctx.rx.try_recv() {
+                        self.free.pop();
+                        self.launch(free, job, ctx, inflight);
+                    }
+                }
             }
         }
     }
