@@ -69,7 +69,11 @@ class Rate:
     fresh_write: float = 0.0
 
 
-def _fio_pass(target: Path, size: int, block_size: int, queue_depth: int, rw: str, iomem: str) -> float:
+#: A pass's figures: (GB/s, CPU seconds per GB moved — user + system, every thread of the process).
+Pass = tuple[float, float]
+
+
+def _fio_pass(target: Path, size: int, block_size: int, queue_depth: int, rw: str, iomem: str) -> Pass:
     mem, env = _FIO_IOMEM[iomem]
     cmd = [
         "fio", "--name=zswap-baseline", f"--filename={target}", f"--size={size}",
@@ -81,10 +85,12 @@ def _fio_pass(target: Path, size: int, block_size: int, queue_depth: int, rw: st
         first = (r.stderr or r.stdout).strip().splitlines() or ["no output"]
         raise RuntimeError(f"fio failed: {first[0][:160]}")
     job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
-    return float(job[rw]["bw_bytes"]) / 1e9
+    gbps = float(job[rw]["bw_bytes"]) / 1e9
+    cpu_s = (float(job["usr_cpu"]) + float(job["sys_cpu"])) / 100 * float(job["job_runtime"]) / 1e3
+    return gbps, cpu_s / (size / 1e9)
 
 
-def fio_cases(path: Path, size: int, block_size: int, queue_depth: int, iomem: str) -> dict[str, float]:
+def fio_cases(path: Path, size: int, block_size: int, queue_depth: int, iomem: str) -> dict[str, Pass]:
     """One fio pass of each case on a new temp file in `path` (deleted afterwards): write onto the new
     file, write over it again, read it."""
     target = path / f".zswap-fio-{os.getpid()}"
@@ -99,9 +105,10 @@ def fio_cases(path: Path, size: int, block_size: int, queue_depth: int, iomem: s
         target.unlink(missing_ok=True)
 
 
-def _best(into: dict[str, float], new: dict[str, float]) -> None:
+def _best(into: dict[str, Pass], new: dict[str, Pass]) -> None:
+    """Keeps each case's fastest pass (with that pass's CPU figure)."""
     for k, v in new.items():
-        into[k] = max(into.get(k, 0.0), v)
+        into[k] = max(into.get(k, (0.0, 0.0)), v)
 
 
 def baseline(path: Path, size: int, block_size: int, queue_depth: int, repeat: int) -> list[Rate]:
@@ -110,7 +117,7 @@ def baseline(path: Path, size: int, block_size: int, queue_depth: int, repeat: i
         return [_raw_loop(path, size, block_size, queue_depth, repeat)]
     rates = []
     for iomem in _FIO_IOMEM:
-        best: dict[str, float] = {}
+        best: dict[str, Pass] = {}
         try:
             for _ in range(repeat):
                 _best(best, fio_cases(path, size, block_size, queue_depth, iomem))
@@ -121,10 +128,9 @@ def baseline(path: Path, size: int, block_size: int, queue_depth: int, repeat: i
     return rates
 
 
-def _fio_rate(best: dict[str, float], iomem: str) -> Rate:
-    return Rate(
-        best["rewrite"], best["read"], f"fio io_uring O_DIRECT iomem={iomem}", None, best["fresh write"]
-    )
+def _fio_rate(best: dict[str, Pass], iomem: str) -> Rate:
+    source = f"fio io_uring O_DIRECT iomem={iomem}"
+    return Rate(best["rewrite"][0], best["read"][0], source, None, best["fresh write"][0])
 
 
 def _raw_loop(path: Path, size: int, block_size: int, queue_depth: int, repeat: int) -> Rate:
@@ -168,18 +174,20 @@ _MAKERS: dict[str, Callable[[SwapEngine, int], torch.Tensor]] = {
 
 def engine_cases(
     path: Path, size: int, kind: str, engine_kwargs: dict[str, object], progress: Callable[[str], None]
-) -> tuple[dict[str, float], dict[str, object]]:
+) -> tuple[dict[str, Pass], dict[str, object]]:
     """One pass of each case through a new engine (so the first write lands on a new swap file);
     returns GB/s by case and the engine's `info`. Raises `AssertionError` if a read returns other bytes
     than were written (a benchmark of wrong results would mean nothing)."""
     make = _MAKERS[kind]
     numel = size // 4
-    out: dict[str, float] = {}
+    out: dict[str, Pass] = {}
     with SwapEngine(path, **engine_kwargs) as e:  # type: ignore[arg-type]
 
         def timed(case: str, fn: Callable[[], object]) -> None:
             with _Progress(e, f"{kind}: {case}", size, progress):
-                out[case] = size / _timed(fn) / 1e9
+                cpu0 = time.process_time()
+                dt = _timed(fn)
+                out[case] = (size / dt / 1e9, (time.process_time() - cpu0) / (size / 1e9))
 
         src = make(e, numel)
         torch.arange(numel, out=src, dtype=torch.float32)  # a pattern a misplaced block would break
@@ -229,6 +237,9 @@ class Row:
     baseline: float
     baseline_case: str
     ratio: float | None
+    #: CPU seconds per GB moved, zswap's (all threads of this process) and the baseline's.
+    cpu_per_gb: float = 0.0
+    baseline_cpu_per_gb: float = 0.0
 
 
 @dataclass
@@ -250,10 +261,6 @@ class BenchResult:
 
 def _ratio(x: float, base: float) -> float | None:
     return round(x / base, 3) if base > 0 else None
-
-
-def _baseline_for(case: str, fio: dict[str, float]) -> float:
-    return fio[_FIO_CASE[case]]
 
 
 def run(
@@ -288,9 +295,10 @@ def run(
         "block_size": block_size, "queue_depth": queue_depth, "backend": backend, "threads": threads,
     }  # fmt: skip
     have_fio = shutil.which("fio") is not None
-    fio_best: dict[str, dict[str, float]] = {k: {} for k in _FIO_IOMEM}
+    fio_best: dict[str, dict[str, Pass]] = {k: {} for k in _FIO_IOMEM}
     fio_errors: dict[str, str] = {}
-    eng_best: dict[str, dict[str, float]] = {k: {} for k in _MAKERS}
+    eng_best: dict[str, dict[str, Pass]] = {k: {} for k in _MAKERS}
+    load = os.getloadavg()[0]
     info: dict[str, object] = {}
     for i in range(repeat):
         # fio and the engine alternate pass by pass, so a drifting disk moves both.
@@ -314,20 +322,23 @@ def run(
         ]
     else:
         base = [_raw_loop(path, size, block_size, queue_depth, repeat)]
-    usable = [r for r in base if not r.unavailable]
-    fio = {
-        "fresh write": max(r.fresh_write for r in usable),
-        "rewrite": max(r.write for r in usable),
-        "read": max(r.read for r in usable),
-    }
+    # Per fio case, the fastest buffer kind's pass (or the raw loop's figure, CPU not measured).
+    fio: dict[str, Pass] = {}
+    for k, cases in fio_best.items():
+        if k not in fio_errors:
+            _best(fio, cases)
+    if not have_fio:
+        (raw,) = base
+        fio = {"fresh write": (raw.fresh_write, 0.0), "rewrite": (raw.write, 0.0), "read": (raw.read, 0.0)}
     res = BenchResult(
         str(path), size, block_size, queue_depth, str(info["backend"]), bool(info["direct"]), base
     )
     for kind, figures in eng_best.items():
-        res.rows[kind] = [
-            Row(c, figures[c], _baseline_for(c, fio), _FIO_CASE[c], _ratio(figures[c], _baseline_for(c, fio)))
-            for c in CASES
-        ]
+        rows = []
+        for c in CASES:
+            (z, z_cpu), (b, b_cpu) = figures[c], fio[_FIO_CASE[c]]
+            rows.append(Row(c, z, b, _FIO_CASE[c], _ratio(z, b), round(z_cpu, 3), round(b_cpu, 3)))
+        res.rows[kind] = rows
     say(f"backend {info['backend']}, direct I/O {info['direct']}, {info['threads']} thread(s)")
     say(f"{'raw disk, GB/s':48}{'fresh write':>12}{'rewrite':>10}{'read':>8}")
     for r in base:
@@ -335,14 +346,20 @@ def run(
             say(f"  {r.source:46}{'n/a':>12}  ({r.unavailable})")
         else:
             say(f"  {r.source:46}{r.fresh_write:>12.2f}{r.write:>10.2f}{r.read:>8.2f}")
-    say(f"{'zswap SwapEngine, GB/s':34}{'zswap':>8}{'baseline':>10}{'ratio':>8}{'target':>8}")
+    say(
+        f"{'zswap SwapEngine, GB/s':34}{'zswap':>8}{'baseline':>10}{'ratio':>8}{'target':>8}"
+        f"{'CPU s/GB zswap / baseline':>28}"
+    )
     for kind, rows in res.rows.items():
         say(f"  {kind}")
         for row in rows:
             ok = row.ratio is not None and row.ratio >= TARGETS[kind]
             say(
                 f"    {row.case:30}{row.zswap:>8.2f}{row.baseline:>10.2f}"
-                f"{(row.ratio or 0):>7.2f}×{f'≥ {TARGETS[kind]:.2f}':>8}{'' if ok else '  (below)'}"
+                f"{(row.ratio or 0):>7.2f}×{f'≥ {TARGETS[kind]:.2f}':>8}"
+                f"{f'{row.cpu_per_gb:.2f} / {row.baseline_cpu_per_gb:.2f}':>28}{'' if ok else '  (below)'}"
             )
     say("baseline: the best raw-disk figure above for the same case (both reads: fio's read)")
+    end = os.getloadavg()[0]
+    say(f"load average (1 min): {load:.1f} at the start, {end:.1f} at the end; {os.cpu_count()} CPUs")
     return res
