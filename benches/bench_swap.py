@@ -1,5 +1,6 @@
-"""Python-level benchmark: swap 1 GiB out and in through `SwapEngine`, from engine buffers and from
-ordinary torch tensors, next to fio (or zswap's raw io_uring loop) on the same directory, same run.
+"""Python-level benchmark: 1 GiB through `SwapEngine`, engine buffers and ordinary torch tensors — fresh
+write, rewrite, read into touched and into untouched memory — each next to fio's figure for the same case
+(or zswap's raw io_uring loop) on the same directory, same run, with the ratio.
 
     python benches/bench_swap.py [--path DIR] [--size 1GiB] [--json out.json]
 
