@@ -13,6 +13,7 @@ from typing import Any
 import numpy
 import torch
 
+from . import memory
 from ._zswap import Buffer
 
 
@@ -32,5 +33,8 @@ class _Exported:
 
 
 def tensor_over(buf: Buffer, nbytes: int) -> torch.Tensor:
-    """A writable uint8 tensor over the first `nbytes` bytes of `buf`, keeping `buf` alive."""
-    return torch.from_numpy(numpy.asarray(_Exported(buf, nbytes)))
+    """A writable uint8 tensor over the first `nbytes` bytes of `buf`, keeping `buf` alive; counted in
+    `zswap.memory`'s ledger until the last view is gone."""
+    exported = _Exported(buf, nbytes)
+    memory.track(exported, buf.capacity)
+    return torch.from_numpy(numpy.asarray(exported))

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ZswapConfig, load_config
 from .errors import ZswapWarning
@@ -28,7 +29,13 @@ from .errors import ZswapWarning
 DEFAULT_SIZE = 768 << 20
 """Bytes of fp32 params of the default model."""
 LIVE_FRACTION = 6
-"""The live-param budget is 1/LIVE_FRACTION of the model (but at least what its largest module needs)."""
+"""The live-param budget is 1/LIVE_FRACTION of the model (but at least what its largest module needs)..."""
+MAX_LIVE = DEFAULT_SIZE // 4 // LIVE_FRACTION
+"""... and at most this many elements (128 MiB of fp32, what the default model gets): the memory a run
+needs does not grow with the model."""
+SUB_GROUP = 1 << 23
+"""Elements per optimizer sub-group (32 MiB of fp32 each part; its ring of three records holds 192 MiB
+whatever the model size)."""
 BATCH, SEQ = 2, 64
 
 
@@ -94,7 +101,13 @@ class GPT(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.wte(ids) + self.wpe[: ids.shape[1]]
         for block in self.blocks:
-            h = block(h)
+            if self.training and torch.is_grad_enabled():
+                # Activation checkpointing: backward keeps each block's input, not its internals, so the
+                # activations held stay about one block's whatever the depth (the memory bound of
+                # benches/bench_memory.py is the same at 0.75, 3 and 6 GiB); the block runs twice.
+                h = checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
         return self.head(self.ln_f(h))
 
 
@@ -109,9 +122,10 @@ def default_config(
     path: Path, shape: Shape, *, live_fraction: int = LIVE_FRACTION, lr: float = 1e-3
 ) -> dict[str, Any]:
     """Params and optimizer states on NVMe in ``path``; a live-param budget of 1/``live_fraction`` of the
-    model (at least twice its largest module)."""
+    model up to `MAX_LIVE` (at least twice its largest module); optimizer sub-groups of at most
+    `SUB_GROUP` elements."""
     largest = max(shape.vocab * shape.width, 4 * shape.width * shape.width) + shape.seq * shape.width
-    live = max(shape.params // live_fraction, 2 * largest)
+    live = max(min(shape.params // live_fraction, MAX_LIVE), 2 * largest)
     return {
         "zero_optimization": {
             "offload_param": {"device": "nvme", "nvme_path": str(path)},
@@ -119,6 +133,7 @@ def default_config(
             "stage3_max_live_parameters": live,
             "stage3_prefetch_bucket_size": live - largest,
             "stage3_param_persistence_threshold": 10 * shape.width,
+            "sub_group_size": min(SUB_GROUP, -(-shape.params // 32 // 1024) * 1024),
         },
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
     }
@@ -258,6 +273,7 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
     if len(losses) > 1:
         trend = "down" if losses[-1] < losses[0] else "NOT down"
         o.say(f"  loss {losses[0]:.4f} → {losses[-1]:.4f}: {trend}")
+    _memory_lines(o, figures["training"])
     figures["peak_rss"] = _rss_peak()
     o.say(
         f"peak RSS {_mib(figures['peak_rss'])} for a {_mib(model_bytes)} model, of which "
@@ -283,3 +299,17 @@ def _phase(o: _Out, engine: Any, wall: float, passes: int, raw_read: float) -> d
         f"{s['peak_live_elements'] / 1e6:.1f}M elements"
     )
     return {**s, "wall_seconds": wall}
+
+
+def _memory_lines(o: _Out, s: dict[str, Any]) -> None:
+    """Where the memory went while training, from the ``mem_*`` lines of `zswap.Engine.stats`."""
+    o.say(
+        f"  memory while training (peaks): engine buffers {_mib(s['mem_peak_engine_buffers'])} = fetched "
+        f"params {_mib(s['mem_peak_fetch_buffers'])} (pool limit {_mib(s['mem_fetch_pool_limit'])}) + "
+        f"gradient partitions {_mib(s['mem_peak_grad_buffers'])} + optimizer ring "
+        f"{_mib(s['mem_peak_optimizer_ring'])} + other {_mib(s['mem_peak_other_buffers'])} (sum of peaks; "
+        f"their peak together {_mib(s['mem_peak_engine_buffers'])}); bounce buffers {_mib(s['mem_bounce'])}; "
+        f"write queue limit {_mib(s['mem_write_queue_limit'])}; undo arena {_mib(s['mem_undo_arena'])}; "
+        f"glibc heap now {_mib(s['mem_heap_in_use'] + s['mem_heap_mapped'])} in use, "
+        f"{_mib(s['mem_heap_free'])} free"
+    )

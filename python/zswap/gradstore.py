@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from . import memory
 from .errors import ConfigError
 from .params import NvmeStore, ParamState
 from .storage import Transaction, open_dir, storage_for
@@ -143,7 +144,8 @@ class NvmeGrads(GradStore):
         part = part.to("cpu") if part.device.type != "cpu" else part
         meta = self._gen_meta.get(key) or self._meta.get(key)
         if meta is not None:  # gradient accumulation: read, add, write back
-            acc = self.engine.empty((meta[0],), meta[1])  # page-aligned: read without a bounce copy
+            with memory.purpose("grads"):
+                acc = self.engine.empty((meta[0],), meta[1])  # page-aligned: read without a bounce copy
             try:
                 self.ns.read(key, acc, gen).wait()
             except Exception as exc:
@@ -235,7 +237,8 @@ class NvmeGrads(GradStore):
         self._check()
         key = self.key(st)
         numel, dtype = self._meta[key]
-        buf = self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
+        with memory.purpose("grads"):
+            buf = self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
         return buf, self.ns.read(key, buf)
 
     def clear(self, sts: Iterable[ParamState]) -> None:

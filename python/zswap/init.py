@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _dist, _hf, module_api
+from . import _dist, _hf, memory, module_api
 from ._access import AccessMode
 from .checkpoint import statedict
 from .config import load_config
@@ -226,6 +226,12 @@ class _InitContext:
 _CTX = _InitContext()
 
 
+def touched_bytes() -> int:
+    """Bytes of params an active `Init` gathered for writes and has not written back yet (at most about
+    `TOUCH_BUDGET_BYTES`; 0 outside Init)."""
+    return _CTX.touched_bytes
+
+
 def _subclasses(root: type) -> list[type]:
     out: list[type] = [root]
     stack: list[type] = [root]
@@ -399,6 +405,7 @@ class Init:
             raise ZswapError("zswap.Init is already active in another thread")
         frame = _Frame(self._placement)
         if not ctx.frames:
+            memory.bound_heap()  # freed weights go back to the kernel, not into glibc's heap
             ctx.install()
         ctx.frames.append(frame)
         self._frames.append(frame)
@@ -423,6 +430,7 @@ class Init:
             ctx.frames.remove(frame)
             if not ctx.frames:
                 ctx.uninstall()
+                memory.trim()
 
 
 def _open_engine(paths: Any, aio: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from . import memory
 from . import storage as _storage
 from .errors import ZswapError
 
@@ -242,7 +243,8 @@ class NvmeStore(Store):
             for buf, uses in pool:
                 if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
                     return buf
-        buf = (self.host_alloc or self.engine.empty)((numel,), dtype)
+        with memory.purpose("fetch"):
+            buf = (self.host_alloc or self.engine.empty)((numel,), dtype)
         nbytes, uses = numel * dtype.itemsize, _storage_uses(buf)
         if uses < 0:  # no way to tell when a buffer is free again: no pooling
             return buf

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import buffers, grads, gradstore, stepping
+from . import buffers, grads, gradstore, memory, stepping
 from . import device as _device
+from . import init as _init
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, ZswapError
 from .gather import Item, no_torch_function
@@ -28,7 +29,7 @@ from .init import Init
 from .optim import OffloadedAdamW
 from .params import NvmeStore, ParamState, managed_params, param_state
 from .prefetch import Budget, Scheduler, Slot
-from .storage import step_transaction
+from .storage import WriteQueue, step_transaction, undo_arena_bytes
 
 # Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
 PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
@@ -111,6 +112,7 @@ class Engine:
         max_grad_norm: float | None = None,
         device: Any = "cpu",
     ) -> None:
+        memory.bound_heap()  # what torch frees between steps goes back to the kernel (zswap.memory)
         self.module = module
         self.device = _device.resolve(device)
         """The compute device (`zswap.device`)."""
@@ -216,7 +218,7 @@ class Engine:
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
         others = [p for p in self.module.parameters() if id(p) not in self._ids]
-        chunk = self.sizing.budget.max_live
+        chunk = max(1, self.sizing.budget.max_live // 2)  # a chunk's params and grads: the live budget
         loss_scale = self.loss_scale if self._scaled_backward else 1.0
         scale, self.last_grad_norm = grads.global_scale(
             self._items, others, self.max_grad_norm, self._fp16, chunk, loss_scale=loss_scale
@@ -240,6 +242,7 @@ class Engine:
             self.loss_scaler.update(scale is None)
         if scale is not None and self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        memory.trim()  # the step's freed tensors back to the kernel before the next forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
         """Run backward on ``loss`` divided by ``gradient_accumulation_steps`` (unless ``scale_wrt_gas`` is
@@ -340,13 +343,67 @@ class Engine:
         }
         size = max((st.dtype.itemsize for _, st in self._items), default=4)
         out.update(_device.stats(self.device, (b.max_live + self.sizing.persistent) * size, b.bucket * size))
+        out.update(self._memory_stats())
         if reset:
+            memory.reset_peaks()
             self.device.reset_peak()
             peak = self._sched.live
             self._sched.counters = type(c)(peak_live=peak)
             self._grads.placeholders = 0
             self._io_base = io
         return out
+
+    def _memory_stats(self) -> dict[str, int]:
+        """The ``mem_*`` lines of `stats`, in bytes (README, "Where the memory goes").
+
+        Engine buffers by purpose (``mem_fetch_buffers``: gathered params and the pool kept for reuse, at
+        most ``mem_fetch_pool_limit`` pooled; ``mem_grad_buffers``: gradient partitions read for a step or
+        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_other_buffers``: any
+        other) add up to ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`);
+        ``mem_peak_*`` are their high-water marks since the last reset. Beside them: the engines' bounce
+        buffers (``mem_bounce``), the source bytes writes in flight hold (``mem_write_queue``, at most
+        ``mem_write_queue_limit``; engine buffers among them are counted above too), the undo log's
+        arena (``mem_undo_arena``), glibc's heap (``mem_heap_*``) and the process's ``mem_rss``."""
+        live = memory.live()
+        peaks = memory.peaks()
+        storages: dict[int, Any] = {}
+        for st in self._stores.values():
+            if isinstance(st, NvmeStore):
+                storages[id(st.storage)] = st.storage
+        for gs in self._grad_stores:
+            if isinstance(gs, gradstore.NvmeGrads):
+                storages[id(gs.storage)] = gs.storage
+        opt_store = getattr(self.optimizer, "_store", None)
+        if opt_store is not None and hasattr(opt_store, "storage"):
+            storages[id(opt_store.storage)] = opt_store.storage
+        queues: list[WriteQueue] = [s.queue for s in storages.values()]
+        bounce = sum(
+            int(s.engine.info.get("bounce_bytes", 0))
+            for s in storages.values()
+            if not s.closed and isinstance(getattr(s.engine, "info", None), dict)
+        )
+        pools = [st.pool_bytes for st in self._stores.values() if isinstance(st, NvmeStore)]
+        return {
+            "mem_fetch_buffers": live["fetch"],
+            "mem_grad_buffers": live["grads"],
+            "mem_optimizer_ring": live["optimizer"],
+            "mem_other_buffers": live["other"],
+            "mem_engine_buffers": sum(live.values()),
+            "mem_peak_fetch_buffers": peaks["fetch"],
+            "mem_peak_grad_buffers": peaks["grads"],
+            "mem_peak_optimizer_ring": peaks["optimizer"],
+            "mem_peak_other_buffers": peaks["other"],
+            "mem_peak_engine_buffers": peaks["total"],
+            "mem_fetch_pool_limit": sum(pools),
+            "mem_bounce": bounce,
+            "mem_write_queue": sum(q.queued for q in queues),
+            "mem_write_queue_limit": sum(q.limit for q in queues),
+            "mem_undo_arena": undo_arena_bytes(),
+            "mem_init_touched": _init.touched_bytes(),
+            "mem_init_touched_limit": _init.TOUCH_BUDGET_BYTES,
+            **{f"mem_{k}": v for k, v in memory.heap().items()},
+            "mem_rss": memory.rss(),
+        }
 
     # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
 

@@ -46,8 +46,10 @@ import torch
 
 from .errors import SwapIOError, UnknownKeyError, ZswapError
 
-INFLIGHT_WRITE_BYTES = 256 << 20
-"""Source bytes of queued writes a storage holds at most before `put` waits for the oldest."""
+INFLIGHT_WRITE_BYTES = 64 << 20
+"""Source bytes of queued writes a storage holds at most before `put` waits for the oldest: four times the
+bytes an engine has in flight at its default queue depth (16 × 1 MiB), enough to keep the disk busy; a
+deeper queue only raises the peak memory (this was 256 MiB)."""
 UNDO_MEMORY_BYTES = 256 << 20
 """Bytes of rollback copies an `UndoLog` keeps in memory before it spills them to a storage."""
 
@@ -508,6 +510,12 @@ def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
 _ARENA = threading.local()
 """Per thread: ``buf``, a byte buffer reused by successive undo logs (grown to the most one step kept in
 memory, at most `UNDO_MEMORY_BYTES`), and ``busy`` while a log uses it."""
+
+
+def undo_arena_bytes() -> int:
+    """Bytes of the calling thread's undo-log arena (kept between steps; 0 before a step saved anything)."""
+    buf = _ARENA.__dict__.get("buf")
+    return 0 if buf is None else int(buf.numel())
 
 
 class UndoLog:

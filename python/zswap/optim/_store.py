@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import memory
 from ..storage import Transaction, _Write, storage_for
 from ._layout import SubGroup
 
@@ -106,7 +107,8 @@ class NvmeStore:
         # sub-group appears, and kept between steps so gigabytes are not re-mapped every step.
         if len(self._ring) != self.ring_size or self._ring[0].numel() < numel:
             self._ring = []  # unmap the old buffers before mapping the new ones
-            self._ring = [self.engine.empty(numel, torch.float32) for _ in range(self.ring_size)]
+            with memory.purpose("optimizer"):
+                self._ring = [self.engine.empty(numel, torch.float32) for _ in range(self.ring_size)]
         return self._ring
 
     def stream(

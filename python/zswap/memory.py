@@ -1,0 +1,169 @@
+"""Where zswap's host memory is, and keeping glibc from holding on to what torch frees.
+
+**The ledger.** Every engine buffer (`zswap.SwapEngine.empty`: page-aligned, on huge pages when large) is
+created by `zswap._memview.tensor_over`, which calls `track`: its bytes are counted under the *purpose*
+current at that moment (`purpose`, a context variable: ``"fetch"`` for param fetch buffers, ``"grads"`` for
+gradient partitions read or accumulated, ``"optimizer"`` for the sub-group ring, ``"other"`` for the rest —
+weights being loaded, a user's own ``empty``) and given back when the buffer is unmapped (a finalizer on
+the object NumPy's array keeps as its base, which lives exactly as long as the last tensor view). The
+totals therefore always add up: ``sum(live().values())`` is every engine buffer mapped by this process,
+the same set the Rust registry counts (``SwapEngine.stats()["live_buffers"]``).
+
+**glibc's heap.** torch allocates CPU tensors with ``posix_memalign``. glibc serves a request of at least
+``M_MMAP_THRESHOLD`` bytes (128 KiB at start) with its own ``mmap``, unmapped on ``free``; but each such
+``free`` raises the threshold to the freed size (the dynamic threshold, up to 32 MiB on 64-bit), so later
+tensors of that size come from the heap, and a freed heap chunk is only returned to the kernel when it
+borders the top. Under ``zswap.Init`` a model's weights are built, written out and freed one after the
+other, interleaved with small allocations: measured on the 753 MiB demo, the heap grew by 32 MiB per block
+with 435 MiB of it free but kept. `bound_heap` fixes the threshold at `MMAP_THRESHOLD` (setting it
+explicitly turns the dynamic raise off), so every tensor of 1 MiB or more is its own mapping and goes
+back to the kernel on ``free``; `trim` (``malloc_trim(0)``, which also releases whole free pages inside
+the heap) runs at Init's exit and after each optimizer step. Both are no-ops off glibc, and `bound_heap`
+leaves a threshold set by the user (``MALLOC_MMAP_THRESHOLD_`` in the environment) alone.
+``ZSWAP_MALLOC_TUNING=0`` turns both off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import ctypes.util
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+PURPOSES = ("fetch", "grads", "optimizer", "other")
+"""What an engine buffer is for, as counted by the ledger."""
+
+MMAP_THRESHOLD = 1 << 20
+"""Bytes from which glibc maps (and on free unmaps) an allocation by itself, once `bound_heap` ran."""
+
+_M_MMAP_THRESHOLD = -3  # <malloc.h>
+
+_purpose: contextvars.ContextVar[str] = contextvars.ContextVar("zswap_buffer_purpose", default="other")
+_lock = threading.Lock()
+_live = dict.fromkeys(PURPOSES, 0)
+_count = dict.fromkeys(PURPOSES, 0)
+_peak = dict.fromkeys(PURPOSES, 0)
+_peak_total = 0
+
+
+@contextlib.contextmanager
+def purpose(name: str) -> Iterator[None]:
+    """Engine buffers created inside count under ``name`` (one of `PURPOSES`)."""
+    if name not in PURPOSES:
+        raise ValueError(f"unknown buffer purpose {name!r}; one of {', '.join(PURPOSES)}")
+    token = _purpose.set(name)
+    try:
+        yield
+    finally:
+        _purpose.reset(token)
+
+
+def track(owner: object, nbytes: int) -> None:
+    """Count ``nbytes`` of a new engine buffer under the current purpose until ``owner`` is collected."""
+    global _peak_total
+    kind = _purpose.get()
+    with _lock:
+        _live[kind] += nbytes
+        _count[kind] += 1
+        _peak[kind] = max(_peak[kind], _live[kind])
+        _peak_total = max(_peak_total, sum(_live.values()))
+    weakref.finalize(owner, _gone, kind, nbytes).atexit = False
+
+
+def _gone(kind: str, nbytes: int) -> None:
+    with _lock:
+        _live[kind] -= nbytes
+        _count[kind] -= 1
+
+
+def live() -> dict[str, int]:
+    """Bytes of engine buffers mapped now, by purpose."""
+    with _lock:
+        return dict(_live)
+
+
+def buffers() -> int:
+    """How many engine buffers are mapped now (all purposes)."""
+    with _lock:
+        return sum(_count.values())
+
+
+def peaks() -> dict[str, int]:
+    """Most bytes of engine buffers mapped at once since the last `reset_peaks`, by purpose, and under
+    ``"total"`` the most of all purposes together (at most the sum of the others)."""
+    with _lock:
+        return {**_peak, "total": _peak_total}
+
+
+def reset_peaks() -> None:
+    global _peak_total
+    with _lock:
+        _peak.update(_live)
+        _peak_total = sum(_live.values())
+
+
+# -- glibc -------------------------------------------------------------------------------------------
+
+
+_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+_MALLINFO2 += ("keepcost",)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]  # struct mallinfo2, glibc 2.33+
+
+
+def _glibc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        libc.malloc_trim, libc.mallopt  # noqa: B018 — present on glibc only
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _glibc()
+_bounded = False
+
+
+def _tuning() -> bool:
+    return _LIBC is not None and os.environ.get("ZSWAP_MALLOC_TUNING", "1") != "0"
+
+
+def bound_heap() -> bool:
+    """Fix glibc's mmap threshold at `MMAP_THRESHOLD` (once per process; see the module docstring).
+    Returns whether the threshold is now fixed by zswap."""
+    global _bounded
+    if _bounded or not _tuning() or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return _bounded
+    _bounded = bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    return _bounded
+
+
+def trim() -> None:
+    """Give the heap's free pages back to the kernel (``malloc_trim(0)``); nothing off glibc."""
+    if _tuning():
+        _LIBC.malloc_trim(0)
+
+
+def heap() -> dict[str, int]:
+    """glibc's own account (``mallinfo2``, all arenas): ``heap_in_use`` (allocated from the heaps),
+    ``heap_free`` (free but kept by the heaps), ``heap_mapped`` (allocations mapped by themselves). All 0
+    off glibc."""
+    if _LIBC is None:
+        return {"heap_in_use": 0, "heap_free": 0, "heap_mapped": 0}
+    m = _LIBC.mallinfo2()
+    return {"heap_in_use": int(m.uordblks), "heap_free": int(m.fordblks), "heap_mapped": int(m.hblkhd)}
+
+
+def rss() -> int:
+    """Resident bytes of this process now (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,217 @@
+"""The memory account: every engine buffer counted under its purpose and counted back when unmapped,
+`Engine.stats()`'s ``mem_*`` lines adding up to what the engines hold, and glibc's mmap threshold fixed so
+freed tensors leave the process."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zswap
+from zswap import memory
+from zswap.storage import INFLIGHT_WRITE_BYTES
+from zswap.swap import SwapEngine
+
+
+def _engine(tmp_path: Path) -> SwapEngine:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        return SwapEngine(tmp_path)
+
+
+def test_a_buffer_counts_under_its_purpose_until_its_last_view_goes(tmp_path):
+    eng = _engine(tmp_path)
+    try:
+        gc.collect()
+        before, count = memory.live(), memory.buffers()
+        with memory.purpose("grads"):
+            t = eng.empty(1000, torch.float32)
+        u = eng.empty((3, 5), torch.float64)  # outside any purpose: "other"
+        now = memory.live()
+        assert eng.stats()["live_buffers"] == 2 == memory.buffers() - count
+        grown = {k: now[k] - before[k] for k in now}
+        page = os.sysconf("SC_PAGE_SIZE")
+        assert grown["fetch"] == grown["optimizer"] == 0
+        assert grown["grads"] >= 4000 and grown["grads"] % page == 0
+        assert grown["other"] >= 120 and grown["other"] % page == 0
+        view = t[10:20]
+        del t
+        gc.collect()
+        assert memory.live()["grads"] == now["grads"]  # a view keeps the mapping: still counted
+        del view
+        gc.collect()
+        assert memory.live()["grads"] == before["grads"]
+        assert eng.stats()["live_buffers"] == 1 == memory.buffers() - count
+        del u
+        gc.collect()
+        assert memory.live() == before and memory.buffers() == count
+        assert eng.stats()["live_buffers"] == 0
+    finally:
+        eng.close()
+
+
+def test_purposes_are_checked_and_peaks_reset_to_what_is_live(tmp_path):
+    msg = "unknown buffer purpose 'cache'; one of fetch, grads, optimizer, other"
+    with pytest.raises(ValueError, match=msg), memory.purpose("cache"):
+        pass
+    eng = _engine(tmp_path)
+    try:
+        gc.collect()
+        memory.reset_peaks()
+        base = memory.live()["fetch"]
+        with memory.purpose("fetch"):
+            a = eng.empty(1 << 16)
+            high = memory.live()["fetch"]
+            b = eng.empty(1 << 16)
+            top = memory.live()["fetch"]
+        del b
+        gc.collect()
+        assert memory.peaks()["fetch"] == top > high > base
+        memory.reset_peaks()
+        assert memory.peaks()["fetch"] == high == memory.live()["fetch"]
+        assert memory.peaks()["total"] == sum(memory.live().values())
+        del a
+    finally:
+        eng.close()
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _config(tmp_path: Path) -> dict[str, Any]:
+    return {
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "stage3_param_persistence_threshold": 0,
+            "sub_group_size": 16384,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+
+
+def _mem(s: dict[str, Any]) -> dict[str, int]:
+    return {k: v for k, v in s.items() if k.startswith("mem_")}
+
+
+def test_engine_stats_add_up_and_buffers_are_counted_back_on_close(tmp_path):
+    gc.collect()
+    start, start_count = memory.live(), memory.buffers()
+    cfg = _config(tmp_path)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            net = _Net()
+        engine = zswap.initialize(net, cfg, device="cpu")
+    x = torch.randn(4, 64)
+    for _ in range(2):
+        net(x).square().sum().backward()
+        engine.step()
+    s = engine.stats()
+    m = _mem(s)
+    parts = ("mem_fetch_buffers", "mem_grad_buffers", "mem_optimizer_ring", "mem_other_buffers")
+    assert m["mem_engine_buffers"] == sum(m[k] for k in parts)
+    assert m["mem_engine_buffers"] == sum(memory.live().values()) - sum(start.values())
+    # every engine buffer this process maps is counted: the ledger's count is the Rust registry's
+    swap = zswap.param_state(net.a.weight).store.engine  # type: ignore[union-attr]
+    assert memory.buffers() - start_count == swap.stats()["live_buffers"]
+    # the ring: three records (read ahead, in process, written behind) of the largest sub-group
+    ring = engine.optimizer._store._ring
+    assert len(ring) == 3 and m["mem_optimizer_ring"] >= sum(r.nbytes for r in ring)
+    assert m["mem_peak_optimizer_ring"] >= m["mem_optimizer_ring"] > 0
+    assert m["mem_peak_fetch_buffers"] >= m["mem_fetch_buffers"] > 0  # the fetch pool, kept for reuse
+    assert m["mem_fetch_pool_limit"] == (s["max_live_elements"] + s["persistent_elements"]) * 4
+    assert m["mem_peak_grad_buffers"] > 0  # gradient partitions read for the step
+    assert m["mem_peak_engine_buffers"] <= sum(m[f"mem_peak_{k[4:]}"] for k in parts)
+    assert m["mem_bounce"] == swap.info["bounce_bytes"]
+    assert m["mem_write_queue_limit"] == INFLIGHT_WRITE_BYTES  # params, gradients and records: one queue
+    assert 0 <= m["mem_write_queue"] <= m["mem_write_queue_limit"]
+    assert m["mem_init_touched"] == 0 and m["mem_init_touched_limit"] == zswap.init.TOUCH_BUDGET_BYTES
+    assert m["mem_rss"] > 0 and m["mem_heap_in_use"] > 0
+    engine.stats(reset=True)
+    after = _mem(engine.stats())
+    assert after["mem_peak_engine_buffers"] == after["mem_engine_buffers"]  # peaks restart from what is live
+    engine.close()
+    del ring, s
+    gc.collect()
+    # closed: the pool and the ring are given back; only what the params still need stays (nothing here)
+    assert memory.live() == start and memory.buffers() == start_count
+
+
+def test_init_reports_touched_bytes_while_it_holds_them(tmp_path):
+    cfg = _config(tmp_path)
+    seen: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            net = _Net()
+            assert zswap.init.touched_bytes() == 0
+            nn.init.zeros_(net.b.weight)  # a write after partitioning: gathered and held until the next sync
+            seen.append(zswap.init.touched_bytes())
+    assert seen == [256 * 256 * 4]
+    assert zswap.init.touched_bytes() == 0
+
+
+_HEAP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from zswap import memory
+    bounded = memory.bound_heap()
+    a = memory.heap()["heap_mapped"]
+    t = torch.empty(3 << 20, dtype=torch.uint8)
+    t.fill_(1)
+    b = memory.heap()["heap_mapped"]
+    del t
+    c = memory.heap()["heap_mapped"]
+    # the dynamic threshold would now have risen to 3 MiB: a 2 MiB tensor would come from the heap
+    u = torch.empty(2 << 20, dtype=torch.uint8)
+    d = memory.heap()["heap_mapped"]
+    print(json.dumps([bounded, a, b, c, d]))
+    """
+)
+
+
+@pytest.mark.skipif(memory._LIBC is None, reason="glibc only")
+@pytest.mark.parametrize("env", [{}, {"MALLOC_MMAP_THRESHOLD_": "67108864"}, {"ZSWAP_MALLOC_TUNING": "0"}])
+def test_bound_heap_maps_large_tensors_by_themselves(env):
+    import json
+
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "ZSWAP_MALLOC_TUNING")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _HEAP_SCRIPT],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    bounded, a, b, c, d = json.loads(out.stdout)
+    if env:
+        assert bounded is False  # the user's own threshold (or the opt-out) is left alone
+        if "MALLOC_MMAP_THRESHOLD_" in env:
+            assert b == a  # 3 MiB < 64 MiB: from the heap
+        else:
+            assert d == c  # glibc's dynamic threshold rose past 2 MiB after the first free
+        return
+    assert bounded is True
+    assert b - a >= 3 << 20 and c == a  # mapped by itself, unmapped on free
+    assert d - c >= 2 << 20  # still mapped by itself: the threshold did not move
