@@ -110,8 +110,8 @@ def reset_peaks() -> None:
 # -- glibc -------------------------------------------------------------------------------------------
 
 
-_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-_MALLINFO2 += ("keepcost",)
+_MALLINFO2: tuple[str, ...] = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks")
+_MALLINFO2 += ("uordblks", "fordblks", "keepcost")
 
 
 class _MallInfo2(ctypes.Structure):
