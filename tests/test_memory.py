@@ -215,3 +215,15 @@ def test_bound_heap_maps_large_tensors_by_themselves(env):
     assert bounded is True
     assert b - a >= 3 << 20 and c == a  # mapped by itself, unmapped on free
     assert d - c >= 2 << 20  # still mapped by itself: the threshold did not move
+
+
+def test_the_demo_budgets_do_not_grow_with_the_model(tmp_path):
+    from zswap import demo
+
+    small, big = demo.Shape.for_bytes(768 << 20), demo.Shape.for_bytes(6 << 30)
+    z_small = demo.default_config(tmp_path, small)["zero_optimization"]
+    z_big = demo.default_config(tmp_path, big)["zero_optimization"]
+    assert z_small["stage3_max_live_parameters"] == small.params // demo.LIVE_FRACTION  # 1/6, under the cap
+    assert z_big["stage3_max_live_parameters"] == demo.MAX_LIVE < big.params // demo.LIVE_FRACTION
+    assert z_small["sub_group_size"] == -(-small.params // 32 // 1024) * 1024 < demo.SUB_GROUP
+    assert z_big["sub_group_size"] == demo.SUB_GROUP
