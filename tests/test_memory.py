@@ -219,11 +219,16 @@ def test_bound_heap_maps_large_tensors_by_themselves(env):
 
 def test_the_demo_budgets_do_not_grow_with_the_model(tmp_path):
     from zswap import demo
+    from zswap.optim._layout import default_sub_group_size
 
     small, big = demo.Shape.for_bytes(768 << 20), demo.Shape.for_bytes(6 << 30)
-    z_small = demo.default_config(tmp_path, small)["zero_optimization"]
-    z_big = demo.default_config(tmp_path, big)["zero_optimization"]
+    caps = {"max_live": demo.MAX_LIVE, "sub_group": demo.SUB_GROUP}  # what demo.run passes
+    z_small = demo.default_config(tmp_path, small, **caps)["zero_optimization"]
+    z_big = demo.default_config(tmp_path, big, **caps)["zero_optimization"]
+    uncapped = demo.default_config(tmp_path, big)["zero_optimization"]  # bench_gpu's call: as before
+    assert uncapped["stage3_max_live_parameters"] == big.params // demo.LIVE_FRACTION
+    assert "sub_group_size" not in uncapped
     assert z_small["stage3_max_live_parameters"] == small.params // demo.LIVE_FRACTION  # 1/6, under the cap
     assert z_big["stage3_max_live_parameters"] == demo.MAX_LIVE < big.params // demo.LIVE_FRACTION
-    assert z_small["sub_group_size"] == -(-small.params // 32 // 1024) * 1024 < demo.SUB_GROUP
+    assert z_small["sub_group_size"] == default_sub_group_size(small.params) < demo.SUB_GROUP
     assert z_big["sub_group_size"] == demo.SUB_GROUP

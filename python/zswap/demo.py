@@ -25,17 +25,18 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ZswapConfig, load_config
 from .errors import ZswapWarning
+from .optim._layout import default_sub_group_size
 
 DEFAULT_SIZE = 768 << 20
 """Bytes of fp32 params of the default model."""
 LIVE_FRACTION = 6
 """The live-param budget is 1/LIVE_FRACTION of the model (but at least what its largest module needs)..."""
 MAX_LIVE = DEFAULT_SIZE // 4 // LIVE_FRACTION
-"""... and at most this many elements (128 MiB of fp32, what the default model gets): the memory a run
-needs does not grow with the model."""
+"""... and, in `run`, at most this many elements (128 MiB of fp32, what the default model gets): the
+memory a demo needs does not grow with the model."""
 SUB_GROUP = 1 << 23
-"""Elements per optimizer sub-group (32 MiB of fp32 each part; its ring of three records holds 192 MiB
-whatever the model size)."""
+"""Elements per optimizer sub-group at most, in `run` (32 MiB of fp32 each part; its ring of three records
+holds at most 192 MiB whatever the model size)."""
 BATCH, SEQ = 2, 64
 
 
@@ -81,10 +82,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, pre-norm blocks, an LM head tied to the token embedding."""
+    """Token and position embeddings, pre-norm blocks, an LM head tied to the token embedding.
+    ``checkpoint_blocks``: recompute each block's activations in backward instead of keeping them."""
 
-    def __init__(self, shape: Shape, progress: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(
+        self,
+        shape: Shape,
+        progress: Callable[[str], None] = lambda _: None,
+        *,
+        checkpoint_blocks: bool = False,
+    ) -> None:
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks
         d = shape.width
         self.wte = nn.Embedding(shape.vocab, d)
         self.wpe = nn.Parameter(torch.zeros(shape.seq, d))
@@ -101,7 +110,7 @@ class GPT(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.wte(ids) + self.wpe[: ids.shape[1]]
         for block in self.blocks:
-            if self.training and torch.is_grad_enabled():
+            if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
                 # Activation checkpointing: backward keeps each block's input, not its internals, so the
                 # activations held stay about one block's whatever the depth (the memory bound of
                 # benches/bench_memory.py is the same at 0.75, 3 and 6 GiB); the block runs twice.
@@ -119,24 +128,34 @@ def _init(m: nn.Module) -> None:
 
 
 def default_config(
-    path: Path, shape: Shape, *, live_fraction: int = LIVE_FRACTION, lr: float = 1e-3
+    path: Path,
+    shape: Shape,
+    *,
+    live_fraction: int = LIVE_FRACTION,
+    lr: float = 1e-3,
+    max_live: int | None = None,
+    sub_group: int | None = None,
 ) -> dict[str, Any]:
     """Params and optimizer states on NVMe in ``path``; a live-param budget of 1/``live_fraction`` of the
-    model up to `MAX_LIVE` (at least twice its largest module); optimizer sub-groups of at most
-    `SUB_GROUP` elements."""
+    model, at most ``max_live`` elements (at least twice its largest module); optimizer sub-groups of
+    about 1/32 of the model, at most ``sub_group`` elements (``None``: no cap; `run` caps both at
+    `MAX_LIVE` and `SUB_GROUP`)."""
     largest = max(shape.vocab * shape.width, 4 * shape.width * shape.width) + shape.seq * shape.width
-    live = max(min(shape.params // live_fraction, MAX_LIVE), 2 * largest)
-    return {
+    live = shape.params // live_fraction if max_live is None else min(shape.params // live_fraction, max_live)
+    live = max(live, 2 * largest)
+    cfg: dict[str, Any] = {
         "zero_optimization": {
             "offload_param": {"device": "nvme", "nvme_path": str(path)},
             "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
             "stage3_max_live_parameters": live,
             "stage3_prefetch_bucket_size": live - largest,
             "stage3_param_persistence_threshold": 10 * shape.width,
-            "sub_group_size": min(SUB_GROUP, -(-shape.params // 32 // 1024) * 1024),
         },
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
     }
+    if sub_group is not None:
+        cfg["zero_optimization"]["sub_group_size"] = min(sub_group, default_sub_group_size(shape.params))
+    return cfg
 
 
 def user_config(text: str, path: Path) -> ZswapConfig:
@@ -186,7 +205,8 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
     o = _Out(out or sys.stdout)
     rss_before = _rss_peak()
     shape = Shape.for_bytes(size)
-    cfg = user_config(config, path) if config else load_config(default_config(path, shape))
+    capped = default_config(path, shape, max_live=MAX_LIVE, sub_group=SUB_GROUP)
+    cfg = user_config(config, path) if config else load_config(capped)
     model_bytes = shape.params * 4
     o.say(
         f"zswap demo: GPT-style model, {shape.layers} layers × {shape.width} wide, vocab {shape.vocab}: "
@@ -204,7 +224,7 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ZswapWarning)  # a fallback (psync, buffered I/O) is printed below
         with Init(cfg):
-            model = GPT(shape, o.progress)
+            model = GPT(shape, o.progress, checkpoint_blocks=True)
         engine = initialize(model, cfg)
     build_s = time.perf_counter() - t0
     live = engine.stats()["max_live_elements"]
