@@ -313,7 +313,8 @@ class Engine:
         """Counters since `initialize` (or the last ``reset``): swap traffic of the param store
         (``bytes_read``, ``bytes_written``), bytes gathered for compute, seconds compute waited for params
         (``fetch_wait_seconds``), fetches on demand and prefetch hits (``prefetch_hit_rate`` = hits /
-        fetches), the peak of elements gathered, and the budgets in force."""
+        fetches), the peak of elements gathered, the budgets in force, and where the memory is: the
+        ``mem_*`` lines, in bytes (`_memory_stats`; README, "Where the memory goes")."""
         c = self._sched.counters
         io = self._io_counters()
         fetches = c.demand_fetches + c.prefetch_hits
