@@ -99,18 +99,23 @@ class EarlyStep:
 
     def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> None:
         """A param's gradient for this backward is complete (``part`` is what its store keeps)."""
+        task = int(torch._C._current_graph_task_id())
         try:
-            self._on_grad(p, st, part)
+            self._on_grad(p, st, part, task)
         except Exception:
-            self.abort()  # an early step never breaks a backward: the ordinary step runs instead
+            self._give_up(task)  # an early step never breaks a backward: the ordinary step runs instead
         except BaseException:
             self.abort()
             raise
 
-    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> None:
-        task = int(torch._C._current_graph_task_id())
-        if self.state == "running" and task != self.task:
-            self.abort()  # another backward: accumulation, or the one before raised
+    def _give_up(self, task: int) -> None:
+        """Drop what this backward did (freeing it now) and do nothing more until the next backward."""
+        self.abort()
+        self.state, self.task = "off", task
+
+    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
+        if self.state != "idle" and task != self.task:
+            self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
         if self.state == "idle":
             self._begin(st, task)
         if self.state != "running":
@@ -119,7 +124,7 @@ class EarlyStep:
         if i is None or i not in self.opt._placed:
             return  # not stepped by this optimizer, or no record yet: the ordinary step will say
         if i in self.ready or st.status is not Status.AVAILABLE or st.world_size != 1:
-            self.state = "abandoned"  # a second gradient for one param, or no gathered data to copy
+            self._give_up(task)  # a second gradient for one param, or no gathered data to copy
             return
         data = p.data.reshape(-1)
         copy = self._alloc(st, data)
@@ -129,7 +134,7 @@ class EarlyStep:
         self.ready[i] = (st, copy, part.reshape(-1), _ps(st).ns._live.get(st.key))
         self.held += 2 * copy.numel() * copy.element_size()
         if self.held > self.cap:
-            self.state = "abandoned"
+            self._give_up(task)
             return
         for sg in self.by_param.get(i, ()):
             self.waiting[sg.key] -= 1
@@ -139,8 +144,11 @@ class EarlyStep:
 
     def _begin(self, st: ParamState, task: int) -> None:
         gs = st.grad_store
-        if task == -1 or not isinstance(gs, NvmeGrads) or gs._meta or not self.eligible():
-            return  # outside a backward, or accumulating onto earlier gradients
+        if task == -1:
+            return  # a gradient added outside a backward
+        if not isinstance(gs, NvmeGrads) or gs._meta or not self.eligible():
+            self.state, self.task = "off", task  # accumulating onto earlier gradients, or not allowed now
+            return
         self.task, self.gs, self.state = task, gs, "running"
         self.index = {id(p): i for i, p in enumerate(self.opt._params)}
         self.txn = Transaction()
