@@ -44,6 +44,8 @@ class GradSink:
         """Times a param was not gathered when autograd accumulated its gradient (see `_pre`)."""
         self.landing: ReusePool | None = None
         """Registered host buffers the device-to-host copies land in (`land_in`); ``None``: pinned memory."""
+        self.early: Any = None
+        """`zswap.earlystep.EarlyStep` told of each complete partition gradient (set by the Engine)."""
         for p, st in items:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._make_pre(p, st)))
@@ -129,7 +131,10 @@ class GradSink:
                     if self.device is not None and on_host(st):
                         self._to_host(st, local_part(st, grad))  # reduce-scatter on the device first
                     else:
-                        accumulate(st, grad)
+                        part = local_part(st, grad)
+                        store_of(st).add(st, part)
+                        if self.early is not None:
+                            self.early.on_grad(p, st, part)
 
         return post
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import buffers, grads, gradstore, memory, stepping
+from . import buffers, earlystep, grads, gradstore, memory, stepping
 from . import device as _device
 from . import init as _init
 from .config import ZswapConfig, load_config
@@ -133,6 +133,10 @@ class Engine:
         self._scaled_backward = False  # this accumulation window went through backward(): unscale it
         self.last_grad_norm: float | None = None
         """Global gradient norm seen by the last `step` (when clipping or the fp16 check needed it)."""
+        self.early_step = True
+        """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
+        (set False to always step after backward; results are the same either way)."""
+        self._early: earlystep.EarlyStep | None = None
         self._ids: set[int] = set()
         self._items: list[Item] = list(managed_params(iter(_unique(module.parameters()))))
         ids: set[int] = {id(p) for p, _ in self._items}
@@ -186,6 +190,8 @@ class Engine:
             self._fp16 = self._fp16 or any(st.dtype == torch.float16 for _, st in self._items)
             self.loss_scaler = stepping.loss_scaler(config, self._fp16)
             self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
+            self._early = self._grads.early = earlystep.for_engine(self)
+            self._io_base = self._io_counters()  # now with the gradients' and the optimizer's engines
         except BaseException:
             if self._owns_optimizer and hasattr(self.optimizer, "close"):
                 self.optimizer.close()
@@ -217,6 +223,10 @@ class Engine:
         self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
+        if self._early is not None and self._early.commit(self._items):  # updated in backward already
+            self.last_grad_norm = None
+            self._finish_step(1.0)
+            return
         others = [p for p in self.module.parameters() if id(p) not in self._ids]
         chunk = max(1, self.sizing.budget.max_live // 2)  # a chunk's params and grads: the live budget
         loss_scale = self.loss_scale if self._scaled_backward else 1.0
@@ -234,6 +244,9 @@ class Engine:
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
             step_partitions(self.optimizer, self._items, others, chunk, scale)
+        self._finish_step(scale)
+
+    def _finish_step(self, scale: float | None) -> None:
         self.zero_grad()
         self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
         self.global_steps += 1
@@ -303,6 +316,8 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""
         self._check_open()
+        if self._early is not None:
+            self._early.abort()
         self._grads.flush()
         grads.clear(self._items)
         for p in self.module.parameters():
@@ -433,6 +448,8 @@ class Engine:
 
         self._check_open()
         self._sched.drop_all()  # gathered copies would go stale
+        if self._early is not None:
+            self._early.abort()
         try:
             return load_checkpoint(
                 self,
@@ -453,6 +470,8 @@ class Engine:
             return
         self.closed = True
         try:
+            if self._early is not None:
+                self._early.abort()
             self._teardown()
             grads.clear(self._items)
         finally:
@@ -501,9 +520,13 @@ class Engine:
 
     def _io_counters(self) -> tuple[int, int]:
         read = written = 0
-        for store in self._stores.values():
-            engine = getattr(store, "engine", None)
-            if engine is not None and not getattr(engine, "closed", True):
+        # Every engine the step touches, once: params (p/), gradients (g/), optimizer records (o/; its
+        # own nvme_path's engine too) and the undo log's spills (u/, on one of those).
+        stores = [*self._stores.values(), *getattr(self, "_grad_stores", ())]
+        stores.append(getattr(getattr(self, "optimizer", None), "_store", None))
+        engines = {id(e): e for e in (getattr(s, "engine", None) for s in stores) if e is not None}
+        for engine in engines.values():
+            if not getattr(engine, "closed", True):
                 s = engine.stats()
                 read, written = read + int(s["bytes_read"]), written + int(s["bytes_written"])
         return read, written

@@ -374,15 +374,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
         grads: dict[int, torch.Tensor],
         scale: float,
         txn: Transaction,
+        targets: dict[int, torch.Tensor] | None = None,
     ) -> None:
+        """Run the kernel on each segment of ``sg`` whose param is in ``steps``; the updated weights go to
+        the param itself, or to ``targets[i]`` (a flat copy of param i) where given."""
         group = self.param_groups[sg.group]
         beta1, beta2 = group["betas"]
         for seg, (m, v, w) in sg.slices(record):
             step = steps.get(seg.param)
             if step is None:
                 continue
-            p = self._params[seg.param]
-            pf = p.detach().view(-1)[seg.start : seg.stop]  # shares p's version counter
+            if targets is not None:
+                pf = targets[seg.param][seg.start : seg.stop]
+            else:
+                pf = self._params[seg.param].detach().view(-1)[seg.start : seg.stop]  # shares p's version
             txn.save(pf)  # a param in memory changes in place: put back if the step fails
             if step == 1:  # fresh state, as torch creates it on a param's first step
                 m.zero_()

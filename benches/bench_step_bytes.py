@@ -1,0 +1,261 @@
+"""Bytes moved per training step and step time against its bounds: zswap next to DeepSpeed ZeRO-3.
+
+    python benches/bench_step_bytes.py [--size 609MiB] [--steps 4] [--path DIR] [--no-deepspeed]
+
+Model: `zswap.demo.GPT` of ``--size`` fp32 bytes (the default is the issue's 160 M-param, 609 MiB one),
+batch 2 × 64 tokens, one fixed batch, AdamW (lr 1e-3, no weight decay), params and optimizer states on
+NVMe in one directory — `zswap.demo.default_config`, the knobs the demo uses — and the same config dict
+(stage 3, the same live budget, prefetch bucket, persistence threshold and ``sub_group_size``, aio block
+1 MiB, queue depth 16) given to DeepSpeed on its CPU accelerator. Each contender runs in its own process:
+
+- ``zswap``: as shipped (the optimizer update runs in backward where it may: `zswap.earlystep`);
+- ``zswap, ordinary step``: ``engine.early_step = False`` (the step after backward, as before);
+- ``deepspeed``: ZeRO-3 with ``offload_param``/``offload_optimizer`` on NVMe, DeepSpeedCPUAdam; bytes are
+  those of every read and write issued through its aio handles (counted by a proxy, `benches/_ds_step.py`);
+  skipped with the reason where DeepSpeed or its ops cannot be loaded;
+- ``plain PyTorch in RAM``: the same model, ``torch.optim.AdamW(fused=True)``: the compute time.
+
+Per contender: seconds per step, GiB read and written per step (the median step after the first: the
+first places the optimizer records), ratios to DeepSpeed. For zswap also I/O time (bytes read / write over
+the `SwapEngine` read / write bandwidth measured in the same directory in the same run) and the ratio
+step / max(I/O, compute). Target: zswap's bytes ≤ 0.85 × DeepSpeed's; step ≤ 1.15 × max(I/O, compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+GiB = float(1 << 30)
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def config(path: Path, size: int) -> dict[str, Any]:
+    """zswap's demo config with DeepSpeed's stage and batch keys, so both read the same dict."""
+    from zswap.demo import BATCH, Shape, default_config
+
+    shape = Shape.for_bytes(size)
+    cfg = default_config(path, shape)
+    z = cfg["zero_optimization"]
+    z["stage"] = 3
+    z["sub_group_size"] = max(1 << 20, -(-shape.params // 32 // 1024) * 1024)  # zswap's own default
+    z["offload_param"]["pin_memory"] = False
+    z["offload_optimizer"]["pin_memory"] = False
+    cfg["train_micro_batch_size_per_gpu"] = BATCH
+    cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 16, "single_submit": False, "overlap_events": True}
+    return cfg
+
+
+def peak_rss() -> int:
+    """This process's peak RSS (VmHWM: ru_maxrss would include the parent's, kept across exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _step_loop(step: Any, steps: int, stats: Any) -> list[dict[str, float]]:
+    out = []
+    for _ in range(steps):
+        stats(True)
+        t0 = time.perf_counter()
+        loss = step()
+        wall = time.perf_counter() - t0
+        out.append({"wall": wall, "loss": loss, **stats(False)})
+    return out
+
+
+def run_zswap(size: int, path: Path, steps: int, early: bool) -> dict[str, Any]:
+    import zswap
+    from zswap.demo import BATCH, GPT, Shape
+
+    shape = Shape.for_bytes(size)
+    cfg = config(path, size)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            model = GPT(shape)
+        engine = zswap.initialize(model, cfg)
+    engine.early_step = early
+    batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
+
+    def step() -> float:
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, shape.vocab), batch[:, 1:].reshape(-1))
+        loss.backward()
+        engine.step()
+        return float(loss.detach())
+
+    def stats(reset: bool) -> dict[str, float]:
+        s = engine.stats(reset=reset)
+        return {"bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"]}
+
+    with engine:
+        out = _step_loop(step, steps, stats)
+        early_commits = 0 if engine._early is None else engine._early.commits
+    return {"steps": out, "early_commits": early_commits}
+
+
+def run_ram(size: int, steps: int) -> dict[str, Any]:
+    from zswap.demo import BATCH, GPT, Shape
+
+    shape = Shape.for_bytes(size)
+    torch.manual_seed(0)
+    model = GPT(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
+
+    def step() -> float:
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, shape.vocab), batch[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return {"steps": _step_loop(step, steps, lambda _: {"bytes_read": 0, "bytes_written": 0})}
+
+
+def bandwidth(path: Path) -> tuple[float, float]:
+    """(write, read) GB/s of a SwapEngine in ``path``: 512 MiB from an engine buffer, best of 3."""
+    import zswap
+    from zswap.bench import engine_rate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.SwapEngine(path) as e:
+            r = engine_rate(e, e.empty(1 << 27, torch.float32).fill_(1.0), 3, "bench", lambda _: None)
+    return r.write, r.read
+
+
+def worker(kind: str, size: int, path: Path, steps: int) -> int:
+    res = run_ram(size, steps) if kind == "ram" else run_zswap(size, path, steps, early=kind == "zswap")
+    res["peak_rss"] = peak_rss()
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+def spawn(args: list[str], timeout: float) -> tuple[dict[str, Any] | None, str]:
+    """Run one contender in a fresh process; (its RESULT/DSRESULT JSON, or None; the tail of its output)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent / "python"), os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        p = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    for line in p.stdout.splitlines():
+        if line.startswith(("RESULT ", "DSRESULT ")):
+            return json.loads(line.split(" ", 1)[1]), ""
+    tail = (p.stdout + p.stderr).strip().splitlines()
+    return None, tail[-1] if tail else f"exit status {p.returncode}"
+
+
+def summary(res: dict[str, Any]) -> dict[str, float]:
+    later = res["steps"][1:] or res["steps"]  # the first step places the optimizer records
+    med = {k: statistics.median(s[k] for s in later) for k in ("wall", "bytes_read", "bytes_written")}
+    med["peak_rss"] = res["peak_rss"]
+    return med
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="609MiB", help="fp32 bytes of params (default 609MiB)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per contender; the first is not counted")
+    ap.add_argument("--path", type=Path, help="swap directory (default: a temp dir under /var/tmp)")
+    ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed contender")
+    ap.add_argument(
+        "--timeout", type=float, default=1800, help="seconds per contender (DeepSpeed JIT-builds ops)"
+    )
+    ap.add_argument("--worker", choices=["zswap", "zswap-ordinary", "ram"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    from zswap.cli import _size
+    from zswap.demo import Shape
+
+    size = _size(args.size)
+    root = Path("/var/tmp") if Path("/var/tmp").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="zswap-bytes-", dir=root) as tmp:
+        path = args.path or Path(tmp)
+        if args.worker:
+            return worker(args.worker, size, path, args.steps)
+        shape = Shape.for_bytes(size)
+        say(f"bench_step_bytes: GPT {shape.layers} layers × {shape.width}, {shape.params / 1e6:.1f}M params "
+            f"({shape.params * 4 / 2**20:,.0f} MiB fp32), batch 2 × {shape.seq}, {args.steps} steps, "
+            f"dir {path}")  # fmt: skip
+        wbw, rbw = bandwidth(path)
+        say(f"  SwapEngine in {path}: write {wbw:.2f} GB/s, read {rbw:.2f} GB/s (512 MiB, best of 3)")
+        me = [str(Path(__file__).resolve()), "--size", str(size), "--steps", str(args.steps)]
+        results: dict[str, dict[str, float] | str] = {}
+        for name, kind in (
+            ("zswap", "zswap"),
+            ("zswap, ordinary step", "zswap-ordinary"),
+            ("plain PyTorch in RAM", "ram"),
+        ):
+            sub = Path(tmp) / kind
+            sub.mkdir()
+            res, why = spawn(
+                [*me, "--path", str(args.path / kind if args.path else sub), "--worker", kind], args.timeout
+            )
+            results[name] = summary(res) if res else why
+            say(f"  {name}: done" if res else f"  {name}: failed: {why}")
+        if args.no_deepspeed:
+            results["deepspeed"] = "skipped (--no-deepspeed)"
+        else:
+            try:
+                import deepspeed  # noqa: F401
+
+                sub = (args.path or Path(tmp)) / "deepspeed"
+                sub.mkdir(parents=True, exist_ok=True)
+                cfg = json.dumps(config(sub, size))
+                res, why = spawn(
+                    [str(HERE / "_ds_step.py"), str(size), str(sub), str(args.steps), cfg], args.timeout
+                )
+                results["deepspeed"] = summary(res) if res else f"could not run: {why}"
+            except ImportError as exc:
+                results["deepspeed"] = f"skipped: DeepSpeed cannot be imported ({exc})"
+    report(results, wbw, rbw)
+    return 0
+
+
+def report(results: dict[str, Any], wbw: float, rbw: float) -> None:
+    say("")
+    ds = results.get("deepspeed")
+    ram = results.get("plain PyTorch in RAM")
+    compute = ram["wall"] if isinstance(ram, dict) else None
+    say(f"{'':<22} {'s/step':>7} {'read GiB':>9} {'write GiB':>10} {'moved GiB':>10} {'vs DS':>6} "
+        f"{'I/O s':>6} {'step/max(I/O,compute)':>22} {'peak RSS GiB':>13}")  # fmt: skip
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            say(f"{name:<22} {r}")
+            continue
+        moved = r["bytes_read"] + r["bytes_written"]
+        vs = f"{moved / (ds['bytes_read'] + ds['bytes_written']):.2f}×" if isinstance(ds, dict) else "-"
+        io = r["bytes_read"] / 1e9 / rbw + r["bytes_written"] / 1e9 / wbw
+        bound = f"{r['wall'] / max(io, compute):.2f}×" if compute and name.startswith("zswap") else "-"
+        say(f"{name:<22} {r['wall']:>7.2f} {r['bytes_read'] / GiB:>9.2f} {r['bytes_written'] / GiB:>10.2f} "
+            f"{moved / GiB:>10.2f} {vs:>6} {io if moved else 0:>6.2f} {bound:>22} "
+            f"{r['peak_rss'] / GiB:>13.2f}")  # fmt: skip
+    say(f"compute = the plain PyTorch step in RAM ({compute:.2f} s)" if compute else "compute: not measured")
+    say("targets: zswap moved ≤ 0.85 × DeepSpeed's; zswap step ≤ 1.15 × max(I/O, compute)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

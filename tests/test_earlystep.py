@@ -1,0 +1,184 @@
+"""The early step (`zswap.earlystep`): OffloadedAdamW updates run in backward and `Engine.step` commits them.
+
+Each test trains twins — one with ``engine.early_step`` on, one with it off — and asserts the params
+(through GatheredParameters), the optimizer records and the step counters are bitwise equal after every
+step; that the early step really ran (its commit counter) where it may, and did not where it may not; that
+it moves fewer bytes; and that what happens between backward and step (``full_grad``, an lr change, a
+second backward, ``zero_grad``, a param rewritten through GatheredParameters, a fault) is honoured.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zswap
+from zswap import GatheredParameters, full_grad, param_state
+
+from .test_faults import cfg_for, engine_of, inject, optim_state, params_of, same
+from .test_runtime import TinyLM, build, engine_for, ids, sq
+
+
+def twins(tmp_path: Path, **extra: Any) -> tuple[Any, Any]:
+    runs = []
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for name, early in (("early", True), ("plain", False)):
+        cfg = cfg_for(tmp_path / name, "nvme", "nvme", **extra)
+        m, _ = build(TinyLM, cfg)
+        e = engine_for(m, cfg)
+        e.early_step = early
+        runs.append((m, e))
+    return runs[0], runs[1]
+
+
+def state(m: Any, e: zswap.Engine) -> Any:
+    return params_of(m), optim_state(e.optimizer, m)
+
+
+def train(pairs: Any, seed: int) -> None:
+    for m, e in pairs:
+        sq(m(ids(seed=seed))).backward()
+        e.step()
+
+
+def test_steps_are_bitwise_those_of_the_ordinary_step_and_move_fewer_bytes(tmp_path):
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    train([(m, e), (ref, ref_e)], 0)  # the first step places the records: never early
+    assert e._early is not None and e._early.commits == 0
+    model_bytes = sum(param_state(p).partition_numel * p.dtype.itemsize for p in m.parameters())
+    for seed in range(1, 4):
+        moved = []
+        for mm, ee in ((m, e), (ref, ref_e)):
+            ee.stats(reset=True)
+            sq(mm(ids(seed=seed))).backward()
+            ee.step()
+            s = ee.stats()
+            moved.append((s["bytes_read"], s["bytes_written"]))
+        assert same(state(m, e), state(ref, ref_e)), seed
+        # the same writes (gradients, records, params); no step-time read of params and gradients
+        assert moved[1][0] - moved[0][0] == 2 * model_bytes and moved[0][1] == moved[1][1], moved
+    assert e._early.commits == 3
+    assert ref_e._early is not None and ref_e._early.commits == 0
+    e.close()
+    ref_e.close()
+
+
+def test_what_happens_between_backward_and_step_is_honoured(tmp_path):
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    pairs = [(m, e), (ref, ref_e)]
+    train(pairs, 0)
+    # full_grad after backward: the gradients are still there
+    for mm, _ in pairs:
+        sq(mm(ids(seed=1))).backward()
+    assert same([full_grad(p) for p in m.parameters()], [full_grad(p) for p in ref.parameters()])
+    # an lr change between backward and step is used by the step
+    for _, ee in pairs:
+        ee.optimizer.param_groups[0]["lr"] = 3e-2
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 0
+    # a second backward accumulates: no early step
+    for mm, ee in pairs:
+        sq(mm(ids(seed=2))).backward()
+        sq(mm(ids(seed=3))).backward()
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 0
+    # zero_grad after backward drops the gradients and the early step with them
+    for mm, ee in pairs:
+        sq(mm(ids(seed=4))).backward()
+        ee.zero_grad()
+        sq(mm(ids(seed=5))).backward()
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 1  # the backward after zero_grad stepped early
+    # a param rewritten between backward and step is what the step updates
+    for mm, ee in pairs:
+        sq(mm(ids(seed=6))).backward()
+        first = next(mm.parameters())
+        with GatheredParameters([first], modifier_rank=0):
+            first.data.mul_(0.5)
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 1
+    e.close()
+    ref_e.close()
+
+
+def test_clipping_and_accumulation_take_the_ordinary_step(tmp_path):
+    for extra in ({"gradient_clipping": 1.0}, {"gradient_accumulation_steps": 2}):
+        (m, e), (ref, ref_e) = twins(tmp_path / next(iter(extra)), **extra)
+        for seed in range(4):
+            for mm, ee in ((m, e), (ref, ref_e)):
+                sq(mm(ids(seed=seed))).backward()
+                ee.step()
+        assert same(state(m, e), state(ref, ref_e))
+        assert e._early.commits == 0 and e._early.aborts == 0
+        e.close()
+        ref_e.close()
+
+
+@pytest.mark.parametrize(("op", "code"), [("write", errno.ENOSPC), ("write", errno.EIO), ("read", errno.EIO)])
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
+def test_a_fault_in_the_early_step_falls_back_to_the_exact_ordinary_step(op, code, where, tmp_path):
+    """A fault in one of backward's transfers: if it hit a gradient write, backward raises as ever and
+    nothing counts; else backward succeeds, the early step is dropped and `step` gives the exact result."""
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    pairs = [(m, e), (ref, ref_e)]
+    train(pairs, 0)
+    swap = engine_of(m)
+    ref_swap = engine_of(ref)
+    n = int(ref_swap.stats()["reads" if op == "read" else "writes"])
+    out = m(ids(seed=1))
+    sq(ref(ids(seed=1))).backward()
+    n = int(ref_swap.stats()["reads" if op == "read" else "writes"]) - n
+    before = int(swap.stats()["reads" if op == "read" else "writes"])
+    inject(swap, op, code, int(where * max(n - 1, 0)))
+    try:
+        sq(out).backward()
+        raised = False
+    except zswap.SwapIOError:
+        raised = True
+    swap._engine.clear_faults()
+    assert int(swap.stats()["reads" if op == "read" else "writes"]) > before
+    if raised:  # a gradient (or param) transfer failed: that backward counts for nothing; run it again
+        sq(m(ids(seed=1))).backward()
+    e.step()
+    ref_e.step()
+    assert same(state(m, e), state(ref, ref_e))
+    train(pairs, 2)  # and the next step is early again, and exact
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits >= 1
+    e.close()
+    ref_e.close()
+
+
+def test_the_early_step_is_off_where_its_setup_cannot_give_the_same_result(tmp_path):
+    for params, states in (("cpu", "nvme"), ("nvme", "cpu")):
+        cfg = cfg_for(tmp_path / f"{params}-{states}", params, states)
+        m, _ = build(TinyLM, cfg)
+        with engine_for(m, cfg) as e:
+            assert e._early is None
+    cfg = cfg_for(tmp_path / "torch", "nvme", "nvme")
+    m, _ = build(TinyLM, cfg)
+    with engine_for(m, cfg, optimizer=torch.optim.AdamW(m.parameters())) as e:
+        assert e._early is None
+
+
+def test_stats_count_the_bytes_of_every_engine_a_step_uses(tmp_path):
+    """Params in memory, states and gradients on NVMe: the traffic is all on the optimizer's engine."""
+    cfg = cfg_for(tmp_path, "cpu", "nvme")
+    m, _ = build(TinyLM, cfg)
+    with engine_for(m, cfg) as e:
+        swap = e.optimizer._store.engine
+        before = swap.stats()
+        e.stats(reset=True)
+        sq(m(ids(seed=0))).backward()
+        e.step()
+        s, after = e.stats(), swap.stats()
+        assert s["bytes_written"] == after["bytes_written"] - before["bytes_written"] > 0
+        assert s["bytes_read"] == after["bytes_read"] - before["bytes_read"]
