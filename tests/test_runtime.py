@@ -276,13 +276,13 @@ def test_full_grad_is_none_without_gradient_and_p_grad_for_unmanaged(tmp_path):
 
 
 @pytest.mark.parametrize("tier", TIERS)
-def test_stats_show_prefetch_hits_from_the_second_iteration(tier, tmp_path):
+def test_stats_show_prefetch_hits_from_the_first_iteration(tier, tmp_path):
     cfg = config(tier, tmp_path, **STREAM)
     m, _ = build(TinyLM, cfg)
     with engine_for(m, cfg) as engine:
         sq(m(ids())).backward()
-        first = engine.stats(reset=True)
-        assert first["prefetch_hits"] == 0 and first["demand_fetches"] > 0
+        first = engine.stats(reset=True)  # follows the static guess (registration order)
+        assert first["prefetch_hits"] > 0 and first["guessed_iterations"] == 1
         sq(m(ids(seed=2))).backward()
         second = engine.stats()
     assert second["prefetch_hit_rate"] > 0.5 and second["fetches"] > 0
@@ -322,7 +322,12 @@ def test_autograd_keeps_no_gathered_weight_alive_until_backward(tmp_path):
         out = m(ids())
         store = param_state(m.head.weight).store
         pooled = [(buf, uses) for pool in store._pool.values() for buf, uses in pool]
-        assert pooled and all(_storage_uses(buf) == uses for buf, uses in pooled)
+
+        def held(buf: torch.Tensor) -> int:  # the scheduler may keep a param for its backward (reuse)
+            ptr = buf.untyped_storage().data_ptr()
+            return sum(p.numel() > 0 and p.untyped_storage().data_ptr() == ptr for p in m.parameters())
+
+        assert pooled and all(_storage_uses(buf) == uses + held(buf) for buf, uses in pooled)
         sq(out).backward()
         sq(ref(ids())).backward()
         assert_same_grads(m, ref)

@@ -29,6 +29,7 @@ gradient is taken once, after autograd summed every use (`zswap.grads`).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,12 @@ class _ParamView:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+
+
+def _raised(output: Any) -> bool:
+    """Whether an ``always_call`` post-hook runs because the forward raised (torch calls it from its
+    ``except`` block, with no output)."""
+    return output is None and sys.exc_info()[1] is not None
 
 
 def _graph_task() -> int:
@@ -135,7 +142,7 @@ class ModuleHooks:
         if not self._stack:
             if _graph_task() < 0:
                 self._backward_done(-1)  # releases what saved tensors unpacked outside backward held
-                self.sched.begin(self._kind())
+                self.sched.begin(self._kind(), grad=torch.is_grad_enabled())
                 self._bw_expected = False
             self._mode.__enter__()
             self._mode_on = True
@@ -159,8 +166,8 @@ class ModuleHooks:
         finally:
             if not self._stack:
                 self._exit_mode()
-                if not self._bw_expected and _graph_task() < 0:
-                    self.sched.end()  # no backward can follow: release at once
+                if (not self._bw_expected or _raised(output)) and _graph_task() < 0:
+                    self.sched.end()  # no backward can follow: release at once, prefetches included
 
     def _kind(self) -> Hashable:
         return torch.is_grad_enabled(), self.root.training

@@ -1,12 +1,21 @@
 """Which params are gathered when: holds, the recorded trace, prefetch ahead of use, and the live budget.
 
-Every fetch request of an iteration (a module's forward or backward needing its params) is a *step*. The
-first iteration of each kind (grad mode × train/eval) is recorded; later ones follow the recording. After a
+Every fetch request of an iteration (a module's forward or backward needing its params) is a *step*. Every
+iteration is recorded; one of a kind (grad mode × train/eval) already seen follows the recording. After a
 step's params are gathered, the swap-ins of the next steps' params are issued (async engine reads) up to
 ``bucket`` elements not yet consumed, so they load while the current module computes; when a step needs a
 param whose read is in flight, only the rest of the read is waited for (a *hit*). A step that differs from
 the recording (a data-dependent branch) stops prefetch for the rest of the iteration — its params are
 fetched on demand — and the iteration's own recording replaces the old one.
+
+The first iteration of a kind follows a *guess* instead (`Scheduler.order`: the modules in registration
+order, ``model.modules()``, the order the hooks were installed; with grad on, their backwards follow in the
+reverse order). The guess is followed leniently: a step found further on within what is already prefetched
+moves the position there (prefetches of the steps passed over that no later guessed step uses are
+cancelled); any other step is served on demand without leaving the guess. At the first backward step the
+rest of the guess is rebuilt from the forward just recorded (backwards in the reverse order of the
+forwards), which is what autograd runs. A wrong guess thus costs a cancelled read and a demand fetch; it
+can never change a value, since data is only ever read from the store when a step is served.
 
 A param is gathered while any step holds it; when the last hold goes it is released, unless it is
 *persistent* (at most the persistence threshold's elements: gathered once, kept) or its next use on the
@@ -73,16 +82,25 @@ class Step:
 
 
 class Trace:
-    """One recorded iteration: its steps in order, and at which steps each param is used."""
+    """One recorded (or guessed) iteration: its steps in order, and at which steps each param is used."""
 
-    def __init__(self, steps: list[Step]) -> None:
+    def __init__(self, steps: list[Step], guessed: bool = False) -> None:
         self.steps = steps
+        self.guessed = guessed
         self.prefix = [0]
         self.uses: dict[int, list[int]] = {}
+        self.at: dict[StepKey, list[int]] = {}
         for i, step in enumerate(steps):
             self.prefix.append(self.prefix[-1] + step.numel)
+            self.at.setdefault(step.key, []).append(i)
             for s in step.slots:
                 self.uses.setdefault(id(s), []).append(i)
+
+    def find(self, key: StepKey, start: int, end: int) -> int | None:
+        """Index of the first step ``key`` in ``[start, end)``."""
+        at = self.at.get(key, [])
+        k = bisect.bisect_left(at, start)
+        return at[k] if k < len(at) and at[k] < end else None
 
     def keys(self) -> list[StepKey]:
         return [s.key for s in self.steps]
@@ -106,6 +124,8 @@ class Counters:
     """Params whose read was issued ahead and consumed when needed."""
     prefetch_dropped: int = 0
     """Prefetches cancelled unused (trace left, budget)."""
+    prefetch_issued: int = 0
+    """Prefetches started: hits + dropped + those still in flight."""
     elements_fetched: int = 0
     bytes_fetched: int = 0
     """Full-size bytes gathered (what compute saw), all tiers."""
@@ -118,6 +138,8 @@ class Counters:
     """Iterations that left their recorded trace."""
     budget_exceeded: int = 0
     """Demands that went past ``max_live`` because the params held at once alone exceed it."""
+    guessed_iterations: int = 0
+    """Iterations that followed the static guess (`Scheduler.order`), not a recording."""
 
 
 @dataclass
@@ -147,14 +169,24 @@ class Scheduler:
         self._prefetched: dict[int, Slot] = {}  # issue order
         self._prefetched_numel = 0
         self._retained: dict[int, Slot] = {}
+        self.order: list[tuple[int, Sequence[Slot]]] = []
+        """The static guess: (module index, the list of its params) in registration order. The lists are
+        read at each guess, so params found in use later (`zswap.hooks`) are in the next one."""
+        self._rebuild_backward = False
 
     # -- iterations --------------------------------------------------------------------------------
 
-    def begin(self, kind: Hashable) -> None:
-        """Start an iteration of ``kind``: follow its trace if one was recorded, and record this one."""
+    def begin(self, kind: Hashable, grad: bool = False) -> None:
+        """Start an iteration of ``kind``: follow its trace if one was recorded, else the static guess
+        (with backward steps when ``grad``), and record this one."""
         self.end()
         self._kind = kind
         self._trace = self._traces.get(kind)
+        if self._trace is None:
+            self._trace = self._guess(grad)
+            self._rebuild_backward = grad
+            if self._trace is not None:
+                self.counters.guessed_iterations += 1
         self._on_trace = self._trace is not None
         self._pos = self._ahead = 0
         self._recording = []
@@ -165,7 +197,7 @@ class Scheduler:
             return
         steps, self._recording = self._recording, None
         self.counters.iterations += 1
-        if self._trace is None or self._trace.keys() != [s.key for s in steps]:
+        if self._trace is None or self._trace.guessed or self._trace.keys() != [s.key for s in steps]:
             self._traces[self._kind] = Trace(steps)
             self.counters.traces_recorded += 1
         self._trace, self._on_trace = None, False
@@ -290,9 +322,50 @@ class Scheduler:
         if self._pos < len(steps) and steps[self._pos].key == key:
             self._pos += 1
             return
+        if self._trace.guessed:
+            self._follow_guess(key)
+            return
         self._on_trace = False  # a different branch: on demand from here, recorded anew
         self.counters.off_trace += 1
         self._cancel_prefetches()
+
+    def _guess(self, grad: bool) -> Trace | None:
+        forward = []
+        for index, slots in self.order:
+            held = tuple(s for s in slots if not s.persistent)
+            if held:
+                forward.append(Step(("F", index), held, sum(s.numel for s in held)))
+        backward = [Step(("B", s.key[1]), s.slots, s.numel) for s in reversed(forward)] if grad else []
+        return Trace(forward + backward, guessed=True) if forward else None
+
+    def _follow_guess(self, key: StepKey) -> None:
+        trace = self._trace
+        assert trace is not None and self._recording is not None
+        if key[0] == "B" and self._rebuild_backward:
+            # The forward is known now: its modules' backwards run in the reverse order of their forwards.
+            self._rebuild_backward = False
+            done = self._recording[:-1]  # the current step was recorded already
+            slots: dict[int, dict[int, Slot]] = {}
+            for step in done:
+                if step.key[0] == "F":
+                    slots.pop(step.key[1], None)  # re-inserted: the dict's order is the last forwards'
+                    slots[step.key[1]] = {id(s): s for s in step.slots}
+            backward = [
+                Step(("B", i), tuple(m.values()), sum(s.numel for s in m.values())) for i, m in slots.items()
+            ]
+            trace = self._trace = Trace([*done, *reversed(backward)], guessed=True)
+            self._pos = self._ahead = len(done)
+            if self._pos < len(trace.steps) and trace.steps[self._pos].key == key:
+                self._pos += 1
+            return
+        k = trace.find(key, self._pos, self._ahead)
+        if k is None:
+            return  # not guessed, or guessed long before: served as it comes, the guess goes on
+        for step in trace.steps[self._pos : k]:  # passed over: drop the reads no later step will use
+            for s in step.slots:
+                if s.loading is not None and trace.next_use(s, k) is None:
+                    self._cancel(s)
+        self._pos = k + 1
 
     def _reused_soon(self, s: Slot) -> bool:
         if not self._on_trace or self._trace is None:
@@ -317,6 +390,7 @@ class Scheduler:
                 s.loading = start_fetch([s.item])
                 s.ours = True
                 self._prefetched[id(s.p)] = s
+                self.counters.prefetch_issued += 1
             self._prefetched_numel += n
             self.live += n
             j += 1
@@ -345,7 +419,8 @@ class Scheduler:
             if over <= 0:
                 return
         kept = {id(s.p) for s in keep}
-        for s in reversed(list(self._prefetched.values())):
+        # Furthest next use first (prefetches the trace no longer uses at all before any), then newest.
+        for s in sorted(reversed(list(self._prefetched.values())), key=self._distance, reverse=True):
             if id(s.p) not in kept:
                 self._cancel(s)
                 self._ahead = self._pos  # re-scan: what was dropped is prefetched again later

@@ -159,6 +159,7 @@ class Engine:
         }
         for info in infos.values():
             info.ids.update(id(s.p) for s in info.slots)
+        self._sched.order = [(info.index, info.slots) for info in infos.values()]  # first-iteration guess
         self._stores = {id(st.store): st.store for _, st in self._items}
         pool = (self.sizing.budget.max_live + self.sizing.persistent) * max(
             (st.dtype.itemsize for _, st in self._items), default=4
@@ -344,11 +345,13 @@ class Engine:
             "prefetch_hits": c.prefetch_hits,
             "prefetch_hit_rate": c.prefetch_hits / fetches if fetches else 0.0,
             "prefetch_dropped": c.prefetch_dropped,
+            "prefetch_issued": c.prefetch_issued,
             "peak_live_elements": c.peak_live,
             "iterations": c.iterations,
             "traces_recorded": c.traces_recorded,
             "off_trace": c.off_trace,
             "budget_exceeded": c.budget_exceeded,
+            "guessed_iterations": c.guessed_iterations,
             "grad_placeholders": self._grads.placeholders,
             "max_live_elements": b.max_live,
             "prefetch_bucket_elements": b.bucket,

@@ -1,0 +1,150 @@
+"""The first iteration of each kind prefetches along the static guess (module registration order); a wrong
+guess only costs cancelled reads and demand fetches, never a different value; the prefetch counters add
+up over whole iterations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from zswap import Status, param_state
+
+from .test_runtime import TIERS, all_released, assert_same_grads, build, config, engine_for, sq
+
+# Every weight and bias streamed, nothing kept between uses: each step of an iteration is one fetch.
+STREAM = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+
+
+class Deep(nn.Module):
+    """Linears used in registration order."""
+
+    def __init__(self, n: int = 6, d: int = 24) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(d, d) for _ in range(n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Shuffled(nn.Module):
+    """Registered a, b, c, d, e; run e, b, d, a, c, then b again: the guess is wrong at most steps."""
+
+    def __init__(self, d: int = 24) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.d, self.e = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(self.e(x)))
+        h = self.a(self.d(h)) + self.c(h)
+        return self.b(torch.relu(h))
+
+
+def x(seed: int, d: int = 24) -> torch.Tensor:
+    return torch.randn(3, d, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_adds_up(s: dict[str, Any]) -> None:
+    assert s["fetches"] == s["demand_fetches"] + s["prefetch_hits"]
+    assert s["prefetch_issued"] == s["prefetch_hits"] + s["prefetch_dropped"]  # nothing left in flight
+    assert s["prefetch_hit_rate"] == (s["prefetch_hits"] / s["fetches"] if s["fetches"] else 0.0)
+
+
+def in_flight(m: nn.Module) -> list[str]:
+    return [n for n, p in m.named_parameters() if param_state(p).status is Status.INFLIGHT]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_the_first_inference_pass_prefetches_along_registration_order(tier, tmp_path):
+    cfg = config(tier, tmp_path, **STREAM)
+    m, ref = build(Deep, cfg)
+    with engine_for(m, cfg) as engine, torch.no_grad():
+        m.eval()
+        ref.eval()
+        engine.stats(reset=True)
+        assert torch.equal(m(x(1)), ref(x(1)))
+        first = engine.stats(reset=True)
+        assert torch.equal(m(x(2)), ref(x(2)))
+        second = engine.stats(reset=True)
+    # 12 params, one step per Linear: only the first step's two are fetched on demand, on a guess too.
+    assert first["guessed_iterations"] == 1 and first["traces_recorded"] == 1
+    assert (first["fetches"], first["demand_fetches"], first["prefetch_hits"]) == (12, 2, 10)
+    assert second["guessed_iterations"] == 0 and second["traces_recorded"] == 0
+    assert (second["fetches"], second["demand_fetches"], second["prefetch_hits"]) == (12, 2, 10)
+    assert first["prefetch_dropped"] == second["prefetch_dropped"] == 0
+    for s in (first, second):
+        assert_adds_up(s)
+    assert all_released(m)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_the_first_training_pass_guesses_its_backward_from_its_forward(tier, tmp_path):
+    cfg = config(tier, tmp_path, **STREAM)
+    m, ref = build(Deep, cfg)
+    with engine_for(m, cfg) as engine:
+        engine.stats(reset=True)
+        out, want = m(x(1)), ref(x(1))
+        assert torch.equal(out, want)
+        sq(out).backward()
+        sq(want).backward()
+        first = engine.stats(reset=True)
+        assert_same_grads(m, ref)
+    # 6 forward and 6 backward steps of 2 params; reuse distance 0 keeps the last Linear from its forward
+    # to its backward (the next step): 22 fetches, only the first step's two on demand.
+    assert first["guessed_iterations"] == 1 and first["off_trace"] == 0
+    assert (first["fetches"], first["demand_fetches"], first["prefetch_hits"]) == (22, 2, 20)
+    assert_adds_up(first)
+    assert all_released(m)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("train", [False, True])
+def test_a_forward_order_unlike_registration_order_is_bitwise_the_plain_models(tier, train, tmp_path):
+    cfg = config(tier, tmp_path, **STREAM)
+    m, ref = build(Shuffled, cfg)
+    with engine_for(m, cfg) as engine:
+        engine.stats(reset=True)
+        stats = []
+        for seed in (1, 2, 3):
+            with torch.set_grad_enabled(train):
+                out, want = m(x(seed)), ref(x(seed))
+            assert torch.equal(out, want), seed
+            if train:
+                sq(out).backward()
+                sq(want).backward()
+            assert in_flight(m) == [], seed
+            stats.append(engine.stats(reset=True))
+        if train:
+            assert_same_grads(m, ref)
+    first, later = stats[0], stats[1:]
+    assert first["guessed_iterations"] == 1 and first["traces_recorded"] == 1
+    if not train:  # no backward step uses them later: the reads passed over are cancelled ...
+        assert first["prefetch_dropped"] > 0
+    for s in stats:
+        assert_adds_up(s)  # ... and every one is accounted for
+    for s in later:  # the recording is exact from the second pass on
+        assert s["guessed_iterations"] == s["traces_recorded"] == s["off_trace"] == s["prefetch_dropped"] == 0
+        assert s["demand_fetches"] == 2 and s["prefetch_hits"] == s["fetches"] - 2
+    assert all_released(m)
+
+
+def test_a_branch_off_the_guess_then_back_on_it(tmp_path):
+    # Registration order a..e; a forward that runs a, d (skips b, c), e: the skip within the prefetched
+    # range moves the guess on, the cancelled reads of b and c are counted as dropped.
+    class Skip(Shuffled):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.e(self.d(self.a(x)))
+
+    cfg = config("nvme", tmp_path, **STREAM)
+    m, ref = build(Skip, cfg)
+    with engine_for(m, cfg) as engine, torch.no_grad():
+        engine.stats(reset=True)
+        assert torch.equal(m(x(1)), ref(x(1)))
+        s = engine.stats(reset=True)
+    assert_adds_up(s)
+    assert s["fetches"] == 6 and s["demand_fetches"] == 2 and s["prefetch_hits"] == 4
+    assert s["prefetch_dropped"] == 4  # b's and c's weight and bias
+    assert all_released(m)
