@@ -12,7 +12,19 @@ from torch import nn
 
 from zswap import Status, param_state
 
-from .test_runtime import TIERS, all_released, assert_same_grads, build, config, engine_for, sq
+from .test_runtime import (
+    TIERS,
+    Reach,
+    TinyLM,
+    all_released,
+    assert_same_grads,
+    build,
+    config,
+    engine_for,
+    ids,
+    sq,
+    xs,
+)
 
 # Every weight and bias streamed, nothing kept between uses: each step of an iteration is one fetch.
 STREAM = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -147,4 +159,29 @@ def test_a_branch_off_the_guess_then_back_on_it(tmp_path):
     assert_adds_up(s)
     assert s["fetches"] == 6 and s["demand_fetches"] == 2 and s["prefetch_hits"] == 4
     assert s["prefetch_dropped"] == 4  # b's and c's weight and bias
+    assert all_released(m)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [Reach, TinyLM, lambda: TinyLM(reentrant=True), lambda: TinyLM(reentrant=False)],
+    ids=["parent-reads-child", "tied", "checkpoint-reentrant", "checkpoint"],
+)
+def test_guessed_first_passes_of_harder_models_are_bitwise_and_accounted(make, tmp_path):
+    cfg = config("nvme", tmp_path, **STREAM)
+    m, ref = build(make, cfg)
+    inputs = ids if make is not Reach else (lambda seed: xs(1, 5, 7, seed=seed)[0])
+    with engine_for(m, cfg) as engine:
+        engine.stats(reset=True)
+        for seed in (1, 2, 3):
+            out, want = m(inputs(seed=seed)), ref(inputs(seed=seed))
+            assert torch.equal(out, want), seed
+            sq(out).backward()
+            sq(want).backward()
+            assert in_flight(m) == [], seed
+            s = engine.stats(reset=True)
+            assert_adds_up(s)
+            assert s["prefetch_hits"] > 0, seed
+            assert s["guessed_iterations"] == (seed == 1), seed
+        assert_same_grads(m, ref)
     assert all_released(m)

@@ -348,8 +348,11 @@ class Scheduler:
             slots: dict[int, dict[int, Slot]] = {}
             for step in done:
                 if step.key[0] == "F":
-                    slots.pop(step.key[1], None)  # re-inserted: the dict's order is the last forwards'
-                    slots[step.key[1]] = {id(s): s for s in step.slots}
+                    # Re-inserted, so the order is that of each module's last forward; merged, since a
+                    # module's backward holds every param its forwards used (params found in use too).
+                    merged = slots.pop(step.key[1], {})
+                    merged.update((id(s), s) for s in step.slots)
+                    slots[step.key[1]] = merged
             backward = [
                 Step(("B", i), tuple(m.values()), sum(s.numel for s in m.values())) for i, m in slots.items()
             ]

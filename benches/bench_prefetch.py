@@ -1,0 +1,188 @@
+"""Prefetch hit rates on the first and later iterations, and the read bandwidth of an I/O-bound inference
+pass next to fio's on the same directory, in the same run.
+
+    python benches/bench_prefetch.py [--size 512MiB] [--passes 4] [--path DIR] [--skip-gpt]
+
+1. I/O-bound inference: ``nn.Sequential`` of ``Linear(2048, 2048)`` (16 MiB of fp32 each) up to ``--size``,
+   params on NVMe, a batch of one row (compute is a matrix-vector product per layer, far below the I/O).
+   For pass 1 (the static guess) and passes 2.. (the recorded trace): prefetch hit rate, bytes read / wall
+   time, and that next to ``fio --rw=read`` (io_uring, O_DIRECT, 1 MiB blocks, the engine's queue depth)
+   over a file of the same size in the same directory, with the ratio (target >= 0.85).
+2. The `zswap demo` model (GPT-style, live budget 1/6 of the model, at ``--size``) for inference and
+   training (forward + backward + `Engine.step`): hit rate of iteration 1 and of iterations 2.. (target
+   >= 0.95 from the second on).
+
+The swap dir is a temp dir under /var/tmp unless --path. Results are never compared here (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zswap
+from zswap.cli import _size
+from zswap.demo import BATCH, GPT, Shape, default_config
+
+WIDTH = 2048
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def fio_read(path: Path, size: int, queue_depth: int, iomem: str, repeat: int = 2) -> float:
+    """fio's best sequential O_DIRECT read, GB/s, over a file of ``size`` in ``path``."""
+    target = path / ".bench-prefetch-fio"
+    best = 0.0
+    try:
+        for _ in range(repeat):  # fio lays the file out before its first read pass
+            cmd = [
+                "fio", "--name=prefetch-baseline", f"--filename={target}", f"--size={size}", "--bs=1M",
+                f"--iodepth={queue_depth}", "--ioengine=io_uring", "--direct=1", "--rw=read",
+                f"--iomem={iomem}", "--output-format=json",
+            ]  # fmt: skip
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise RuntimeError((r.stderr or r.stdout).strip()[-200:])
+            job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
+            best = max(best, job["read"]["bw_bytes"] / 1e9)
+    finally:
+        target.unlink(missing_ok=True)
+    return best
+
+
+def disk_read(path: Path, size: int, queue_depth: int) -> float:
+    """The best raw read rate of the disk, GB/s: fio with malloc'd and (where hugetlb pages are reserved)
+    huge-page buffers, and the crate's bare io_uring loop on huge pages; each printed."""
+    rates: dict[str, float] = {}
+    if shutil.which("fio") is not None:
+        for iomem in ("malloc", "shmhuge"):
+            try:
+                rates[f"fio --iomem={iomem}"] = fio_read(path, size, queue_depth, iomem)
+            except RuntimeError as e:
+                say(f"  fio --iomem={iomem}: not run ({e})")
+    else:
+        say("  fio not installed")
+    _, seconds = zswap._zswap.raw_io_uring_baseline(path, size, 1 << 20, queue_depth)
+    rates["bare io_uring loop (huge pages)"] = size / seconds / 1e9
+    for name, rate in rates.items():
+        say(
+            f"  raw disk read, same dir, {mib(size)}, 1 MiB blocks, qd {queue_depth}, {name}: {rate:.2f} GB/s"
+        )
+    return max(rates.values())
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def hit_rate(s: dict[str, Any]) -> str:
+    return f"{s['prefetch_hit_rate']:6.1%} ({s['prefetch_hits']}/{s['fetches']})"
+
+
+def summed(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {k: sum(s[k] for s in stats) for k in ("prefetch_hits", "fetches", "bytes_read")}
+    out["prefetch_hit_rate"] = out["prefetch_hits"] / out["fetches"] if out["fetches"] else 0.0
+    return out
+
+
+def io_bound(path: Path, size: int, passes: int) -> None:
+    layers = max(2, size // (WIDTH * WIDTH * 4))
+    cfg = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(path)}}}
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
+        engine = zswap.initialize(model, cfg)
+    swap = zswap.param_state(model[0].weight).store.engine  # type: ignore[union-attr]
+    depth = int(swap.info.get("queue_depth", 16))
+    model_bytes = sum(zswap.param_state(p).numel for p in model.parameters()) * 4  # type: ignore[union-attr]
+    s = engine.stats()
+    say(
+        f"I/O-bound inference: {layers} x Linear({WIDTH}, {WIDTH}), {mib(model_bytes)} fp32 on NVMe; "
+        f"live budget {mib(s['max_live_elements'] * 4)}, bucket {mib(s['prefetch_bucket_elements'] * 4)}"
+    )
+    x = torch.randn(1, WIDTH)
+    nn.Linear(WIDTH, WIDTH)(x)  # torch's one-time start-up (kernels, thread pool) outside the timing
+    rows = []
+    with torch.no_grad():
+        engine.stats(reset=True)
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            model(x)
+            wall = time.perf_counter() - t0
+            rows.append((wall, engine.stats(reset=True)))
+    engine.close()
+    disk = disk_read(path, model_bytes, depth)
+    for label, part in (("pass 1 (static guess)", rows[:1]), (f"passes 2-{passes} (recorded)", rows[1:])):
+        if not part:
+            continue
+        wall = sum(w for w, _ in part)
+        st = summed([s for _, s in part])
+        gbs = st["bytes_read"] / wall / 1e9
+        say(
+            f"  {label:28s} hit rate {hit_rate(st)}, {gbs:.2f} GB/s read over the wall time "
+            f"= {gbs / disk:.2f} x the best raw read"
+        )
+
+
+def gpt(path: Path, size: int, passes: int) -> None:
+    shape = Shape.for_bytes(size)
+    cfg = zswap.load_config(default_config(path, shape))
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            model = GPT(shape)
+        engine = zswap.initialize(model, cfg)
+    say(f"demo GPT: {shape.layers} layers x {shape.width}, {mib(shape.params * 4)} fp32, live budget 1/6")
+    batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
+    inference, training = [], []
+    model.eval()
+    engine.stats(reset=True)
+    with torch.no_grad():
+        for _ in range(passes):
+            model(batch)
+            inference.append(engine.stats(reset=True))
+    model.train()
+    for _ in range(passes):
+        logits = model(batch[:, :-1])
+        F.cross_entropy(logits.reshape(-1, shape.vocab), batch[:, 1:].reshape(-1)).backward()
+        training.append(engine.stats(reset=True))  # before step: its reads are not fetches
+        engine.step()
+        engine.stats(reset=True)
+    engine.close()
+    for label, runs in (("inference", inference), ("training", training)):
+        later = f", iterations 2-{passes} {hit_rate(summed(runs[1:]))}" if passes > 1 else ""
+        say(f"  {label:10s} iteration 1 (static guess) {hit_rate(runs[0])}{later}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=_size, default=512 << 20)
+    ap.add_argument("--passes", type=int, default=4)
+    ap.add_argument("--path", type=Path)
+    ap.add_argument("--skip-gpt", action="store_true")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.path or "/var/tmp", prefix="zswap-bench-prefetch-") as d:
+        io_bound(Path(d), args.size, args.passes)
+        if not args.skip_gpt:
+            gpt(Path(d), args.size, args.passes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
