@@ -185,3 +185,21 @@ def test_guessed_first_passes_of_harder_models_are_bitwise_and_accounted(make, t
             assert s["guessed_iterations"] == (seed == 1), seed
         assert_same_grads(m, ref)
     assert all_released(m)
+
+
+def test_initialize_prefills_the_first_passes_read_buffers(tmp_path):
+    # The whole model fits the live budget: every read buffer of pass 1 exists, faulted in, before it runs,
+    # so the pass allocates none; values are unchanged.
+    cfg = config("nvme", tmp_path, **STREAM)
+    m, ref = build(Deep, cfg)
+    store = param_state(m.layers[0].weight).store
+
+    def pooled() -> list[int]:
+        return sorted(buf.data_ptr() for pool in store._pool.values() for buf, _ in pool)
+
+    with engine_for(m, cfg), torch.no_grad():
+        before = pooled()
+        assert len(before) == 12  # 6 weights and 6 biases
+        assert torch.equal(m(x(1)), ref(x(1)))
+        assert pooled() == before
+    assert all_released(m)

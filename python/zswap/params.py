@@ -255,6 +255,20 @@ class NvmeStore(Store):
             self._pooled += nbytes
         return buf
 
+    def prefill(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A new pooled load buffer with every page faulted in (the caller holds it until it has taken
+        all it wants, so each call makes a new one); ``None`` once the pool has no room for it."""
+        if self._pooled + numel * dtype.itemsize > self.pool_bytes:
+            return None
+        buf = (self.host_alloc or self.engine.empty)((numel,), dtype)
+        uses = _storage_uses(buf)
+        if uses < 0:
+            return None
+        buf.zero_()  # first touch here, not under the first read into it
+        self._pool.setdefault((numel, dtype), []).append((buf, uses))
+        self._pooled += numel * dtype.itemsize
+        return buf
+
     def _evict(self, nbytes: int) -> None:
         """Unpool free buffers (of other sizes: the mix a model needs shifts) until ``nbytes`` are gone."""
         for (numel, dtype), pool in self._pool.items():

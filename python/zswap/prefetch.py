@@ -268,6 +268,24 @@ class Scheduler:
         self._retained.clear()
         self.live = 0
 
+    def prefill(self) -> int:
+        """Allocate and fault in, before any pass runs, the read buffers the first forward's prefetch
+        window will need (the guess, up to ``max_live`` elements), in the stores' pools; returns the bytes.
+        A first touch of fresh memory costs a fault per page, far slower than the disk on a VM; paid here,
+        the first pass reads into memory as warm as the later ones."""
+        trace = self._guess(False)
+        held: list[torch.Tensor] = []
+        live = 0
+        for step in trace.steps if trace is not None else []:
+            for s in step.slots:
+                prefill = getattr(s.st.store, "prefill", None)
+                if live + s.numel > self.budget.max_live:
+                    return sum(t.nbytes for t in held)
+                live += s.numel
+                if prefill is not None and (buf := prefill(s.st.partition_numel, s.st.dtype)) is not None:
+                    held.append(buf)
+        return sum(t.nbytes for t in held)
+
     # -- internals ---------------------------------------------------------------------------------
 
     def _gather(self, held: list[Slot]) -> None:

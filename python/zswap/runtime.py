@@ -173,6 +173,7 @@ class Engine:
                     store.host_alloc = self.device.register_alloc(store.engine.empty)
         if isinstance(self.device, _device.CudaDevice | _device.StandInDevice):
             self.device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
+        self._sched.prefill()  # the first pass's read buffers, faulted in now rather than under its reads
         self._io_base = self._io_counters()
         self._grad_stores: list[gradstore.GradStore] = []
         self.optimizer: Any = None
