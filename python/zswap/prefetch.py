@@ -44,7 +44,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,8 +178,8 @@ class Scheduler:
         self._prefetched: dict[int, Slot] = {}  # issue order
         self._prefetched_numel = 0
         self._retained: dict[int, Slot] = {}
-        self._reads_ahead: dict[int, tuple[Slot, torch.Tensor, Any, str, Callable[[str], str | None]]] = {}
-        """Read ahead between iterations: (slot, buffer, handle, version read, its store's ``version``)."""
+        self._reads_ahead: dict[int, tuple[Slot, torch.Tensor, Any, str]] = {}
+        """Read ahead between iterations: (slot, buffer, handle, version read)."""
         self._ahead_kind: Hashable = None
         self._last_kind: Hashable = None
         self.order: list[tuple[int, Sequence[Slot]]] = []
@@ -231,13 +231,7 @@ class Scheduler:
         trace, b = self._traces.get(self._last_kind), self.budget
         if self._recording is not None or trace is None or b.bucket <= 0:
             return
-        self._ahead_kind = self._last_kind
-        with contextlib.suppress(Exception):  # a read that cannot start: the next demand fetch reports it
-            self._issue_reads_ahead(trace)
-        self._note_live()
-
-    def _issue_reads_ahead(self, trace: Trace) -> None:
-        n, b = 0, self.budget
+        n = 0
         for step in trace.steps:
             todo = [
                 s
@@ -246,17 +240,22 @@ class Scheduler:
             ]
             need = sum(s.numel for s in todo)
             if n + need > b.bucket or self.live + need > b.max_live:
-                return
+                break
             for s in todo:
                 version = getattr(s.st.store, "version", None)
                 v = version(s.st.key) if version is not None else None
-                if version is None or v is None:
+                if v is None:
                     continue
-                with no_torch_function():
-                    buf, handle = s.st.store.load(s.st.key, s.st.partition_numel, s.st.dtype)
-                self._reads_ahead[id(s.p)] = (s, buf, handle, v, version)
+                try:
+                    with no_torch_function():
+                        buf, handle = s.st.store.load(s.st.key, s.st.partition_numel, s.st.dtype)
+                except Exception:  # the demand fetch of the next iteration reports it
+                    return
+                self._reads_ahead[id(s.p)] = (s, buf, handle, v)
                 self.live += s.numel
                 n += s.numel
+        self._ahead_kind = self._last_kind
+        self._note_live()
 
     def _adopt_reads_ahead(self, kind: Hashable) -> None:
         """Reads ahead still current become prefetches of the iteration beginning (counted as issued then)."""
@@ -266,8 +265,12 @@ class Scheduler:
             self._cancel_reads_ahead()
             return
         reads, self._reads_ahead = self._reads_ahead, {}
-        for s, buf, handle, v, version in reads.values():
-            if s.st.status is Status.NOT_AVAILABLE and s.loading is None and version(s.st.key) == v:
+        for s, buf, handle, v in reads.values():
+            if (
+                s.st.status is Status.NOT_AVAILABLE
+                and s.loading is None
+                and s.st.store.version(s.st.key) == v
+            ):
                 s.st.status = Status.INFLIGHT
                 s.loading = Loading([s.item], [(buf, handle)])
                 s.ours = True
@@ -275,12 +278,12 @@ class Scheduler:
                 self._prefetched_numel += s.numel
                 self.counters.prefetch_issued += 1
             else:
-                self._reads_ahead[id(s.p)] = (s, buf, handle, v, version)
+                self._reads_ahead[id(s.p)] = (s, buf, handle, v)
         self._cancel_reads_ahead()
 
     def _cancel_reads_ahead(self) -> None:
         reads, self._reads_ahead = self._reads_ahead, {}
-        for s, _, handle, _, _ in reads.values():
+        for s, _, handle, _ in reads.values():
             if handle is not None:
                 with contextlib.suppress(Exception):
                     handle.wait()  # the buffer must not be reused under a running read
