@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-import zswap
 from zswap import Status, param_state
 
 from .test_runtime import (
@@ -86,13 +85,7 @@ def test_the_first_inference_pass_prefetches_along_registration_order(tier, tmp_
     assert first["guessed_iterations"] == 1 and first["traces_recorded"] == 1
     assert (first["fetches"], first["demand_fetches"], first["prefetch_hits"]) == (12, 2, 10)
     assert second["guessed_iterations"] == 0 and second["traces_recorded"] == 0
-    # On NVMe the first step was read ahead at the end of the first pass; a memory tier needs no read.
-    ahead = 2 if tier == "nvme" else 0
-    assert (second["fetches"], second["demand_fetches"], second["prefetch_hits"]) == (
-        12,
-        2 - ahead,
-        10 + ahead,
-    )
+    assert (second["fetches"], second["demand_fetches"], second["prefetch_hits"]) == (12, 2, 10)
     assert first["prefetch_dropped"] == second["prefetch_dropped"] == 0
     for s in (first, second):
         assert_adds_up(s)
@@ -146,8 +139,7 @@ def test_a_forward_order_unlike_registration_order_is_bitwise_the_plain_models(t
         assert_adds_up(s)  # ... and every one is accounted for
     for s in later:  # the recording is exact from the second pass on
         assert s["guessed_iterations"] == s["traces_recorded"] == s["off_trace"] == s["prefetch_dropped"] == 0
-        demand = 0 if tier == "nvme" and not train else 2  # read ahead after an inference pass
-        assert s["demand_fetches"] == demand and s["prefetch_hits"] == s["fetches"] - demand
+        assert s["demand_fetches"] == 2 and s["prefetch_hits"] == s["fetches"] - 2
     assert all_released(m)
 
 
@@ -210,46 +202,4 @@ def test_initialize_prefills_the_first_passes_read_buffers(tmp_path):
         assert len(before) == 12  # 6 weights and 6 biases
         assert torch.equal(m(x(1)), ref(x(1)))
         assert pooled() == before
-    assert all_released(m)
-
-
-def test_a_read_ahead_never_serves_a_value_written_since(tmp_path):
-    cfg = config("nvme", tmp_path, **STREAM)
-    m, ref = build(Deep, cfg)
-    with engine_for(m, cfg) as engine, torch.no_grad():
-        engine.stats(reset=True)
-        for seed in (1, 2):
-            assert torch.equal(m(x(seed)), ref(x(seed)))
-        assert engine.stats(reset=True)["demand_fetches"] == 2  # the first pass's first step only
-        # Between passes: layer 0 (read ahead at the end of the pass) is changed and written back.
-        with zswap.GatheredParameters(m.layers[0].weight, modifier_rank=0):
-            m.layers[0].weight.add_(1.0)
-        ref.layers[0].weight.add_(1.0)
-        assert torch.equal(m(x(3)), ref(x(3)))
-        s = engine.stats(reset=True)
-        assert_adds_up(s)
-        assert s["demand_fetches"] == 1 and s["prefetch_dropped"] == 1  # the stale read was cancelled
-        assert torch.equal(m(x(4)), ref(x(4)))
-        assert engine.stats(reset=True)["demand_fetches"] == 0
-    assert all_released(m)
-
-
-def test_a_step_reads_the_next_forward_ahead_after_its_writes(tmp_path):
-    cfg = config("nvme", tmp_path, **STREAM)
-    m, ref = build(Deep, cfg)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    with engine_for(m, cfg, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2)) as engine:
-        engine.stats(reset=True)
-        for seed in (1, 2, 3):
-            out, want = m(x(seed)), ref(x(seed))
-            assert torch.equal(out, want), seed  # the updated weights were read, not the old ones
-            sq(out).backward()
-            sq(want).backward()
-            s = engine.stats(reset=True)
-            assert_adds_up(s)
-            assert s["demand_fetches"] == (2 if seed == 1 else 0), seed
-            engine.step()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            engine.stats(reset=True)
     assert all_released(m)

@@ -231,11 +231,6 @@ class NvmeStore(Store):
     def put(self, key: str, part: torch.Tensor) -> None:
         self.ns.put(key, part, _storage.current())
 
-    def version(self, key: str) -> str | None:
-        """What `load` would read now, as an id that changes with every write (None: a write of it is
-        pending or failed, or it has none); no wait, no error."""
-        return None if _storage.current() is not None else self.ns.settled(key)
-
     def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
         buf = self._buffer(numel, dtype)  # page-aligned: read without a bounce copy
         return buf, self.ns.read(key, buf, _storage.current())

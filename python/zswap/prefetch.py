@@ -23,13 +23,6 @@ trace comes within ``reuse_distance`` elements of fetches. Gathered params (pers
 in flight never exceed ``max_live`` elements: prefetch stops short of it, and a demand evicts retained
 params, then the furthest prefetches, first. Only if the params held at once exceed it alone is it passed.
 
-Between iterations, the first steps of the next one are read ahead (`Scheduler.read_ahead`): at the end of
-an inference iteration for the same kind, and by `Engine.step` after the optimizer wrote the partitions for
-the training kind. These reads leave the params not gathered (nothing else can see them); each remembers
-the version of the value it reads (`NvmeStore.version`), and the next iteration takes it over as a prefetch
-only when it is of that kind and the version is still current — a write in between (`GatheredParameters`,
-a step, a load) makes it a cancelled read and a demand fetch.
-
 All-gathers happen when a step is served, in the order of its params, so ranks that run the same modules
 issue the same collectives in the same order; nothing here depends on I/O timing.
 
@@ -42,16 +35,14 @@ step is served.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .device import Device
-from .gather import Loading, advance, cancel_fetch, finish_fetch, no_torch_function, release, start_fetch
+from .gather import Loading, advance, cancel_fetch, finish_fetch, release, start_fetch
 from .params import ParamState, Status
 
 StepKey = tuple[str, int]
@@ -178,10 +169,6 @@ class Scheduler:
         self._prefetched: dict[int, Slot] = {}  # issue order
         self._prefetched_numel = 0
         self._retained: dict[int, Slot] = {}
-        self._reads_ahead: dict[int, tuple[Slot, torch.Tensor, Any, str]] = {}
-        """Read ahead between iterations: (slot, buffer, handle, version read)."""
-        self._ahead_kind: Hashable = None
-        self._last_kind: Hashable = None
         self.order: list[tuple[int, Sequence[Slot]]] = []
         """The static guess: (module index, the list of its params) in registration order. The lists are
         read at each guess, so params found in use later (`zswap.hooks`) are in the next one."""
@@ -203,15 +190,12 @@ class Scheduler:
         self._on_trace = self._trace is not None
         self._pos = self._ahead = 0
         self._recording = []
-        self._adopt_reads_ahead(kind)
 
-    def end(self, read_ahead: bool = True) -> None:
-        """End the iteration: keep its recording if it differs from the trace, release what no one holds;
-        after an iteration without backward, read the next one's first steps ahead (``read_ahead``)."""
+    def end(self) -> None:
+        """End the iteration: keep its recording if it differs from the trace, release what no one holds."""
         if self._recording is None:
             return
         steps, self._recording = self._recording, None
-        self._last_kind = self._kind
         self.counters.iterations += 1
         if self._trace is None or self._trace.guessed or self._trace.keys() != [s.key for s in steps]:
             self._traces[self._kind] = Trace(steps)
@@ -220,76 +204,6 @@ class Scheduler:
         self._cancel_prefetches()
         for s in list(self._retained.values()):
             self._drop(s)
-        if read_ahead and not any(step.key[0] == "B" for step in steps):
-            self.read_ahead()
-
-    def read_ahead(self) -> None:
-        """Between iterations: start reading the first steps (up to the bucket) of the next iteration of the
-        last kind run, into the stores' buffers, leaving the params not gathered; see the module docstring.
-        Only values with a settled version are read (`NvmeStore.version`; memory tiers need no read)."""
-        self._cancel_reads_ahead()
-        trace, b = self._traces.get(self._last_kind), self.budget
-        if self._recording is not None or trace is None or b.bucket <= 0:
-            return
-        n = 0
-        for step in trace.steps:
-            todo = [
-                s
-                for s in step.slots
-                if s.st.status is Status.NOT_AVAILABLE and id(s.p) not in self._reads_ahead
-            ]
-            need = sum(s.numel for s in todo)
-            if n + need > b.bucket or self.live + need > b.max_live:
-                break
-            for s in todo:
-                version = getattr(s.st.store, "version", None)
-                v = version(s.st.key) if version is not None else None
-                if v is None:
-                    continue
-                try:
-                    with no_torch_function():
-                        buf, handle = s.st.store.load(s.st.key, s.st.partition_numel, s.st.dtype)
-                except Exception:  # the demand fetch of the next iteration reports it
-                    return
-                self._reads_ahead[id(s.p)] = (s, buf, handle, v)
-                self.live += s.numel
-                n += s.numel
-        self._ahead_kind = self._last_kind
-        self._note_live()
-
-    def _adopt_reads_ahead(self, kind: Hashable) -> None:
-        """Reads ahead still current become prefetches of the iteration beginning (counted as issued then)."""
-        if not self._reads_ahead:
-            return
-        if kind != self._ahead_kind or self._trace is None or self._trace.guessed:
-            self._cancel_reads_ahead()
-            return
-        reads, self._reads_ahead = self._reads_ahead, {}
-        for s, buf, handle, v in reads.values():
-            if (
-                s.st.status is Status.NOT_AVAILABLE
-                and s.loading is None
-                and s.st.store.version(s.st.key) == v
-            ):
-                s.st.status = Status.INFLIGHT
-                s.loading = Loading([s.item], [(buf, handle)])
-                s.ours = True
-                self._prefetched[id(s.p)] = s
-                self._prefetched_numel += s.numel
-                self.counters.prefetch_issued += 1
-            else:
-                self._reads_ahead[id(s.p)] = (s, buf, handle, v)
-        self._cancel_reads_ahead()
-
-    def _cancel_reads_ahead(self) -> None:
-        reads, self._reads_ahead = self._reads_ahead, {}
-        for s, _, handle, _ in reads.values():
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    handle.wait()  # the buffer must not be reused under a running read
-            self.live -= s.numel
-            self.counters.prefetch_issued += 1
-            self.counters.prefetch_dropped += 1
 
     # -- steps -------------------------------------------------------------------------------------
 
@@ -343,9 +257,8 @@ class Scheduler:
 
     def drop_all(self) -> None:
         """End the iteration and release everything the scheduler gathered, persistent params included."""
-        self.end(read_ahead=False)
+        self.end()
         self._cancel_prefetches()
-        self._cancel_reads_ahead()
         for s in self.slots.values():
             s.holds, s.retained = 0, False
             if s.ours and s.st.status is Status.AVAILABLE:

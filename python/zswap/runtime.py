@@ -251,7 +251,6 @@ class Engine:
     def _finish_step(self, scale: float | None) -> None:
         self.zero_grad()
         self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
-        self._sched.read_ahead()  # the next forward's first params, as written by this step
         self.global_steps += 1
         self.micro_steps += 1
         if self.loss_scaler is not None:

@@ -332,13 +332,6 @@ class Namespace:
             raise failed  # the newest value is lost: say so once; the previous one reads from now on
         return self._live.get(name)
 
-    def settled(self, name: str) -> str | None:
-        """The physical key ``name`` reads from when no write of it is pending or failed, else None;
-        never waits, never raises (a failed write's error stays for the read that must report it)."""
-        if name in self._pending or name in self._failed:
-            return None
-        return self._live.get(name)
-
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and (name in self._live or name in self._pending)
 
