@@ -14,13 +14,16 @@
   (``"meta"``, a GPU) is a `ZswapError` before anything changed. With an open `zswap.Engine` over the params
   a dtype change is refused too: the engine's optimizer state and buffers were laid out for the old dtype.
 - On transformers models, ``resize_token_embeddings`` runs under an Init with the model's placement (so the
-  new embedding is partitioned as it is built and the rows are copied through the access hook), and
+  new embedding is partitioned as it is built and the rows are copied through the access hook; under an
+  open `zswap.Engine` the engine is wired again over the new shapes, refused once its optimizer has state
+  for the embedding or head), and
   ``num_parameters`` counts each managed param by its real size (transformers 5 counts ``p.numel()``; it has
   no ZeRO-3 ``ds_numel`` convention left to register for).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Iterable
@@ -227,13 +230,74 @@ def _resize_token_embeddings(self: Any, *args: Any, **kwargs: Any) -> Any:
     managed = [(p, st) for p in self.parameters() if (st := param_state(p)) is not None]
     if not managed:
         return plain(self, *args, **kwargs)
-    _refuse_if_engine([p for p, _ in managed], "resize_token_embeddings on")
     from .init import Init
 
     emb = self.get_input_embeddings()
     st = param_state(getattr(emb, "weight", None)) or managed[0][1]
-    with Init._at(Placement(st.store, st.group, st.rank, st.world_size, None)):
-        return plain(self, *args, **kwargs)
+    resized = [p for m in (emb, self.get_output_embeddings()) if m is not None for p in m.parameters()]
+    engines = _engines_of([p for p, _ in managed])
+    for engine in engines:
+        _check_resizable(engine, resized)
+    before = dict(self.named_parameters(remove_duplicate=False))
+    with contextlib.ExitStack() as stack:
+        for engine in engines:
+            stack.enter_context(engine._rewired())
+        stack.enter_context(Init._at(Placement(st.store, st.group, st.rank, st.world_size, None)))
+        out = plain(self, *args, **kwargs)
+        # An untied head is a new nn.Linear (new params): the optimizer steps those in place of the old.
+        new = {
+            id(old): p
+            for n, p in self.named_parameters(remove_duplicate=False)
+            if (old := before.get(n)) is not None and old is not p
+        }
+        for engine in engines:
+            _swap_params(engine.optimizer, new)
+        return out
+
+
+def _swap_params(opt: Any, new: dict[int, torch.Tensor]) -> None:
+    """Put ``new[id(old)]`` wherever ``opt`` lists ``old`` (none of them has state: `_check_resizable`)."""
+    if opt is None or not new:
+        return
+    for group in getattr(opt, "param_groups", ()):
+        group["params"] = [new.get(id(p), p) for p in group["params"]]
+    ours = getattr(opt, "_params", None)  # OffloadedAdamW's flat index of its params
+    if isinstance(ours, list):
+        ours[:] = [new.get(id(p), p) for p in ours]
+
+
+def _engines_of(params: list[torch.Tensor]) -> list[Any]:
+    from .runtime import _ENGINES
+
+    ids = {id(p) for p in params}
+    return [e for e in list(_ENGINES) if not e.closed and ids & e._ids]
+
+
+def _check_resizable(engine: Any, params: list[torch.Tensor]) -> None:
+    """Refuse (before anything changed) a resize the engine could not follow: a gradient is accumulated
+    (its partition has the old size), or the optimizer holds state for a resized param (moments laid
+    out for the old size: a plain torch optimizer's next step fails on the shape mismatch too)."""
+    from .gradstore import store_of
+
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    engine._grads.flush()
+    if any(store_of(st).has(st) for _, st in engine._items):
+        raise ZswapError(
+            "resize_token_embeddings while gradients are accumulated (a micro-step into an accumulation "
+            "window): call it after engine.step() at an accumulation boundary, or after engine.zero_grad()"
+        )
+    opt = engine.optimizer
+    placed = getattr(opt, "_placed", {})
+    state = getattr(opt, "state", {})
+    ours = getattr(opt, "_params", [])
+    for p in params:
+        held = any(ours[i] is p for i in placed) if placed else False
+        if held or state.get(p):
+            raise ZswapError(
+                f"resize_token_embeddings: the optimizer already holds state (moments laid out for the old "
+                f"size) for {names.get(id(p), 'a resized param')!r}; resize before the first optimizer step, "
+                "or engine.close(), resize, and zswap.initialize the model again with a new optimizer"
+            )
 
 
 class _RealShapes(TorchFunctionMode):
