@@ -343,3 +343,72 @@ def test_init_dtype_is_the_plain_build_cast(make, tier, tmp_path):
     assert {param_state(p).dtype for p in m.parameters()} == {torch.bfloat16}
     assert same(m, plain) == []
     assert torch.get_default_dtype() == torch.float32
+
+
+# -- copy.deepcopy ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_deepcopy_is_a_real_copy_with_its_own_partitions(tier, tmp_path):
+    import copy
+
+    plain, m = pair(tier, tmp_path)
+    c = copy.deepcopy(m)
+    assert same(c, plain) == [] and same(m, plain) == []
+    for (n, p), q in zip(m.named_parameters(), c.parameters(), strict=True):
+        st, sq = param_state(p), param_state(q)
+        assert sq is not None and q is not p, n
+        assert (sq.shape, sq.dtype, sq.tier, sq.status) == (st.shape, st.dtype, tier, Status.NOT_AVAILABLE)
+        assert sq.key != st.key and q.numel() == 0
+    torch.manual_seed(9)
+    sd = Net().state_dict()
+    c.load_state_dict(sd)  # the copy is partitioned and equipped: writes its own partitions only
+    assert same(m, plain) == []
+    plain.load_state_dict(sd)
+    assert same(c, plain) == []
+    x = torch.randn(4, 7)
+    with zswap.initialize(c, {"offload_param": {"device": tier}}), torch.no_grad():
+        assert torch.equal(c(x), plain(x))
+    del m
+    assert same(c, plain) == []  # the original's partitions freed, the copy's kept
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+def test_deepcopy_of_a_partitioned_hf_model_keeps_ties(tmp_path):
+    import copy
+
+    plain, m = pair("nvme", tmp_path, MODELS["gpt2"])
+    c = copy.deepcopy(m)
+    assert c.get_output_embeddings().weight is c.get_input_embeddings().weight
+    assert c.get_input_embeddings().weight is not m.get_input_embeddings().weight
+    assert same(c, plain) == []
+    assert c.num_parameters() == plain.num_parameters()
+    c.resize_token_embeddings(140, mean_resizing=False)  # the copy's wrappers are bound to the copy
+    assert param_state(c.get_input_embeddings().weight).shape == (140, 64)
+    assert param_state(m.get_input_embeddings().weight).shape == (128, 64)
+
+
+def test_deepcopy_inside_gathered_parameters_copies_the_gathered_data(tmp_path):
+    import copy
+
+    plain, m = pair("cpu", tmp_path)
+    with zswap.GatheredParameters(list(m.parameters()), modifier_rank=0):
+        m.a.weight.data.add_(1.0)
+        c = copy.deepcopy(m)
+    with torch.no_grad():
+        plain.a.weight.add_(1.0)
+    assert same(c, plain) == [] and same(m, plain) == []
+
+
+def test_deepcopy_under_an_open_engine_is_refused(tmp_path):
+    import copy
+
+    _, m = pair("cpu", tmp_path)
+    with (
+        zswap.initialize(m, {"offload_param": {"device": "cpu"}}),
+        pytest.raises(ZswapError, match=r"copy\.deepcopy of a Net whose params an open zswap Engine runs"),
+    ):
+        copy.deepcopy(m)
+    c = copy.deepcopy(m)  # closed: fine
+    a, b = gathered_named(m), gathered_named(c)
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []

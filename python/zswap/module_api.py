@@ -13,6 +13,8 @@
   stored partitions (`cast_params`) before torch converts the (empty) ``.data``; a device change
   (``"meta"``, a GPU) is a `ZswapError` before anything changed. With an open `zswap.Engine` over the params
   a dtype change is refused too: the engine's optimizer state and buffers were laid out for the old dtype.
+- ``copy.deepcopy``: a real copy; each managed param gets a new param with its own partition (same store),
+  then torch's deepcopy runs; refused while an open `zswap.Engine` runs the params.
 - On transformers models, ``resize_token_embeddings`` runs under an Init with the model's placement (so the
   new embedding is partitioned as it is built and the rows are copied through the access hook; under an
   open `zswap.Engine` the engine is wired again over the new shapes, refused once its optimizer has state
@@ -24,6 +26,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import threading
 import weakref
 from collections.abc import Iterable
@@ -50,6 +54,7 @@ def attach(modules: Iterable[nn.Module]) -> None:
         _ATTACHED.add(m)
         m.register_load_state_dict_pre_hook(_load_pre_hook)
         m.__dict__["_apply"] = _Bound(m, _apply)
+        m.__dict__["__deepcopy__"] = _Bound(m, _deepcopy)
         if hasattr(type(m), "resize_token_embeddings") and hasattr(type(m), "num_parameters"):
             m.__dict__["resize_token_embeddings"] = _Bound(m, _resize_token_embeddings)
             m.__dict__["num_parameters"] = _Bound(m, _num_parameters)
@@ -167,6 +172,64 @@ def _refuse_if_engine(params: list[torch.Tensor], what: str) -> None:
                 f"cannot {what} params an open zswap Engine runs (its optimizer state and buffers are laid "
                 "out for them as they are); engine.close() first, then zswap.initialize the model again"
             )
+
+
+# -- copy.deepcopy ---------------------------------------------------------------------------------
+
+
+def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A real deep copy: each managed param of the subtree is copied first into a new param with a new
+    partition (this rank's slice, in the same store), then torch's own deepcopy of the module finds the
+    copies in ``memo``. Refused while an open Engine runs the params (its hooks on the modules would be
+    copied with them, and gathered copies come and go under it)."""
+    managed = [(n, p, st) for n, p, st in _managed(list(self.modules())) if id(p) not in memo]
+    if managed and _engines_of([p for _, p, _ in managed]):
+        raise ZswapError(
+            f"copy.deepcopy of a {type(self).__name__} whose params an open zswap Engine runs: "
+            "engine.close() first (or copy before zswap.initialize), then initialize each model"
+        )
+    stores = {}
+    with no_torch_function(), torch.no_grad():
+        for name, p, st in managed:
+            memo[id(p)] = _copy_param(name, p, st, memo)
+            stores[id(st.store)] = st.store
+    for store in stores.values():
+        store.wait_all()
+    own = self.__dict__.pop("__deepcopy__")
+    try:
+        new = copy.deepcopy(self, memo)  # torch's way, with this wrapper out of the way
+    finally:
+        self.__dict__["__deepcopy__"] = own
+    new.__dict__["__deepcopy__"] = _Bound(new, _deepcopy)
+    _ATTACHED.add(new)
+    return new
+
+
+def _copy_param(name: str, p: torch.Tensor, st: ParamState, memo: dict[int, Any]) -> torch.Tensor:
+    from .params import local_slice, register
+    from .weights import _buffer
+
+    if st.status is Status.INFLIGHT:
+        raise ZswapError(f"copy.deepcopy: param {name!r} is being gathered; copy it once the gather is done")
+    buf = _buffer(st.store, st.partition_numel, st.dtype)
+    if st.status is Status.AVAILABLE:  # gathered in full (touched in Init, a GatheredParameters block)
+        buf.copy_(local_slice(p.data.reshape(-1), st.rank, st.partition_numel))
+    else:
+        part, handle = st.store.load(st.key, st.partition_numel, st.dtype)
+        if handle is not None:
+            handle.wait()
+        buf.copy_(part)
+    if st.store.tier == "none" and st.device.type != "cpu":
+        buf = buf.to(st.device)
+    new = type(p)(torch.empty(0, dtype=st.dtype, device=st.device), p.requires_grad)
+    new.__dict__.update(copy.deepcopy(p.__dict__, memo))  # flags others set (_is_hf_initialized)
+    copied = dataclasses.replace(
+        st, status=Status.NOT_AVAILABLE, key=st.store.new_key(), touched=False, gathered_by=None, grad=None,
+        grad_store=None,
+    )  # fmt: skip
+    register(new, copied)
+    st.store.put(copied.key, buf)
+    return new
 
 
 # -- load_state_dict --------------------------------------------------------------------------------
