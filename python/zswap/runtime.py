@@ -521,12 +521,15 @@ class Engine:
         self._grads.flush()
         grads.wait(self._items)
         counters = self._sched.counters
+        if self._early is not None:
+            self._early.abort()
         self._unwire()
         try:
             yield
         finally:
             try:
                 self._wire()
+                self._early = self._grads.early = earlystep.for_engine(self)  # built over the new items
             except BaseException:
                 self.closed = True
                 if self._owns_optimizer and hasattr(self.optimizer, "close"):
