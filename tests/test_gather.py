@@ -168,3 +168,47 @@ def test_public_names():
     for name in ("Init", "GatheredParameters", "param_state", "ParamState", "Status"):
         assert name in zswap.__all__ and getattr(zswap, name) is not None
     assert {s.name for s in Status} == {"AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"}
+
+
+# -- a param an open Engine is prefetching ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("modifier_rank", [None, 0])
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_gathering_a_param_whose_prefetch_is_in_flight(tier, modifier_rank, tmp_path):
+    # Between a forward and its backward the engine has the backward's first params in flight; a block
+    # over them then (logging, a custom loss) must see their full data, and the backward stay right.
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    torch.manual_seed(0)
+    with make_init(tier, tmp_path):
+        m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    z = {
+        "stage": 3,
+        "offload_param": {"device": tier, "nvme_path": str(tmp_path)},
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 300,  # about one layer ahead
+        "stage3_max_live_parameters": 600,
+        "stage3_max_reuse_distance": 0,
+    }
+    x = torch.randn(2, 16)
+    weights = [layer.weight for layer in m]
+    with zswap.initialize(m, {"zero_optimization": z}) as engine:
+        for it in range(3):
+            out = m(x).square().sum()
+            status = [param_state(w).status for w in weights]
+            with GatheredParameters(weights, modifier_rank=modifier_rank):
+                inside = [w.data.clone() for w in weights]
+            if it > 0:  # traced: the case under test occurs
+                assert Status.INFLIGHT in status
+            assert all(torch.equal(a, r.weight.data) for a, r in zip(inside, ref, strict=True)), it
+            out.backward()
+            want = ref(x).square().sum()
+            want.backward()
+            assert torch.equal(out.detach(), want.detach())
+            for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(zswap.full_grad(p), q.grad)
+            engine.zero_grad()
+            ref.zero_grad()
+        assert engine.stats()["prefetch_dropped"] >= 2
+    assert all(param_state(w).status is Status.NOT_AVAILABLE for w in weights)

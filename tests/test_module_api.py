@@ -131,16 +131,114 @@ def test_resize_token_embeddings_after_init(model, tier, mean_resizing, tmp_path
         assert m.num_parameters() == plain.num_parameters()
 
 
+def _llama_untied() -> nn.Module:
+    import transformers
+
+    m = MODELS["llama"]()
+    cfg = m.config
+    cfg.tie_word_embeddings = False
+    return transformers.LlamaForCausalLM(cfg)
+
+
+RESIZE_MODELS = {"gpt2": MODELS["gpt2"], "llama-untied": _llama_untied}
+
+
+def _train_config(tier, tmp_path, with_optimizer):
+    swap = tmp_path / "swap"
+    swap.mkdir(exist_ok=True)
+    z = {
+        "stage": 3,
+        "offload_param": {"device": tier, "nvme_path": str(swap)},
+        "offload_optimizer": {"device": tier, "nvme_path": str(swap)},
+        "stage3_param_persistence_threshold": 0,
+        "sub_group_size": 5000,
+    }
+    cfg: dict = {"zero_optimization": z, "train_batch_size": "auto"}
+    if with_optimizer:
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": 3e-3, "betas": [0.8, 0.95], "weight_decay": 0.1},
+        }
+    return cfg
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1, fused=True)
+
+
 @pytest.mark.usefixtures("quiet_transformers")
-def test_resize_token_embeddings_after_initialize(tmp_path):
+@pytest.mark.parametrize(("tier", "opt"), [("nvme", "config"), ("cpu", "torch")])
+@pytest.mark.parametrize("model", RESIZE_MODELS)
+def test_resize_token_embeddings_after_initialize_trains_like_plain(model, tier, opt, tmp_path):
+    # The engine is wired again over the resized params (budgets, hooks, gradient stores); an optimizer
+    # without state for them yet lays their state out at the new size on its first step.
+    cfg = _train_config(tier, tmp_path, opt == "config")
+    plain, m = pair(tier, tmp_path, RESIZE_MODELS[model])
+    engine = zswap.initialize(m, cfg, optimizer=None if opt == "config" else _adamw(m.parameters()))
+    with engine:
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            m(ids)  # traced and prefetching at the old size
+        torch.manual_seed(7)
+        plain.resize_token_embeddings(150)  # mean_resizing draws from the generator: same draws in both
+        torch.manual_seed(7)
+        m.resize_token_embeddings(150)
+        assert param_state(m.get_input_embeddings().weight).shape == (150, 64)
+        assert param_state(m.get_output_embeddings().weight).shape == (150, 64)
+        assert (m.get_output_embeddings().weight is m.get_input_embeddings().weight) == (model == "gpt2")
+        assert same(m, plain) == []
+        assert engine.sizing.total == plain.num_parameters()
+        ref_opt = _adamw(plain.parameters())
+        ids = torch.randint(0, 150, (2, 8), generator=torch.Generator().manual_seed(4))
+        for step in range(3):
+            torch.manual_seed(step)
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            torch.manual_seed(step)
+            want = plain(input_ids=ids, labels=ids, use_cache=False).loss
+            assert torch.allclose(loss.detach(), want.detach(), rtol=1e-6, atol=1e-7), (step, loss, want)
+            engine.backward(loss)
+            want.backward()
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        got = gathered_named(m)
+        far = [
+            n for n, p in plain.named_parameters() if not torch.allclose(got[n], p.data, rtol=1e-6, atol=1e-7)
+        ]
+        assert far == []
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+@pytest.mark.parametrize(("tier", "opt"), [("nvme", "config"), ("cpu", "torch")])
+def test_resize_after_an_optimizer_step_is_refused_and_changes_nothing(tier, opt, tmp_path):
+    cfg = _train_config(tier, tmp_path, opt == "config")
+    _, m = pair(tier, tmp_path, MODELS["gpt2"])
+    engine = zswap.initialize(m, cfg, optimizer=None if opt == "config" else _adamw(m.parameters()))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    with engine:
+        engine.backward(m(input_ids=ids, labels=ids).loss)
+        with pytest.raises(ZswapError, match="while gradients are accumulated"):
+            m.resize_token_embeddings(150)
+        engine.step()
+        before = gathered_named(m)
+        with pytest.raises(ZswapError, match=r"optimizer already holds state .* 'transformer.wte.weight'"):
+            m.resize_token_embeddings(150)
+        assert param_state(m.get_input_embeddings().weight).shape == (128, 64)
+        assert m.config.vocab_size == 128
+        got = gathered_named(m)
+        assert [n for n in before if not torch.equal(before[n], got[n])] == []
+        engine.backward(m(input_ids=ids, labels=ids).loss)  # the engine still runs as it was
+        engine.step()
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+def test_resize_token_embeddings_after_close_and_initialize_again(tmp_path):
     torch.manual_seed(0)
     plain = MODELS["gpt2"]()
     torch.manual_seed(0)
     m = MODELS["gpt2"]()
     cfg = {"offload_param": {"device": "cpu"}}
     engine = zswap.initialize(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
-    with pytest.raises(ZswapError, match="resize_token_embeddings on params an open zswap Engine runs"):
-        m.resize_token_embeddings(140)
     engine.close()
     torch.manual_seed(1)
     plain.resize_token_embeddings(140, mean_resizing=False)
@@ -245,3 +343,72 @@ def test_init_dtype_is_the_plain_build_cast(make, tier, tmp_path):
     assert {param_state(p).dtype for p in m.parameters()} == {torch.bfloat16}
     assert same(m, plain) == []
     assert torch.get_default_dtype() == torch.float32
+
+
+# -- copy.deepcopy ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_deepcopy_is_a_real_copy_with_its_own_partitions(tier, tmp_path):
+    import copy
+
+    plain, m = pair(tier, tmp_path)
+    c = copy.deepcopy(m)
+    assert same(c, plain) == [] and same(m, plain) == []
+    for (n, p), q in zip(m.named_parameters(), c.parameters(), strict=True):
+        st, sq = param_state(p), param_state(q)
+        assert sq is not None and q is not p, n
+        assert (sq.shape, sq.dtype, sq.tier, sq.status) == (st.shape, st.dtype, tier, Status.NOT_AVAILABLE)
+        assert sq.key != st.key and q.numel() == 0
+    torch.manual_seed(9)
+    sd = Net().state_dict()
+    c.load_state_dict(sd)  # the copy is partitioned and equipped: writes its own partitions only
+    assert same(m, plain) == []
+    plain.load_state_dict(sd)
+    assert same(c, plain) == []
+    x = torch.randn(4, 7)
+    with zswap.initialize(c, {"offload_param": {"device": tier}}), torch.no_grad():
+        assert torch.equal(c(x), plain(x))
+    del m
+    assert same(c, plain) == []  # the original's partitions freed, the copy's kept
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+def test_deepcopy_of_a_partitioned_hf_model_keeps_ties(tmp_path):
+    import copy
+
+    plain, m = pair("nvme", tmp_path, MODELS["gpt2"])
+    c = copy.deepcopy(m)
+    assert c.get_output_embeddings().weight is c.get_input_embeddings().weight
+    assert c.get_input_embeddings().weight is not m.get_input_embeddings().weight
+    assert same(c, plain) == []
+    assert c.num_parameters() == plain.num_parameters()
+    c.resize_token_embeddings(140, mean_resizing=False)  # the copy's wrappers are bound to the copy
+    assert param_state(c.get_input_embeddings().weight).shape == (140, 64)
+    assert param_state(m.get_input_embeddings().weight).shape == (128, 64)
+
+
+def test_deepcopy_inside_gathered_parameters_copies_the_gathered_data(tmp_path):
+    import copy
+
+    plain, m = pair("cpu", tmp_path)
+    with zswap.GatheredParameters(list(m.parameters()), modifier_rank=0):
+        m.a.weight.data.add_(1.0)
+        c = copy.deepcopy(m)
+    with torch.no_grad():
+        plain.a.weight.add_(1.0)
+    assert same(c, plain) == [] and same(m, plain) == []
+
+
+def test_deepcopy_under_an_open_engine_is_refused(tmp_path):
+    import copy
+
+    _, m = pair("cpu", tmp_path)
+    with (
+        zswap.initialize(m, {"offload_param": {"device": "cpu"}}),
+        pytest.raises(ZswapError, match=r"copy\.deepcopy of a Net whose params an open zswap Engine runs"),
+    ):
+        copy.deepcopy(m)
+    c = copy.deepcopy(m)  # closed: fine
+    a, b = gathered_named(m), gathered_named(c)
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []

@@ -7,6 +7,7 @@ exactly the bytes of its partition with ``pread`` into the destination buffer: n
 read, and no page of the file is mapped into the process (page-cache pages read by ``pread`` are not counted
 in its RSS, pages of a mapping are).
 
+`parse_header` is zswap's one safetensors header parser (`zswap.checkpoint` reads its files with it too).
 `resolve` turns a path — one ``.safetensors`` file, a sharded index (``*.safetensors.index.json``, the
 ``weight_map`` layout `save_pretrained` writes), or a folder holding either — into ``name -> TensorEntry``.
 """
@@ -68,39 +69,52 @@ class TensorEntry:
 
 def read_header(path: str) -> dict[str, TensorEntry]:
     """The tensors of one safetensors file, checked against the file's size (no tensor data is read)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(f"{path}: header length {n} does not fit a file of {size} bytes")
-        raw = f.read(n)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return parse_header(fd, os.fstat(fd).st_size, path, CheckpointError)[0]
+    finally:
+        os.close(fd)
+
+
+def parse_header(
+    fd: int, size: int, path: str, error: type[Exception]
+) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
+    """(tensors, ``__metadata__``, byte offset of the data) of the safetensors file open as ``fd`` (``size``
+    bytes), every entry checked: a known dtype, ``data_offsets`` spanning exactly its shape's bytes, inside
+    the file. The one header parser of zswap (weights loading and `zswap.checkpoint` both use it); problems
+    raise ``error`` naming ``path`` (and the tensor)."""
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise error(f"{path}: truncated or not a safetensors file ({size} bytes, no header)")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise error(f"{path}: truncated or not safetensors: header length {n} does not fit {size} bytes")
+    raw = os.pread(fd, n, 8)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+        raise error(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
+        raise error(f"{path}: header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise error(f"{path}: __metadata__ is not a JSON object")
     base = 8 + n
     out: dict[str, TensorEntry] = {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         try:
             dtype = DTYPES[info["dtype"]]
             shape = torch.Size(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed entry {info!r} ({e!r})") from None
-        if end - begin != shape.numel() * dtype.itemsize or begin < 0 or base + end > size:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} ({info['dtype']} {list(shape)}) has data_offsets [{begin}, {end}] "
-                f"that do not match its size or lie past the end of the file ({size} bytes)"
-            )
+            raise error(f"{path}: tensor {name!r} has a malformed entry {info!r} ({e!r})") from None
+        what = f"tensor {name!r} ({info['dtype']} {list(shape)}) has data_offsets [{begin}, {end}]"
+        if end - begin != shape.numel() * dtype.itemsize or begin < 0:
+            raise error(f"{path}: {what} that do not match its size")
+        if base + end > size:
+            raise error(f"{path}: truncated: {what} that lie past the end of the file ({size} bytes)")
         out[name] = TensorEntry(name, path, dtype, shape, base + begin)
-    return out
+    return out, meta, base
 
 
 def resolve(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:

@@ -233,6 +233,29 @@ def flatten_params(params: object) -> list[torch.Tensor]:
     return out
 
 
+def _cancel_prefetches(items: list[Item]) -> None:
+    """Params an open Engine is prefetching (issued ahead of their use, not yet waited for: between a
+    forward and its backward, say) go back to not gathered, so the block gathers them like any other; the
+    engine fetches them again at their use."""
+    if not items:
+        return
+    from .runtime import _ENGINES
+
+    for p, st in items:
+        for engine in list(_ENGINES):
+            sched: Any = getattr(engine, "_sched", None)
+            slot = None if engine.closed or sched is None else sched.slots.get(id(p))
+            if sched is not None and slot is not None and slot.loading is not None:
+                sched._cancel(slot)
+                sched._ahead = min(sched._ahead, sched._pos)  # may be prefetched again after the block
+                break
+        if st.status is Status.INFLIGHT:
+            raise ZswapError(
+                f"GatheredParameters: a param of shape {tuple(st.shape)} is being gathered by something "
+                "other than an open zswap Engine's prefetch; gather it once that is done"
+            )
+
+
 class GatheredParameters:
     """Inside the block each managed param in ``params`` holds its full data in ``.data``.
 
@@ -269,6 +292,7 @@ class GatheredParameters:
             raise ValueError(f"modifier_rank={self._modifier_rank} is not a rank of a group of {world}")
         # Params `zswap.Init` gathered on access hold writes not yet stored: store them before reading.
         release([(p, st) for p, st in self._items if st.touched], write_back=True)
+        _cancel_prefetches([(p, st) for p, st in self._items if st.status is Status.INFLIGHT])
         self._fetched = [(p, st) for p, st in self._items if st.status is Status.NOT_AVAILABLE]
         fetch(self._fetched, private=True)
         for _, st in self._items:

@@ -13,14 +13,21 @@
   stored partitions (`cast_params`) before torch converts the (empty) ``.data``; a device change
   (``"meta"``, a GPU) is a `ZswapError` before anything changed. With an open `zswap.Engine` over the params
   a dtype change is refused too: the engine's optimizer state and buffers were laid out for the old dtype.
+- ``copy.deepcopy``: a real copy; each managed param gets a new param with its own partition (same store),
+  then torch's deepcopy runs; refused while an open `zswap.Engine` runs the params.
 - On transformers models, ``resize_token_embeddings`` runs under an Init with the model's placement (so the
-  new embedding is partitioned as it is built and the rows are copied through the access hook), and
+  new embedding is partitioned as it is built and the rows are copied through the access hook; under an
+  open `zswap.Engine` the engine is wired again over the new shapes, refused once its optimizer has state
+  for the embedding or head), and
   ``num_parameters`` counts each managed param by its real size (transformers 5 counts ``p.numel()``; it has
   no ZeRO-3 ``ds_numel`` convention left to register for).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import threading
 import weakref
 from collections.abc import Iterable
@@ -47,6 +54,7 @@ def attach(modules: Iterable[nn.Module]) -> None:
         _ATTACHED.add(m)
         m.register_load_state_dict_pre_hook(_load_pre_hook)
         m.__dict__["_apply"] = _Bound(m, _apply)
+        m.__dict__["__deepcopy__"] = _Bound(m, _deepcopy)
         if hasattr(type(m), "resize_token_embeddings") and hasattr(type(m), "num_parameters"):
             m.__dict__["resize_token_embeddings"] = _Bound(m, _resize_token_embeddings)
             m.__dict__["num_parameters"] = _Bound(m, _num_parameters)
@@ -166,6 +174,64 @@ def _refuse_if_engine(params: list[torch.Tensor], what: str) -> None:
             )
 
 
+# -- copy.deepcopy ---------------------------------------------------------------------------------
+
+
+def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A real deep copy: each managed param of the subtree is copied first into a new param with a new
+    partition (this rank's slice, in the same store), then torch's own deepcopy of the module finds the
+    copies in ``memo``. Refused while an open Engine runs the params (its hooks on the modules would be
+    copied with them, and gathered copies come and go under it)."""
+    managed = [(n, p, st) for n, p, st in _managed(list(self.modules())) if id(p) not in memo]
+    if managed and _engines_of([p for _, p, _ in managed]):
+        raise ZswapError(
+            f"copy.deepcopy of a {type(self).__name__} whose params an open zswap Engine runs: "
+            "engine.close() first (or copy before zswap.initialize), then initialize each model"
+        )
+    stores = {}
+    with no_torch_function(), torch.no_grad():
+        for name, p, st in managed:
+            memo[id(p)] = _copy_param(name, p, st, memo)
+            stores[id(st.store)] = st.store
+    for store in stores.values():
+        store.wait_all()
+    own = self.__dict__.pop("__deepcopy__")
+    try:
+        new = copy.deepcopy(self, memo)  # torch's way, with this wrapper out of the way
+    finally:
+        self.__dict__["__deepcopy__"] = own
+    new.__dict__["__deepcopy__"] = _Bound(new, _deepcopy)
+    _ATTACHED.add(new)
+    return new
+
+
+def _copy_param(name: str, p: torch.Tensor, st: ParamState, memo: dict[int, Any]) -> torch.Tensor:
+    from .params import local_slice, register
+    from .weights import _buffer
+
+    if st.status is Status.INFLIGHT:
+        raise ZswapError(f"copy.deepcopy: param {name!r} is being gathered; copy it once the gather is done")
+    buf = _buffer(st.store, st.partition_numel, st.dtype)
+    if st.status is Status.AVAILABLE:  # gathered in full (touched in Init, a GatheredParameters block)
+        buf.copy_(local_slice(p.data.reshape(-1), st.rank, st.partition_numel))
+    else:
+        part, handle = st.store.load(st.key, st.partition_numel, st.dtype)
+        if handle is not None:
+            handle.wait()
+        buf.copy_(part)
+    if st.store.tier == "none" and st.device.type != "cpu":
+        buf = buf.to(st.device)
+    new = type(p)(torch.empty(0, dtype=st.dtype, device=st.device), p.requires_grad)
+    new.__dict__.update(copy.deepcopy(p.__dict__, memo))  # flags others set (_is_hf_initialized)
+    copied = dataclasses.replace(
+        st, status=Status.NOT_AVAILABLE, key=st.store.new_key(), touched=False, gathered_by=None, grad=None,
+        grad_store=None,
+    )  # fmt: skip
+    register(new, copied)
+    st.store.put(copied.key, buf)
+    return new
+
+
 # -- load_state_dict --------------------------------------------------------------------------------
 
 
@@ -227,13 +293,74 @@ def _resize_token_embeddings(self: Any, *args: Any, **kwargs: Any) -> Any:
     managed = [(p, st) for p in self.parameters() if (st := param_state(p)) is not None]
     if not managed:
         return plain(self, *args, **kwargs)
-    _refuse_if_engine([p for p, _ in managed], "resize_token_embeddings on")
     from .init import Init
 
     emb = self.get_input_embeddings()
     st = param_state(getattr(emb, "weight", None)) or managed[0][1]
-    with Init._at(Placement(st.store, st.group, st.rank, st.world_size, None)):
-        return plain(self, *args, **kwargs)
+    resized = [p for m in (emb, self.get_output_embeddings()) if m is not None for p in m.parameters()]
+    engines = _engines_of([p for p, _ in managed])
+    for engine in engines:
+        _check_resizable(engine, resized)
+    before = dict(self.named_parameters(remove_duplicate=False))
+    with contextlib.ExitStack() as stack:
+        for engine in engines:
+            stack.enter_context(engine._rewired())
+        stack.enter_context(Init._at(Placement(st.store, st.group, st.rank, st.world_size, None)))
+        out = plain(self, *args, **kwargs)
+        # An untied head is a new nn.Linear (new params): the optimizer steps those in place of the old.
+        new = {
+            id(old): p
+            for n, p in self.named_parameters(remove_duplicate=False)
+            if (old := before.get(n)) is not None and old is not p
+        }
+        for engine in engines:
+            _swap_params(engine.optimizer, new)
+        return out
+
+
+def _swap_params(opt: Any, new: dict[int, torch.Tensor]) -> None:
+    """Put ``new[id(old)]`` wherever ``opt`` lists ``old`` (none of them has state: `_check_resizable`)."""
+    if opt is None or not new:
+        return
+    for group in getattr(opt, "param_groups", ()):
+        group["params"] = [new.get(id(p), p) for p in group["params"]]
+    ours = getattr(opt, "_params", None)  # OffloadedAdamW's flat index of its params
+    if isinstance(ours, list):
+        ours[:] = [new.get(id(p), p) for p in ours]
+
+
+def _engines_of(params: list[torch.Tensor]) -> list[Any]:
+    from .runtime import _ENGINES
+
+    ids = {id(p) for p in params}
+    return [e for e in list(_ENGINES) if not e.closed and ids & e._ids]
+
+
+def _check_resizable(engine: Any, params: list[torch.Tensor]) -> None:
+    """Refuse (before anything changed) a resize the engine could not follow: a gradient is accumulated
+    (its partition has the old size), or the optimizer holds state for a resized param (moments laid
+    out for the old size: a plain torch optimizer's next step fails on the shape mismatch too)."""
+    from .gradstore import store_of
+
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    engine._grads.flush()
+    if any(store_of(st).has(st) for _, st in engine._items):
+        raise ZswapError(
+            "resize_token_embeddings while gradients are accumulated (a micro-step into an accumulation "
+            "window): call it after engine.step() at an accumulation boundary, or after engine.zero_grad()"
+        )
+    opt = engine.optimizer
+    placed = getattr(opt, "_placed", {})
+    state = getattr(opt, "state", {})
+    ours = getattr(opt, "_params", [])
+    for p in params:
+        held = any(ours[i] is p for i in placed) if placed else False
+        if held or state.get(p):
+            raise ZswapError(
+                f"resize_token_embeddings: the optimizer already holds state (moments laid out for the old "
+                f"size) for {names.get(id(p), 'a resized param')!r}; resize before the first optimizer step, "
+                "or engine.close(), resize, and zswap.initialize the model again with a new optimizer"
+            )
 
 
 class _RealShapes(TorchFunctionMode):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,54 +138,13 @@ class Engine:
         (set False to always step after backward; results are the same either way)."""
         self._early: earlystep.EarlyStep | None = None
         self._ids: set[int] = set()
-        self._items: list[Item] = list(managed_params(iter(_unique(module.parameters()))))
-        ids: set[int] = {id(p) for p, _ in self._items}
-        for other in list(_ENGINES):
-            if not other.closed and ids & other._ids:
-                raise ZswapError("these params are already run by another zswap Engine; close() it first")
-        self._ids = ids
-        self.sizing = _size(module, self._items, config)
-        self._homes = _device.place(module, self._items, self.device)
-        self._slots = {
-            id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold or id(p) in self.sizing.resident)
-            for p, st in self._items
-        }
-        self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.device)
-        infos = {
-            id(m): ModuleInfo(
-                i, name, [self._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
-            )
-            for i, (name, m) in enumerate(module.named_modules(remove_duplicate=True))
-        }
-        for info in infos.values():
-            info.ids.update(id(s.p) for s in info.slots)
-        self._sched.order = [(info.index, info.slots) for info in infos.values()]  # first-iteration guess
-        self._stores = {id(st.store): st.store for _, st in self._items}
-        pool = (self.sizing.budget.max_live + self.sizing.persistent) * max(
-            (st.dtype.itemsize for _, st in self._items), default=4
-        )
-        names = {id(p): name for name, p in module.named_parameters()}
-        pool = buffers.fetch_pool_bytes(self._items, config, names, pool)  # offload_param.buffer_count/size
-        for store in self._stores.values():
-            if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
-                store.pool_bytes = max(store.pool_bytes, pool)
-                if not self.device.passthrough:  # read buffers registered for one-hop DMA to the device
-                    store.host_alloc = self.device.register_alloc(store.engine.empty)
-        if isinstance(self.device, _device.CudaDevice | _device.StandInDevice):
-            self.device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
-        self._sched.prefill()  # the first pass's read buffers, faulted in now rather than under its reads
-        self._io_base = self._io_counters()
+        self._items: list[Item] = []
         self._grad_stores: list[gradstore.GradStore] = []
         self.optimizer: Any = None
         self._owns_optimizer = False
-        self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
-        self._grads = grads.GradSink(self._items, self.device)
+        self._wire()
+        self._io_base = self._io_counters()
         try:
-            self._grad_stores = gradstore.attach(self._items, config)
-            self._grads.land_in(
-                grads.landing_alloc(self.device, self._grad_stores, self._stores.values()), pool
-            )
-            self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
             self.optimizer, self._owns_optimizer, self._no_optimizer = _optimizer(module, config, optimizer)
             self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
             self._fp16 = config.dtype == "fp16" or any(p.dtype == torch.float16 for p in module.parameters())
@@ -197,10 +156,7 @@ class Engine:
         except BaseException:
             if self._owns_optimizer and hasattr(self.optimizer, "close"):
                 self.optimizer.close()
-            try:
-                self._teardown()
-            finally:
-                gradstore.detach(self._items, self._grad_stores)
+            self._unwire()
             raise
         _ENGINES.add(self)
 
@@ -496,6 +452,96 @@ class Engine:
         return f"<zswap.Engine {type(self.module).__name__}: {state}>"
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _wire(self) -> None:
+        """Lay the engine over the module's managed params as they are now: sizing, placement on the
+        compute device, slots, scheduler, module and gradient hooks, gradient stores, persistent params
+        fetched. `_unwire` undoes it."""
+        module, config = self.module, self.config
+        items: list[Item] = list(managed_params(iter(_unique(module.parameters()))))
+        ids: set[int] = {id(p) for p, _ in items}
+        for other in list(_ENGINES):
+            if other is not self and not other.closed and ids & other._ids:
+                raise ZswapError("these params are already run by another zswap Engine; close() it first")
+        self._items, self._ids = items, ids
+        self.sizing = _size(module, self._items, config)
+        self._homes = _device.place(module, self._items, self.device)
+        self._slots = {
+            id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold or id(p) in self.sizing.resident)
+            for p, st in self._items
+        }
+        self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.device)
+        infos = {
+            id(m): ModuleInfo(
+                i, name, [self._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
+            )
+            for i, (name, m) in enumerate(module.named_modules(remove_duplicate=True))
+        }
+        for info in infos.values():
+            info.ids.update(id(s.p) for s in info.slots)
+        self._sched.order = [(info.index, info.slots) for info in infos.values()]  # first-iteration guess
+        self._stores = {id(st.store): st.store for _, st in self._items}
+        pool = (self.sizing.budget.max_live + self.sizing.persistent) * max(
+            (st.dtype.itemsize for _, st in self._items), default=4
+        )
+        names = {id(p): name for name, p in module.named_parameters()}
+        pool = buffers.fetch_pool_bytes(self._items, config, names, pool)  # offload_param.buffer_count/size
+        for store in self._stores.values():
+            if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
+                store.pool_bytes = max(store.pool_bytes, pool)
+                if not self.device.passthrough:  # read buffers registered for one-hop DMA to the device
+                    store.host_alloc = self.device.register_alloc(store.engine.empty)
+        if isinstance(self.device, _device.CudaDevice | _device.StandInDevice):
+            self.device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
+        self._sched.prefill()  # the first pass's read buffers, faulted in now rather than under its reads
+        self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
+        self._grads = grads.GradSink(self._items, self.device)
+        self._grad_stores = []
+        try:
+            self._grad_stores = gradstore.attach(self._items, config)
+            self._grads.land_in(
+                grads.landing_alloc(self.device, self._grad_stores, self._stores.values()), pool
+            )
+            self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
+        except BaseException:
+            self._unwire()
+            raise
+
+    def _unwire(self) -> None:
+        try:
+            self._teardown()
+        finally:
+            gradstore.detach(self._items, self._grad_stores)
+            self._grad_stores = []
+
+    @contextlib.contextmanager
+    def _rewired(self) -> Iterator[None]:
+        """Unwire, let the caller change the shapes of managed params (``resize_token_embeddings``,
+        `zswap.module_api`), wire again over them as they are then: budgets, hooks and gradient stores are
+        sized anew; the optimizer, schedule, loss scaler and counters are kept. The caller has made sure
+        no gradient is accumulated and no optimizer state exists for a param whose shape changes. If the
+        wiring fails the engine is closed."""
+        self._check_open()
+        self._grads.flush()
+        grads.wait(self._items)
+        counters = self._sched.counters
+        if self._early is not None:
+            self._early.abort()
+        self._unwire()
+        try:
+            yield
+        finally:
+            try:
+                self._wire()
+                self._early = self._grads.early = earlystep.for_engine(self)  # built over the new items
+            except BaseException:
+                self.closed = True
+                if self._owns_optimizer and hasattr(self.optimizer, "close"):
+                    self.optimizer.close()
+                self.optimizer = None
+                self._no_optimizer = "this zswap Engine is closed: wiring it after a change of params failed"
+                raise
+            self._sched.counters = counters
 
     def _teardown(self) -> None:
         try:

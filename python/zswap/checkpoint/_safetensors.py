@@ -5,7 +5,8 @@ bytes of JSON (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__met
 offsets relative to the end of the header, padded with spaces so data starts 8-byte aligned), then the raw
 little-endian tensor bytes, back to back with no holes. `StreamWriter` knows every entry up front, writes the
 header first and then appends bytes in entry order, checksumming them as they pass (`BlockCrc`); `TensorFile`
-parses the header and reads byte ranges into caller memory with ``preadv``.
+parses the header with `zswap._stfile.parse_header` (the one parser; weights loading uses it too) and
+reads byte ranges into caller memory with ``preadv``.
 """
 
 from __future__ import annotations
@@ -23,19 +24,15 @@ from typing import Any, cast
 
 import torch
 
+from .. import _stfile
+from .._stfile import parse_header
 from ._crc import BlockCrc, crc32c
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 
 BLOCK_BYTES = 8 << 20
 """Checksum granularity: a reader verifies only the blocks that hold the ranges it needs."""
-MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
-DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+DTYPES: dict[torch.dtype, str] = {v: k for k, v in _stfile.DTYPES.items()}
 BY_NAME = {v: k for k, v in DTYPES.items()}
 
 
@@ -370,31 +367,11 @@ class TensorFile:
             raise
 
     def _parse(self) -> tuple[dict[str, Stored], dict[str, str], int]:
-        head = os.pread(self._fd, 8, 0)
-        if len(head) < 8:
-            raise CheckpointCorruptError(f"{self.path}: truncated: {self.size} bytes, no safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > self.size:
-            raise CheckpointCorruptError(
-                f"{self.path}: truncated or not safetensors: header of {n} bytes in a {self.size}-byte file"
-            )
-        try:
-            header = json.loads(os.pread(self._fd, n, 8))
-            meta = header.pop("__metadata__", None) or {}
-            start = 8 + n
-            entries = {}
-            for name, e in header.items():
-                begin, end = (int(x) for x in e["data_offsets"])
-                entries[name] = Stored(
-                    BY_NAME[e["dtype"]], tuple(int(d) for d in e["shape"]), start + begin, start + end
-                )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointCorruptError(f"{self.path}: unreadable safetensors header ({exc})") from None
-        last = max((e.end for e in entries.values()), default=start)
-        if last > self.size:
-            raise CheckpointCorruptError(
-                f"{self.path}: truncated: {self.size} bytes, its header needs {last}"
-            )
+        found, meta, start = parse_header(self._fd, self.size, self.path, CheckpointCorruptError)
+        entries = {
+            name: Stored(e.dtype, tuple(e.shape), e.offset, e.offset + e.numel * e.dtype.itemsize)
+            for name, e in found.items()
+        }
         return entries, meta, start
 
     def entry(self, name: str) -> Stored:
