@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,33 @@ def _engine(tmp_path: Path) -> SwapEngine:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         return SwapEngine(tmp_path)
+
+
+def test_a_buffer_collected_inside_a_ledger_update_is_counted_back_without_deadlock(tmp_path):
+    # The collector runs finalizers inside any allocation, also one made while the ledger's lock is
+    # held (this hung the suite once): a buffer freed there must neither block nor be lost.
+    eng = _engine(tmp_path)
+    try:
+        gc.collect()
+        before = memory.live()
+        cycle: list[Any] = [eng.empty(1 << 16, torch.uint8)]
+        cycle.append(cycle)  # only the collector can free it
+        del cycle
+        done = threading.Event()
+
+        def collect_while_busy() -> None:
+            with memory._lock:
+                gc.collect()
+            done.set()
+
+        worker = threading.Thread(target=collect_while_busy, daemon=True)
+        worker.start()
+        worker.join(30)
+        assert done.is_set(), "a finalizer blocked on the ledger's lock"
+        assert memory.live() == before
+        assert eng.stats()["live_buffers"] == 0
+    finally:
+        eng.close()
 
 
 def test_a_buffer_counts_under_its_purpose_until_its_last_view_goes(tmp_path):

@@ -25,6 +25,7 @@ leaves a threshold set by the user (``MALLOC_MMAP_THRESHOLD_`` in the environmen
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import ctypes
@@ -45,6 +46,10 @@ _M_MMAP_THRESHOLD = -3  # <malloc.h>
 
 _purpose: contextvars.ContextVar[str] = contextvars.ContextVar("zswap_buffer_purpose", default="other")
 _lock = threading.Lock()
+# Finalizers run wherever the garbage collector runs — inside any allocation, also one made while `_lock`
+# is held by the same thread — so `_gone` never takes the lock: it queues (deque.append is atomic) and
+# whoever holds the lock next applies the queue (`_settle`).
+_returned: collections.deque[tuple[str, int]] = collections.deque()
 _live = dict.fromkeys(PURPOSES, 0)
 _count = dict.fromkeys(PURPOSES, 0)
 _peak = dict.fromkeys(PURPOSES, 0)
@@ -68,6 +73,7 @@ def track(owner: object, nbytes: int) -> None:
     global _peak_total
     kind = _purpose.get()
     with _lock:
+        _settle()
         _live[kind] += nbytes
         _count[kind] += 1
         _peak[kind] = max(_peak[kind], _live[kind])
@@ -76,7 +82,16 @@ def track(owner: object, nbytes: int) -> None:
 
 
 def _gone(kind: str, nbytes: int) -> None:
-    with _lock:
+    _returned.append((kind, nbytes))
+
+
+def _settle() -> None:
+    """Apply the buffers given back since; the caller holds `_lock`."""
+    while True:
+        try:
+            kind, nbytes = _returned.popleft()
+        except IndexError:
+            return
         _live[kind] -= nbytes
         _count[kind] -= 1
 
@@ -84,12 +99,14 @@ def _gone(kind: str, nbytes: int) -> None:
 def live() -> dict[str, int]:
     """Bytes of engine buffers mapped now, by purpose."""
     with _lock:
+        _settle()
         return dict(_live)
 
 
 def buffers() -> int:
     """How many engine buffers are mapped now (all purposes)."""
     with _lock:
+        _settle()
         return sum(_count.values())
 
 
@@ -97,12 +114,14 @@ def peaks() -> dict[str, int]:
     """Most bytes of engine buffers mapped at once since the last `reset_peaks`, by purpose, and under
     ``"total"`` the most of all purposes together (at most the sum of the others)."""
     with _lock:
+        _settle()
         return {**_peak, "total": _peak_total}
 
 
 def reset_peaks() -> None:
     global _peak_total
     with _lock:
+        _settle()
         _peak.update(_live)
         _peak_total = sum(_live.values())
 

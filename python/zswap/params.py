@@ -260,7 +260,8 @@ class NvmeStore(Store):
         all it wants, so each call makes a new one); ``None`` once the pool has no room for it."""
         if self._pooled + numel * dtype.itemsize > self.pool_bytes:
             return None
-        buf = (self.host_alloc or self.engine.empty)((numel,), dtype)
+        with memory.purpose("fetch"):
+            buf = (self.host_alloc or self.engine.empty)((numel,), dtype)
         uses = _storage_uses(buf)
         if uses < 0:
             return None
