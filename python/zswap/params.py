@@ -243,8 +243,7 @@ class NvmeStore(Store):
             for buf, uses in pool:
                 if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
                     return buf
-        with memory.purpose("fetch"):
-            buf = (self.host_alloc or self.engine.empty)((numel,), dtype)
+        buf = self._allocate(numel, dtype)
         nbytes, uses = numel * dtype.itemsize, _storage_uses(buf)
         if uses < 0:  # no way to tell when a buffer is free again: no pooling
             return buf
@@ -255,17 +254,20 @@ class NvmeStore(Store):
             self._pooled += nbytes
         return buf
 
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with memory.purpose("fetch"):
+            return (self.host_alloc or self.engine.empty)((numel,), dtype)
+
     def prefill(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A new pooled load buffer with every page faulted in (the caller holds it until it has taken
-        all it wants, so each call makes a new one); ``None`` once the pool has no room for it."""
+        """A new pooled load buffer, its pages already faulted in (engine buffers are populated when
+        made; the caller holds it until it has taken all it wants, so each call makes a new one);
+        ``None`` once the pool has no room for it."""
         if self._pooled + numel * dtype.itemsize > self.pool_bytes:
             return None
-        with memory.purpose("fetch"):
-            buf = (self.host_alloc or self.engine.empty)((numel,), dtype)
+        buf = self._allocate(numel, dtype)
         uses = _storage_uses(buf)
         if uses < 0:
             return None
-        buf.zero_()  # first touch here, not under the first read into it
         self._pool.setdefault((numel, dtype), []).append((buf, uses))
         self._pooled += numel * dtype.itemsize
         return buf
