@@ -2,7 +2,8 @@
 
 Both ranks load the same checkpoints with ``from_pretrained`` under ``zswap.Init`` (cpu and nvme tiers) and
 with ``zswap.load_weights``. Every byte range read from the checkpoint files is recorded: a rank must read, of
-each param, exactly the elements of its own partition. Gathered (all-gathered) weights must be the files'.
+each param, exactly the elements of its own partition, and the page-cache readahead may ask only for bytes
+the rank reads. Gathered (all-gathered) weights must be the files'.
 """
 
 from __future__ import annotations
@@ -35,7 +36,23 @@ def main() -> None:
         reads.append((entry.name, start, out.numel()))
         real(entry, start, out)
 
-    stfile.read_range = spy
+    advised: list[tuple[str, int, int]] = []
+    read_bytes: list[tuple[str, int, int]] = []
+    real_ra = stfile.Readahead
+
+    class SpyReadahead(real_ra):  # type: ignore[misc,valid-type]
+        def __init__(self, ranges, window=stfile.READAHEAD_BYTES):  # type: ignore[no-untyped-def]
+            ranges = list(ranges)
+            advised.extend(r for r in ranges if r is not None)
+            super().__init__(ranges, window)
+
+    def spy_bytes(entry: stfile.TensorEntry, start: int, out: torch.Tensor) -> None:
+        size = entry.dtype.itemsize
+        read_bytes.append((entry.path, entry.offset + start * size, out.numel() * size))
+        spy(entry, start, out)
+
+    stfile.read_range = spy_bytes
+    stfile.Readahead = SpyReadahead
     try:
         for name in ("ckpt", "llama"):
             ckpt = root / name
@@ -49,12 +66,24 @@ def main() -> None:
                 with zswap.Init({"offload_param": {"device": tier, "nvme_path": str(swap)}}):
                     m = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
                 check(m, files, reads, rank, world, (name, tier))
+                for path, off, n in advised:  # the readahead asks only for bytes this rank reads
+                    assert any(p == path and o <= off and off + n <= o + k for p, o, k in read_bytes), (
+                        name,
+                        tier,
+                        path,
+                        off,
+                        n,
+                    )
+                assert advised, (name, tier)
+                advised.clear()
+                read_bytes.clear()
                 reads.clear()
                 zswap.load_weights(m, ckpt)  # again, into the partitions that now exist
                 check(m, files, reads, rank, world, (name, tier, "load_weights"))
         dist.barrier()
     finally:
         stfile.read_range = real
+        stfile.Readahead = real_ra
         dist.destroy_process_group()
 
 

@@ -102,6 +102,18 @@ def _patch(ctx: _InitContext, pretrained: type) -> None:
         refuse.__zswap__ = True  # type: ignore[attr-defined]
         ctx.patches.set(pretrained, "from_pretrained", classmethod(refuse))
         return
+    plain_from = pretrained.__dict__["from_pretrained"].__func__
+
+    def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        ahead = _prime(ctx, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
+        try:
+            return plain_from(cls, *args, **kwargs)
+        finally:
+            if ahead is not None:
+                ahead.close()
+
+    from_pretrained.__zswap__ = True  # type: ignore[attr-defined]
+    ctx.patches.set(pretrained, "from_pretrained", classmethod(from_pretrained))
     original = pretrained.__dict__["_load_pretrained_model"].__func__
 
     def _load_pretrained_model(
@@ -113,6 +125,44 @@ def _patch(ctx: _InitContext, pretrained: type) -> None:
 
     _load_pretrained_model.__zswap__ = True  # type: ignore[attr-defined]
     ctx.patches.set(pretrained, "_load_pretrained_model", staticmethod(_load_pretrained_model))
+
+
+def _prime(ctx: _InitContext, name_or_path: Any, kwargs: dict[str, Any]) -> Any:
+    """Starts reading this rank's bytes of a local safetensors checkpoint as ``from_pretrained`` begins.
+
+    Before the first weight is read transformers loads the config, builds the model on the meta device and
+    compiles its weight-renaming tables: about a second of CPU work in which the disk idles. A `Readahead`
+    over the checkpoint's tensors in file order (this rank's slice of each, as the load will read them) fills
+    the page cache meanwhile, a window's worth; the load's own readahead takes over from there. Only the
+    files transformers itself picks in a local folder (``model.safetensors``, else the sharded index); a
+    hub id, a variant, a subfolder it must download, or anything unreadable is left to transformers (the
+    prime is a hint: it never changes what is loaded). Returns the readahead to close, or None."""
+    from pathlib import Path
+
+    from . import _stfile
+    from .params import partition_numel
+
+    if not ctx.active or not ctx.frames or kwargs.get("variant") or kwargs.get("gguf_file"):
+        return None
+    try:
+        folder = Path(name_or_path) / (kwargs.get("subfolder") or "")
+        single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+        if single.is_file():
+            entries = _stfile.resolve(single)
+        elif index.is_file():
+            entries = _stfile.resolve(index)
+        else:
+            return None
+    except (TypeError, OSError, ZswapError):
+        return None
+    where = ctx.frames[-1].build_placement
+    ranges = []
+    for e in sorted(entries.values(), key=lambda e: (e.path, e.offset)):
+        part = partition_numel(e.numel, where.world_size)
+        start, end = min(e.numel, where.rank * part), min(e.numel, (where.rank + 1) * part)
+        if end > start:
+            ranges.append((e.path, e.offset + start * e.dtype.itemsize, (end - start) * e.dtype.itemsize))
+    return _stfile.Readahead(ranges)
 
 
 def load_into_partitions(

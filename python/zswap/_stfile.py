@@ -14,10 +14,12 @@ in its RSS, pages of a mapping are).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,3 +199,108 @@ def read_range(entry: TensorEntry, start: int, out: torch.Tensor) -> None:
             done += n
     finally:
         os.close(fd)
+
+
+READAHEAD_BYTES = 512 << 20
+"""How far `Readahead` keeps the kernel reading ahead of the loader: enough for the disk to stay busy through
+transformers' set-up before the first weight is read (about a second of CPU work) and through the loader's
+own work between reads (allocating each partition, queueing its write), little enough to leave the page
+cache to others. Page cache, not RSS: the kernel reclaims it under pressure (a page it reclaims before the
+loader gets to it is simply read again)."""
+
+
+def advice_bytes(fd: int) -> int:
+    """The most one ``WILLNEED`` on ``fd`` makes the kernel read: it reads at most the larger of the device's
+    readahead window and its largest request (``read_ahead_kb``, ``max_sectors_kb``) per call and silently
+    drops the rest of a longer range, so longer ranges are advised in pieces of this size. 128 KiB (the
+    kernel's default window) where the file is not on a block device sysfs describes."""
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return 128 << 10
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for queue in (f"{base}/queue", f"{base}/../queue"):  # a disk, or the disk of a partition
+        try:
+            with open(f"{queue}/read_ahead_kb") as a, open(f"{queue}/max_sectors_kb") as b:
+                kib = max(int(a.read()), int(b.read()))
+        except (OSError, ValueError):
+            continue
+        return min(max(kib, 128), 8 << 10) << 10
+    return 128 << 10
+
+
+class Readahead:
+    """Keeps the disk reading ahead of a sequence of ranged reads.
+
+    ``ranges[i]`` is the ``(path, offset, length)`` the loader reads for its i-th item (None: nothing from a
+    file). `done(i)` says item ``i`` was read; a thread of its own then asks the kernel
+    (``POSIX_FADV_WILLNEED``) for the next items' bytes, up to ``window`` bytes ahead of the loader.
+
+    Why: each ``pread`` of a cold range waits for the disk, and between two reads the loader does CPU work
+    (allocating the partition buffer, queueing its write to swap) while the disk idles. A plain sequential
+    reader gets the kernel's own readahead, but the loader reads only its rank's slice of each tensor, in
+    model order, and a single ``pread`` of a whole tensor is read in readahead-sized pieces one after the
+    other. ``WILLNEED`` queues the reads of a range, in pieces of `advice_bytes` (the kernel reads no more
+    per call). The pages land in the page cache (reclaimable, not the process's RSS) and the ``pread`` that
+    follows copies them. The advice is given off the loader's thread: the kernel allocates the pages and
+    submits the reads inside the call, which blocks while the device queue is full (CPython releases the GIL
+    around it).
+    """
+
+    def __init__(self, ranges: Iterable[tuple[str, int, int] | None], window: int = READAHEAD_BYTES) -> None:
+        self._ranges = list(ranges)
+        self._window = window
+        self._consumed = 0  # bytes of the ranges of items done, or passed over
+        self._done = -1
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        if window > 0 and any(r is not None and r[2] > 0 for r in self._ranges):
+            self._thread = threading.Thread(target=self._run, name="zswap-readahead", daemon=True)
+            self._thread.start()
+
+    def done(self, i: int) -> None:
+        with self._wake:
+            if i > self._done:
+                self._consumed += sum(r[2] for r in self._ranges[self._done + 1 : i + 1] if r is not None)
+                self._done = i
+                self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        fds: dict[str, tuple[int, int]] = {}  # path -> (fd, bytes per advice)
+        advised = 0  # bytes of the ranges advised, or passed over because the loader was past them
+        try:
+            for nxt, r in enumerate(self._ranges):
+                if r is None:
+                    continue
+                path, offset, length = r
+                try:
+                    if path not in fds:
+                        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                        fds[path] = fd, advice_bytes(fd)
+                except OSError:  # a hint only: the loader's own read reports what is wrong with the file
+                    advised += length
+                    continue
+                fd, step = fds[path]
+                for at in range(0, length, step):
+                    piece = min(step, length - at)
+                    with self._wake:
+                        while not self._stop and advised - self._consumed >= self._window:
+                            self._wake.wait()
+                        if self._stop:
+                            return
+                        behind = nxt <= self._done  # the loader has read it already
+                    advised += piece
+                    if not behind:
+                        with contextlib.suppress(OSError):
+                            os.posix_fadvise(fd, offset + at, piece, os.POSIX_FADV_WILLNEED)
+        finally:
+            for fd, _ in fds.values():
+                os.close(fd)

@@ -213,8 +213,9 @@ def write(
             )
     quiesce([t.tensor for t, _, _ in items])
     stores: dict[int, Store] = {}
-    with _tight_queues(items, placement), no_torch_function(), torch.no_grad():
-        for target, _, src in items:
+    ahead = _stfile.Readahead(_span(t, src, placement) for t, _, src in items)
+    with contextlib.closing(ahead), _tight_queues(items, placement), no_torch_function(), torch.no_grad():
+        for i, (target, _, src) in enumerate(items):
             st = param_state(target.tensor)
             if st is not None:
                 fill(target.tensor, st, src)
@@ -234,8 +235,30 @@ def write(
             else:
                 full = _read_all(src)
                 target.tensor.copy_(full.view(src.shape))
+            ahead.done(i)
         for store in stores.values():
             store.wait_all()
+
+
+def _span(target: Target, src: Source, placement: Placement | None) -> tuple[str, int, int] | None:
+    """The file range `write` reads for ``target`` (for `zswap._stfile.Readahead`): this rank's slice of a
+    param it partitions, the whole tensor otherwise."""
+    if not isinstance(src, FileSource):
+        return None
+    e = src.entry
+    st = param_state(target.tensor)
+    if st is not None and st.status is not Status.AVAILABLE:
+        start, end = st.bounds()
+    elif st is None and placement is not None and target.tensor.device.type == "meta" and target.slots[0][2]:
+        part = partition_numel(e.numel, placement.world_size)
+        start, end = placement.rank * part, (placement.rank + 1) * part
+    else:
+        start, end = 0, e.numel
+    end = min(end, e.numel)
+    if end <= start:
+        return None
+    size = e.dtype.itemsize
+    return e.path, e.offset + start * size, (end - start) * size
 
 
 def quiesce(params: list[torch.Tensor]) -> None:
