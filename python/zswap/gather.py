@@ -244,10 +244,7 @@ def _cancel_prefetches(items: list[Item]) -> None:
     for p, st in items:
         for engine in list(_ENGINES):
             sched: Any = getattr(engine, "_sched", None)
-            slot = None if engine.closed or sched is None else sched.slots.get(id(p))
-            if sched is not None and slot is not None and slot.loading is not None:
-                sched._cancel(slot)
-                sched._ahead = min(sched._ahead, sched._pos)  # may be prefetched again after the block
+            if not engine.closed and sched is not None and sched.yield_prefetch(p):
                 break
         if st.status is Status.INFLIGHT:
             raise ZswapError(

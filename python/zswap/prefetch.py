@@ -479,6 +479,17 @@ class Scheduler:
         if loading is not None:
             cancel_fetch(loading, self.device)
 
+    def yield_prefetch(self, p: torch.Tensor) -> bool:
+        """Gives up the prefetch of ``p`` if one is in flight (someone else — a `GatheredParameters` block —
+        gathers it now), so ``p`` is not gathered again; the read-ahead may issue it again later. Returns
+        whether there was one."""
+        s = self.slots.get(id(p))
+        if s is None or s.loading is None:
+            return False
+        self._cancel(s)
+        self._ahead = min(self._ahead, self._pos)
+        return True
+
     def _cancel_prefetches(self) -> None:
         for s in list(self._prefetched.values()):
             self._cancel(s)
