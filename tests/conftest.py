@@ -19,6 +19,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,3 +123,18 @@ def quiet_transformers() -> Iterator[None]:
     transformers.logging.set_verbosity_error()
     yield
     logging.getLogger("transformers").setLevel(level)
+
+
+def swap_fds(e: Any) -> list[str]:
+    """This process's descriptors of a `SwapEngine`'s swap files (unlinked at creation: reachable only
+    through ``/proc/self/fd``)."""
+    prefix = str(e.info["paths"][0]) + "/"
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(prefix) and target.endswith("(deleted)"):
+            out.append(f"/proc/self/fd/{name}")
+    return out

@@ -39,7 +39,7 @@ from zswap.errors import (
     ZswapError,
 )
 
-from .conftest import mounted
+from .conftest import mounted, swap_fds
 
 PYTHONPATH = str(Path(zswap.__file__).resolve().parent.parent)
 
@@ -57,20 +57,6 @@ def run_child(code: str, *, prefix: list[str] | None = None, timeout: float = 12
     assert r.returncode >= 0, f"child killed by signal {-r.returncode}:\n{r.stderr}"
     assert r.returncode == 0, f"child failed:\n{r.stdout}\n{r.stderr}"
     return r.stdout
-
-
-def swap_fds(e: SwapEngine) -> list[str]:
-    """This process's descriptors of `e`'s (unlinked) swap files."""
-    prefix = str(e.info["paths"][0]) + "/"
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith(prefix) and target.endswith("(deleted)"):
-            out.append(f"/proc/self/fd/{name}")
-    return out
 
 
 def filled(n: int, seed: int) -> torch.Tensor:

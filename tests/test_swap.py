@@ -29,7 +29,7 @@ from zswap.errors import (
     ZswapWarning,
 )
 
-from .conftest import mounted
+from .conftest import mounted, swap_fds
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64, torch.bool, torch.complex64]
 SIZES = [1, 4095, 4097, 3 * 2**20 + 7]
@@ -260,16 +260,7 @@ def test_checksum_catches_corruption_on_disk(engine: SwapEngine) -> None:
     engine.write("k", src).wait()
     # The swap file has no name; reach it through this process's descriptor table and flip a byte of
     # the second block (buffered writes through /proc are made coherent with O_DIRECT reads by the kernel).
-    prefix = str(engine.info["paths"][0]) + "/"
-    fds = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # the descriptor of the listing itself, closed by now
-        if target.startswith(prefix) and target.endswith("(deleted)"):
-            fds.append(f"/proc/self/fd/{name}")
-    fd = os.open(fds[0], os.O_RDWR)
+    fd = os.open(swap_fds(engine)[0], os.O_RDWR)
     try:
         b = os.pread(fd, 1, (1 << 20) + 10)
         os.pwrite(fd, bytes([b[0] ^ 0xFF]), (1 << 20) + 10)
