@@ -209,7 +209,10 @@ def load_into_partitions(
         if pattern is not None:
             raise ZswapError(
                 f"{key}: this checkpoint needs transformers' weight conversion {pattern!r} (tensors fused or "
-                "split on load), which cannot be streamed into partitions; convert it once outside zswap.Init"
+                "split on load, as for the experts of mixture-of-experts models), which zswap cannot stream "
+                "into partitions. Load it once outside zswap.Init, then either partition that model with "
+                "zswap.Init(config, module=model), or save it in the model's own layout with "
+                "zswap.save_weights(model, folder): that folder then loads under zswap.Init, streamed"
             )
         if new in renamed:
             raise ZswapError(f"checkpoint keys {key!r} and another both load into {new!r}")
