@@ -335,6 +335,7 @@ def test_init_dtype_is_the_plain_build_cast(make, tier, tmp_path):
     torch.manual_seed(0)
     plain = make()
     rng = torch.get_rng_state()
+    buffers = {n: b.clone() for n, b in plain.named_buffers()}
     plain.to(torch.bfloat16)
     torch.manual_seed(0)
     with init_for(tier, tmp_path, dtype=torch.bfloat16):
@@ -343,6 +344,10 @@ def test_init_dtype_is_the_plain_build_cast(make, tier, tmp_path):
     assert {param_state(p).dtype for p in m.parameters()} == {torch.bfloat16}
     assert same(m, plain) == []
     assert torch.get_default_dtype() == torch.float32
+    # Buffers are not cast (Llama's rotary inv_freq stays float32), as with zero.Init and from_pretrained.
+    got = dict(m.named_buffers())
+    assert got.keys() == buffers.keys()
+    assert all(got[n].dtype == b.dtype and torch.equal(got[n], b) for n, b in buffers.items())
 
 
 # -- copy.deepcopy ---------------------------------------------------------------------------------
