@@ -8,7 +8,10 @@ NVMe in one directory â€” `zswap.demo.default_config`, the knobs the demo uses â
 (stage 3, the same live budget, prefetch bucket, persistence threshold and ``sub_group_size``, aio block
 1 MiB, queue depth 16) given to DeepSpeed on its CPU accelerator. Each contender runs in its own process:
 
-- ``zswap``: as shipped (the optimizer update runs in backward where it may: `zswap.earlystep`);
+- ``zswap``: as shipped (the optimizer update runs in backward where it may: `zswap.earlystep`; a
+  step's gradients kept in memory up to ``engine.grad_stash_bytes``, the live budget's bytes);
+- ``zswap, all grads kept``: ``engine.grad_stash_bytes`` = the model's bytes (every gradient in memory
+  between backward and step, as DeepSpeed keeps them: fewer bytes, more memory);
 - ``zswap, ordinary step``: ``engine.early_step = False`` (the step after backward, as before);
 - ``deepspeed``: ZeRO-3 with ``offload_param``/``offload_optimizer`` on NVMe, DeepSpeedCPUAdam; bytes are
   those of every read and write issued through its aio handles (counted by a proxy, `benches/_ds_step.py`);
@@ -79,7 +82,7 @@ def _step_loop(step: Any, steps: int, stats: Any) -> list[dict[str, float]]:
     return out
 
 
-def run_zswap(size: int, path: Path, steps: int, early: bool) -> dict[str, Any]:
+def run_zswap(size: int, path: Path, steps: int, early: bool, keep_all: bool = False) -> dict[str, Any]:
     import zswap
     from zswap.demo import BATCH, GPT, Shape
 
@@ -92,6 +95,8 @@ def run_zswap(size: int, path: Path, steps: int, early: bool) -> dict[str, Any]:
             model = GPT(shape)
         engine = zswap.initialize(model, cfg)
     engine.early_step = early
+    if keep_all:
+        engine.grad_stash_bytes = shape.params * 4
     batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
 
     def step() -> float:
@@ -144,7 +149,10 @@ def bandwidth(path: Path) -> tuple[float, float]:
 
 
 def worker(kind: str, size: int, path: Path, steps: int) -> int:
-    res = run_ram(size, steps) if kind == "ram" else run_zswap(size, path, steps, early=kind == "zswap")
+    if kind == "ram":
+        res = run_ram(size, steps)
+    else:
+        res = run_zswap(size, path, steps, early=kind != "zswap-ordinary", keep_all=kind == "zswap-keepall")
     res["peak_rss"] = peak_rss()
     print("RESULT " + json.dumps(res), flush=True)
     return 0
@@ -185,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--timeout", type=float, default=1800, help="seconds per contender (DeepSpeed JIT-builds ops)"
     )
-    ap.add_argument("--worker", choices=["zswap", "zswap-ordinary", "ram"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker", choices=["zswap", "zswap-keepall", "zswap-ordinary", "ram"], help=argparse.SUPPRESS
+    )
     args = ap.parse_args(argv)
     from zswap.cli import _size
     from zswap.demo import Shape
@@ -206,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[str, float] | str] = {}
         for name, kind in (
             ("zswap", "zswap"),
+            ("zswap, all grads kept", "zswap-keepall"),
             ("zswap, ordinary step", "zswap-ordinary"),
             ("plain PyTorch in RAM", "ram"),
         ):

@@ -23,7 +23,8 @@ from .test_faults import cfg_for, engine_of, inject, optim_state, params_of, sam
 from .test_runtime import TinyLM, build, engine_for, ids, sq
 
 
-def twins(tmp_path: Path, **extra: Any) -> tuple[Any, Any]:
+def twins(tmp_path: Path, stash: int | None = None, **extra: Any) -> tuple[Any, Any]:
+    """(early step on, off) over the same model; ``stash``: both engines' ``grad_stash_bytes``."""
     runs = []
     tmp_path.mkdir(parents=True, exist_ok=True)
     for name, early in (("early", True), ("plain", False)):
@@ -31,6 +32,8 @@ def twins(tmp_path: Path, **extra: Any) -> tuple[Any, Any]:
         m, _ = build(TinyLM, cfg)
         e = engine_for(m, cfg)
         e.early_step = early
+        if stash is not None:
+            e.grad_stash_bytes = stash
         runs.append((m, e))
     return runs[0], runs[1]
 
@@ -46,7 +49,8 @@ def train(pairs: Any, seed: int) -> None:
 
 
 def test_steps_are_bitwise_those_of_the_ordinary_step_and_move_fewer_bytes(tmp_path):
-    (m, e), (ref, ref_e) = twins(tmp_path)
+    (m, e), (ref, ref_e) = twins(tmp_path, stash=0)  # every gradient written (tests/test_gradstash.py: kept)
+    e._early.seed_numel = 0  # no params kept for the next forward: its reads as the twin's (tested apart)
     train([(m, e), (ref, ref_e)], 0)  # the first step places the records: never early
     assert e._early is not None and e._early.commits == 0
     model_bytes = sum(param_state(p).partition_numel * p.dtype.itemsize for p in m.parameters())

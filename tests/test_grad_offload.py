@@ -50,6 +50,7 @@ def test_backward_leaves_the_partition_gradients_on_nvme_only(param_tier, tmp_pa
     cfg = config(param_tier, tmp_path, **STREAM)
     m, ref = build(TinyLM, cfg)
     with engine_for(m, cfg) as engine:
+        engine.grad_stash_bytes = 0  # every gradient written (kept ones: tests/test_gradstash.py)
         if param_tier == "nvme":  # the params' own engine
             assert grad_engine(m) is param_state(next(m.parameters())).store.engine
         train_pass(m, ref, ids(), sq)
@@ -65,7 +66,8 @@ def test_backward_leaves_the_partition_gradients_on_nvme_only(param_tier, tmp_pa
 def test_gradient_accumulation_is_bitwise_the_plain_models(param_tier, tmp_path):
     cfg = config(param_tier, tmp_path, **STREAM)
     m, ref = build(TinyLM, cfg)
-    with engine_for(m, cfg):
+    with engine_for(m, cfg) as engine:
+        engine.grad_stash_bytes = 0  # every gradient written
         for seed in (1, 2):
             train_pass(m, ref, ids(seed=seed), sq)
         assert_grads_on_nvme(m)
@@ -89,6 +91,7 @@ def test_training_matches_the_plain_model_bitwise(param_tier, kind, tmp_path):
     ref_opt = _adamw("zswap" if kind == "config" else "torch")(ref.parameters())
     given = _adamw("torch")(m.parameters()) if kind == "torch" else None
     with engine_for(m, cfg, optimizer=given) as engine:
+        engine.grad_stash_bytes = 0  # every gradient written
         if kind == "config":
             assert isinstance(engine.optimizer, zswap.optim.OffloadedAdamW)
         for step in range(3):
@@ -128,6 +131,7 @@ def test_a_failed_gradient_write_surfaces(param_tier, tmp_path):
     cfg = config(param_tier, tmp_path, **STREAM)
     m, ref = build(TinyLM, cfg)
     with engine_for(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)) as engine:
+        engine.grad_stash_bytes = 0  # every gradient written
         with zswap.GatheredParameters(m.parameters()):
             before = [p.data.clone() for p in m.parameters()]
         # The backward whose write fails raises at its end, and none of its gradients count.

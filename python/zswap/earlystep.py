@@ -16,9 +16,14 @@ What it keeps:
   1, and a record is taken only when the gradient store was empty before this backward), one rank, the
   CPU as compute device, every managed param on NVMe with its gradient, an `OffloadedAdamW` on NVMe whose
   records already exist (from the second step on).
-- **API.** Gradients are still written, so `full_grad`, `zero_grad`, another backward, a checkpoint,
-  `GatheredParameters` between backward and step all see what they saw before: nothing the early step
-  wrote is visible until `Engine.step` commits it.
+- **API.** Gradients are still stored (kept in memory up to the gradient store's stash, written past it:
+  `zswap.gradstore`), so `full_grad`, `zero_grad`, another backward, a checkpoint, `GatheredParameters`
+  between backward and step all see what they saw before: nothing the early step wrote is visible until
+  `Engine.step` commits it. A kept gradient the commit consumed is dropped unwritten.
+- **Seeds.** The updated copies of the last params backward completes (up to the live budget) are kept
+  past their write; after a commit `Engine.step` hands them to `zswap.prefetch.Scheduler.seed`, so the
+  next forward's first modules (the last of backward) start gathered, with no read — each only if nothing
+  wrote its partition in between.
 - **All or nothing.** Records and partitions are written copy-on-write into one `zswap.storage`
   transaction of its own; in-memory state never changes (the kernel updates a copy of the gathered param).
   `Engine.step` commits it only if nothing it depended on moved since: the set of params with gradients,
@@ -47,7 +52,7 @@ from .gradstore import NvmeGrads
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
-from .params import NvmeStore, ParamState, Status
+from .params import NvmeStore, ParamState, Status, param_state
 from .storage import Transaction, _memcpy
 
 CAP_EXTRA = 256 << 20
@@ -68,6 +73,8 @@ class EarlyStep:
     state: str
     task: int
     held: int
+    seeds: deque[tuple[torch.Tensor, torch.Tensor]]
+    seeded: int
     gs: NvmeGrads | None
     txn: Any
     hyper: list[tuple[Any, ...]]
@@ -83,10 +90,23 @@ class EarlyStep:
     reads: deque[tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
     writes: deque[tuple[torch.Tensor, Any]]
 
-    def __init__(self, optimizer: OffloadedAdamW, eligible: Callable[[], bool], cap: int) -> None:
+    def __init__(
+        self,
+        optimizer: OffloadedAdamW,
+        eligible: Callable[[], bool],
+        cap: int,
+        seed_numel: int = 0,
+        streamed: frozenset[int] = frozenset(),
+    ) -> None:
         self.opt = optimizer
         self.eligible = eligible
         self.cap = cap
+        self.seed_numel = seed_numel
+        """Elements of updated params kept in memory for the next forward (the last ones backward
+        completes: the first the next forward uses); see `take_seeds`."""
+        self.streamed = streamed
+        """ids of the params the scheduler streams (the only ones worth seeding)."""
+        self._committed_seeds: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.records = cast(RecordStore, optimizer._store)  # for_engine: on NVMe
         self.index = {id(p): i for i, p in enumerate(optimizer._params)}
         self.commits = 0
@@ -224,8 +244,24 @@ class EarlyStep:
                 if self.left[i] == 0:
                     st, copy, _, _ = self.ready[i]
                     _ps(st).ns.put(st.key, copy, self.txn)
-                    self.held -= 2 * copy.numel() * copy.element_size()
+                    self.held -= copy.numel() * copy.element_size()
                     self.ready[i] = (st, _empty, _empty, self.ready[i][3])  # the queue holds the copy
+                    self._seed(i, copy)
+
+    def _seed(self, i: int, copy: torch.Tensor) -> None:
+        """Keep ``copy`` (param ``i``'s updated partition) as a seed if it is among the last
+        ``seed_numel`` elements completed; the oldest seeds go first."""
+        nbytes = copy.numel() * copy.element_size()
+        p = self.opt._params[i]
+        if id(p) in self.streamed and copy.numel() <= self.seed_numel:
+            self.seeds.append((p, copy))
+            self.seeded += copy.numel()
+        else:
+            self.held -= nbytes
+        while self.seeded > self.seed_numel:
+            _, old = self.seeds.popleft()
+            self.seeded -= old.numel()
+            self.held -= old.numel() * old.element_size()
 
     def _land_oldest(self) -> None:
         buf, w = self.writes.popleft()
@@ -254,7 +290,7 @@ class EarlyStep:
         if not ok:
             self.abort()
             return False
-        txn, ready, steps = self.txn, self.ready, self.steps
+        txn, ready, steps, seeds = self.txn, self.ready, self.steps, list(self.seeds)
 
         def counters() -> None:
             for i in ready:
@@ -269,7 +305,22 @@ class EarlyStep:
             self.aborts += 1  # commit aborted itself: nothing changed
             return False
         self.commits += 1
+        self._committed_seeds = seeds
         return True
+
+    def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+        """(param, its updated partition, still valid) for the params the last `commit` made live whose
+        new value is still in memory; ``still_valid()`` is false once anything wrote the partition since
+        (a `GatheredParameters` write-back, a checkpoint load). `zswap.prefetch.Scheduler.seed` gathers
+        them from it when the next pass begins."""
+        seeds, self._committed_seeds = self._committed_seeds, []
+        out: list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]] = []
+        for p, copy in seeds:
+            st = param_state(p)
+            if st is not None:
+                ns = _ps(st).ns
+                out.append((p, copy, _unchanged(ns, st.key, ns._live.get(st.key))))
+        return out
 
     def _same_grads(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
         with_grad = {
@@ -315,6 +366,8 @@ class EarlyStep:
         self.ready = {}
         self.versions = {}
         self.held = 0
+        self.seeds = deque()
+        self.seeded = 0
         self.ring = []
         self.free = deque()
         self.reads = deque()
@@ -322,6 +375,11 @@ class EarlyStep:
 
 
 _empty = torch.empty(0)
+
+
+def _unchanged(ns: Any, key: str, physical: str | None) -> Callable[[], bool]:
+    """Whether ``key``'s stored value is still ``physical`` (nothing wrote it since)."""
+    return lambda: physical is not None and ns._live.get(key) == physical and key not in ns._pending
 
 
 def _ps(st: ParamState) -> NvmeStore:
@@ -353,6 +411,11 @@ def for_engine(engine: Any) -> EarlyStep | None:
         )
 
     size = max(st.dtype.itemsize for _, st in engine._items)
+    streamed = frozenset(id(s.p) for s in engine._slots.values() if not s.persistent)
     return EarlyStep(
-        opt, eligible, (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA
+        opt,
+        eligible,
+        (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
+        seed_numel=engine.sizing.budget.max_live,  # the scheduler takes what fits (`Scheduler.seed`)
+        streamed=streamed,
     )

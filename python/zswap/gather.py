@@ -235,8 +235,8 @@ def flatten_params(params: object) -> list[torch.Tensor]:
 
 def _cancel_prefetches(items: list[Item]) -> None:
     """Params an open Engine is prefetching (issued ahead of their use, not yet waited for: between a
-    forward and its backward, say) go back to not gathered, so the block gathers them like any other; the
-    engine fetches them again at their use."""
+    forward and its backward, say) or keeps gathered with no holder (retained for a later use) go back to
+    not gathered, so the block gathers them like any other; the engine fetches them again at their use."""
     if not items:
         return
     from .runtime import _ENGINES
@@ -289,7 +289,7 @@ class GatheredParameters:
             raise ValueError(f"modifier_rank={self._modifier_rank} is not a rank of a group of {world}")
         # Params `zswap.Init` gathered on access hold writes not yet stored: store them before reading.
         release([(p, st) for p, st in self._items if st.touched], write_back=True)
-        _cancel_prefetches([(p, st) for p, st in self._items if st.status is Status.INFLIGHT])
+        _cancel_prefetches([(p, st) for p, st in self._items if st.status is not Status.NOT_AVAILABLE])
         self._fetched = [(p, st) for p, st in self._items if st.status is Status.NOT_AVAILABLE]
         fetch(self._fetched, private=True)
         for _, st in self._items:

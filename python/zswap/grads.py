@@ -275,12 +275,15 @@ def global_scale(
     with_grad = [(p, st) for p, st in items if store_of(st).has(st)]
     parts = [(st.group, st.world_size) for _, st in with_grad]
     norms: list[torch.Tensor] = []
-    for batch in chunks(with_grad, chunk):
+    known = {id(st): n for _, st in with_grad if (n := store_of(st).norm(st)) is not None}  # from backward
+    for batch in chunks([item for item in with_grad if id(item[1]) not in known], chunk):
         loads = [store_of(st).load(st) for _, st in batch]  # issued together, waited together
         for _, handle in loads:
             if handle is not None:
                 handle.wait()
-        norms += [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g, _ in loads]
+        for (_, st), (g, _) in zip(batch, loads, strict=True):
+            known[id(st)] = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
+    norms += [known[id(st)] for _, st in with_grad]  # in item order, however they were found
     norms += [
         torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in others if p.grad is not None
     ]

@@ -9,11 +9,16 @@ NVMe writes never stall backward: a param's first gradient of a step is written 
 stays alive in the storage's bounded write queue); a later backward before the step reads the partition
 back, adds in place (the op `MemoryGrads` uses, so values are the same) and writes it again. Each
 backward's writes commit together at its end or not at all (`NvmeGrads`).
+
+A step's first gradients are kept in memory instead, up to ``NvmeGrads.stash_cap`` bytes (the *stash*; the
+Engine sizes it, `size_stash`): the step then reads them from memory, and when `zswap.earlystep` has
+already applied them in backward they are never written at all — `full_grad`, a second backward, the
+ordinary step all still see them, from memory. Gradients past the cap are written as above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,6 +46,12 @@ class GradStore:
 
     def has(self, st: ParamState) -> bool:
         raise NotImplementedError
+
+    def norm(self, st: ParamState) -> torch.Tensor | None:
+        """The float32 L2 norm of the partition gradient, if the store computed it when it stored it
+        (``torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)``: what `zswap.grads.global_scale` would
+        compute after `load`, the same bits); ``None``: load it."""
+        return None
 
     def load(self, st: ParamState) -> tuple[torch.Tensor, Any]:
         """(the partition gradient, or a buffer being filled with it; a handle to ``wait()`` on, or None).
@@ -121,6 +132,19 @@ class NvmeGrads(GradStore):
         self._gen_meta: dict[str, tuple[int, torch.dtype]] = {}
         self._error: BaseException | None = None
         self._reported = False
+        self.stash_cap = 0
+        """Bytes of partition gradients kept in memory rather than written (see the module docstring)."""
+        self._stash: dict[str, torch.Tensor] = {}  # committed, in memory: name -> gradient
+        self._gen_stash: dict[str, torch.Tensor] = {}  # the open generation's
+        self.stash_bytes = 0
+        """Bytes the stash holds now (committed and open generation)."""
+        self.stash_peak = 0
+        """Most bytes it held at once since the store was made."""
+        self.norms_wanted: Callable[[], bool] = lambda: False
+        """Whether the next step needs the gradients' norm (clipping, the fp16 check): then each stored
+        value's norm is computed as it is stored, while in memory, and the step reads no gradient for it."""
+        self._norms: dict[str, torch.Tensor] = {}
+        self._gen_norms: dict[str, torch.Tensor] = {}
 
     @property
     def engine(self) -> Any:
@@ -143,20 +167,65 @@ class NvmeGrads(GradStore):
         key = self.key(st)
         part = part.to("cpu") if part.device.type != "cpu" else part
         meta = self._gen_meta.get(key) or self._meta.get(key)
+        kept = self._gen_stash.get(key)
+        if kept is not None:  # a second gradient in one backward: this generation's own, added in place
+            kept.add_(part)
+            self._note_norm(key, kept)
+            return
+        old = self._stash.get(key)
+        if old is not None and self._stash_room(old):  # accumulation onto a kept gradient: kept again
+            acc = old.clone()  # the earlier value stays as it is until this backward commits
+            acc.add_(part)
+            self._gen_meta[key] = (acc.numel(), acc.dtype)
+            self._gen_stash[key] = acc
+            self._stash_grow(acc.nbytes)
+            self._note_norm(key, acc)
+            return
         if meta is not None:  # gradient accumulation: read, add, write back
             with memory.purpose("grads"):
                 acc = self.engine.empty((meta[0],), meta[1])  # page-aligned: read without a bounce copy
-            try:
-                self.ns.read(key, acc, gen).wait()
-            except Exception as exc:
-                gen._error = gen._error or exc
+            if not self._read(key, acc, gen):
                 return
             acc.add_(part)
             part = acc
         elif not part.is_contiguous():
             part = part.contiguous()
         self._gen_meta[key] = (part.numel(), part.dtype)
+        self._note_norm(key, part)
+        if meta is None and self._stash_room(part):
+            if part.untyped_storage().nbytes() > part.nbytes:
+                part = part.clone()  # a view of a larger buffer: keep only its own bytes alive
+            self._gen_stash[key] = part  # a first gradient: kept in memory, never written (module docstring)
+            self._stash_grow(part.nbytes)
+            return
         self.ns.put(key, part, gen)
+
+    def _note_norm(self, key: str, value: torch.Tensor) -> None:
+        if self.norms_wanted():
+            self._gen_norms[key] = torch.linalg.vector_norm(value, 2.0, dtype=torch.float32)
+        else:
+            self._gen_norms.pop(key, None)
+
+    def _stash_room(self, part: torch.Tensor) -> bool:
+        return self.stash_bytes + part.nbytes <= self.stash_cap
+
+    def _stash_grow(self, n: int) -> None:
+        self.stash_bytes += n
+        self.stash_peak = max(self.stash_peak, self.stash_bytes)
+
+    def _read(self, key: str, out: torch.Tensor, gen: Transaction) -> bool:
+        """Fill ``out`` with ``key``'s gradient so far (from the stash or the storage); False (and the
+        generation failed) if the read failed."""
+        kept = self._stash.get(key)
+        if kept is not None:
+            out.copy_(kept)
+            return True
+        try:
+            self.ns.read(key, out, gen).wait()
+        except Exception as exc:
+            gen._error = gen._error or exc
+            return False
+        return True
 
     def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
         """A partition's first gradient of a step is written in its own dtype (its float32 value is the
@@ -170,17 +239,19 @@ class NvmeGrads(GradStore):
         gen = self._generation()
         if gen._error is not None:
             return
-        stored = self.engine.empty((meta[0],), meta[1])
-        try:
-            self.ns.read(key, stored, gen).wait()
-        except Exception as exc:
-            gen._error = gen._error or exc
-            return
+        stored = self._gen_stash.pop(key, None)  # this generation's own first gradient: summed and written
+        if stored is not None:
+            self.stash_bytes -= stored.nbytes
+        else:
+            stored = self.engine.empty((meta[0],), meta[1])
+            if not self._read(key, stored, gen):
+                return
         acc = stored if meta[1] == torch.float32 else self.engine.empty((meta[0],), torch.float32)
         if acc is not stored:
             acc.copy_(stored)
         acc.add_(part.to("cpu") if part.device.type != "cpu" else part)
         self._gen_meta[key] = (acc.numel(), torch.float32)
+        self._gen_norms.pop(key, None)
         self.ns.put(key, acc, gen)
 
     def _generation(self) -> Transaction:
@@ -194,10 +265,15 @@ class NvmeGrads(GradStore):
                 Variable._execution_engine.queue_callback(self._end_backward)
         return self._gen
 
+    def _drop_gen_stash(self) -> None:
+        self.stash_bytes -= sum(t.nbytes for t in self._gen_stash.values())
+        self._gen_stash = {}
+
     def _drop_unfinished(self) -> None:
         """Abort the generation of a backward that raised before its end (its error went to the caller
         of that backward): none of its gradients count."""
-        gen, self._gen, self._gen_meta = self._gen, None, {}
+        gen, self._gen, self._gen_meta, self._gen_norms = self._gen, None, {}, {}
+        self._drop_gen_stash()
         if gen is not None:
             gen.abort()
 
@@ -218,12 +294,22 @@ class NvmeGrads(GradStore):
         if gen is None:
             return None
         meta, self._gen_meta = self._gen_meta, {}
+        kept, self._gen_stash = self._gen_stash, {}
+        norms, self._gen_norms = self._gen_norms, {}
         try:
             gen.commit()
         except Exception as exc:
+            self.stash_bytes -= sum(t.nbytes for t in kept.values())
             if self._error is None:
                 self._error, self._reported = exc, False
             return exc
+        for key in meta:  # the new value (kept again, or written) replaces what the stash had
+            old = self._stash.pop(key, None)
+            if old is not None:
+                self.stash_bytes -= old.nbytes
+            self._norms.pop(key, None)
+        self._stash.update(kept)
+        self._norms.update(norms)
         self._meta.update(meta)
         return None
 
@@ -232,11 +318,19 @@ class NvmeGrads(GradStore):
         self._check()
         return self.key(st) in self._meta
 
+    def norm(self, st: ParamState) -> torch.Tensor | None:
+        self._commit()
+        self._check()
+        return self._norms.get(self.key(st))
+
     def load(self, st: ParamState) -> tuple[torch.Tensor, Any]:
         self._commit()
         self._check()
         key = self.key(st)
         numel, dtype = self._meta[key]
+        kept = self._stash.get(key)
+        if kept is not None:
+            return kept, None  # as `MemoryGrads.load`: the kept tensor itself
         with memory.purpose("grads"):
             buf = self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
         return buf, self.ns.read(key, buf)
@@ -245,7 +339,11 @@ class NvmeGrads(GradStore):
         self._commit()
         for st in sts:
             key = self.key(st)
+            self._norms.pop(key, None)
             if self._meta.pop(key, None) is not None:
+                kept = self._stash.pop(key, None)
+                if kept is not None:
+                    self.stash_bytes -= kept.nbytes
                 self.ns.free(key)
         if not self._meta:
             err, reported = self._error, self._reported
@@ -261,6 +359,10 @@ class NvmeGrads(GradStore):
         if self._gen is not None:
             self._gen.abort()
             self._gen = None
+        self._drop_gen_stash()
+        self._stash.clear()
+        self._norms.clear()
+        self.stash_bytes = 0
         self.ns.close()
 
     def _check(self) -> None:
@@ -286,6 +388,20 @@ def attach(items: Iterable[tuple[torch.Tensor, ParamState]], cfg: Any) -> list[G
             gs = out.get(0) or out.setdefault(0, _own(cfg))
         st.grad_store = gs
     return list(out.values())
+
+
+def want_norms(stores: Iterable[GradStore], wanted: Callable[[], bool]) -> None:
+    """Have each NVMe gradient store compute norms as it stores while ``wanted()`` (`NvmeGrads`)."""
+    for gs in stores:
+        if isinstance(gs, NvmeGrads):
+            gs.norms_wanted = wanted
+
+
+def size_stash(stores: Iterable[GradStore], nbytes: int) -> None:
+    """Let each NVMe gradient store keep up to ``nbytes`` of gradients in memory (`NvmeGrads.stash_cap`)."""
+    for gs in stores:
+        if isinstance(gs, NvmeGrads):
+            gs.stash_cap = nbytes
 
 
 def _own(cfg: Any) -> NvmeGrads:

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .device import Device
-from .gather import Loading, advance, cancel_fetch, finish_fetch, release, start_fetch
+from .gather import Loading, advance, cancel_fetch, finish_fetch, no_torch_function, release, start_fetch
 from .params import ParamState, Status
 
 StepKey = tuple[str, int]
@@ -173,6 +173,7 @@ class Scheduler:
         """The static guess: (module index, the list of its params) in registration order. The lists are
         read at each guess, so params found in use later (`zswap.hooks`) are in the next one."""
         self._rebuild_backward = False
+        self._seeds: list[tuple[Slot, torch.Tensor, Callable[[], bool]]] = []
 
     # -- iterations --------------------------------------------------------------------------------
 
@@ -190,6 +191,7 @@ class Scheduler:
         self._on_trace = self._trace is not None
         self._pos = self._ahead = 0
         self._recording = []
+        self._plant()
 
     def end(self) -> None:
         """End the iteration: keep its recording if it differs from the trace, release what no one holds."""
@@ -239,7 +241,7 @@ class Scheduler:
         for s in held:
             s.holds -= 1
             if s.holds == 0 and s.ours and s.st.status is Status.AVAILABLE:
-                if self._reused_soon(s):
+                if self._reused_soon(s) or self._kept_for_backward(s):
                     s.retained = True
                     self._retained[id(s.p)] = s
                 else:
@@ -257,6 +259,7 @@ class Scheduler:
 
     def drop_all(self) -> None:
         """End the iteration and release everything the scheduler gathered, persistent params included."""
+        self._seeds = []
         self.end()
         self._cancel_prefetches()
         for s in self.slots.values():
@@ -267,6 +270,54 @@ class Scheduler:
             s.ours = False
         self._retained.clear()
         self.live = 0
+
+    def seed(self, seeds: Iterable[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]) -> None:
+        """Values already in memory for the next pass: ``(param, its partition, still_valid)`` where the
+        partition *is* the stored value while ``still_valid()`` (`zswap.earlystep`: the updated params the
+        step just made live, the last ones backward completed and so the first the next forward uses).
+        The longest run of the last recorded pass's first steps whose params are all offered is taken,
+        less its last steps while it and the first step after it do not fit in ``max_live`` together (so
+        that step's read can still be issued ahead). Nothing is gathered now: when the next pass begins,
+        each taken param still valid (no write to its partition since) is gathered from its value and kept
+        as a retained param — used by that pass without a read, released at its end or evicted first for
+        room; `drop_all` forgets them. One rank, CPU data only (where the early step runs)."""
+        offered = {id(p): (p, data, valid) for p, data, valid in seeds}
+        trace = self._traces.get(self._kind)
+        self._seeds = []
+        if not offered or trace is None:
+            return
+        run: list[Step] = []
+        taken: dict[int, Slot] = {}
+        after = 0
+        for step in trace.steps:
+            if step.key[0] != "F" or any(id(s.p) not in offered and id(s.p) not in taken for s in step.slots):
+                after = sum(s.numel for s in step.slots if id(s.p) not in taken)
+                break
+            run.append(step)
+            taken.update((id(s.p), s) for s in step.slots)
+        while run and sum(s.numel for s in taken.values()) + after > self.budget.max_live:
+            last = run.pop()
+            keep = {id(s.p) for step in run for s in step.slots}
+            after = sum(s.numel for s in last.slots if id(s.p) not in keep)
+            taken = {k: v for k, v in taken.items() if k in keep}
+        self._seeds = [(s, offered[k][1], offered[k][2]) for k, s in taken.items()]
+
+    def _plant(self) -> None:
+        """Gather the seeds (`seed`) that are still valid, as retained params of the pass beginning."""
+        seeds, self._seeds = self._seeds, []
+        with no_torch_function():
+            for s, data, valid in seeds:
+                st = s.st
+                if s.persistent or st.status is not Status.NOT_AVAILABLE or st.world_size != 1:
+                    continue
+                if data.numel() < st.numel or self.live + s.numel > self.budget.max_live or not valid():
+                    continue
+                s.p.data = data[: st.numel].view(st.shape)
+                st.status = Status.AVAILABLE
+                s.ours = s.retained = True
+                self._retained[id(s.p)] = s
+                self.live += s.numel
+        self._note_live()
 
     def prefill(self) -> int:
         """Allocate and fault in, before any pass runs, the read buffers the first forward's prefetch
@@ -394,6 +445,31 @@ class Scheduler:
         nxt = self._trace.next_use(s, self._pos)
         return nxt is not None and self._trace.fetched_between(self._pos, nxt) <= self.budget.reuse_distance
 
+    def _kept_for_backward(self, s: Slot) -> bool:
+        """Whether a param a forward step lets go of stays gathered for its backward: the last modules of
+        forward are the first of backward, so what they hold is kept across the boundary when everything
+        the steps up to its next use need fits in ``max_live`` with it, and with the step after that use
+        (then nothing has to be evicted to keep it, it is not read again, and the read of the first
+        backward step not kept can still be issued ahead). Only from a forward (outside any backward: a
+        checkpoint's re-run forward inside backward releases as usual) to its backward."""
+        trace = self._trace
+        if not self._on_trace or trace is None or torch._C._current_graph_task_id() >= 0:
+            return False
+        nxt = trace.next_use(s, self._pos)
+        if nxt is None or trace.steps[nxt].key[0] != "B":
+            return False
+        seen, total = {id(s)}, s.numel
+        if nxt + 1 < len(trace.steps):
+            total += trace.steps[nxt + 1].numel
+        for step in trace.steps[self._pos : nxt]:
+            for o in step.slots:
+                if id(o) not in seen:
+                    seen.add(id(o))
+                    total += o.numel
+                    if total > self.budget.max_live:
+                        return False
+        return True
+
     def _prefetch(self) -> None:
         self._advance()
         trace, b = self._trace, self.budget
@@ -481,9 +557,14 @@ class Scheduler:
 
     def yield_prefetch(self, p: torch.Tensor) -> bool:
         """Gives up the prefetch of ``p`` if one is in flight (someone else — a `GatheredParameters` block —
-        gathers it now), so ``p`` is not gathered again; the read-ahead may issue it again later. Returns
-        whether there was one."""
+        gathers it now), so ``p`` is not gathered again; the read-ahead may issue it again later. Likewise
+        lets go of ``p`` if it is kept gathered for a later use with no holder (retained, seeded): the
+        block then gathers its own copy, and a change without ``modifier_rank`` is dropped as for any
+        param. Returns whether there was either."""
         s = self.slots.get(id(p))
+        if s is not None and s.retained and not s.holds and s.st.status is Status.AVAILABLE:
+            self._drop(s)
+            return True
         if s is None or s.loading is None:
             return False
         self._cancel(s)

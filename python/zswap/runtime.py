@@ -137,6 +137,7 @@ class Engine:
         """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
         (set False to always step after backward; results are the same either way)."""
         self._early: earlystep.EarlyStep | None = None
+        self._grad_stash = -1  # -1: the live-param budget's bytes (`grad_stash_bytes`)
         self._ids: set[int] = set()
         self._items: list[Item] = []
         self._grad_stores: list[gradstore.GradStore] = []
@@ -184,6 +185,7 @@ class Engine:
         if self._early is not None and self._early.commit(self._items):  # updated in backward already
             self.last_grad_norm = None
             self._finish_step(1.0)
+            self._sched.seed(self._early.take_seeds())  # the next forward's first params: no read
             return
         others = [p for p in self.module.parameters() if id(p) not in self._ids]
         chunk = max(1, self.sizing.budget.max_live // 2)  # a chunk's params and grads: the live budget
@@ -271,6 +273,20 @@ class Engine:
         `zswap.deepspeed.initialize` builds the config's optimizer over ``model_parameters``)."""
         self._owns_optimizer = True
 
+    @property
+    def grad_stash_bytes(self) -> int:
+        """Bytes of partition gradients kept in memory between backward and step instead of being written
+        to NVMe, where the optimizer lives there (`zswap.gradstore`; default: the live-param budget's
+        bytes; 0: write every gradient). Results are the same either way."""
+        return max((getattr(gs, "stash_cap", 0) for gs in self._grad_stores), default=0)
+
+    @grad_stash_bytes.setter
+    def grad_stash_bytes(self, nbytes: int) -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"grad_stash_bytes must be a non-negative int, got {nbytes!r}")
+        self._grad_stash = nbytes
+        gradstore.size_stash(self._grad_stores, nbytes)
+
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""
         self._check_open()
@@ -316,6 +332,7 @@ class Engine:
             "persistence_threshold": self.sizing.persistence_threshold,
             "persistent_elements": self.sizing.persistent,
             "model_elements": self.sizing.total,
+            "grad_stash_bytes": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
         }
         size = max((st.dtype.itemsize for _, st in self._items), default=4)
         out.update(_device.stats(self.device, (b.max_live + self.sizing.persistent) * size, b.bucket * size))
@@ -499,6 +516,13 @@ class Engine:
         self._grad_stores = []
         try:
             self._grad_stores = gradstore.attach(self._items, config)
+            live = (self.sizing.budget.max_live + self.sizing.persistent) * max(
+                (st.dtype.itemsize for _, st in self._items), default=4
+            )
+            gradstore.size_stash(self._grad_stores, live if self._grad_stash < 0 else self._grad_stash)
+            gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
+                self._grad_stores, lambda: self.max_grad_norm is not None or getattr(self, "_fp16", False)
+            )
             self._grads.land_in(
                 grads.landing_alloc(self.device, self._grad_stores, self._stores.values()), pool
             )
