@@ -114,8 +114,9 @@ class Engine:
     ) -> None:
         memory.bound_heap()  # what torch frees between steps goes back to the kernel (zswap.memory)
         self.module = module
-        self.device = _device.resolve(device)
-        """The compute device (`zswap.device`)."""
+        self.compute_device = _device.resolve(device)
+        """The compute device as zswap drives it (`zswap.device`: copy streams, registered buffers);
+        `device` is the `torch.device` it computes on."""
         self.config = config
         self.closed = False
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -242,6 +243,23 @@ class Engine:
         return self._gas
 
     @property
+    def device(self) -> torch.device:
+        """The `torch.device` modules compute on (DeepSpeed's ``engine.device``, for ``batch.to(...)``)."""
+        return self.compute_device.torch_device
+
+    def __getattr__(self, name: str) -> Any:
+        # DeepSpeed's engine hands attributes it does not have to the module (``engine.config_class``,
+        # a model's own methods). Only reached when normal lookup failed; never during __init__'s own
+        # attributes, since ``module`` is read from __dict__ directly.
+        module = self.__dict__.get("module")
+        if module is not None and not name.startswith("__"):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object (and its module) has no attribute {name!r}")
+
+    @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale; 1.0 without fp16."""
         return 1.0 if self.loss_scaler is None else float(self.loss_scaler.loss_scale)
@@ -335,11 +353,13 @@ class Engine:
             "grad_stash_bytes": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
         }
         size = max((st.dtype.itemsize for _, st in self._items), default=4)
-        out.update(_device.stats(self.device, (b.max_live + self.sizing.persistent) * size, b.bucket * size))
+        out.update(
+            _device.stats(self.compute_device, (b.max_live + self.sizing.persistent) * size, b.bucket * size)
+        )
         out.update(self._memory_stats())
         if reset:
             memory.reset_peaks()
-            self.device.reset_peak()
+            self.compute_device.reset_peak()
             peak = self._sched.live
             self._sched.counters = type(c)(peak_live=peak)
             self._grads.placeholders = 0
@@ -482,12 +502,12 @@ class Engine:
                 raise ZswapError("these params are already run by another zswap Engine; close() it first")
         self._items, self._ids = items, ids
         self.sizing = _size(module, self._items, config)
-        self._homes = _device.place(module, self._items, self.device)
+        self._homes = _device.place(module, self._items, self.compute_device)
         self._slots = {
             id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold or id(p) in self.sizing.resident)
             for p, st in self._items
         }
-        self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.device)
+        self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.compute_device)
         infos = {
             id(m): ModuleInfo(
                 i, name, [self._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
@@ -506,13 +526,15 @@ class Engine:
         for store in self._stores.values():
             if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
                 store.pool_bytes = max(store.pool_bytes, pool)
-                if not self.device.passthrough:  # read buffers registered for one-hop DMA to the device
-                    store.host_alloc = self.device.register_alloc(store.engine.empty)
-        if isinstance(self.device, _device.CudaDevice | _device.StandInDevice):
-            self.device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
+                if (
+                    not self.compute_device.passthrough
+                ):  # read buffers registered for one-hop DMA to the device
+                    store.host_alloc = self.compute_device.register_alloc(store.engine.empty)
+        if isinstance(self.compute_device, _device.CudaDevice | _device.StandInDevice):
+            self.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
         self._sched.prefill()  # the first pass's read buffers, faulted in now rather than under its reads
         self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
-        self._grads = grads.GradSink(self._items, self.device)
+        self._grads = grads.GradSink(self._items, self.compute_device)
         self._grad_stores = []
         try:
             self._grad_stores = gradstore.attach(self._items, config)
@@ -524,7 +546,7 @@ class Engine:
                 self._grad_stores, lambda: self.max_grad_norm is not None or getattr(self, "_fp16", False)
             )
             self._grads.land_in(
-                grads.landing_alloc(self.device, self._grad_stores, self._stores.values()), pool
+                grads.landing_alloc(self.compute_device, self._grad_stores, self._stores.values()), pool
             )
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
         except BaseException:
@@ -578,7 +600,7 @@ class Engine:
                     store.pool_bytes = 0
                     store.host_alloc = None
                     store.trim()
-            self.device.close()  # every copy done, every host buffer unregistered
+            self.compute_device.close()  # every copy done, every host buffer unregistered
             _device.unplace(self._items, self._homes)
 
     def _check_open(self) -> None:
