@@ -12,7 +12,7 @@ import inspect
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -64,6 +64,22 @@ def initialize(
     ``max_grad_norm``: clip the global L2 norm of the gradients (over all ranks) to this before each step;
     default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping).
     """
+    return build(Engine, model, config, optimizer, lr_scheduler, device, max_grad_norm)
+
+
+_E = TypeVar("_E", bound="Engine")
+
+
+def build(
+    cls: type[_E],
+    model: nn.Module,
+    config: Any,
+    optimizer: Any,
+    lr_scheduler: Any,
+    device: Any,
+    max_grad_norm: float | None,
+) -> _E:
+    """`initialize`'s work, making a ``cls`` (an `Engine` subclass: `zswap.deepspeed`'s)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize takes an nn.Module, not {type(model).__name__}")
     cfg = load_config(config)
@@ -76,7 +92,7 @@ def initialize(
     dev = _device.resolve(device)
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)
-    return Engine(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
+    return cls(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
 
 
 @dataclass(frozen=True)
@@ -420,15 +436,17 @@ class Engine:
 
     # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None) -> Any:
+    def save_checkpoint(
+        self, save_dir: Any, tag: str | None = None, client_state: Any = None, *, save_latest: bool = True
+    ) -> Any:
         """Save params, optimizer state, scheduler, loss scaler, RNG and ``client_state`` to
         ``save_dir/tag`` (default tag ``global_step{global_steps}``), atomically, then point
-        ``save_dir/latest`` at it. Every rank calls it; each streams its own partitions. Returns the
-        folder."""
+        ``save_dir/latest`` at it (unless ``save_latest`` is false). Every rank calls it with the same
+        tag; each streams its own partitions. Returns the folder."""
         from .checkpoint import save_checkpoint
 
         self._check_open()
-        return save_checkpoint(self, save_dir, tag, client_state)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(
         self,
@@ -437,10 +455,12 @@ class Engine:
         *,
         load_optimizer_states: bool = True,
         load_module_only: bool = False,
+        load_lr_scheduler_states: bool = True,
     ) -> Any:
         """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), saved at any world size;
-        returns its ``client_state`` (``None`` with ``load_module_only``). Everything is validated first:
-        a bad checkpoint raises a `zswap.ZswapError` and changes nothing."""
+        returns its ``client_state`` (``None`` with ``load_module_only``). With
+        ``load_lr_scheduler_states=False`` the schedule keeps this run's state. Everything is validated
+        first: a bad checkpoint raises a `zswap.ZswapError` and changes nothing."""
         from .checkpoint import load_checkpoint
 
         self._check_open()
@@ -454,6 +474,7 @@ class Engine:
                 tag,
                 load_optimizer_states=load_optimizer_states,
                 load_module_only=load_module_only,
+                load_lr_scheduler_states=load_lr_scheduler_states,
             )
         finally:
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
