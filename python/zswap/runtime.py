@@ -167,6 +167,12 @@ class Engine:
             self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
             self._fp16 = config.dtype == "fp16" or any(p.dtype == torch.float16 for p in module.parameters())
             self._fp16 = self._fp16 or any(st.dtype == torch.float16 for _, st in self._items)
+            # bf16.check_grad_overflow: skip a step whose gradients are not finite, as fp16 always does. The
+            # check needs every gradient before any update, so the early step (in backward) is off.
+            bf16 = config.dtype == "bf16" or any(st.dtype == torch.bfloat16 for _, st in self._items)
+            self._check_finite = self._fp16 or (bf16 and config.bf16.check_grad_overflow)
+            if self._check_finite and not self._fp16:
+                self.early_step = False
             self.loss_scaler = stepping.loss_scaler(config, self._fp16)
             self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
             self._early = self._grads.early = earlystep.for_engine(self)
@@ -208,7 +214,7 @@ class Engine:
         chunk = max(1, self.sizing.budget.max_live // 2)  # a chunk's params and grads: the live budget
         loss_scale = self.loss_scale if self._scaled_backward else 1.0
         scale, self.last_grad_norm = grads.global_scale(
-            self._items, others, self.max_grad_norm, self._fp16, chunk, loss_scale=loss_scale
+            self._items, others, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
         )
         if scale is None:
             self.skipped_steps += 1
