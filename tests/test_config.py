@@ -373,9 +373,9 @@ def test_everything_outside_zswaps_sections_is_ignored():
 # tune DeepSpeed's own machinery and change no result), or accepted only at DeepSpeed's default.
 SILENT = {
     "zero_optimization": [
-        "stage", "ignore_unused_parameters", "legacy_stage1", "elastic_checkpoint",
+        "stage", "legacy_stage1", "elastic_checkpoint",
         "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save", "memory_efficient_linear", "cpu_offload_use_pin_memory",
+        "stage3_gather_fp16_weights_on_model_save", "cpu_offload_use_pin_memory",
     ],
 }  # fmt: skip
 WARNED = {
@@ -468,6 +468,14 @@ def test_one_warning_names_every_ignored_key():
     assert [str(w.message).split(": ", 1)[1] for w in record] == [
         "zero_optimization.overlap_comm, zero_optimization.contiguous_gradients, aio.single_submit"
     ]  # overlap_events at its default (true) and stage are what zswap does anyway: not named
+
+
+@pytest.mark.parametrize("key", ["ignore_unused_parameters", "memory_efficient_linear"])
+def test_keys_whose_default_zswap_follows_are_named_only_off_it(key, recwarn):
+    assert load_config({"zero_optimization": {key: True}}) == ZswapConfig()
+    assert not [w for w in recwarn if issubclass(w.category, ZswapWarning)]
+    with pytest.warns(ZswapWarning, match=rf"zero_optimization\.{key}$"):
+        assert load_config({"zero_optimization": {key: False}}) == ZswapConfig()
 
 
 @pytest.mark.parametrize(

@@ -301,6 +301,123 @@ def test_the_engine_hands_unknown_attributes_to_the_module():
             engine.nothing_here  # noqa: B018
 
 
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return self.late(y) if hasattr(self, "late") else y
+
+
+def test_a_module_attached_after_initialize_runs_as_plain_torch():
+    m = Tiny()
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=m, config=cfg, model_parameters=list(m.parameters()))
+    with engine:
+        late = nn.Linear(16, 16, bias=False).to(device=engine.device)
+        late._parameters = dict(late._parameters)  # torch >= 2.5's plain dict, as DeepSpeed's test forces
+        engine.module.late = late
+        x = torch.randn(2, 16)
+        out = engine(x)
+        with zswap.GatheredParameters(m.fc.weight):
+            want = late(nn.functional.linear(x, m.fc.weight))
+        assert torch.equal(out, want)
+        assert torch.equal(engine(x), want)
+
+
+def test_classes_declared_inside_init_are_partitioned():
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+
+        class Outer(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            nested = Outer()
+        inside = Outer()
+    for m in (nested, inside):
+        assert param_state(m.fc.weight) is not None and m.fc.weight.numel() == 0
+        engine, *_ = deepspeed.initialize(model=m, config_params=cfg)
+        engine.close()
+
+
+def test_a_torch_optimizer_built_before_initialize_trains_as_plain_torch():
+    torch.manual_seed(20260728)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.arange(8, dtype=torch.float32).reshape(2, 4) / 8
+    w, b = (t.detach().clone().requires_grad_() for t in (model.weight, model.bias))
+    ref = nn.functional.linear(x, w, b)
+    ref.sum().backward()
+    ref_opt = torch.optim.AdamW([w, b], lr=0.1)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {
+            "stage": 3,
+            "memory_efficient_linear": True,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+        },
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config_params=cfg)
+    with engine:
+        assert opt is optimizer and param_state(model.weight) is not None
+        out = engine(x.to(engine.device))
+        engine.backward(out.sum())
+        assert torch.equal(out, ref)
+        assert torch.equal(zswap.full_grad(model.weight), w.grad)
+        assert torch.equal(zswap.full_grad(model.bias), b.grad)
+        engine.step()
+        ref_opt.step()
+        with zswap.GatheredParameters([model.weight, model.bias]):
+            assert torch.equal(model.weight, w) and torch.equal(model.bias, b)
+
+
+class UnusedParams(nn.Module):
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        self.used = nn.Linear(hidden, hidden)
+        self.unused = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.used(x), y)
+
+
+@pytest.mark.parametrize("ignore_unused_parameters", [True, False])
+def test_unused_params_train_and_stay_as_they_were(ignore_unused_parameters):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {
+            "stage": 2,
+            "cpu_offload": True,
+            "ignore_unused_parameters": ignore_unused_parameters,
+        },
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": True},
+    }
+    torch.manual_seed(0)
+    model = UnusedParams()
+    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
+    with engine:
+        with zswap.GatheredParameters(list(model.unused.parameters())):
+            before = [p.detach().clone() for p in model.unused.parameters()]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x = torch.randn(2, 4, generator=g).to(torch.bfloat16)
+            y = torch.randint(0, 4, (2,), generator=g)
+            engine.backward(engine(x, y))
+            engine.step()
+        assert engine.global_steps == 2 and engine.micro_steps == 5
+        assert zswap.full_grad(model.unused.weight) is None
+        with zswap.GatheredParameters(list(model.unused.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.unused.parameters(), before, strict=True))
+
+
 @pytest.mark.dist
 def test_two_ranks_scatter_gather_and_modifier_rank(tmp_path):
     run_ranks(WORKER, tmp_path)

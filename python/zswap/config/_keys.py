@@ -119,6 +119,9 @@ ZERO = Section(
             "cpu_offload_use_pin_memory",
         },
     ),
+    # Their DeepSpeed default is what zswap does; the other value (an error on unused params in stage 2, a
+    # plain F.linear) is not, and is named in the warning.
+    warned_unless={"ignore_unused_parameters": True, "memory_efficient_linear": True},
     warned=frozenset(
         {
             # Communication bucketing, overlap and collectives.
