@@ -43,6 +43,48 @@ def gather_update(rank: int, world: int) -> None:
         assert torch.equal(layer.weight, torch.zeros(2, 4)), layer.weight
 
 
+class ParentInitialisesChild(nn.Module):
+    """DeepSpeed's TestZero3InitForParentWeightInitialization: a rank-dependent fill in ``__init__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(12, 1)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.fill_(1 + dist.get_rank())
+
+
+def params_are_rank_zeros(rank: int, world: int) -> None:
+    """Under Init every rank holds rank 0's build, whatever its own random generator or writes gave."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0},
+    }
+    with deepspeed.zero.Init(config_dict_or_path=cfg, mem_efficient_linear=False, enabled=True):
+        m = ParentInitialisesChild()
+    st = param_state(m.linear.weight)
+    assert st.partition_numel == 6
+    with deepspeed.zero.GatheredParameters(m.linear.weight):
+        assert torch.equal(m.linear.weight, torch.ones(1, 12)), m.linear.weight
+    torch.manual_seed(100 + rank)  # a per-rank seed, as scripts that seed data order by rank do
+    plain = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    want = [p.detach().clone() for p in plain.parameters()]
+    for t in want:
+        dist.broadcast(t, 0)  # rank 0's plain build
+    torch.manual_seed(100 + rank)
+    with zswap.Init(cfg):
+        built = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+        with torch.no_grad():
+            built[1].bias.data = torch.full((3,), float(rank))  # a rank-dependent write after partitioning
+    want[3] = torch.zeros(3)
+    with zswap.GatheredParameters(list(built.parameters())):
+        for p, q in zip(built.parameters(), want, strict=True):
+            assert torch.equal(p, q), (rank, p, q)
+
+
 def main() -> None:
     rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -51,6 +93,7 @@ def main() -> None:
             warnings.simplefilter("ignore", zswap.ZswapWarning)
             scatter_gather(rank, world)
             gather_update(rank, world)
+            params_are_rank_zeros(rank, world)
     finally:
         dist.destroy_process_group()
 
