@@ -275,3 +275,45 @@ def test_a_json_path_object_works(tmp_path):
     path = Path(tmp_path / "c.json")
     path.write_text(json.dumps({"train_batch_size": 4, "gradient_accumulation_steps": 2}))
     assert load_config(path).batch.resolve(1) == (4, 2, 2)
+
+
+def test_only_a_train_batch_size_is_a_whole_batch_config(tmp_path):
+    path = tmp_path / "minimal.json"
+    path.write_text(json.dumps({"train_batch_size": 64}))
+    assert load_config(path).batch.resolve(1) == (64, 64, 1)
+
+
+def test_a_duplicate_key_in_a_file_is_an_error(tmp_path):
+    path = tmp_path / "dup.json"
+    path.write_text('{"train_batch_size": 24, "train_batch_size": 24}')
+    with pytest.raises(ConfigError, match="duplicate key 'train_batch_size'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "field"),
+    [
+        ("stage3_prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+        ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+        ("stage3_param_persistence_threshold", "stage3_param_persistence_threshold"),
+        ("param_persistence_threshold", "stage3_param_persistence_threshold"),
+        ("stage3_max_reuse_distance", "stage3_max_reuse_distance"),
+        ("max_reuse_distance", "stage3_max_reuse_distance"),
+    ],
+)
+def test_zero_field_names_and_their_stage3_aliases(key, field):
+    assert getattr(load_config({"zero_optimization": {key: 12345}}).zero, field) == 12345
+
+
+def test_empty_or_null_offload_sections_offload_nothing():
+    for value in (None, {}):
+        cfg = load_config({"zero_optimization": {"offload_param": value, "offload_optimizer": value}})
+        assert cfg.offload_param.device == "none" and cfg.offload_optimizer.device == "none"
+
+
+def test_pipeline_sets_both_directions():
+    assert load_config({"offload_optimizer": {"pipeline": False}}).offload_optimizer.pipeline_read is False
+    cfg = load_config(
+        {"offload_optimizer": {"pipeline_read": True, "pipeline_write": False}}
+    ).offload_optimizer
+    assert (cfg.pipeline_read, cfg.pipeline_write) == (True, False)

@@ -219,8 +219,8 @@ def _read(
     for key, value in section.items():
         if not isinstance(key, str):
             raise ConfigError(f"{where} has a key that is not a string: {v.show(key)}")
-        unless = spec.warned_unless.get(key, value)
-        if out is not None and value is not None and not _same(value, unless):
+        off_default = key in spec.warned_unless and not _same(value, spec.warned_unless[key])
+        if out is not None and value is not None and off_default:  # only these keys: never a deep compare
             out.skipped.append(f"{where}.{key}")
         if key in spec.fields:
             targets: tuple[str, ...] = (key,)
