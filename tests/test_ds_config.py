@@ -89,7 +89,9 @@ def _free_port() -> int:
 
 def test_dist_init_required_starts_a_group_of_one(monkeypatch, quiet):
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        # set, then removed: monkeypatch then also removes what init_distributed sets (os.environ.setdefault)
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     model = TwoLayer()
     engine, *_ = deepspeed.initialize(
         config=base_config(),
