@@ -570,7 +570,8 @@ class Engine:
             )
             gradstore.size_stash(self._grad_stores, live if self._grad_stash < 0 else self._grad_stash)
             gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
-                self._grad_stores, lambda: self.max_grad_norm is not None or getattr(self, "_fp16", False)
+                self._grad_stores,
+                lambda: self.max_grad_norm is not None or getattr(self, "_check_finite", False),
             )
             self._grads.land_in(
                 grads.landing_alloc(self.compute_device, self._grad_stores, self._stores.values()), pool
