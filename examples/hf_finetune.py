@@ -85,7 +85,7 @@ def main() -> None:
             with zswap.Init(cfg):
                 model = build(args.model, len(chars), args.dim, args.layers)
         with zswap.initialize(model, cfg) as engine:  # on the GPU when there is one, else the CPU
-            windows = windows.to(engine.device.torch_device)  # inputs go where the modules compute
+            windows = windows.to(engine.device)  # inputs go where the modules compute
             with torch.no_grad():  # before any step: the loss of the weights as built or loaded
                 first = windows[: args.batch_size]
                 print(f"initial loss {model.eval()(input_ids=first, labels=first).loss.item()!r}", flush=True)

@@ -50,7 +50,7 @@ def main() -> None:
             with zswap.Init(cfg):
                 m = TinyLM(reentrant=False)
             engine = zswap.initialize(m, cfg)  # device=None: cuda:RANK, the current device
-        assert engine.device.torch_device == dev
+        assert engine.device == dev
         assert all(param_state(p).world_size == world for p in m.parameters())
         with engine:
             for step in range(2):

@@ -26,7 +26,12 @@ from zswap.config import (
     load_config,
     models,
 )
-from zswap.errors import ConfigError
+from zswap.errors import ConfigError, ZswapWarning
+
+# HF_ZERO3_NVME and RICH hold DeepSpeed tuning keys zswap names in a ZswapWarning (tested on its own below).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:zswap ignores these DeepSpeed settings:zswap.errors.ZswapWarning"
+)
 
 # The ZeRO-3 + NVMe example of the Hugging Face transformers DeepSpeed guide, in the shape users copy it:
 # "auto" wherever the Trainer fills a value in, DeepSpeed's float-written sizes, keys zswap ignores.
@@ -363,27 +368,44 @@ def test_everything_outside_zswaps_sections_is_ignored():
     assert load_config(config) == ZswapConfig()
 
 
-# DeepSpeed keys zswap has no use for: accepted with any value and dropped.
-IGNORED = {
+# DeepSpeed keys zswap does not read, by kind (`zswap.config._keys`): silently ignored (zswap already does
+# what they ask, or they only apply to other ZeRO stages), ignored with a ZswapWarning naming them (they
+# tune DeepSpeed's own machinery and change no result), or accepted only at DeepSpeed's default.
+SILENT = {
     "zero_optimization": [
-        "stage", "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-        "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
-        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-        "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights", "offload_params",
-        "cpu_offload", "cpu_offload_params", "cpu_offload_param", "cpu_offload_use_pin_memory",
-        "memory_efficient_linear", "zero_hpz_partition_size", "zero_quantized_weights",
-        "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather",
-        "log_trace_cache_warnings", "module_granularity_threshold", "use_multi_rank_bucket_allreduce",
-        "pipeline_loading_checkpoint", "override_module_apply", "legacy_stage1",
-        "stage3_model_persistence_threshold", "stage3_use_all_reduce_for_fetch_params",
+        "stage", "legacy_stage1", "elastic_checkpoint",
+        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save", "cpu_offload_use_pin_memory",
     ],
-    "zero_optimization.offload_optimizer": ["fast_init", "ratio"],
-    "aio": [],
+}  # fmt: skip
+WARNED = {
+    "zero_optimization": [
+        "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+        "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "offload_params",
+        "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather",
+        "log_trace_cache_warnings", "module_granularity_threshold", "use_multi_rank_bucket_allreduce",
+        "pipeline_loading_checkpoint", "override_module_apply", "stage3_model_persistence_threshold",
+        "stage3_use_all_reduce_for_fetch_params", "enable_sanity_checks", "leaf_module",
+    ],
+    "zero_optimization.offload_optimizer": ["fast_init", "ratio", "super_offload", "cpuadam_cores_perc"],
     "optimizer": ["legacy_fusion"],
     "optimizer.params": ["torch_adam", "fused"],
-    "bf16": ["immediate_grad_update", "check_grad_overflow"],
-    "fp16": [],  # consecutive_hysteresis and auto_cast are honoured since issue 11
+    "bf16": ["immediate_grad_update"],
 }  # fmt: skip
+DEFAULTS_ONLY = {
+    "zero_optimization": {
+        "load_from_fp32_weights": (True, False, "restores the fp32 master weights"),
+        "zero_quantized_weights": (False, True, "quantizing changes results"),
+        "zero_quantized_nontrainable_weights": (False, True, "quantizing changes results"),
+        "zero_quantized_gradients": (False, True, "quantizing changes results"),
+        "zeropp_loco_param": (None, {"err_beta": 0.8}, "LoCo has nothing to correct"),
+        "zenflow": (None, {}, "ZenFlow"),
+    },
+    "bf16": {
+        "bf16_master_weights_and_grads": (False, True, "fp32 master weights"),
+        "bf16_optimizer_states": (False, True, "moments in fp32"),
+    },
+}
 
 
 def _place(path: str, key: str, value: Any) -> dict[str, Any]:
@@ -395,15 +417,79 @@ def _place(path: str, key: str, value: Any) -> dict[str, Any]:
     return config
 
 
-@pytest.mark.parametrize(("path", "key"), [(p, k) for p, keys in IGNORED.items() for k in keys])
-@pytest.mark.parametrize("value", [True, 3, "auto", {"x": [1]}, "complete nonsense"])
-def test_deepspeed_keys_zswap_does_not_use_are_ignored(path, key, value):
-    without = _place(path, key, value)
-    node: Any = without
+def _without(path: str) -> dict[str, Any]:
+    config = _place(path, "x", None)
+    node: Any = config
     for part in path.split("."):
         node = node[part]
-    del node[key]
-    assert load_config(_place(path, key, value)) == load_config(without)
+    del node["x"]
+    return config
+
+
+def test_every_deepspeed_key_is_of_one_kind():
+    sections = [_keys.ZERO, _keys.OFFLOAD_OPTIMIZER, _keys.OPTIMIZER, _keys.OPTIMIZER_PARAMS, _keys.BF16]
+    for spec in sections:
+        kinds = [
+            spec.ignored,
+            spec.warned,
+            frozenset(spec.defaults_only),
+            spec.checked,
+            frozenset(spec.fields),
+        ]
+        for i, a in enumerate(kinds):
+            for b in kinds[i + 1 :]:
+                assert not a & b, (spec.path, a & b)
+    for path, keys in SILENT.items():
+        assert all(k in _keys.ZERO.ignored for k in keys), path
+    listed = {k for keys in WARNED.values() for k in keys}
+    assert listed <= {k for spec in sections for k in spec.warned}
+
+
+@pytest.mark.parametrize(("path", "key"), [(p, k) for p, keys in SILENT.items() for k in keys])
+@pytest.mark.parametrize("value", [True, 3, "auto", {"x": [1]}, "complete nonsense"])
+def test_deepspeed_keys_zswap_already_honours_are_ignored_silently(path, key, value, recwarn):
+    assert load_config(_place(path, key, value)) == load_config(_without(path))
+    assert not [w for w in recwarn if issubclass(w.category, ZswapWarning)]
+
+
+@pytest.mark.parametrize(("path", "key"), [(p, k) for p, keys in WARNED.items() for k in keys])
+@pytest.mark.parametrize("value", [True, 3, "auto", {"x": [1]}])
+def test_deepspeed_tuning_keys_are_ignored_with_a_warning_naming_them(path, key, value):
+    with pytest.warns(ZswapWarning, match=rf"zswap ignores these DeepSpeed settings.*: {path}\.{key}$"):
+        cfg = load_config(_place(path, key, value))
+    assert cfg == load_config(_without(path))
+
+
+def test_one_warning_names_every_ignored_key():
+    config = {"zero_optimization": {"overlap_comm": True, "contiguous_gradients": True, "stage": 3},
+              "aio": {"single_submit": True, "overlap_events": True}}  # fmt: skip
+    with pytest.warns(ZswapWarning) as record:
+        load_config(config)
+    assert [str(w.message).split(": ", 1)[1] for w in record] == [
+        "zero_optimization.overlap_comm, zero_optimization.contiguous_gradients, aio.single_submit"
+    ]  # overlap_events at its default (true) and stage are what zswap does anyway: not named
+
+
+@pytest.mark.parametrize("key", ["ignore_unused_parameters", "memory_efficient_linear"])
+def test_keys_whose_default_zswap_follows_are_named_only_off_it(key, recwarn):
+    assert load_config({"zero_optimization": {key: True}}) == ZswapConfig()
+    assert not [w for w in recwarn if issubclass(w.category, ZswapWarning)]
+    with pytest.warns(ZswapWarning, match=rf"zero_optimization\.{key}$"):
+        assert load_config({"zero_optimization": {key: False}}) == ZswapConfig()
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "default", "other", "why"),
+    [(p, k, *spec) for p, keys in DEFAULTS_ONLY.items() for k, spec in keys.items()],
+)
+def test_deepspeed_keys_that_change_results_are_accepted_only_at_their_default(
+    path, key, default, other, why
+):
+    for value in (default, None, "auto"):
+        assert load_config(_place(path, key, value)) == load_config(_without(path))
+    with pytest.raises(ConfigError, match=f"{path}.{key} .*{why}") as info:
+        load_config(_place(path, key, other))
+    assert repr(other)[:20] in str(info.value)
 
 
 # --- unknown keys --------------------------------------------------------------------------------------
@@ -451,7 +537,10 @@ def test_unknown_key_names_key_section_and_closest_known_key(config, message):
 
 def test_unknown_key_without_a_close_match_lists_what_zswap_reads():
     message = error_of({"bf16": {"xyzzy": 1}})
-    assert message == "unknown key 'xyzzy' in bf16; zswap reads 'enabled'"
+    assert (
+        message
+        == "unknown key 'xyzzy' in bf16; zswap reads 'enabled', 'check_grad_overflow', 'check_overflow'"
+    )
 
 
 def test_non_string_key_inside_a_section():
@@ -884,7 +973,7 @@ def test_to_dict_is_the_trimmed_layout():
         "type": "Adam",
         "params": {"lr": 1e-4, "betas": [0.8, 0.95], "eps": 1e-8, "weight_decay": 0.01, "adam_w_mode": False},
     }
-    assert out["bf16"] == {"enabled": False} and out["fp16"]["enabled"] is True
+    assert out["bf16"] == {"enabled": False, "check_grad_overflow": False} and out["fp16"]["enabled"] is True
     json.dumps(out)  # plain JSON values only
 
 

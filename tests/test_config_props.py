@@ -7,12 +7,18 @@ import copy
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from zswap.config import ZswapConfig, _keys, load_config
 from zswap.errors import ConfigError
+
+# Drawn configs hold DeepSpeed tuning keys now and then; the warning naming them is tested in test_config.py.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:zswap ignores these DeepSpeed settings:zswap.errors.ZswapWarning"
+)
 
 SETTINGS = settings(deadline=None, max_examples=200)
 

@@ -219,7 +219,6 @@ def test_zero_init_takes_deepspeeds_keywords(tmp_path: Path):
         ({"sequence_data_parallel_group": object()}, "sequence_data_parallel_group"),
         ({"param_swapper": object()}, "param_swapper"),
         ({"tensor_overrides": []}, "tensor_overrides"),
-        ({"mem_efficient_linear": False}, "mem_efficient_linear"),
     ],
 )
 def test_zero_init_refuses_what_zswap_does_not_support(kwargs, name):
@@ -293,3 +292,11 @@ def test_init_distributed_required_makes_a_group_of_one(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "gloo", str(port)]
+
+
+def test_zero_init_ignores_mem_efficient_linear_false_with_a_warning():
+    with pytest.warns(zswap.ZswapWarning, match=r"mem_efficient_linear=False is ignored"):
+        init = deepspeed.zero.Init(mem_efficient_linear=False)
+    with init:
+        layer = nn.Linear(3, 2)
+    assert param_state(layer.weight) is not None

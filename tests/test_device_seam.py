@@ -259,7 +259,7 @@ def test_initialize_takes_the_device(tmp_path):
     cfg = config("cpu", tmp_path, **STREAM)
     m, ref = build(MLP, cfg)
     with engine_on(m, cfg, "cpu") as engine:
-        assert isinstance(engine.device, CpuDevice)
+        assert isinstance(engine.compute_device, CpuDevice) and engine.device == torch.device("cpu")
         s = engine.stats()
         assert s["device"] == "cpu" and "gpu_max_memory_allocated" not in s
         train_pass(m, ref, xs(1, 4, 12)[0], sq)

@@ -94,8 +94,8 @@ def test_none_means_the_current_cuda_device(tmp_path):
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         engine = zswap.initialize(m, cfg)
     with engine:
-        assert isinstance(engine.device, CudaDevice)
-        assert engine.device.torch_device == torch.device("cuda", torch.cuda.current_device())
+        assert isinstance(engine.compute_device, CudaDevice)
+        assert engine.device == torch.device("cuda", torch.cuda.current_device())
         assert all(p.device.type == "cuda" and p.numel() == 0 for p in m.parameters())
         assert all(param_state(p).tier == "nvme" for p in m.parameters())  # partitions stay on NVMe
     assert all(p.device.type == "cpu" for p in m.parameters())  # close() points them back home
@@ -309,7 +309,7 @@ def test_no_pinned_registration_left_after_close(tmp_path):
     cfg = nvme_config(tmp_path)
     m, _ = build(TinyLM, cfg)
     engine = engine_for(m, cfg)
-    dev = engine.device
+    dev = engine.compute_device
     assert isinstance(dev, CudaDevice)
     for seed in (1, 2):
         sq(m(ids(seed=seed).to(CUDA))).backward()

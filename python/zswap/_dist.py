@@ -56,3 +56,25 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) 
     dist = torch.distributed
     src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
     dist.broadcast(t, src, group=group)
+
+
+def first_ranks_slice(
+    flat: torch.Tensor, rank: int, part_numel: int, group: ProcessGroup | None
+) -> torch.Tensor:
+    """This rank's ``part_numel`` elements of the group's rank 0's ``flat`` (zero-filled past its end), every
+    rank passing its own ``flat`` of the same size: what a param built under `zswap.Init` holds on every
+    rank whatever each rank's random generator gave (DeepSpeed broadcasts from rank 0 there too). Rank 0
+    scatters one slice to each rank, so each receives only its own."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else flat.device
+    out = torch.empty(part_numel, dtype=flat.dtype, device=device)
+    pieces = None
+    if rank == 0:
+        padded = flat.new_zeros(part_numel * world)
+        padded[: flat.numel()] = flat
+        pieces = list(padded.to(device).chunk(world))
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.scatter(out, pieces, src=src, group=group)
+    return out.to(flat.device) if nccl else out

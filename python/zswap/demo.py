@@ -239,8 +239,8 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
     )
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=g)
-    batch = batch.to(engine.device.torch_device)  # inputs live on the compute device (a GPU if any)
-    o.say(f"  compute device: {engine.device.torch_device}")
+    batch = batch.to(engine.device)  # inputs live on the compute device (a GPU if any)
+    o.say(f"  compute device: {engine.device}")
     figures: dict[str, Any] = {"params": shape.params, "model_bytes": model_bytes, "raw_read_gbs": raw.read}
 
     o.say(f"inference (batch {BATCH} × {shape.seq} tokens, no_grad): 3 passes")

@@ -389,7 +389,7 @@ def _ps(st: ParamState) -> NvmeStore:
 def for_engine(engine: Any) -> EarlyStep | None:
     """The early step for a `zswap.Engine` whose setup allows one (see the module docstring), else None."""
     opt = engine.optimizer
-    if not isinstance(opt, OffloadedAdamW) or opt.tier != "nvme" or not engine.device.passthrough:
+    if not isinstance(opt, OffloadedAdamW) or opt.tier != "nvme" or not engine.compute_device.passthrough:
         return None
     if not engine._items or any(
         not isinstance(st.store, NvmeStore) or not isinstance(st.grad_store, NvmeGrads) or st.world_size != 1

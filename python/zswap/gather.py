@@ -63,17 +63,26 @@ def manage(p: torch.Tensor, where: Placement) -> ParamState:
             key=where.store.new_key(),
         )
         register(p, st)
-        offload(p, st)
+        offload(p, st, from_first_rank=True)
     return st
 
 
-def offload(p: torch.Tensor, st: ParamState) -> None:
-    """(Re-)partition ``p.data`` as it is now — shape and dtype included — and leave ``p.data`` empty."""
+def offload(p: torch.Tensor, st: ParamState, *, from_first_rank: bool = False) -> None:
+    """(Re-)partition ``p.data`` as it is now — shape and dtype included — and leave ``p.data`` empty.
+
+    ``from_first_rank`` (a param built or written under `zswap.Init`): every rank stores its slice of rank
+    0's data, so ranks whose random generators differ (``manual_seed(seed + rank)``) still hold one param,
+    as DeepSpeed's ``zero.Init`` broadcasts from rank 0; a collective, so every rank offloads the same
+    params in the same order. Otherwise each rank keeps its slice of its own data (already the same
+    everywhere: a broadcast write-back, a cast)."""
     with no_torch_function():
         data = p.data
         st.shape, st.dtype, st.device = data.shape, data.dtype, data.device
         st.partition_numel = partition_numel(data.numel(), st.world_size)
-        part = local_slice(data.reshape(-1), st.rank, st.partition_numel)
+        if from_first_rank and st.world_size > 1:
+            part = _dist.first_ranks_slice(data.reshape(-1), st.rank, st.partition_numel, st.group)
+        else:
+            part = local_slice(data.reshape(-1), st.rank, st.partition_numel)
         st.store.put(st.key, part)
         p.data = torch.empty(0, dtype=st.dtype, device=st.device)
         st.status = Status.NOT_AVAILABLE
@@ -184,12 +193,13 @@ def fetch(items: Sequence[Item], *, private: bool) -> None:
     finish_fetch(start_fetch(items), private=private)
 
 
-def release(items: Iterable[Item], *, write_back: bool) -> None:
-    """Leave each param partitioned; ``write_back`` stores its current data first, else drops it."""
+def release(items: Iterable[Item], *, write_back: bool, from_first_rank: bool = False) -> None:
+    """Leave each param partitioned; ``write_back`` stores its current data first (rank 0's with
+    ``from_first_rank``, see `offload`), else drops it."""
     with no_torch_function():
         for p, st in items:
             if write_back:
-                offload(p, st)
+                offload(p, st, from_first_rank=from_first_rank)
             else:
                 p.data = torch.empty(0, dtype=st.dtype, device=st.device)
                 st.status = Status.NOT_AVAILABLE
@@ -288,7 +298,7 @@ class GatheredParameters:
         if self._modifier_rank is not None and not 0 <= self._modifier_rank < world:
             raise ValueError(f"modifier_rank={self._modifier_rank} is not a rank of a group of {world}")
         # Params `zswap.Init` gathered on access hold writes not yet stored: store them before reading.
-        release([(p, st) for p, st in self._items if st.touched], write_back=True)
+        release([(p, st) for p, st in self._items if st.touched], write_back=True, from_first_rank=True)
         _cancel_prefetches([(p, st) for p, st in self._items if st.status is not Status.NOT_AVAILABLE])
         self._fetched = [(p, st) for p, st in self._items if st.status is Status.NOT_AVAILABLE]
         fetch(self._fetched, private=True)

@@ -200,7 +200,7 @@ class _InitContext:
                         return
                     if pid in evict_for or uses < 0 or _storage_uses(p) != uses:
                         continue
-                offload(p, st)
+                offload(p, st, from_first_rank=True)  # rank 0's write, as the build itself
                 self.dirty[id(st.store)] = st.store
             del self.touched[pid]
             self.touched_bytes -= nbytes

@@ -12,7 +12,7 @@ import inspect
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -64,6 +64,22 @@ def initialize(
     ``max_grad_norm``: clip the global L2 norm of the gradients (over all ranks) to this before each step;
     default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping).
     """
+    return build(Engine, model, config, optimizer, lr_scheduler, device, max_grad_norm)
+
+
+_E = TypeVar("_E", bound="Engine")
+
+
+def build(
+    cls: type[_E],
+    model: nn.Module,
+    config: Any,
+    optimizer: Any,
+    lr_scheduler: Any,
+    device: Any,
+    max_grad_norm: float | None,
+) -> _E:
+    """`initialize`'s work, making a ``cls`` (an `Engine` subclass: `zswap.deepspeed`'s)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize takes an nn.Module, not {type(model).__name__}")
     cfg = load_config(config)
@@ -76,7 +92,7 @@ def initialize(
     dev = _device.resolve(device)
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)
-    return Engine(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
+    return cls(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
 
 
 @dataclass(frozen=True)
@@ -114,8 +130,9 @@ class Engine:
     ) -> None:
         memory.bound_heap()  # what torch frees between steps goes back to the kernel (zswap.memory)
         self.module = module
-        self.device = _device.resolve(device)
-        """The compute device (`zswap.device`)."""
+        self.compute_device = _device.resolve(device)
+        """The compute device as zswap drives it (`zswap.device`: copy streams, registered buffers);
+        `device` is the `torch.device` it computes on."""
         self.config = config
         self.closed = False
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -150,6 +167,12 @@ class Engine:
             self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
             self._fp16 = config.dtype == "fp16" or any(p.dtype == torch.float16 for p in module.parameters())
             self._fp16 = self._fp16 or any(st.dtype == torch.float16 for _, st in self._items)
+            # bf16.check_grad_overflow: skip a step whose gradients are not finite, as fp16 always does. The
+            # check needs every gradient before any update, so the early step (in backward) is off.
+            bf16 = config.dtype == "bf16" or any(st.dtype == torch.bfloat16 for _, st in self._items)
+            self._check_finite = self._fp16 or (bf16 and config.bf16.check_grad_overflow)
+            if self._check_finite and not self._fp16:
+                self.early_step = False
             self.loss_scaler = stepping.loss_scaler(config, self._fp16)
             self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
             self._early = self._grads.early = earlystep.for_engine(self)
@@ -191,7 +214,7 @@ class Engine:
         chunk = max(1, self.sizing.budget.max_live // 2)  # a chunk's params and grads: the live budget
         loss_scale = self.loss_scale if self._scaled_backward else 1.0
         scale, self.last_grad_norm = grads.global_scale(
-            self._items, others, self.max_grad_norm, self._fp16, chunk, loss_scale=loss_scale
+            self._items, others, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
         )
         if scale is None:
             self.skipped_steps += 1
@@ -240,6 +263,23 @@ class Engine:
         """Micro-batches per optimizer step (the config's ``gradient_accumulation_steps``, or derived from
         ``train_batch_size`` / ``train_micro_batch_size_per_gpu``; default 1)."""
         return self._gas
+
+    @property
+    def device(self) -> torch.device:
+        """The `torch.device` modules compute on (DeepSpeed's ``engine.device``, for ``batch.to(...)``)."""
+        return self.compute_device.torch_device
+
+    def __getattr__(self, name: str) -> Any:
+        # DeepSpeed's engine hands attributes it does not have to the module (``engine.config_class``,
+        # a model's own methods). Only reached when normal lookup failed; never during __init__'s own
+        # attributes, since ``module`` is read from __dict__ directly.
+        module = self.__dict__.get("module")
+        if module is not None and not name.startswith("__"):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object (and its module) has no attribute {name!r}")
 
     @property
     def loss_scale(self) -> float:
@@ -335,11 +375,13 @@ class Engine:
             "grad_stash_bytes": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
         }
         size = max((st.dtype.itemsize for _, st in self._items), default=4)
-        out.update(_device.stats(self.device, (b.max_live + self.sizing.persistent) * size, b.bucket * size))
+        out.update(
+            _device.stats(self.compute_device, (b.max_live + self.sizing.persistent) * size, b.bucket * size)
+        )
         out.update(self._memory_stats())
         if reset:
             memory.reset_peaks()
-            self.device.reset_peak()
+            self.compute_device.reset_peak()
             peak = self._sched.live
             self._sched.counters = type(c)(peak_live=peak)
             self._grads.placeholders = 0
@@ -400,15 +442,17 @@ class Engine:
 
     # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None) -> Any:
+    def save_checkpoint(
+        self, save_dir: Any, tag: str | None = None, client_state: Any = None, *, save_latest: bool = True
+    ) -> Any:
         """Save params, optimizer state, scheduler, loss scaler, RNG and ``client_state`` to
         ``save_dir/tag`` (default tag ``global_step{global_steps}``), atomically, then point
-        ``save_dir/latest`` at it. Every rank calls it; each streams its own partitions. Returns the
-        folder."""
+        ``save_dir/latest`` at it (unless ``save_latest`` is false). Every rank calls it with the same
+        tag; each streams its own partitions. Returns the folder."""
         from .checkpoint import save_checkpoint
 
         self._check_open()
-        return save_checkpoint(self, save_dir, tag, client_state)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(
         self,
@@ -417,10 +461,12 @@ class Engine:
         *,
         load_optimizer_states: bool = True,
         load_module_only: bool = False,
+        load_lr_scheduler_states: bool = True,
     ) -> Any:
         """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), saved at any world size;
-        returns its ``client_state`` (``None`` with ``load_module_only``). Everything is validated first:
-        a bad checkpoint raises a `zswap.ZswapError` and changes nothing."""
+        returns its ``client_state`` (``None`` with ``load_module_only``). With
+        ``load_lr_scheduler_states=False`` the schedule keeps this run's state. Everything is validated
+        first: a bad checkpoint raises a `zswap.ZswapError` and changes nothing."""
         from .checkpoint import load_checkpoint
 
         self._check_open()
@@ -434,6 +480,7 @@ class Engine:
                 tag,
                 load_optimizer_states=load_optimizer_states,
                 load_module_only=load_module_only,
+                load_lr_scheduler_states=load_lr_scheduler_states,
             )
         finally:
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
@@ -482,12 +529,12 @@ class Engine:
                 raise ZswapError("these params are already run by another zswap Engine; close() it first")
         self._items, self._ids = items, ids
         self.sizing = _size(module, self._items, config)
-        self._homes = _device.place(module, self._items, self.device)
+        self._homes = _device.place(module, self._items, self.compute_device)
         self._slots = {
             id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold or id(p) in self.sizing.resident)
             for p, st in self._items
         }
-        self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.device)
+        self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.compute_device)
         infos = {
             id(m): ModuleInfo(
                 i, name, [self._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
@@ -506,13 +553,15 @@ class Engine:
         for store in self._stores.values():
             if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
                 store.pool_bytes = max(store.pool_bytes, pool)
-                if not self.device.passthrough:  # read buffers registered for one-hop DMA to the device
-                    store.host_alloc = self.device.register_alloc(store.engine.empty)
-        if isinstance(self.device, _device.CudaDevice | _device.StandInDevice):
-            self.device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
+                if (
+                    not self.compute_device.passthrough
+                ):  # read buffers registered for one-hop DMA to the device
+                    store.host_alloc = self.compute_device.register_alloc(store.engine.empty)
+        if isinstance(self.compute_device, _device.CudaDevice | _device.StandInDevice):
+            self.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
         self._sched.prefill()  # the first pass's read buffers, faulted in now rather than under its reads
         self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
-        self._grads = grads.GradSink(self._items, self.device)
+        self._grads = grads.GradSink(self._items, self.compute_device)
         self._grad_stores = []
         try:
             self._grad_stores = gradstore.attach(self._items, config)
@@ -521,10 +570,11 @@ class Engine:
             )
             gradstore.size_stash(self._grad_stores, live if self._grad_stash < 0 else self._grad_stash)
             gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
-                self._grad_stores, lambda: self.max_grad_norm is not None or getattr(self, "_fp16", False)
+                self._grad_stores,
+                lambda: self.max_grad_norm is not None or getattr(self, "_check_finite", False),
             )
             self._grads.land_in(
-                grads.landing_alloc(self.device, self._grad_stores, self._stores.values()), pool
+                grads.landing_alloc(self.compute_device, self._grad_stores, self._stores.values()), pool
             )
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
         except BaseException:
@@ -578,7 +628,7 @@ class Engine:
                     store.pool_bytes = 0
                     store.host_alloc = None
                     store.trim()
-            self.device.close()  # every copy done, every host buffer unregistered
+            self.compute_device.close()  # every copy done, every host buffer unregistered
             _device.unplace(self._items, self._homes)
 
     def _check_open(self) -> None:

@@ -204,6 +204,10 @@ class WarmupCosineLR(Schedule):
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
+    def get_lr_ratio(self) -> float:
+        """`ratio` under DeepSpeed's name for it."""
+        return self.ratio()
+
     def get_lr(self) -> list[float]:
         if self.last_batch_iteration < 0:
             return [0.0 for _ in self.org_lrs]

@@ -9,13 +9,19 @@
 
 from __future__ import annotations
 
-from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from .errors import (
+    CheckpointArgumentError,
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
 from .export import export
 from .load import load_checkpoint
 from .save import save_checkpoint
 from .weights import save_weights
 
 __all__ = [
+    "CheckpointArgumentError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",

@@ -18,4 +18,14 @@ class CheckpointMismatchError(ZswapError, ValueError):
     state that cannot be loaded into this setup."""
 
 
-__all__ = ["CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError"]
+class CheckpointArgumentError(ZswapError, ValueError):
+    """A ``save_dir`` / ``load_dir`` that names no folder (``None``, ``""``), a tag that cannot be a folder
+    name, or ranks that asked for different tags."""
+
+
+__all__ = [
+    "CheckpointArgumentError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+]

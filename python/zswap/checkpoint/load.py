@@ -27,6 +27,7 @@ from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import (
     STATE_KINDS,
     ParamRecord,
+    check_dir,
     check_model,
     describe,
     dtype_of,
@@ -34,6 +35,7 @@ from .manifest import (
     persistent_buffers,
     read_manifest,
     resolve,
+    same_tag,
 )
 
 if TYPE_CHECKING:
@@ -50,14 +52,17 @@ def load_checkpoint(
     *,
     load_optimizer_states: bool = True,
     load_module_only: bool = False,
+    load_lr_scheduler_states: bool = True,
 ) -> Any:
     """See `zswap.Engine.load_checkpoint`. Returns the saved ``client_state``."""
+    root = check_dir(load_dir, "load_checkpoint: load_dir")
     records = describe(engine.module)
     group, rank, world = group_of(records)
+    same_tag(tag, "load_checkpoint", group, world)
     plan: _Plan | None = None
     error: BaseException | None = None
     try:
-        folder, _ = resolve(load_dir, tag)
+        folder, _ = resolve(root, tag)
         plan = _Plan(
             engine,
             records,
@@ -66,6 +71,7 @@ def load_checkpoint(
             world,
             optimizer=load_optimizer_states and not load_module_only,
             full=not load_module_only,
+            scheduler=load_lr_scheduler_states,
         )
         plan.reader.verify()
     except Exception as e:
@@ -90,9 +96,11 @@ class _Plan:
         *,
         optimizer: bool,
         full: bool,
+        scheduler: bool = True,
     ) -> None:
         self.engine, self.records, self.rank, self.world = engine, records, rank, world
         self.full = full
+        self.scheduler = scheduler
         self.manifest = m = read_manifest(folder)
         check_model(m, records, folder)
         self.reader = r = Reader(folder, m)
@@ -273,6 +281,8 @@ class _Plan:
         if hasattr(e, "micro_steps"):
             e.micro_steps = int(m.get("micro_steps", 0))
         for attr in ("lr_scheduler", "loss_scaler"):
+            if attr == "lr_scheduler" and not self.scheduler:
+                continue  # load_lr_scheduler_states=False: the schedule stays where this run has it
             obj = getattr(e, attr, None)
             if obj is not None and state.get(attr) is not None:
                 obj.load_state_dict(state[attr])

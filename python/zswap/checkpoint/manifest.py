@@ -28,7 +28,12 @@ from torch import nn
 
 from ..params import ParamState, param_state
 from ._atomic import LATEST, TMP_PREFIX
-from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from .errors import (
+    CheckpointArgumentError,
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
 
 FORMAT = "zswap-checkpoint"
 FORMAT_VERSION = 1
@@ -130,10 +135,35 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def check_tag(tag: object) -> str:
     if not isinstance(tag, str) or not tag or tag in (".", "..", LATEST) or "/" in tag or "\0" in tag:
-        raise ValueError(f"checkpoint tag must be a folder name other than {LATEST!r}, got {tag!r}")
+        raise CheckpointArgumentError(
+            f"checkpoint tag must be a folder name other than {LATEST!r}, got {tag!r}"
+        )
     if tag.startswith("."):
-        raise ValueError(f"checkpoint tag {tag!r} must not start with '.' (zswap's temp folders do)")
+        raise CheckpointArgumentError(
+            f"checkpoint tag {tag!r} must not start with '.' (zswap's temp folders do)"
+        )
     return tag
+
+
+def check_dir(path: object, what: str) -> Path:
+    """``path`` as a `Path`; `CheckpointArgumentError` for ``None`` or an empty string (``Path("")`` would
+    silently be the current directory), `TypeError` for anything but a str or PathLike."""
+    if path is None or (isinstance(path, str | bytes) and not path):
+        raise CheckpointArgumentError(f"{what} must name a checkpoint folder, got {path!r}")
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{what} must be a str or os.PathLike, got {type(path).__name__}")
+    return Path(os.fsdecode(os.fspath(path)))
+
+
+def same_tag(tag: str | None, what: str, group: Any, world: int) -> None:
+    """`CheckpointArgumentError` on every rank when the ranks asked for different tags: a checkpoint is one
+    folder for all ranks (DeepSpeed's ``checkpoint.tag_validation: "Fail"``)."""
+    from ._collective import all_gather
+
+    tags = all_gather(tag, group, world)
+    if len(set(tags)) > 1:
+        listed = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        raise CheckpointArgumentError(f"{what}: every rank must pass the same tag, got {listed}")
 
 
 def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, str]:

@@ -32,11 +32,13 @@ from .manifest import (
     MANIFEST,
     STATE_KINDS,
     ParamRecord,
+    check_dir,
     check_tag,
     describe,
     dtype_name,
     file_name,
     persistent_buffers,
+    same_tag,
 )
 
 if TYPE_CHECKING:
@@ -44,13 +46,19 @@ if TYPE_CHECKING:
 
 
 def save_checkpoint(
-    engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: Any = None
+    engine: Engine,
+    save_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    client_state: Any = None,
+    *,
+    save_latest: bool = True,
 ) -> Path:
     """See `zswap.Engine.save_checkpoint`. Returns the tag folder."""
+    root = check_dir(save_dir, "save_checkpoint: save_dir")
     records = describe(engine.module)
     group, rank, world = group_of(records)
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
-    root = Path(save_dir)
+    same_tag(tag, "save_checkpoint", group, world)
     tmp_name: str | None = None
     error: BaseException | None = None
     if rank == 0:
@@ -73,7 +81,7 @@ def save_checkpoint(
         error = None
         if rank == 0:
             try:
-                _finish(engine, records, tmp, root, tag, world, reports)
+                _finish(engine, records, tmp, root, tag, world, reports, save_latest)
             except Exception as e:
                 error = e
         agree(error, "save_checkpoint (commit)", group, world)
@@ -258,6 +266,7 @@ def _finish(
     tag: str,
     world: int,
     reports: list[dict[str, Any]],
+    save_latest: bool,
 ) -> None:
     from .. import __version__
 
@@ -296,4 +305,5 @@ def _finish(
 
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     _atomic.commit(tmp, root / tag)
-    _atomic.write_latest(root, tag)
+    if save_latest:
+        _atomic.write_latest(root, tag)

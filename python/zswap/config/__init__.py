@@ -15,6 +15,7 @@ from __future__ import annotations
 from ._load import ConfigSource, load_config
 from .models import (
     AioConfig,
+    BF16Config,
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -25,6 +26,7 @@ from .models import (
 
 __all__ = [
     "AioConfig",
+    "BF16Config",
     "ConfigSource",
     "FP16Config",
     "OffloadOptimizerConfig",

@@ -1,8 +1,17 @@
 """The keys zswap reads, their aliases, and the DeepSpeed keys it accepts and ignores, section by section.
 
-A key inside one of these sections that is in none of the three sets is a typo or a feature zswap does not
-know, and is reported with the closest known key: a silently ignored key is a bug. Keys outside these
-sections are DeepSpeed's business and are never looked at.
+A key inside one of these sections that is in none of the sets is a typo or a feature zswap does not know,
+and is reported with the closest known key: a silently ignored key is a bug. Keys outside these sections are
+DeepSpeed's business and are never looked at.
+
+DeepSpeed keys zswap does not read fall in three kinds, each decided by what DeepSpeed does with it:
+
+- ``warned``: performance, logging or debugging knobs of DeepSpeed's own machinery, which change no result;
+  accepted with any value, and each one present is named in one `zswap.ZswapWarning` ("ignored").
+- ``defaults_only``: keys that change results in DeepSpeed (quantized communication, bf16 master weights…);
+  accepted at DeepSpeed's default (or null / "auto"), any other value is a `ConfigError` saying why.
+- ``ignored``: keys whose DeepSpeed meaning zswap already has, or that only apply to ZeRO stages other than
+  3 (``stage``, ``elastic_checkpoint``, ``stage3_gather_16bit_weights_on_model_save``): accepted silently.
 
 The ignored sets were taken from DeepSpeed's own config schema (``deepspeed/runtime/zero/config.py``,
 ``offload_config.py``, ``swap_tensor/constants.py``, ``runtime/constants.py``), old spellings included, so
@@ -32,10 +41,16 @@ class Section:
     """Keys holding a nested section, read separately."""
     checked: frozenset[str] = frozenset()
     """Keys the loader validates itself and does not store (``amsgrad`` may only be false)."""
+    warned: frozenset[str] = frozenset()
+    """DeepSpeed knobs that change no result: accepted and named in a `ZswapWarning`."""
+    defaults_only: Mapping[str, tuple[object, str]] = field(default_factory=dict)
+    """DeepSpeed keys that change results: key → (the only value accepted, why no other is)."""
+    warned_unless: Mapping[str, object] = field(default_factory=dict)
+    """Fields kept in the model but without effect: named in the `ZswapWarning` when not this value."""
 
     def known(self) -> tuple[str, ...]:
         """Every key accepted here, for suggestions."""
-        rest = sorted(self.subsections | self.checked | self.ignored)
+        rest = sorted(self.subsections | self.checked | self.ignored | self.warned | set(self.defaults_only))
         return (*self.fields, *self.aliases, *rest)
 
     def closest(self, key: str) -> str | None:
@@ -53,9 +68,10 @@ OFFLOAD_OPTIMIZER = Section(
     path="zero_optimization.offload_optimizer",
     fields=("device", "nvme_path", "pin_memory", "buffer_count", "pipeline_read", "pipeline_write"),
     aliases={"pipeline": ("pipeline_read", "pipeline_write")},
-    ignored=frozenset(
-        {"fast_init", "ratio", "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc"},
-    ),
+    # fast_init: how DeepSpeed first fills its swap files; ratio: the share of states it offloads (the rest
+    # stays on the GPU); super_offload, convert_grad_on_cpu, cpuadam_cores_perc: where and on how many
+    # cores its CPU Adam runs. None changes an updated weight.
+    warned=frozenset({"fast_init", "ratio", "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc"}),
 )
 
 STAGE3_KNOBS = (
@@ -66,6 +82,12 @@ STAGE3_KNOBS = (
     "sub_group_size",
 )
 """The `zero_optimization` keys zswap reads; in the trimmed layout they may also stand at top level."""
+
+CPU_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+"""DeepSpeed's deprecated switches: ``true`` means that section with ``device: "cpu"`` (``_layout``)."""
+
+CPU_OFFLOAD_OLD = {"cpu_offload_params": "cpu_offload_param"}
+"""Older spellings of the deprecated switches."""
 
 ZERO = Section(
     path="zero_optimization",
@@ -78,9 +100,31 @@ ZERO = Section(
         "max_reuse_distance": ("stage3_max_reuse_distance",),
     },
     subsections=frozenset({"offload_param", "offload_optimizer"}),
+    checked=frozenset({*CPU_OFFLOAD, *CPU_OFFLOAD_OLD}),
     ignored=frozenset(
         {
+            # zswap is ZeRO stage 3 whatever the stage says: partitioning changes no result.
             "stage",
+            # Only read by DeepSpeed's stages 1 and 2.
+            "ignore_unused_parameters",
+            "legacy_stage1",
+            # What zswap always does: checkpoints load at any world size, zswap.save_weights consolidates,
+            # gathered weights are never kept for backward (memory-efficient linear).
+            "elastic_checkpoint",
+            "stage3_gather_16bit_weights_on_model_save",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+            "memory_efficient_linear",
+            # DeepSpeed lists it as deprecated with no replacement and no effect.
+            "cpu_offload_use_pin_memory",
+        },
+    ),
+    # Their DeepSpeed default is what zswap does; the other value (an error on unused params in stage 2, a
+    # plain F.linear) is not, and is named in the warning.
+    warned_unless={"ignore_unused_parameters": True, "memory_efficient_linear": True},
+    warned=frozenset(
+        {
+            # Communication bucketing, overlap and collectives.
             "contiguous_gradients",
             "overlap_comm",
             "reduce_scatter",
@@ -89,45 +133,48 @@ ZERO = Section(
             "allgather_bucket_size",
             "use_multi_rank_bucket_allreduce",
             "round_robin_gradients",
-            "load_from_fp32_weights",
-            "elastic_checkpoint",
-            "ignore_unused_parameters",
-            "legacy_stage1",
-            "offload_params",
-            "cpu_offload",
-            "cpu_offload_param",
-            "cpu_offload_params",
-            "cpu_offload_use_pin_memory",
-            "memory_efficient_linear",
-            "override_module_apply",
-            "pipeline_loading_checkpoint",
-            "log_trace_cache_warnings",
-            "enable_sanity_checks",
             "zero_hpz_partition_size",
-            "zero_quantized_weights",
-            "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
-            "zeropp_loco_param",
             "mics_shard_size",
             "mics_hierarchical_params_gather",
-            "save_muon_momentum_buffer_in_memory",
-            "leaf_module",
-            "zenflow",
-            "stage3_gather_16bit_weights_on_model_save",
-            "gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save",
-            "stage3_model_persistence_threshold",
-            "model_persistence_threshold",
-            "stage3_module_granularity_threshold",
-            "module_granularity_threshold",
             "stage3_use_all_reduce_for_fetch_params",
             "use_all_reduce_for_fetch_params",
             "stage3_allgather_sequential",
             "allgather_sequential",
+            # Fetch granularity and persistence of DeepSpeed's own scheduler.
+            "stage3_model_persistence_threshold",
+            "model_persistence_threshold",
+            "stage3_module_granularity_threshold",
+            "module_granularity_threshold",
+            "leaf_module",
             "stage3_partition_stream_chunk_size",
             "partition_stream_chunk_size",
+            "pipeline_loading_checkpoint",
+            "save_muon_momentum_buffer_in_memory",
+            # zswap always catches writes under Init (so the switch is moot) and checks what it can.
+            "override_module_apply",
+            "enable_sanity_checks",
+            "log_trace_cache_warnings",
+            # An old key of unknown meaning in DeepSpeed's history: said to be ignored rather than guessed.
+            "offload_params",
         },
     ),
+    defaults_only={
+        "load_from_fp32_weights": (True, "zswap always restores the fp32 master weights from a checkpoint"),
+        "zero_quantized_weights": (
+            False,
+            "zswap gathers full-precision weights (quantizing changes results)",
+        ),
+        "zero_quantized_nontrainable_weights": (
+            False,
+            "zswap gathers full-precision weights (quantizing changes results)",
+        ),
+        "zero_quantized_gradients": (
+            False,
+            "zswap reduces full-precision gradients (quantizing changes results)",
+        ),
+        "zeropp_loco_param": (None, "zswap does not quantize gradients, so LoCo has nothing to correct"),
+        "zenflow": (None, "ZenFlow's deferred updates of unimportant params are not implemented by zswap"),
+    },
 )
 
 AIO = Section(
@@ -146,13 +193,15 @@ AIO = Section(
     ),
     # DeepSpeed renamed thread_count to intra_op_parallelism; num_threads is DeepNVMe's spelling.
     aliases={"intra_op_parallelism": ("thread_count",), "num_threads": ("thread_count",)},
+    # libaio's submission and completion knobs: kept in the model, but io_uring batches by itself.
+    warned_unless={"single_submit": False, "overlap_events": True},
 )
 
 OPTIMIZER = Section(
     path="optimizer",
     fields=("type",),
     subsections=frozenset({"params"}),
-    ignored=frozenset({"legacy_fusion"}),
+    warned=frozenset({"legacy_fusion"}),  # how DeepSpeed fuses its fp16 optimizer's kernels
 )
 
 OPTIMIZER_PARAMS = Section(
@@ -161,21 +210,21 @@ OPTIMIZER_PARAMS = Section(
     # adam_w_mode fills the model's decoupled_weight_decay; amsgrad and bias_correction are checked only.
     aliases={"adam_w_mode": ("decoupled_weight_decay",)},
     checked=frozenset({"amsgrad", "bias_correction"}),
-    ignored=frozenset({"torch_adam", "fused"}),
+    # Which Adam implementation DeepSpeed runs (torch's, fused or not, or its own): the same algorithm.
+    warned=frozenset({"torch_adam", "fused"}),
 )
 
 BF16 = Section(
     path="bf16",
-    fields=("enabled",),
-    ignored=frozenset(
-        {
-            "immediate_grad_update",
-            "check_grad_overflow",
-            "check_overflow",
-            "bf16_master_weights_and_grads",
-            "bf16_optimizer_states",
-        },
-    ),
+    fields=("enabled", "check_grad_overflow"),
+    aliases={"check_overflow": ("check_grad_overflow",)},  # its older name
+    # DeepSpeed's bf16 optimizer (ZeRO 0/1) applying gradients as they come: zswap accumulates them in fp32
+    # where they land and updates once per step.
+    warned=frozenset({"immediate_grad_update"}),
+    defaults_only={
+        "bf16_master_weights_and_grads": (False, "zswap always keeps fp32 master weights for bf16 params"),
+        "bf16_optimizer_states": (False, "zswap keeps Adam's moments in fp32"),
+    },
 )
 
 FP16 = Section(

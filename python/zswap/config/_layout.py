@@ -34,6 +34,8 @@ class Assembled:
     data: dict[str, Any] = field(default_factory=dict)
     origins: dict[tuple[str, ...], str] = field(default_factory=dict)
     """Model location (``("aio", "thread_count")``) → dotted key as written (``"aio.num_threads"``)."""
+    skipped: list[str] = field(default_factory=list)
+    """Dotted DeepSpeed keys present that zswap ignores with a warning (`_keys.Section.warned`)."""
 
     def put(self, section: str, given: Mapping[str, tuple[str, Any]]) -> None:
         values = self.data.setdefault(section, {})
@@ -46,27 +48,36 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
     """Collect zswap's sections from ``raw``; `ConfigError` for unknown keys, conflicts and misplacements."""
     out = Assembled()
     zero = _section(raw, "zero_optimization", "zero_optimization")
+    switches = _cpu_offload_switches(zero)
     for name, spec in (("offload_param", k.OFFLOAD_PARAM), ("offload_optimizer", k.OFFLOAD_OPTIMIZER)):
         nested = _section(zero, name, spec.path)
         top = _section(raw, name, name)
         if nested is not None and top is not None:
             raise ConfigError(f"{name} is given both as {spec.path} and at top level; keep one")
+        switch = switches.get(name)
+        if switch is not None and (nested is not None or top is not None):
+            raise ConfigError(
+                f"{switch} (DeepSpeed's deprecated switch) and {spec.path if nested is not None else name} "
+                f"are both given; keep {name}"
+            )
         if nested is not None:
-            out.put(name, _read(nested, spec, spec.path))
+            out.put(name, _read(nested, spec, spec.path, out))
         elif top is not None:
-            out.put(name, _read(top, spec, name))
+            out.put(name, _read(top, spec, name, out))
+        elif switch is not None:  # "cpu_offload": true is offload_optimizer on the CPU, as in DeepSpeed
+            out.put(name, {"device": (switch, "cpu")})
     _read_zero(raw, zero, out)
     aio = _section(raw, "aio", "aio")
     if aio is not None:
-        out.put("aio", _read(aio, k.AIO, "aio"))
+        out.put("aio", _read(aio, k.AIO, "aio", out))
     optimizer = _section(raw, "optimizer", "optimizer")
     if optimizer is not None:
-        out.put("optimizer", _read_optimizer(optimizer))
+        out.put("optimizer", _read_optimizer(optimizer, out))
     _read_precision(raw, out)
     _read_batch(raw, out)
     scheduler = _section(raw, "scheduler", "scheduler")
     if scheduler is not None:
-        given = _read(scheduler, k.SCHEDULER, "scheduler")
+        given = _read(scheduler, k.SCHEDULER, "scheduler", out)
         params = _section(scheduler, "params", "scheduler.params") or {}
         if any(not isinstance(key, str) for key in params):
             raise ConfigError("scheduler.params has a key that is not a string")
@@ -84,7 +95,7 @@ def _read_batch(raw: Mapping[Any, Any], out: Assembled) -> None:
 
 
 def _read_zero(raw: Mapping[Any, Any], zero: Mapping[Any, Any] | None, out: Assembled) -> None:
-    given = _read(zero, k.ZERO, "zero_optimization") if zero is not None else {}
+    given = _read(zero, k.ZERO, "zero_optimization", out) if zero is not None else {}
     for knob in k.STAGE3_KNOBS:
         if raw.get(knob) is None:
             continue
@@ -94,10 +105,34 @@ def _read_zero(raw: Mapping[Any, Any], zero: Mapping[Any, Any] | None, out: Asse
     out.put("zero", given)
 
 
-def _read_optimizer(optimizer: Mapping[Any, Any]) -> dict[str, tuple[str, Any]]:
+def _cpu_offload_switches(zero: Mapping[Any, Any] | None) -> dict[str, str]:
+    """Section → dotted key, for each of DeepSpeed's deprecated ``cpu_offload*`` switches set to true."""
+    if zero is None:
+        return {}
+    out: dict[str, str] = {}
+    for old, new in k.CPU_OFFLOAD_OLD.items():
+        if zero.get(old) is not None and zero.get(new) is not None:
+            raise ConfigError(
+                f"zero_optimization.{old} and zero_optimization.{new} are both given; keep {new}"
+            )
+    for key in (*k.CPU_OFFLOAD, *k.CPU_OFFLOAD_OLD):
+        value = zero.get(key)
+        if value is None:
+            continue
+        where = f"zero_optimization.{key}"
+        try:
+            on = v.to_bool(value)
+        except PydanticCustomError as exc:
+            raise ConfigError(f"{where} {exc.message()}, got {v.show(value)}") from None
+        if on:
+            out[k.CPU_OFFLOAD[k.CPU_OFFLOAD_OLD.get(key, key)]] = where
+    return out
+
+
+def _read_optimizer(optimizer: Mapping[Any, Any], out: Assembled) -> dict[str, tuple[str, Any]]:
     params = _section(optimizer, "params", "optimizer.params") or {}
-    given = _read(optimizer, k.OPTIMIZER, "optimizer")
-    given.update(_read(params, k.OPTIMIZER_PARAMS, "optimizer.params"))
+    given = _read(optimizer, k.OPTIMIZER, "optimizer", out)
+    given.update(_read(params, k.OPTIMIZER_PARAMS, "optimizer.params", out))
     _require_flag(params, "amsgrad", False, "AMSGrad is not supported by zswap")
     _require_flag(params, "bias_correction", True, "Adam without bias correction is not supported by zswap")
     kind = given.get("type", ("", None))[1]
@@ -117,9 +152,12 @@ def _read_precision(raw: Mapping[Any, Any], out: Assembled) -> None:
         if bf16 is not None:
             raise ConfigError(f"bf16 and {k.BF16_OLD_NAME} (its old name) are both given; keep bf16")
         bf16, bf16_where = old, k.BF16_OLD_NAME
-    bf16_on = _enabled(_read(bf16, k.BF16, bf16_where) if bf16 is not None else {})
+    bf16_given = _read(bf16, k.BF16, bf16_where, out) if bf16 is not None else {}
+    bf16_on = _enabled(bf16_given)
+    bf16_given.pop("enabled", None)
+    out.put("bf16", bf16_given)
     fp16 = _section(raw, "fp16", "fp16")
-    fp16_given = _read(fp16, k.FP16, "fp16") if fp16 is not None else {}
+    fp16_given = _read(fp16, k.FP16, "fp16", out) if fp16 is not None else {}
     fp16_on = _enabled(fp16_given)
     fp16_given.pop("enabled", None)
     out.put("fp16", fp16_given)
@@ -172,16 +210,29 @@ def _section(parent: Mapping[Any, Any] | None, key: str, where: str) -> Mapping[
     return value
 
 
-def _read(section: Mapping[Any, Any], spec: k.Section, where: str) -> dict[str, tuple[str, Any]]:
-    """Field name → (dotted key as written, value) for the keys of ``section`` that zswap reads."""
+def _read(
+    section: Mapping[Any, Any], spec: k.Section, where: str, out: Assembled | None = None
+) -> dict[str, tuple[str, Any]]:
+    """Field name → (dotted key as written, value) for the keys of ``section`` that zswap reads; the
+    `_keys.Section.warned` keys present are added to ``out.skipped``, `defaults_only` ones are checked."""
     given: dict[str, tuple[str, Any]] = {}
     for key, value in section.items():
         if not isinstance(key, str):
             raise ConfigError(f"{where} has a key that is not a string: {v.show(key)}")
+        off_default = key in spec.warned_unless and not _same(value, spec.warned_unless[key])
+        if out is not None and value is not None and off_default:  # only these keys: never a deep compare
+            out.skipped.append(f"{where}.{key}")
         if key in spec.fields:
             targets: tuple[str, ...] = (key,)
         elif key in spec.aliases:
             targets = spec.aliases[key]
+        elif key in spec.warned:
+            if out is not None and value is not None:  # null: not set
+                out.skipped.append(f"{where}.{key}")
+            continue
+        elif key in spec.defaults_only:
+            _require_default(f"{where}.{key}", value, *spec.defaults_only[key])
+            continue
         elif key in spec.ignored or key in spec.subsections or key in spec.checked:
             continue
         else:
@@ -197,6 +248,20 @@ def _read(section: Mapping[Any, Any], spec: k.Section, where: str) -> dict[str, 
                 )
             given.setdefault(target, (f"{where}.{key}", _detach(value)))
     return given
+
+
+def _require_default(key: str, value: Any, default: object, reason: str) -> None:
+    """`ConfigError` unless ``value`` is DeepSpeed's default for ``key`` (null and "auto" count as it)."""
+    if value is None or (isinstance(value, str) and value.casefold() == "auto"):
+        return
+    if isinstance(default, bool):
+        try:
+            if v.to_bool(value) is default:
+                return
+        except PydanticCustomError as exc:
+            raise ConfigError(f"{key} {exc.message()}, got {v.show(value)}") from None
+        raise ConfigError(f"{key} must be {str(default).lower()}: {reason}, got {v.show(value)}")
+    raise ConfigError(f"{key} is not supported: {reason}; remove it (got {v.show(value)})")
 
 
 def _unknown_key(key: str, spec: k.Section, where: str) -> ConfigError:

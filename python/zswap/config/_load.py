@@ -5,12 +5,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 from pydantic import ValidationError
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ZswapWarning
 from ._layout import assemble
 from .models import ZswapConfig, describe
 
@@ -67,7 +68,7 @@ def _validate(raw: Mapping[Any, Any]) -> ZswapConfig:
     try:
         assembled = assemble(raw)
         try:
-            return ZswapConfig.model_validate(assembled.data)
+            config = ZswapConfig.model_validate(assembled.data)
         except ValidationError as exc:
             raise ConfigError(describe(exc, assembled.origins)) from None
     except RecursionError:
@@ -77,6 +78,16 @@ def _validate(raw: Mapping[Any, Any]) -> ZswapConfig:
             "a value in the config is nested too deeply to read (past Python's recursion limit); "
             f"zswap's keys are never nested more than {MAX_DEPTH} levels"
         ) from None
+    if assembled.skipped:
+        # Once per distinct set (the warnings registry drops repeats): a config is read by Init and again
+        # by initialize.
+        warnings.warn(
+            "zswap ignores these DeepSpeed settings, which tune DeepSpeed's own machinery and change no "
+            f"result: {', '.join(assembled.skipped)}",
+            ZswapWarning,
+            stacklevel=4,
+        )
+    return config
 
 
 def _read_json(path: str) -> Mapping[str, Any]:
@@ -94,7 +105,12 @@ def _read_json(path: str) -> Mapping[str, Any]:
     try:
         loaded = json.loads(text, object_pairs_hook=_refuse_duplicates, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+        # DeepSpeed reads its config files with hjson, which also takes comments, unquoted keys and
+        # trailing commas; zswap reads strict JSON only, and says so where a file is not.
+        raise ConfigError(
+            f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg} (zswap reads strict JSON; "
+            "DeepSpeed also accepts Hjson — comments, unquoted keys, trailing commas — which zswap does not)"
+        ) from None
     except RecursionError:  # _check_depth makes this unreachable short of a tiny recursion limit
         raise ConfigError(f"values nested too deeply (more than {MAX_DEPTH} levels)") from None
     if not isinstance(loaded, dict):

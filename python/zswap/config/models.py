@@ -237,6 +237,15 @@ class FP16Config(_Model):
         return self.loss_scale == 0
 
 
+class BF16Config(_Model):
+    """``bf16`` besides ``enabled`` (which sets `ZswapConfig.dtype`)."""
+
+    check_grad_overflow: v.StrictBool = False
+    """Skip an optimizer step whose gradients are not finite (counted in ``engine.skipped_steps``), as
+    DeepSpeed's bf16 optimizers do when asked; also spelled ``check_overflow``. Default false: DeepSpeed's
+    ZeRO stage 3 never checks bf16 gradients, and the check reads every gradient once more per step."""
+
+
 class BatchConfig(_Model):
     """DeepSpeed's top-level batch keys. ``None`` = not given (derived from the others where possible)."""
 
@@ -373,6 +382,7 @@ class ZswapConfig(_Model):
     dtype: Annotated[DType, v.one_of("fp32", "bf16", "fp16")] | None = None
     """Param dtype ``"fp32"``, ``"bf16"`` or ``"fp16"``; ``None`` = keep the dtype params were built with."""
     fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
     gradient_clipping: v.NonNegativeFloat | None = None
     """DeepSpeed's top-level ``gradient_clipping``: clip the gradients' global L2 norm to this before each
     step (`zswap.initialize`); ``None`` or 0 = no clipping."""
@@ -413,7 +423,7 @@ class ZswapConfig(_Model):
             "fp16": (False, True),
         }
         bf16, fp16 = enabled[self.dtype]
-        out["bf16"] = {"enabled": bf16}
+        out["bf16"] = {"enabled": bf16, **self.bf16._json_fields()}
         out["fp16"] = {"enabled": fp16, **self.fp16._json_fields()}
         out["gradient_clipping"] = _to_json(self.gradient_clipping)
         out.update(self.batch._json_fields())
@@ -476,6 +486,7 @@ def _dotted(loc: tuple[str, ...], origins: Mapping[tuple[str, ...], str]) -> str
 
 __all__ = [
     "AioConfig",
+    "BF16Config",
     "BatchConfig",
     "FP16Config",
     "OffloadOptimizerConfig",

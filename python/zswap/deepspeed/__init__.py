@@ -31,6 +31,7 @@ from ..params import param_state
 from . import zero
 from ._args import refuse, resolve_config
 from ._data import training_dataloader
+from ._engine import DeepSpeedEngine
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 """DeepSpeed's default ``distributed_port``."""
@@ -50,8 +51,9 @@ def initialize(
     config: Any = None,
     mesh_param: Any = None,
     config_params: Any = None,
-) -> tuple[runtime.Engine, Any, Any, Any]:
-    """DeepSpeed's ``deepspeed.initialize``: a `zswap.Engine` over ``model`` and DeepSpeed's 4-tuple
+) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """DeepSpeed's ``deepspeed.initialize``: a `DeepSpeedEngine` (a `zswap.Engine` with DeepSpeed's
+    checkpoint signatures) over ``model`` and DeepSpeed's 4-tuple
     ``(engine, engine.optimizer, dataloader or None, engine.lr_scheduler)``.
 
     - The config: ``config`` (a path or a dict), or ``config_params`` (its old name), or
@@ -83,7 +85,7 @@ def initialize(
         optimizer, owned = OffloadedAdamW.from_config(params, cfg), True
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
-    engine = runtime.initialize(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    engine = runtime.build(DeepSpeedEngine, model, cfg, optimizer, lr_scheduler, None, None)
     if owned:
         engine.adopt_optimizer()
     loader = None
@@ -150,4 +152,4 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-__all__ = ["add_config_arguments", "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize", "zero"]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import gather, init
-from ..errors import ZswapError
+from ..errors import ZswapError, ZswapWarning
 from ._args import refuse
 
 _UNSET: Any = object()
@@ -22,7 +23,8 @@ class Init(init.Init):
     zswap's. ``pin_memory``: as in DeepSpeed, the config's ``offload_param.pin_memory`` decides when a config
     is given and ``pin_memory`` is left at ``False``; ``True`` pins. ``mem_efficient_linear``: zswap never
     keeps a gathered weight alive for backward (saved weights are re-fetched), which is what DeepSpeed's
-    memory-efficient linear is for, so ``True`` (the default) is what zswap does; ``False`` is refused.
+    memory-efficient linear is for, so ``True`` (the default) is what zswap does; ``False`` (DeepSpeed's
+    plain F.linear, the same results) is ignored with a `ZswapWarning`.
     ``mpu``, ``zero_param_parallel_group``, ``sequence_data_parallel_group``, ``param_swapper``,
     ``tensor_overrides`` and the quantized-weight switches are not supported: a `TypeError` naming the
     keyword unless left at the default.
@@ -49,7 +51,6 @@ class Init(init.Init):
     ) -> None:
         refuse(
             "zero.Init",
-            mem_efficient_linear=(mem_efficient_linear, True),
             mpu=(mpu, None),
             zero_param_parallel_group=(zero_param_parallel_group, None),
             zero_quantized_weights=(zero_quantized_weights, False),
@@ -58,6 +59,15 @@ class Init(init.Init):
             param_swapper=(param_swapper, None),
             tensor_overrides=(tensor_overrides, _UNSET),
         )
+        if not mem_efficient_linear:
+            # DeepSpeed's False only keeps torch's F.linear (which saves the gathered weight for backward);
+            # no result depends on it, and zswap re-fetches saved weights in backward either way.
+            warnings.warn(
+                "zswap.deepspeed.zero.Init: mem_efficient_linear=False is ignored (zswap never keeps a "
+                "gathered weight alive for backward; results are the same)",
+                ZswapWarning,
+                stacklevel=2,
+            )
         if config_dict_or_path is not None and config is not None:
             raise TypeError(
                 "zswap.deepspeed.zero.Init got both config_dict_or_path= and config= (its deprecated name); "

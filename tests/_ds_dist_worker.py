@@ -1,0 +1,102 @@
+"""One rank of the two-rank scenarios adapted from DeepSpeed's tests (tests/test_ds_zero_context.py):
+``python _ds_dist_worker.py RANK WORLD INIT_FILE TMP``."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zswap
+import zswap.deepspeed as deepspeed
+from zswap import Status, param_state
+
+
+def scatter_gather(rank: int, world: int) -> None:
+    with deepspeed.zero.Init():
+        layer = nn.Linear(6, 3)
+    st = param_state(layer.weight)
+    assert st.status is Status.NOT_AVAILABLE and layer.weight.numel() == 0
+    assert st.world_size == world and st.partition_numel == 9  # 18 elements over 2 ranks
+    plain = nn.Linear(6, 3)
+    assert param_state(plain.weight) is None and plain.weight.numel() == 18
+    with deepspeed.zero.GatheredParameters(layer.weight):
+        assert param_state(layer.weight).status is Status.AVAILABLE and layer.weight.numel() == 18
+
+
+def gather_update(rank: int, world: int) -> None:
+    with deepspeed.zero.Init():
+        layer = nn.Linear(4, 2)
+    with deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=1):
+        assert param_state(layer.weight).status is Status.AVAILABLE
+        if rank == 1:
+            with torch.no_grad():
+                layer.weight.zero_()
+    assert param_state(layer.weight).status is Status.NOT_AVAILABLE
+    with deepspeed.zero.GatheredParameters(layer.weight):
+        assert torch.equal(layer.weight, torch.zeros(2, 4)), layer.weight
+
+
+class ParentInitialisesChild(nn.Module):
+    """DeepSpeed's TestZero3InitForParentWeightInitialization: a rank-dependent fill in ``__init__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(12, 1)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.fill_(1 + dist.get_rank())
+
+
+def params_are_rank_zeros(rank: int, world: int) -> None:
+    """Under Init every rank holds rank 0's build, whatever its own random generator or writes gave."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0},
+    }
+    with deepspeed.zero.Init(config_dict_or_path=cfg, mem_efficient_linear=False, enabled=True):
+        m = ParentInitialisesChild()
+    st = param_state(m.linear.weight)
+    assert st.partition_numel == 6
+    with deepspeed.zero.GatheredParameters(m.linear.weight):
+        assert torch.equal(m.linear.weight, torch.ones(1, 12)), m.linear.weight
+    torch.manual_seed(100 + rank)  # a per-rank seed, as scripts that seed data order by rank do
+    plain = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    want = [p.detach().clone() for p in plain.parameters()]
+    for t in want:
+        dist.broadcast(t, 0)  # rank 0's plain build
+    torch.manual_seed(100 + rank)
+    with zswap.Init(cfg):
+        built = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+        with torch.no_grad():
+            built[1].bias.data = torch.full((3,), float(rank))  # a rank-dependent write after partitioning
+    want[3] = torch.zeros(3)
+    with zswap.GatheredParameters(list(built.parameters())):
+        for p, q in zip(built.parameters(), want, strict=True):
+            assert torch.equal(p, q), (rank, p, q)
+
+
+def main() -> None:
+    rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zswap.ZswapWarning)
+            scatter_gather(rank, world)
+            gather_update(rank, world)
+            params_are_rank_zeros(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""DeepSpeed's ``zero.Init`` / ``GatheredParameters`` / engine tests (``tests/unit/runtime/zero/
+test_zero_context.py``, ``test_zero_context_return.py``, ``test_zero_context_ancestry.py``,
+``test_zero_nesting_init.py``), adapted to `zswap.deepspeed` and checked against plain torch where the
+scenario trains."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zswap
+import zswap.deepspeed as deepspeed
+from zswap import Status, param_state
+
+from .conftest import run_ranks
+
+WORKER = Path(__file__).with_name("_ds_dist_worker.py")
+
+STAGE3 = {
+    "train_batch_size": 1,
+    "steps_per_print": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1},
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        yield
+
+
+class ConvX(nn.Conv1d):
+    """A subclass of a torch layer adding a param of its own."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.param_in = nn.Parameter(torch.empty(5).uniform_())
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = ConvX(1, 3, 4)
+        self.param = nn.Parameter(torch.empty(5).uniform_())
+
+
+def test_gathered_params_are_full_inside_and_freed_after():
+    with deepspeed.zero.Init(config_dict_or_path={"train_batch_size": 1, "zero_optimization": {"stage": 3}}):
+        layer = nn.Linear(10, 10)
+    with deepspeed.zero.GatheredParameters(list(layer.parameters())):
+        assert layer.weight.numel() == 100 and layer.bias.numel() == 10
+    assert layer.weight.numel() == 0 and layer.bias.numel() == 0
+
+
+def test_params_of_subclasses_and_their_own_params_are_partitioned():
+    with deepspeed.zero.Init(config={**STAGE3, "bf16": {"enabled": True}}):
+        m = ConvNet()
+    for p in (m.param, m.conv1.param_in, m.conv1.weight, m.conv1.bias):
+        assert param_state(p).status is Status.NOT_AVAILABLE
+        assert p.dtype == torch.bfloat16
+
+
+def test_init_without_arguments_partitions_and_leaves_later_modules_alone():
+    with deepspeed.zero.Init():
+        inside = nn.Linear(6, 3)
+    outside = nn.Linear(6, 3)
+    assert param_state(inside.weight).status is Status.NOT_AVAILABLE and inside.weight.numel() == 0
+    assert param_state(inside.weight).shape == (3, 6)
+    assert param_state(outside.weight) is None and outside.weight.numel() == 18
+    with deepspeed.zero.GatheredParameters(inside.weight):  # one param, not a list
+        assert param_state(inside.weight).status is Status.AVAILABLE and inside.weight.numel() == 18
+
+
+class ExtLinear(nn.Module):
+    """Uses ``linear1.weight`` again outside its module's forward."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.dim = dim
+        self.linear1 = nn.Linear(dim, dim)
+        self.linear2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.linear2(self.linear1(x)), self.linear1.weight).sum()
+
+
+def test_a_param_used_outside_its_module_trains_as_plain_torch():
+    torch.manual_seed(0)
+    ref = ExtLinear()
+    torch.manual_seed(0)
+    net = ExtLinear()
+    engine, _, _, _ = deepspeed.initialize(
+        args=SimpleNamespace(local_rank=0), model=net, model_parameters=net.parameters(), config=STAGE3
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.00015, weight_decay=0.0, fused=True)
+    with engine:
+        with deepspeed.zero.GatheredParameters(net.linear1.weight):
+            assert net.linear1.weight.numel() == net.dim**2
+        for _ in range(3):
+            x = torch.rand(net.dim).to(engine.device)  # DeepSpeed scripts move inputs to engine.device
+            loss, want = engine(x), ref(x)
+            assert torch.equal(loss, want)
+            engine.backward(loss)
+            engine.step()
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+
+def test_engine_device_is_a_torch_device():
+    net = ExtLinear()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=STAGE3)
+    with engine:
+        assert isinstance(engine.device, torch.device) and engine.device == torch.device("cpu")
+        assert torch.rand(2).to(engine.device).device == engine.device
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_reduced_precision_configs_train(dtype):
+    cfg = {**STAGE3, dtype: {"enabled": True, **({"loss_scale": 138.0} if dtype == "fp16" else {})}}
+    net = ExtLinear()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    half = torch.bfloat16 if dtype == "bf16" else torch.float16
+    with engine:
+        assert all(param_state(p).dtype == half for p in net.parameters())
+        for _ in range(3):
+            loss = engine(torch.rand(net.dim).to(engine.device).to(half))
+            engine.backward(loss)
+            engine.step()
+        assert engine.global_steps == 3 and engine.skipped_steps == 0
+        if dtype == "fp16":
+            assert engine.loss_scale == 138.0  # a static scale stays
+
+
+class DanglingBias(nn.Linear):
+    def forward(self, *inputs: Any) -> Any:
+        return super().forward(*inputs), self.bias  # returns its own param to the caller
+
+
+class DanglingAttention(nn.Linear):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__(dim, dim)
+        self.d_linear = DanglingBias(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.d_linear(super().forward(x))
+
+
+class Container(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.dim = dim
+        self.linear1 = nn.Linear(dim, dim)
+        self.dangler = DanglingAttention(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.dangler(self.linear1(x))  # bias is dangler.d_linear.bias, used by the parent
+        return (out + bias).sum()
+
+
+def test_a_param_returned_by_forward_trains_as_plain_torch():
+    torch.manual_seed(0)
+    ref = Container()
+    torch.manual_seed(0)
+    net = Container()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=STAGE3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.00015, weight_decay=0.0, fused=True)
+    with engine:
+        for _ in range(5):
+            x = torch.rand(net.dim)
+            loss, want = engine(x), ref(x)
+            assert torch.equal(loss, want)
+            engine.backward(loss)
+            engine.step()
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        with deepspeed.zero.GatheredParameters(list(net.parameters())):
+            for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p, q)
+
+
+class VariableOutput(nn.Module):
+    def __init__(self, kind: str | None) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear1 = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = self.linear1(x)
+        if self.kind == "dict":
+            return {"loss": out.sum()}
+        if self.kind == "tensor":
+            return out.sum()
+        return None
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dict", None])
+def test_forward_may_return_a_tensor_a_dict_or_none(kind):
+    net = VariableOutput(kind)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=STAGE3)
+    with engine:
+        out = engine(torch.rand(16))
+        if kind is None:
+            assert out is None
+            return
+        loss = out["loss"] if kind == "dict" else out
+        engine.backward(loss)
+        engine.step()
+        assert engine.global_steps == 1
+
+
+def test_nested_inits_partition_once_and_initialize():
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg), deepspeed.zero.Init(config_dict_or_path=cfg):
+        m = nn.Linear(4, 4)
+    assert param_state(m.weight) is not None
+    engine, optimizer, loader, sched = deepspeed.initialize(model=m, config_params=cfg)
+    with engine:
+        assert optimizer is None and loader is None and sched is None
+
+
+def test_initialize_inside_an_outer_init_and_a_later_inner_one():
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            m1 = nn.Linear(4, 4)
+        e1, *_ = deepspeed.initialize(model=m1, config_params=cfg)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            m2 = nn.Linear(4, 4)
+    assert param_state(m1.weight) is not None and param_state(m2.weight) is not None
+    e2, *_ = deepspeed.initialize(model=m2, config_params=cfg)
+    e1.close()
+    e2.close()
+
+
+class GrandPa(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.param_grandpa = nn.Parameter(torch.ones(5))
+        self.param_grandpa.data = (self.param_grandpa.data + 1).data
+
+
+class Pa(GrandPa):
+    def __init__(self) -> None:
+        super().__init__()
+        self.param_pa = nn.Parameter(torch.ones(5))
+        self.param_pa.data = (self.param_pa.data + 1).data
+        self.param_grandpa.data = (self.param_grandpa.data + 1).data
+
+
+class Son(Pa):
+    def __init__(self) -> None:
+        super().__init__()
+        self.param = nn.Parameter(torch.ones(5))
+        self.param.data = (self.param.data + 1).data
+        self.param_pa.data = (self.param_pa.data + 1).data
+        self.param_grandpa.data = (self.param_grandpa.data + 1).data
+
+
+def test_data_assigned_in_every_ancestors_init_is_kept():
+    cfg = {**STAGE3, "fp16": {"enabled": True, "loss_scale": 138.0}}
+    with deepspeed.zero.Init(config=cfg):
+        m = Son().cpu()
+    for p in m.parameters(recurse=False):
+        assert param_state(p).status is Status.NOT_AVAILABLE
+    ones = torch.ones(5, dtype=torch.float16)
+    with deepspeed.zero.GatheredParameters(list(m.parameters(recurse=False))):
+        assert torch.equal(m.param, ones + 1)
+        assert torch.equal(m.param_pa, ones + 2)
+        assert torch.equal(m.param_grandpa, ones + 3)
+
+
+class WithMethod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.label = "mine"
+
+    def magic(self) -> int:
+        return 42
+
+
+def test_the_engine_hands_unknown_attributes_to_the_module():
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.00015}}}
+    with deepspeed.zero.Init():
+        m = WithMethod()
+        engine, *_ = deepspeed.initialize(model=m, config=cfg, model_parameters=m.parameters())
+    with engine:
+        assert engine.magic() == 42 and engine.label == "mine"
+        assert engine.linear is m.linear
+        with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+            engine.nothing_here  # noqa: B018
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return self.late(y) if hasattr(self, "late") else y
+
+
+def test_a_module_attached_after_initialize_runs_as_plain_torch():
+    m = Tiny()
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=m, config=cfg, model_parameters=list(m.parameters()))
+    with engine:
+        late = nn.Linear(16, 16, bias=False).to(device=engine.device)
+        late._parameters = dict(late._parameters)  # torch >= 2.5's plain dict, as DeepSpeed's test forces
+        engine.module.late = late
+        x = torch.randn(2, 16)
+        out = engine(x)
+        with zswap.GatheredParameters(m.fc.weight):
+            want = late(nn.functional.linear(x, m.fc.weight))
+        assert torch.equal(out, want)
+        assert torch.equal(engine(x), want)
+
+
+def test_classes_declared_inside_init_are_partitioned():
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+
+        class Outer(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            nested = Outer()
+        inside = Outer()
+    for m in (nested, inside):
+        assert param_state(m.fc.weight) is not None and m.fc.weight.numel() == 0
+        engine, *_ = deepspeed.initialize(model=m, config_params=cfg)
+        engine.close()
+
+
+def test_a_torch_optimizer_built_before_initialize_trains_as_plain_torch():
+    torch.manual_seed(20260728)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.arange(8, dtype=torch.float32).reshape(2, 4) / 8
+    w, b = (t.detach().clone().requires_grad_() for t in (model.weight, model.bias))
+    ref = nn.functional.linear(x, w, b)
+    ref.sum().backward()
+    ref_opt = torch.optim.AdamW([w, b], lr=0.1)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {
+            "stage": 3,
+            "memory_efficient_linear": True,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+        },
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config_params=cfg)
+    with engine:
+        assert opt is optimizer and param_state(model.weight) is not None
+        out = engine(x.to(engine.device))
+        engine.backward(out.sum())
+        assert torch.equal(out, ref)
+        assert torch.equal(zswap.full_grad(model.weight), w.grad)
+        assert torch.equal(zswap.full_grad(model.bias), b.grad)
+        engine.step()
+        ref_opt.step()
+        with zswap.GatheredParameters([model.weight, model.bias]):
+            assert torch.equal(model.weight, w) and torch.equal(model.bias, b)
+
+
+class UnusedParams(nn.Module):
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        self.used = nn.Linear(hidden, hidden)
+        self.unused = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.used(x), y)
+
+
+@pytest.mark.parametrize("ignore_unused_parameters", [True, False])
+def test_unused_params_train_and_stay_as_they_were(ignore_unused_parameters):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {
+            "stage": 2,
+            "cpu_offload": True,
+            "ignore_unused_parameters": ignore_unused_parameters,
+        },
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": True},
+    }
+    torch.manual_seed(0)
+    model = UnusedParams()
+    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
+    with engine:
+        with zswap.GatheredParameters(list(model.unused.parameters())):
+            before = [p.detach().clone() for p in model.unused.parameters()]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x = torch.randn(2, 4, generator=g).to(torch.bfloat16)
+            y = torch.randint(0, 4, (2,), generator=g)
+            engine.backward(engine(x, y))
+            engine.step()
+        assert engine.global_steps == 2 and engine.micro_steps == 5
+        assert zswap.full_grad(model.unused.weight) is None
+        with zswap.GatheredParameters(list(model.unused.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.unused.parameters(), before, strict=True))
+
+
+@pytest.mark.dist
+def test_two_ranks_scatter_gather_and_modifier_rank(tmp_path):
+    run_ranks(WORKER, tmp_path)
