@@ -393,14 +393,18 @@ class Engine:
 
         Engine buffers by purpose (``mem_fetch_buffers``: gathered params and the pool kept for reuse, at
         most ``mem_fetch_pool_limit`` pooled; ``mem_grad_buffers``: gradient partitions read for a step or
-        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_other_buffers``: any
-        other) add up to ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`);
-        ``mem_peak_*`` are their high-water marks since the last reset. Beside them: the engines' bounce
+        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_early_step_buffers``: the
+        early step's param copies of 1 MiB or more; ``mem_other_buffers``: any other) add up to
+        ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`); ``mem_peak_*`` are
+        their high-water marks since the last reset. Ordinary tensors zswap holds past their use are on
+        their own line, ``mem_early_step_tensors`` (the early step's gradients and smaller copies, waiting
+        for the rest of their optimizer record), with its ``mem_peak_``. Beside them: the engines' bounce
         buffers (``mem_bounce``), the source bytes writes in flight hold (``mem_write_queue``, at most
         ``mem_write_queue_limit``; engine buffers among them are counted above too), the undo log's
         arena (``mem_undo_arena``), glibc's heap (``mem_heap_*``) and the process's ``mem_rss``."""
         live = memory.live()
         peaks = memory.peaks()
+        held, held_peaks = memory.held(), memory.held_peaks()
         storages: dict[int, Any] = {}
         for st in self._stores.values():
             if isinstance(st, NvmeStore):
@@ -422,13 +426,17 @@ class Engine:
             "mem_fetch_buffers": live["fetch"],
             "mem_grad_buffers": live["grads"],
             "mem_optimizer_ring": live["optimizer"],
+            "mem_early_step_buffers": live["early_step"],
             "mem_other_buffers": live["other"],
             "mem_engine_buffers": sum(live.values()),
             "mem_peak_fetch_buffers": peaks["fetch"],
             "mem_peak_grad_buffers": peaks["grads"],
             "mem_peak_optimizer_ring": peaks["optimizer"],
+            "mem_peak_early_step_buffers": peaks["early_step"],
             "mem_peak_other_buffers": peaks["other"],
             "mem_peak_engine_buffers": peaks["total"],
+            "mem_early_step_tensors": held["early_step"],
+            "mem_peak_early_step_tensors": held_peaks["early_step"],
             "mem_fetch_pool_limit": sum(pools),
             "mem_bounce": bounce,
             "mem_write_queue": sum(q.queued for q in queues),
