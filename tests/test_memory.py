@@ -294,34 +294,40 @@ def test_the_early_steps_copies_and_gradients_are_counted_while_held_and_counted
     x = torch.randn(4, 64)
     net(x).square().sum().backward()
     engine.step()  # the first step places the records: never early
-    seen: list[tuple[dict[str, int], int, list[int]]] = []
+    seen: list[tuple[dict[str, int], int, list[int], list[int]]] = []
     begin_record = early._start
 
     def spy(sg: Any) -> None:  # a record's params are all in: what is held now, before it is written
         waiting = [c.numel() * c.element_size() for _, c, _, _ in early.ready.values() if c.numel()]
-        seen.append((_mem(engine.stats()), early.held, waiting))
+        seeds = [c.numel() * c.element_size() for _, c in early.seeds]  # written copies kept for forward
+        seen.append((_mem(engine.stats()), early.held, waiting, seeds))
         begin_record(sg)
 
     early._start = spy  # type: ignore[method-assign]
     net(x).square().sum().backward()
     assert len(seen) == len(engine.optimizer._sub_groups) > 1
-    for m, held, waiting in seen:
-        # each waiting param: its gradient (an ordinary tensor) and its copy (an engine buffer from 1 MiB)
-        assert held == 2 * sum(waiting)
-        tensors = sum(2 * n if n < earlystep.ENGINE_COPY else n for n in waiting)
+    for m, held, waiting, seeds in seen:
+        # each waiting param: its gradient (an ordinary tensor) and its copy (an engine buffer from 1 MiB);
+        # each seed: its copy alone
+        assert held == 2 * sum(waiting) + sum(seeds)
+        small = earlystep.ENGINE_COPY
+        tensors = sum(2 * n if n < small else n for n in waiting) + sum(n for n in seeds if n < small)
         assert m["mem_early_step_tensors"] - start_held["early_step"] == tensors
         assert m["mem_peak_early_step_tensors"] >= m["mem_early_step_tensors"]
         assert m["mem_peak_early_step_buffers"] >= m["mem_early_step_buffers"]
         parts = ("fetch_buffers", "grad_buffers", "optimizer_ring", "early_step_buffers", "other_buffers")
         assert m["mem_engine_buffers"] == sum(m[f"mem_{k}"] for k in parts)
     # the 1 MiB weight's copy is an engine buffer (whole pages: exactly 1 MiB) while it waits
-    big = [m for m, _, waiting in seen if 1 << 20 in waiting]
+    big = [m for m, _, waiting, _ in seen if 1 << 20 in waiting]
     assert big and all(m["mem_early_step_buffers"] - start["early_step"] >= 1 << 20 for m in big)
-    assert max(m["mem_peak_early_step_buffers"] for m, _, _ in seen) - start["early_step"] == 1 << 20
-    # backward's end wrote every record: the tensors are let go
-    assert memory.held() == start_held
+    assert max(m["mem_peak_early_step_buffers"] for m, _, _, _ in seen) - start["early_step"] == 1 << 20
+    # backward's end wrote every record: the gradients are let go, only seeds' small copies stay
+    seeds = sum(c.numel() * c.element_size() for _, c in early.seeds if c.numel() * 4 < earlystep.ENGINE_COPY)
+    assert memory.held()["early_step"] - start_held["early_step"] == seeds
     engine.step()
     assert early.commits == 1
+    with torch.no_grad():
+        net(x)  # the next forward takes the copies kept as seeds, and lets them go after use
     gc.collect()
     after = engine.stats()
     assert after["mem_early_step_tensors"] == start_held["early_step"]

@@ -577,9 +577,16 @@ class Engine:
                 (st.dtype.itemsize for _, st in self._items), default=4
             )
             gradstore.size_stash(self._grad_stores, live if self._grad_stash < 0 else self._grad_stash)
+            # Weakly: each param's state holds its gradient store for as long as the param lives (its
+            # finalizer keeps the state), so a store holding this Engine kept the module and every buffer
+            # alive for good once the engine was dropped without `close`.
+            me = weakref.ref(self)
             gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
                 self._grad_stores,
-                lambda: self.max_grad_norm is not None or getattr(self, "_check_finite", False),
+                lambda: (
+                    (e := me()) is not None
+                    and (e.max_grad_norm is not None or getattr(e, "_check_finite", False))
+                ),
             )
             self._grads.land_in(
                 grads.landing_alloc(self.compute_device, self._grad_stores, self._stores.values()), pool
