@@ -437,6 +437,8 @@ class Engine:
             "mem_peak_engine_buffers": peaks["total"],
             "mem_early_step_tensors": held["early_step"],
             "mem_peak_early_step_tensors": held_peaks["early_step"],
+            "mem_grad_stash": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
+            "mem_peak_grad_stash": sum(getattr(gs, "stash_peak", 0) for gs in self._grad_stores),
             "mem_fetch_pool_limit": sum(pools),
             "mem_bounce": bounce,
             "mem_write_queue": sum(q.queued for q in queues),
