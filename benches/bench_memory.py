@@ -15,14 +15,19 @@ records) + 256 MiB, the same at every size (the demo caps its live budget at 128
 ``Engine.stats()`` ``mem_*`` lines (peaks over the training phase).
 
 Usage: ``python benches/bench_memory.py [--path DIR] [--sizes 0.75GiB,3GiB,6GiB] [--steps 2]``. The default
-runs 0.75 GiB only; 3 GiB needs ~15 GiB free on DIR's disk and about 5 minutes on this VM, 6 GiB ~30 GiB
-(params + two Adam moments + gradients, plus copy-on-write slack) and about 10 minutes.
+runs 0.75 GiB only (~1.5 min); 3 GiB needs ~15 GiB free on DIR's disk and 2–6 minutes on this VM (load
+3 to 8), 6 GiB ~30 GiB (params + two Adam moments + gradients, plus copy-on-write slack) and 10–25 minutes.
+
+``--malloc default,off,256KiB`` instead runs each size under each glibc setting (`MALLOC_MODES`; a size fixes
+the mmap threshold there through ``MALLOC_MMAP_THRESHOLD_``), each in a fresh process, and prints peak RSS,
+build, inference and step times, and a no-I/O compute loop (`_child_compute`), each against ``default``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -62,6 +67,36 @@ def _child_training() -> dict[str, Any]:
     return {"peak_rss": _maxrss()}
 
 
+def _child_compute(iters: int) -> dict[str, Any]:
+    """No I/O: the demo's blocks (width 1024, batch 2 × 64, checkpointed) trained in plain torch with
+    zswap's glibc setting in force and a trim after each step, as an Engine does: where a fresh mapping per
+    tensor of the threshold's size or more costs most, against the same loop under the other settings."""
+    import torch
+
+    from zswap import demo, memory
+
+    memory.bound_heap()
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(demo.Block(1024, 16) for _ in range(4))
+    x = torch.randn(demo.BATCH, demo.SEQ, 1024)
+    from torch.utils.checkpoint import checkpoint
+
+    def one() -> None:
+        h = x.requires_grad_(False)
+        for b in blocks:
+            h = checkpoint(b, h, use_reentrant=False)
+        h.square().mean().backward()
+        for p in blocks.parameters():
+            p.grad = None  # freed as zswap frees them, once written
+        memory.trim()
+
+    one()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        one()
+    return {"seconds": (time.perf_counter() - t0) / iters, "peak_rss": _maxrss()}
+
+
 def _child_demo(path: str, size: int, steps: int) -> dict[str, Any]:
     import io
     from pathlib import Path
@@ -77,17 +112,42 @@ def _child_demo(path: str, size: int, steps: int) -> dict[str, Any]:
         "model_bytes": fig["model_bytes"],
         "losses": fig["losses"],
         "step_seconds": t["wall_seconds"] / steps,
+        "build_seconds": fig["build_seconds"],
+        "inference_seconds": fig["inference"]["wall_seconds"] / 3,
         "step_read": t["bytes_read"] / steps,
         "step_written": t["bytes_written"] / steps,
         "live_bytes": t["max_live_elements"] * 4,
         "inference_rss": fig["inference_rss"],
+        "build_rss": fig["build_rss"],
+        "layers": demo.Shape.for_bytes(size).layers,
         **{k: v for k, v in t.items() if k.startswith("mem_")},
     }
 
 
-def _run(args: list[str]) -> dict[str, Any]:
+MALLOC_MODES = {
+    "default": {},
+    "off": {"ZSWAP_MALLOC_TUNING": "0"},
+}
+"""glibc settings `--malloc` compares (each a fresh process): zswap's (mmap threshold fixed at 1 MiB,
+``malloc_trim`` after Init and each step), none (glibc's dynamic threshold, no trim); a size such as
+``4MiB`` or ``32MiB`` fixes the threshold there through ``MALLOC_MMAP_THRESHOLD_`` (zswap then leaves the
+threshold alone and still trims)."""
+
+
+def _env(mode: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("ZSWAP_MALLOC_TUNING", "MALLOC_MMAP_THRESHOLD_")}
+    if mode in MALLOC_MODES:
+        return {**base, **MALLOC_MODES[mode]}
+    return {**base, "MALLOC_MMAP_THRESHOLD_": str(_size(mode))}
+
+
+def _run(args: list[str], mode: str = "default") -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=False
+        [sys.executable, __file__, "--child", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=_env(mode),
     )
     if out.returncode != 0:
         raise SystemExit(f"child {args} failed:\n{out.stderr[-4000:]}")
@@ -95,7 +155,7 @@ def _run(args: list[str]) -> dict[str, Any]:
 
 
 def _size(text: str) -> int:
-    units = {"GiB": 1 << 30, "MiB": 1 << 20}
+    units = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}
     for unit, mul in units.items():
         if text.endswith(unit):
             return int(float(text[: -len(unit)]) * mul)
@@ -107,6 +167,12 @@ def main() -> None:
     ap.add_argument("--path", default=None, help="swap directory (default: a temp dir under /tmp)")
     ap.add_argument("--sizes", default="0.75GiB", help="comma-separated model sizes (default 0.75GiB)")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--compute-iters", type=int, default=20, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--malloc",
+        default=None,
+        help="compare glibc settings instead, same sizes, e.g. default,off,32MiB (see MALLOC_MODES)",
+    )
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -115,17 +181,23 @@ def main() -> None:
             res = _child_import()
         elif kind == "training":
             res = _child_training()
+        elif kind == "compute":
+            res = _child_compute(int(rest[0]))
         else:
             res = _child_demo(rest[0], int(rest[1]), int(rest[2]))
         print(json.dumps(res))
         return
 
+    if a.malloc:
+        _compare_malloc(a)
+        return
     imp = _run(["import"])["peak_rss"]
     train = _run(["training"])["peak_rss"]
     print(f"baselines: import torch {imp / MIB:,.0f} MiB; torch training fixed cost {train / MIB:,.0f} MiB")
     hdr = (
-        f"{'model':>9} {'peak RSS':>9} {'- import':>9} {'- train':>9} {'bound':>7} {'ratio':>11} "
-        f"{'live':>6} {'ring':>6} {'fetch':>6} {'grads':>6} {'bounce':>6} {'queue':>6} {'s/step':>7} "
+        f"{'model':>9} {'layers':>6} {'peak RSS':>9} {'- import':>9} {'- train':>9} {'bound':>7} "
+        f"{'ratio':>11} {'build':>6} {'infer':>6} {'live':>6} {'ring':>6} {'fetch':>6} {'grads':>6} "
+        f"{'early':>6} {'bounce':>6} {'queue':>6} {'heap':>6} {'wall s':>7} {'s/step':>7} "
         f"{'GiB/step r+w':>13} loss"
     )
     print(hdr)
@@ -137,21 +209,65 @@ def main() -> None:
         over_imp, over_train = r["peak_rss"] - imp, r["peak_rss"] - train
         losses = r["losses"]
         ratio = f"{over_imp / bound:.2f}/{over_train / bound:.2f}×"
+        early = r["mem_peak_early_step_buffers"] + r["mem_peak_early_step_tensors"]
+        heap = r["mem_heap_in_use"] + r["mem_heap_free"]
+        mib = [r[k] / MIB for k in ("build_rss", "inference_rss", "live_bytes", "mem_peak_optimizer_ring")]
+        mib += [r[k] / MIB for k in ("mem_peak_fetch_buffers", "mem_peak_grad_buffers")]
+        mib += [early / MIB, r["mem_bounce"] / MIB, r["mem_write_queue_limit"] / MIB, heap / MIB]
         print(
-            f"{r['model_bytes'] / MIB:>5,.0f} MiB {r['peak_rss'] / MIB:>5,.0f} MiB "
-            f"{over_imp / MIB:>5,.0f} MiB "
-            f"{over_train / MIB:>5,.0f} MiB {bound / MIB:>7,.0f} {ratio:>11} "
-            f"{r['live_bytes'] / MIB:>6,.0f} {r['mem_peak_optimizer_ring'] / MIB:>6,.0f} "
-            f"{r['mem_peak_fetch_buffers'] / MIB:>6,.0f} {r['mem_peak_grad_buffers'] / MIB:>6,.0f} "
-            f"{r['mem_bounce'] / MIB:>6,.0f} {r['mem_write_queue_limit'] / MIB:>6,.0f} "
-            f"{r['step_seconds']:>7.2f} {r['step_read'] / 2**30:>6.2f}+{r['step_written'] / 2**30:<6.2f} "
-            f"{losses[0]:.3f}→{losses[-1]:.3f}"
+            f"{r['model_bytes'] / MIB:>5,.0f} MiB {r['layers']:>6} {r['peak_rss'] / MIB:>5,.0f} MiB "
+            f"{over_imp / MIB:>5,.0f} MiB {over_train / MIB:>5,.0f} MiB {bound / MIB:>7,.0f} {ratio:>11} "
+            + " ".join(f"{v:>6,.0f}" for v in mib)
+            + f" {r['seconds']:>7.0f} {r['step_seconds']:>7.2f} "
+            f"{r['step_read'] / 2**30:>6.2f}+{r['step_written'] / 2**30:<6.2f} "
+            f"{losses[0]:.3f}→{losses[-1]:.3f}",
+            flush=True,
         )
     print(
         "bound = live budget + optimizer ring + 256 MiB; ratio = (peak − import baseline)/bound and "
-        "(peak − training baseline)/bound, target ≤ 1.00 at every size. Columns live…queue in MiB: the "
-        "budget, and the training phase's peaks of engine buffers by purpose (Engine.stats() mem_peak_*), "
-        "bounce buffers, write-queue limit."
+        "(peak − training baseline)/bound, target ≤ 1.00 at every size. Columns build…heap in MiB: peak RSS "
+        "after the build under Init and after inference; the live budget; the training phase's peaks of "
+        "engine buffers by purpose (Engine.stats() mem_peak_*; early = the early step's copies + gradients "
+        "held in backward); bounce buffers; write-queue limit; glibc heap (in use + free) after training. "
+        "wall s: the whole demo run (build, raw-disk baseline, 3 inference passes, the steps)."
+    )
+
+
+def _compare_malloc(a: argparse.Namespace) -> None:
+    """Each size under each glibc setting, interleaved, one fresh process each: the demo's peak RSS above
+    the import baseline of that setting, its build, inference and step times, each against ``default``'s
+    of the same size in the same invocation."""
+    modes = [m.strip() for m in a.malloc.split(",")]
+    print(f"{'model':>9} {'glibc':>8} {'peak RSS':>9} {'- import':>9} {'bound':>6} {'ratio':>6} "
+          f"{'build s':>8} {'infer s':>8} {'s/step':>7} {'step ×':>7} {'compute':>8} {'×':>6} {'wall s':>7} "
+          "loss")  # fmt: skip
+    for text in a.sizes.split(","):
+        size = _size(text.strip())
+        rows: dict[str, dict[str, Any]] = {}
+        for mode in modes:
+            imp = _run(["import"], mode)["peak_rss"]
+            with tempfile.TemporaryDirectory(dir=a.path or "/tmp") as d:
+                r = _run(["demo", d, str(size), str(a.steps)], mode)
+            r["compute"] = _run(["compute", str(a.compute_iters)], mode)["seconds"]
+            rows[mode] = r
+            bound = r["live_bytes"] + r["mem_peak_optimizer_ring"] + SLACK
+            ref = rows.get("default", r)
+            print(
+                f"{r['model_bytes'] / MIB:>5,.0f} MiB {mode:>8} {r['peak_rss'] / MIB:>5,.0f} MiB "
+                f"{(r['peak_rss'] - imp) / MIB:>5,.0f} MiB {bound / MIB:>6,.0f} "
+                f"{(r['peak_rss'] - imp) / bound:>5.2f}× {r['build_seconds']:>8.1f} "
+                f"{r['inference_seconds']:>8.2f} {r['step_seconds']:>7.2f} "
+                f"{r['step_seconds'] / ref['step_seconds']:>6.2f}× {r['compute']:>8.3f} "
+                f"{r['compute'] / ref['compute']:>5.2f}× {r['seconds']:>7.0f} "
+                f"{r['losses'][0]:.3f}→{r['losses'][-1]:.3f}",
+                flush=True,
+            )
+    print(
+        "glibc: default = zswap's tuning (mmap threshold 1 MiB, malloc_trim after Init and each step); off = "
+        "ZSWAP_MALLOC_TUNING=0; a size = MALLOC_MMAP_THRESHOLD_ fixed there (trims kept). ratio = (peak − "
+        "that setting's import baseline) / bound; step × = s/step against default's of the same size. "
+        "build s: the build under Init and initialize; infer s: seconds per inference pass; compute: s per "
+        "forward + backward of 4 demo blocks in plain torch (no I/O, a trim after each), × against default."
     )
 
 

@@ -175,6 +175,27 @@ def test_fit_equals_plain_trainer(tmp_path, accumulate):
     assert trainer.global_step == STEPS
 
 
+def test_a_fitted_run_is_freed_with_its_trainer_and_module(tmp_path):
+    # The engine stays open after fit; once the trainer, the strategy and the module are dropped, its
+    # buffers go too (a finalizer holding the run, and hooks holding params strongly, kept them mapped
+    # for good: one engine per fit, across the test suite).
+    import gc
+
+    from zswap import memory
+
+    gc.collect()
+    start = memory.live()
+
+    def fit_and_drop() -> None:
+        _, trainer = _fit(ZswapStrategy(_config(tmp_path)))
+        assert trainer.strategy.engine.optimizer is not None
+        assert memory.live()["fetch"] > start["fetch"] and memory.live()["optimizer"] > start["optimizer"]
+
+    fit_and_drop()
+    gc.collect()
+    assert memory.live() == start
+
+
 def test_adam_with_l2_decay_equals_plain_trainer(tmp_path):
     ref, _ = _fit(module=Regressor("adam"))
     ours, trainer = _fit(ZswapStrategy(_config(tmp_path)), module=Regressor("adam"))

@@ -89,7 +89,7 @@ def test_a_buffer_counts_under_its_purpose_until_its_last_view_goes(tmp_path):
 
 
 def test_purposes_are_checked_and_peaks_reset_to_what_is_live(tmp_path):
-    msg = "unknown buffer purpose 'cache'; one of fetch, grads, optimizer, other"
+    msg = "unknown buffer purpose 'cache'; one of fetch, grads, optimizer, early_step, other"
     with pytest.raises(ValueError, match=msg), memory.purpose("cache"):
         pass
     eng = _engine(tmp_path)
@@ -155,7 +155,8 @@ def test_engine_stats_add_up_and_buffers_are_counted_back_on_close(tmp_path):
         engine.step()
     s = engine.stats()
     m = _mem(s)
-    parts = ("mem_fetch_buffers", "mem_grad_buffers", "mem_optimizer_ring", "mem_other_buffers")
+    parts = ("mem_fetch_buffers", "mem_grad_buffers", "mem_optimizer_ring", "mem_early_step_buffers")
+    parts += ("mem_other_buffers",)
     assert m["mem_engine_buffers"] == sum(m[k] for k in parts)
     # the ledger is the process's: buffers earlier tests' objects still hold count too
     assert m["mem_engine_buffers"] == sum(memory.live().values())
@@ -263,3 +264,127 @@ def test_the_demo_budgets_do_not_grow_with_the_model(tmp_path):
     assert z_big["stage3_max_live_parameters"] == demo.MAX_LIVE < big.params // demo.LIVE_FRACTION
     assert z_small["sub_group_size"] == default_sub_group_size(small.params) < demo.SUB_GROUP
     assert z_big["sub_group_size"] == demo.SUB_GROUP
+
+
+class _Wide(nn.Module):
+    """One weight of exactly 1 MiB (its early-step copy is an engine buffer), the rest under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 512), nn.Linear(512, 512), nn.Linear(512, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def test_the_early_steps_copies_and_gradients_are_counted_while_held_and_counted_back(tmp_path):
+    from zswap import earlystep
+
+    gc.collect()
+    start, start_held = memory.live(), memory.held()
+    cfg = _config(tmp_path)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            net = _Wide()
+        engine = zswap.initialize(net, cfg, device="cpu")
+    early = engine._early
+    assert early is not None
+    x = torch.randn(4, 64)
+    net(x).square().sum().backward()
+    engine.step()  # the first step places the records: never early
+    seen: list[tuple[dict[str, int], int, list[int], list[int]]] = []
+    begin_record = early._start
+
+    def spy(sg: Any) -> None:  # a record's params are all in: what is held now, before it is written
+        waiting = [c.numel() * c.element_size() for _, c, _, _ in early.ready.values() if c.numel()]
+        seeds = [c.numel() * c.element_size() for _, c in early.seeds]  # written copies kept for forward
+        seen.append((_mem(engine.stats()), early.held, waiting, seeds))
+        begin_record(sg)
+
+    early._start = spy  # type: ignore[method-assign]
+    net(x).square().sum().backward()
+    assert len(seen) == len(engine.optimizer._sub_groups) > 1
+    for m, held, waiting, seeds in seen:
+        # each waiting param: its gradient (an ordinary tensor) and its copy (an engine buffer from 1 MiB);
+        # each seed: its copy alone
+        assert held == 2 * sum(waiting) + sum(seeds)
+        small = earlystep.ENGINE_COPY
+        tensors = sum(2 * n if n < small else n for n in waiting) + sum(n for n in seeds if n < small)
+        assert m["mem_early_step_tensors"] - start_held["early_step"] == tensors
+        assert m["mem_peak_early_step_tensors"] >= m["mem_early_step_tensors"]
+        assert m["mem_peak_early_step_buffers"] >= m["mem_early_step_buffers"]
+        parts = ("fetch_buffers", "grad_buffers", "optimizer_ring", "early_step_buffers", "other_buffers")
+        assert m["mem_engine_buffers"] == sum(m[f"mem_{k}"] for k in parts)
+    # the 1 MiB weight's copy is an engine buffer (whole pages: exactly 1 MiB) while it waits
+    big = [m for m, _, waiting, _ in seen if 1 << 20 in waiting]
+    assert big and all(m["mem_early_step_buffers"] - start["early_step"] >= 1 << 20 for m in big)
+    assert max(m["mem_peak_early_step_buffers"] for m, _, _, _ in seen) - start["early_step"] == 1 << 20
+    # backward's end wrote every record: the gradients are let go, only seeds' small copies stay
+    seeds = sum(c.numel() * c.element_size() for _, c in early.seeds if c.numel() * 4 < earlystep.ENGINE_COPY)
+    assert memory.held()["early_step"] - start_held["early_step"] == seeds
+    engine.step()
+    assert early.commits == 1
+    with torch.no_grad():
+        net(x)  # the next forward takes the copies kept as seeds, and lets them go after use
+    gc.collect()
+    after = engine.stats()
+    assert after["mem_early_step_tensors"] == start_held["early_step"]
+    assert after["mem_early_step_buffers"] == start["early_step"]  # committed and written: unmapped
+    # an early step dropped midway (zero_grad after backward) gives back what it held too
+    early._start = begin_record  # type: ignore[method-assign]
+    net(x).square().sum().backward()
+    engine.zero_grad()
+    gc.collect()
+    assert memory.held() == start_held and memory.live()["early_step"] == start["early_step"]
+    engine.close()
+
+
+def test_a_holding_counts_its_bytes_back_when_cleared_or_collected():
+    msg = "unknown holder 'cache'; one of early_step"
+    with pytest.raises(ValueError, match=msg):
+        memory.Holding("cache")
+    gc.collect()
+    base = memory.held()["early_step"]
+    memory.reset_peaks()
+    h, k = memory.Holding("early_step"), memory.Holding("early_step")
+    h.add(1000)
+    k.add(24)
+    assert memory.held()["early_step"] == base + 1024 == memory.held_peaks()["early_step"]
+    h.add(-400)
+    h.clear()
+    assert h.nbytes == 0 and memory.held()["early_step"] == base + 24
+    assert memory.held_peaks()["early_step"] == base + 1024
+    memory.reset_peaks()
+    assert memory.held_peaks()["early_step"] == base + 24
+    del k  # collected with bytes on it
+    gc.collect()
+    assert memory.held()["early_step"] == base
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_a_dropped_engine_gives_back_every_buffer_closed_or_not(tmp_path, close):
+    # The gradient hooks live on the params, in torch's C++ autograd state the collector cannot see
+    # into: when they held the params (or the engine) strongly, an engine dropped without `close` kept
+    # its fetch pool and optimizer ring mapped until the process exited.
+    gc.collect()
+    start, start_count = memory.live(), memory.buffers()
+
+    def train_and_drop() -> None:
+        cfg = _config(tmp_path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zswap.ZswapWarning)
+            with zswap.Init(cfg):
+                net = _Net()
+            engine = zswap.initialize(net, cfg, device="cpu")
+        for _ in range(2):
+            net(torch.randn(4, 64)).square().sum().backward()
+            engine.step()
+        assert memory.live()["fetch"] > start["fetch"] and memory.live()["optimizer"] > start["optimizer"]
+        if close:
+            engine.close()
+
+    train_and_drop()
+    gc.collect()
+    assert memory.live() == start and memory.buffers() == start_count

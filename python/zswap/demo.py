@@ -231,7 +231,8 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
     store = param_state(model.wte.weight).store  # type: ignore[union-attr]
     swap = getattr(store, "engine", None)
     io_note = f"{swap.info['backend']}, direct I/O {swap.info['direct']}" if swap is not None else store.tier
-    o.say(f"  built under zswap.Init in {build_s:.1f} s ({io_note}); peak RSS so far {_mib(_rss_peak())}")
+    build_rss = _rss_peak()
+    o.say(f"  built under zswap.Init in {build_s:.1f} s ({io_note}); peak RSS so far {_mib(build_rss)}")
     o.say(
         f"  live-param budget (stage3_max_live_parameters): {live / 1e6:.1f}M elements = {_mib(live * 4)}, "
         f"1/{shape.params / live:.1f} of the model; prefetch bucket "
@@ -242,6 +243,7 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
     batch = batch.to(engine.device)  # inputs live on the compute device (a GPU if any)
     o.say(f"  compute device: {engine.device}")
     figures: dict[str, Any] = {"params": shape.params, "model_bytes": model_bytes, "raw_read_gbs": raw.read}
+    figures["build_rss"], figures["build_seconds"] = build_rss, build_s
 
     o.say(f"inference (batch {BATCH} × {shape.seq} tokens, no_grad): 3 passes")
     engine.stats(reset=True)
@@ -327,8 +329,11 @@ def _memory_lines(o: _Out, s: dict[str, Any]) -> None:
         f"  memory while training (peaks): engine buffers {_mib(s['mem_peak_engine_buffers'])} = fetched "
         f"params {_mib(s['mem_peak_fetch_buffers'])} (pool limit {_mib(s['mem_fetch_pool_limit'])}) + "
         f"gradient partitions {_mib(s['mem_peak_grad_buffers'])} + optimizer ring "
-        f"{_mib(s['mem_peak_optimizer_ring'])} + other {_mib(s['mem_peak_other_buffers'])} (sum of peaks; "
+        f"{_mib(s['mem_peak_optimizer_ring'])} + early-step copies "
+        f"{_mib(s['mem_peak_early_step_buffers'])} + other {_mib(s['mem_peak_other_buffers'])} "
+        "(sum of peaks; "
         f"their peak together {_mib(s['mem_peak_engine_buffers'])}); bounce buffers {_mib(s['mem_bounce'])}; "
+        f"early-step gradients and small copies {_mib(s['mem_peak_early_step_tensors'])}; "
         f"write queue limit {_mib(s['mem_write_queue_limit'])}; undo arena {_mib(s['mem_undo_arena'])}; "
         f"glibc heap now {_mib(s['mem_heap_in_use'] + s['mem_heap_mapped'])} in use, "
         f"{_mib(s['mem_heap_free'])} free"

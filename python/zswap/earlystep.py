@@ -47,6 +47,7 @@ from typing import Any, cast
 import torch
 from torch.autograd import Variable
 
+from . import memory
 from .gather import no_torch_function
 from .gradstore import NvmeGrads
 from .optim import OffloadedAdamW
@@ -113,6 +114,7 @@ class EarlyStep:
         """Steps made live by `commit` (for tests and benchmarks)."""
         self.aborts = 0
         """Early steps begun and dropped."""
+        self.holding = memory.Holding("early_step")  # gradients and small copies held (`_as_tensors`)
         self._reset()
 
     # -- backward side ---------------------------------------------------------------------------------
@@ -153,6 +155,7 @@ class EarlyStep:
         self.txn.scratch(copy)
         self.ready[i] = (st, copy, part.reshape(-1), _ps(st).ns._live.get(st.key))
         self.held += 2 * copy.numel() * copy.element_size()
+        self.holding.add(_as_tensors(copy))
         if self.held > self.cap:
             self._give_up(task)
             return
@@ -201,8 +204,9 @@ class EarlyStep:
             self.abort()
 
     def _alloc(self, st: ParamState, like: torch.Tensor) -> torch.Tensor:
-        if like.numel() * like.element_size() >= 1 << 20:  # page-aligned: written without a bounce copy
-            return _ps(st).engine.empty((like.numel(),), like.dtype)
+        if like.numel() * like.element_size() >= ENGINE_COPY:  # page-aligned: written without a bounce copy
+            with memory.purpose("early_step"):
+                return _ps(st).engine.empty((like.numel(),), like.dtype)
         return torch.empty(like.numel(), dtype=like.dtype)
 
     def _start(self, sg: SubGroup) -> None:
@@ -245,6 +249,7 @@ class EarlyStep:
                     st, copy, _, _ = self.ready[i]
                     _ps(st).ns.put(st.key, copy, self.txn)
                     self.held -= copy.numel() * copy.element_size()
+                    self.holding.add(-copy.numel() * copy.element_size())  # the gradient
                     self.ready[i] = (st, _empty, _empty, self.ready[i][3])  # the queue holds the copy
                     self._seed(i, copy)
 
@@ -258,10 +263,12 @@ class EarlyStep:
             self.seeded += copy.numel()
         else:
             self.held -= nbytes
+            self.holding.add(-_small(copy))
         while self.seeded > self.seed_numel:
             _, old = self.seeds.popleft()
             self.seeded -= old.numel()
             self.held -= old.numel() * old.element_size()
+            self.holding.add(-_small(old))
 
     def _land_oldest(self) -> None:
         buf, w = self.writes.popleft()
@@ -353,6 +360,7 @@ class EarlyStep:
         self._reset()
 
     def _reset(self) -> None:
+        self.holding.clear()
         self.state = "idle"
         self.task = -1
         self.gs = None
@@ -375,6 +383,21 @@ class EarlyStep:
 
 
 _empty = torch.empty(0)
+
+ENGINE_COPY = 1 << 20
+"""Bytes from which a param copy is an engine buffer (`zswap.memory` purpose "early_step")."""
+
+
+def _small(copy: torch.Tensor) -> int:
+    """Bytes of a param copy that is an ordinary tensor (under `ENGINE_COPY`), else 0."""
+    nbytes = copy.numel() * copy.element_size()
+    return nbytes if nbytes < ENGINE_COPY else 0
+
+
+def _as_tensors(copy: torch.Tensor) -> int:
+    """Bytes one ready param holds as ordinary tensors: its gradient, and its copy under `ENGINE_COPY`
+    (the copy's share is let go when it is written and not kept as a seed, or when its seed goes)."""
+    return copy.numel() * copy.element_size() + _small(copy)
 
 
 def _unchanged(ns: Any, key: str, physical: str | None) -> Callable[[], bool]:

@@ -18,6 +18,7 @@ lives there; the optimizer step loads them from it.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -106,8 +107,17 @@ class GradSink:
         self._flush_task = -1
         self.flush()
 
+    # The hooks live on the param, inside torch's C++ autograd state where the garbage collector cannot
+    # see them: a strong reference from a hook back to the param (or to this sink, which reaches it
+    # through the early step's optimizer) made an uncollectable cycle, so an Engine dropped without
+    # `close` kept its buffers mapped until the process exited. They hold both weakly.
     def _make_pre(self, p: torch.Tensor, st: ParamState) -> Any:
+        param, sink = weakref.ref(p), weakref.ref(self)
+
         def pre(grad: torch.Tensor) -> None:
+            p, me = param(), sink()
+            if p is None or me is None:
+                return
             # AccumulateGrad lays a new gradient out like the param and copies it into that layout, which
             # fails on an empty ``.data``. The module hooks keep a param gathered until its gradient is in,
             # so this is a safety net (a param whose last use needs no data, outside every hooked module):
@@ -116,25 +126,30 @@ class GradSink:
             if st.status is not Status.AVAILABLE:
                 with no_torch_function():
                     p.data = torch.empty((), dtype=st.dtype, device=st.device).expand(st.shape)
-                self.placeholders += 1
+                me.placeholders += 1
 
         return pre
 
     def _make_post(self, st: ParamState) -> Any:
+        sink = weakref.ref(self)
+
         def post(p: torch.Tensor) -> None:
+            me = sink()
+            if me is None:
+                return
             with no_torch_function():
                 grad = p.grad
                 p.grad = None  # never left holding a full-size gradient
                 if st.status is not Status.AVAILABLE:
                     p.data = torch.empty(0, dtype=st.dtype, device=st.device)
                 if grad is not None:
-                    if self.device is not None and on_host(st):
-                        self._to_host(st, local_part(st, grad))  # reduce-scatter on the device first
+                    if me.device is not None and on_host(st):
+                        me._to_host(st, local_part(st, grad))  # reduce-scatter on the device first
                     else:
                         part = local_part(st, grad)
                         store_of(st).add(st, part)
-                        if self.early is not None:
-                            self.early.on_grad(p, st, part)
+                        if me.early is not None:
+                            me.early.on_grad(p, st, part)
 
         return post
 

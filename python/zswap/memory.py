@@ -3,11 +3,17 @@
 **The ledger.** Every engine buffer (`zswap.SwapEngine.empty`: page-aligned, on huge pages when large) is
 created by `zswap._memview.tensor_over`, which calls `track`: its bytes are counted under the *purpose*
 current at that moment (`purpose`, a context variable: ``"fetch"`` for param fetch buffers, ``"grads"`` for
-gradient partitions read or accumulated, ``"optimizer"`` for the sub-group ring, ``"other"`` for the rest —
+gradient partitions read or accumulated, ``"optimizer"`` for the sub-group ring, ``"early_step"`` for the
+early step's param copies of 1 MiB or more, ``"other"`` for the rest —
 weights being loaded, a user's own ``empty``) and given back when the buffer is unmapped (a finalizer on
 the object NumPy's array keeps as its base, which lives exactly as long as the last tensor view). The
 totals therefore always add up: ``sum(live().values())`` is every engine buffer mapped by this process,
 the same set the Rust registry counts (``SwapEngine.stats()["live_buffers"]``).
+
+**Held tensors.** Some ordinary torch tensors outlive their use because zswap keeps them: the early step
+(`zswap.earlystep`) holds each param's gradient, and its copy when under 1 MiB, until the rest of the
+param's optimizer record is complete. A `Holding` counts them (`held`, by holder in `HOLDERS`), so that
+with the engine buffers every byte zswap keeps is on one line or another and on one only.
 
 **glibc's heap.** torch allocates CPU tensors with ``posix_memalign``. glibc serves a request of at least
 ``M_MMAP_THRESHOLD`` bytes (128 KiB at start) with its own ``mmap``, unmapped on ``free``; but each such
@@ -16,9 +22,15 @@ tensors of that size come from the heap, and a freed heap chunk is only returned
 borders the top. Under ``zswap.Init`` a model's weights are built, written out and freed one after the
 other, interleaved with small allocations: measured on the 753 MiB demo, the heap grew by 32 MiB per block
 with 435 MiB of it free but kept. `bound_heap` fixes the threshold at `MMAP_THRESHOLD` (setting it
-explicitly turns the dynamic raise off), so every tensor of 1 MiB or more is its own mapping and goes
-back to the kernel on ``free``; `trim` (``malloc_trim(0)``, which also releases whole free pages inside
-the heap) runs at Init's exit and after each optimizer step. Both are no-ops off glibc, and `bound_heap`
+explicitly turns the dynamic raise off), so every tensor of 256 KiB or more is its own mapping and goes
+back to the kernel on ``free``. 256 KiB, not 1 MiB: what stays on the heap must not fragment it with depth.
+A checkpointed transformer keeps each block's input (512 KiB at the demo's 2 × 64 tokens × 1024) through
+forward, between the block's freed temporaries of the same size; at a 1 MiB threshold those were heap
+chunks, and the free holes between the kept ones grew with the layer count (peak ``heap_free`` 38 MiB at
+15 layers, 110 MiB at 63, all resident); at 256 KiB they are mappings (``heap_free`` 1 MiB at 15 layers),
+and no step-time cost showed beyond the ±20 % noise of a loaded 2-core VM (benches/README.md, "Memory").
+`trim` (``malloc_trim(0)``, which also releases whole free pages inside the heap) runs at Init's exit and
+after each optimizer step. Both are no-ops off glibc, and `bound_heap`
 leaves a threshold set by the user (``MALLOC_MMAP_THRESHOLD_`` in the environment) alone.
 ``ZSWAP_MALLOC_TUNING=0`` turns both off.
 """
@@ -36,10 +48,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-PURPOSES = ("fetch", "grads", "optimizer", "other")
+PURPOSES = ("fetch", "grads", "optimizer", "early_step", "other")
 """What an engine buffer is for, as counted by the ledger."""
 
-MMAP_THRESHOLD = 1 << 20
+HOLDERS = ("early_step",)
+"""Who keeps ordinary torch tensors (not engine buffers) past their own use, as counted by `Holding`."""
+
+MMAP_THRESHOLD = 256 << 10
 """Bytes from which glibc maps (and on free unmaps) an allocation by itself, once `bound_heap` ran."""
 
 _M_MMAP_THRESHOLD = -3  # <malloc.h>
@@ -48,12 +63,15 @@ _purpose: contextvars.ContextVar[str] = contextvars.ContextVar("zswap_buffer_pur
 _lock = threading.Lock()
 # Finalizers run wherever the garbage collector runs — inside any allocation, also one made while `_lock`
 # is held by the same thread — so `_gone` never takes the lock: it queues (deque.append is atomic) and
-# whoever holds the lock next applies the queue (`_settle`).
-_returned: collections.deque[tuple[str, int]] = collections.deque()
+# whoever holds the lock next applies the queue (`_settle`). An entry is (purpose, bytes, buffers): a
+# buffer unmapped is (kind, n, 1); a `Holding` collected while it still held bytes is (holder, n, 0).
+_returned: collections.deque[tuple[str, int, int]] = collections.deque()
 _live = dict.fromkeys(PURPOSES, 0)
 _count = dict.fromkeys(PURPOSES, 0)
 _peak = dict.fromkeys(PURPOSES, 0)
 _peak_total = 0
+_held = dict.fromkeys(HOLDERS, 0)
+_held_peak = dict.fromkeys(HOLDERS, 0)
 
 
 @contextlib.contextmanager
@@ -82,18 +100,70 @@ def track(owner: object, nbytes: int) -> None:
 
 
 def _gone(kind: str, nbytes: int) -> None:
-    _returned.append((kind, nbytes))
+    _returned.append((kind, nbytes, 1))
 
 
 def _settle() -> None:
-    """Apply the buffers given back since; the caller holds `_lock`."""
+    """Apply the buffers (and holdings) given back since; the caller holds `_lock`."""
     while True:
         try:
-            kind, nbytes = _returned.popleft()
+            kind, nbytes, n = _returned.popleft()
         except IndexError:
             return
-        _live[kind] -= nbytes
-        _count[kind] -= 1
+        if n:
+            _live[kind] -= nbytes
+            _count[kind] -= n
+        else:
+            _held[kind] -= nbytes
+
+
+class Holding:
+    """Bytes of ordinary torch tensors one zswap object keeps past their own use (``holder``: one of
+    `HOLDERS`) — the early step's gradients and small param copies, say, which wait in backward for the
+    rest of their record. The owner calls `add` when it takes some and ``add(-n)`` / `clear` when it lets
+    go; `held` sums every holding of a kind. A holding collected with bytes still on it gives them back."""
+
+    def __init__(self, holder: str) -> None:
+        if holder not in HOLDERS:
+            raise ValueError(f"unknown holder {holder!r}; one of {', '.join(HOLDERS)}")
+        self.holder = holder
+        self._box = [0]  # shared with the finalizer, which must not reference self
+        weakref.finalize(self, _let_go, holder, self._box).atexit = False
+
+    @property
+    def nbytes(self) -> int:
+        return self._box[0]
+
+    def add(self, nbytes: int) -> None:
+        with _lock:
+            _settle()
+            self._box[0] += nbytes
+            _held[self.holder] += nbytes
+            _held_peak[self.holder] = max(_held_peak[self.holder], _held[self.holder])
+
+    def clear(self) -> None:
+        if self._box[0]:
+            self.add(-self._box[0])
+
+
+def _let_go(holder: str, box: list[int]) -> None:
+    if box[0]:
+        _returned.append((holder, box[0], 0))
+        box[0] = 0
+
+
+def held() -> dict[str, int]:
+    """Bytes of ordinary tensors held now (every `Holding`), by holder."""
+    with _lock:
+        _settle()
+        return dict(_held)
+
+
+def held_peaks() -> dict[str, int]:
+    """Most bytes of ordinary tensors held at once since the last `reset_peaks`, by holder."""
+    with _lock:
+        _settle()
+        return dict(_held_peak)
 
 
 def live() -> dict[str, int]:
@@ -124,6 +194,7 @@ def reset_peaks() -> None:
         _settle()
         _peak.update(_live)
         _peak_total = sum(_live.values())
+        _held_peak.update(_held)
 
 
 # -- glibc -------------------------------------------------------------------------------------------

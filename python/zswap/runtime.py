@@ -393,14 +393,18 @@ class Engine:
 
         Engine buffers by purpose (``mem_fetch_buffers``: gathered params and the pool kept for reuse, at
         most ``mem_fetch_pool_limit`` pooled; ``mem_grad_buffers``: gradient partitions read for a step or
-        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_other_buffers``: any
-        other) add up to ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`);
-        ``mem_peak_*`` are their high-water marks since the last reset. Beside them: the engines' bounce
+        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_early_step_buffers``: the
+        early step's param copies of 1 MiB or more; ``mem_other_buffers``: any other) add up to
+        ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`); ``mem_peak_*`` are
+        their high-water marks since the last reset. Ordinary tensors zswap holds past their use are on
+        their own line, ``mem_early_step_tensors`` (the early step's gradients and smaller copies, waiting
+        for the rest of their optimizer record), with its ``mem_peak_``. Beside them: the engines' bounce
         buffers (``mem_bounce``), the source bytes writes in flight hold (``mem_write_queue``, at most
         ``mem_write_queue_limit``; engine buffers among them are counted above too), the undo log's
         arena (``mem_undo_arena``), glibc's heap (``mem_heap_*``) and the process's ``mem_rss``."""
         live = memory.live()
         peaks = memory.peaks()
+        held, held_peaks = memory.held(), memory.held_peaks()
         storages: dict[int, Any] = {}
         for st in self._stores.values():
             if isinstance(st, NvmeStore):
@@ -422,13 +426,19 @@ class Engine:
             "mem_fetch_buffers": live["fetch"],
             "mem_grad_buffers": live["grads"],
             "mem_optimizer_ring": live["optimizer"],
+            "mem_early_step_buffers": live["early_step"],
             "mem_other_buffers": live["other"],
             "mem_engine_buffers": sum(live.values()),
             "mem_peak_fetch_buffers": peaks["fetch"],
             "mem_peak_grad_buffers": peaks["grads"],
             "mem_peak_optimizer_ring": peaks["optimizer"],
+            "mem_peak_early_step_buffers": peaks["early_step"],
             "mem_peak_other_buffers": peaks["other"],
             "mem_peak_engine_buffers": peaks["total"],
+            "mem_early_step_tensors": held["early_step"],
+            "mem_peak_early_step_tensors": held_peaks["early_step"],
+            "mem_grad_stash": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
+            "mem_peak_grad_stash": sum(getattr(gs, "stash_peak", 0) for gs in self._grad_stores),
             "mem_fetch_pool_limit": sum(pools),
             "mem_bounce": bounce,
             "mem_write_queue": sum(q.queued for q in queues),
@@ -569,9 +579,16 @@ class Engine:
                 (st.dtype.itemsize for _, st in self._items), default=4
             )
             gradstore.size_stash(self._grad_stores, live if self._grad_stash < 0 else self._grad_stash)
+            # Weakly: each param's state holds its gradient store for as long as the param lives (its
+            # finalizer keeps the state), so a store holding this Engine kept the module and every buffer
+            # alive for good once the engine was dropped without `close`.
+            me = weakref.ref(self)
             gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
                 self._grad_stores,
-                lambda: self.max_grad_norm is not None or getattr(self, "_check_finite", False),
+                lambda: (
+                    (e := me()) is not None
+                    and (e.max_grad_norm is not None or getattr(e, "_check_finite", False))
+                ),
             )
             self._grads.land_in(
                 grads.landing_alloc(self.compute_device, self._grad_stores, self._stores.values()), pool

@@ -22,8 +22,8 @@ several processes                          Lightning's launcher (DDP's), gloo/NC
 
 An engine stays open after ``fit`` / ``validate`` / ``test`` / ``predict`` returns, so the model keeps working
 on its partitioned params and ``trainer.save_checkpoint`` after ``fit`` saves the trained state; it is
-closed when the strategy sets up its next run, when another `ZswapStrategy` sets up the same module, or
-when the strategy is garbage-collected.
+closed when the strategy sets up its next run or when another `ZswapStrategy` sets up the same module, and
+freed with the strategy, the trainer and the module once none of them is reachable any more.
 """
 
 from __future__ import annotations
@@ -128,7 +128,6 @@ class ZswapStrategy(ProcessGroupStrategy):
             timeout=timeout,
         )
         self._run: _Run | None = None
-        self._finalizer: weakref.finalize | None = None
 
     # -- what Lightning asks of a strategy -------------------------------------------------------------
 
@@ -383,9 +382,10 @@ class ZswapStrategy(ProcessGroupStrategy):
     def _open(self, module: nn.Module, run: _Run) -> None:
         self._run = run
         _OPEN[module] = weakref.ref(run)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, run.close)
+        # No `weakref.finalize(self, run.close)`: the engine reaches the module, the module its trainer and
+        # the trainer this strategy, so a finalizer holding the run kept all of them (the engine's fetch
+        # pool and optimizer ring, its files) alive until the process exited, one engine per fit. Without
+        # it they are one cycle that the collector frees whole once nothing outside reaches it.
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
