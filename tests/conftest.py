@@ -87,7 +87,7 @@ def mounted(fstype: str, options: str | None = None) -> Iterator[Path]:
             subprocess.run(["umount", "-l", d], capture_output=True, timeout=30)
 
 
-def run_ranks(worker: Path, tmp_path: Path, world: int = 2, timeout: float = 120) -> None:
+def run_ranks(worker: Path, tmp_path: Path, world: int = 2, timeout: float = 300) -> None:
     """Runs ``worker rank world rendezvous_file tmp_path`` as `world` processes (env ``RANK`` and
     ``WORLD_SIZE`` set, cwd `tmp_path`) and fails the test with a rank's output if any rank fails."""
     env = {**os.environ, "WORLD_SIZE": str(world), "PYTHONDONTWRITEBYTECODE": "1"}

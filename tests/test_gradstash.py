@@ -196,7 +196,7 @@ def test_grad_stash_bytes_takes_a_non_negative_int(tmp_path):
     cfg = cfg_for(tmp_path, "nvme", "nvme")
     m, _ = build(TinyLM, cfg)
     with engine_for(m, cfg) as e:
-        assert e.grad_stash_bytes == 1500 * 4  # default: the live-param budget's bytes
+        assert e.grad_stash_bytes == 0  # default: every gradient written (memory: benches/README)
         for bad in (-1, 1.5, True, "1"):
             with pytest.raises(ValueError, match="grad_stash_bytes"):
                 e.grad_stash_bytes = bad
@@ -260,6 +260,8 @@ def test_the_next_forward_starts_from_the_params_the_early_step_kept(tmp_path):
     back with it is what the next forward sees (that copy is no longer used)."""
     (m, e), (ref, ref_e) = twins(tmp_path, 0)
     e.early_step = True
+    assert e._early is not None and e._early.seed_numel == 0  # off by default (memory: benches/README)
+    e._early.seed_numel = e.sizing.budget.max_live
     pairs = [(m, e), (ref, ref_e)]
     train(pairs, 0)
     for seed in range(1, 4):

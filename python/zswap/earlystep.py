@@ -439,6 +439,6 @@ def for_engine(engine: Any) -> EarlyStep | None:
         opt,
         eligible,
         (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
-        seed_numel=engine.sizing.budget.max_live,  # the scheduler takes what fits (`Scheduler.seed`)
+        seed_numel=0,  # off: seeds cost up to a live budget of memory on top of the bound (benches/README)
         streamed=streamed,
     )

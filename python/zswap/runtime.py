@@ -154,7 +154,7 @@ class Engine:
         """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
         (set False to always step after backward; results are the same either way)."""
         self._early: earlystep.EarlyStep | None = None
-        self._grad_stash = -1  # -1: the live-param budget's bytes (`grad_stash_bytes`)
+        self._grad_stash = 0  # `grad_stash_bytes`; -1: the live-param budget's bytes
         self._ids: set[int] = set()
         self._items: list[Item] = []
         self._grad_stores: list[gradstore.GradStore] = []
@@ -316,8 +316,10 @@ class Engine:
     @property
     def grad_stash_bytes(self) -> int:
         """Bytes of partition gradients kept in memory between backward and step instead of being written
-        to NVMe, where the optimizer lives there (`zswap.gradstore`; default: the live-param budget's
-        bytes; 0: write every gradient). Results are the same either way."""
+        to NVMe, where the optimizer lives there (`zswap.gradstore`). Default 0: every gradient is written,
+        which keeps peak RSS within the live budget + optimizer ring + 256 MiB; the live budget's bytes
+        saves about 1 × the model of writes per step for as much memory (benches/README.md, "Bytes per
+        step"). Results are the same either way."""
         return max((getattr(gs, "stash_cap", 0) for gs in self._grad_stores), default=0)
 
     @grad_stash_bytes.setter
