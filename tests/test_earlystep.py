@@ -38,6 +38,10 @@ def twins(tmp_path: Path, stash: int | None = None, **extra: Any) -> tuple[Any, 
     return runs[0], runs[1]
 
 
+def model_bytes(m: Any) -> int:
+    return sum(param_state(p).partition_numel * p.dtype.itemsize for p in m.parameters())
+
+
 def state(m: Any, e: zswap.Engine) -> Any:
     return params_of(m), optim_state(e.optimizer, m)
 
@@ -53,7 +57,7 @@ def test_steps_are_bitwise_those_of_the_ordinary_step_and_move_fewer_bytes(tmp_p
     e._early.seed_numel = 0  # no params kept for the next forward: its reads as the twin's (tested apart)
     train([(m, e), (ref, ref_e)], 0)  # the first step places the records: never early
     assert e._early is not None and e._early.commits == 0
-    model_bytes = sum(param_state(p).partition_numel * p.dtype.itemsize for p in m.parameters())
+    nbytes = model_bytes(m)
     for seed in range(1, 4):
         moved = []
         for mm, ee in ((m, e), (ref, ref_e)):
@@ -64,7 +68,7 @@ def test_steps_are_bitwise_those_of_the_ordinary_step_and_move_fewer_bytes(tmp_p
             moved.append((s["bytes_read"], s["bytes_written"]))
         assert same(state(m, e), state(ref, ref_e)), seed
         # the same writes (gradients, records, params); no step-time read of params and gradients
-        assert moved[1][0] - moved[0][0] == 2 * model_bytes and moved[0][1] == moved[1][1], moved
+        assert moved[1][0] - moved[0][0] == 2 * nbytes and moved[0][1] == moved[1][1], moved
     assert e._early.commits == 3
     assert ref_e._early is not None and ref_e._early.commits == 0
     e.close()

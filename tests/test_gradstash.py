@@ -23,14 +23,11 @@ from torch import nn
 import zswap
 from zswap import GatheredParameters, full_grad, param_state
 
-from .test_faults import cfg_for, engine_of, grads_of, inject, optim_state, params_of, same
+from .test_earlystep import model_bytes, state, train
+from .test_faults import cfg_for, engine_of, grads_of, inject, same
 from .test_runtime import TinyLM, all_released, assert_same_grads, build, engine_for, ids, sq
 
 ALL = 1 << 30
-
-
-def model_bytes(m: nn.Module) -> int:
-    return sum(param_state(p).partition_numel * p.dtype.itemsize for p in m.parameters())
 
 
 def twins(tmp_path: Path, stash: int, **extra: Any) -> tuple[Any, Any]:
@@ -45,16 +42,6 @@ def twins(tmp_path: Path, stash: int, **extra: Any) -> tuple[Any, Any]:
         e.early_step = keep > 0
         runs.append((m, e))
     return runs[0], runs[1]
-
-
-def state(m: Any, e: zswap.Engine) -> Any:
-    return params_of(m), optim_state(e.optimizer, m)
-
-
-def train(pairs: Any, seed: int) -> None:
-    for m, e in pairs:
-        sq(m(ids(seed=seed))).backward()
-        e.step()
 
 
 def test_kept_gradients_are_never_written_and_every_step_is_bitwise_the_written_ones(tmp_path):

@@ -439,6 +439,6 @@ def for_engine(engine: Any) -> EarlyStep | None:
         opt,
         eligible,
         (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
-        seed_numel=0,  # off: seeds cost up to a live budget of memory on top of the bound (benches/README)
-        streamed=streamed,
+        streamed=streamed,  # seeds stay off (seed_numel 0): at the live budget they cost that much memory
+        # on top of the bound (benches/README.md, "Bytes per step")
     )

@@ -154,7 +154,7 @@ class Engine:
         """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
         (set False to always step after backward; results are the same either way)."""
         self._early: earlystep.EarlyStep | None = None
-        self._grad_stash = 0  # `grad_stash_bytes`; -1: the live-param budget's bytes
+        self._grad_stash = 0  # `grad_stash_bytes`
         self._ids: set[int] = set()
         self._items: list[Item] = []
         self._grad_stores: list[gradstore.GradStore] = []
@@ -577,10 +577,7 @@ class Engine:
         self._grad_stores = []
         try:
             self._grad_stores = gradstore.attach(self._items, config)
-            live = (self.sizing.budget.max_live + self.sizing.persistent) * max(
-                (st.dtype.itemsize for _, st in self._items), default=4
-            )
-            gradstore.size_stash(self._grad_stores, live if self._grad_stash < 0 else self._grad_stash)
+            gradstore.size_stash(self._grad_stores, self._grad_stash)
             # Weakly: each param's state holds its gradient store for as long as the param lives (its
             # finalizer keeps the state), so a store holding this Engine kept the module and every buffer
             # alive for good once the engine was dropped without `close`.
