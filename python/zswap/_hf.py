@@ -159,9 +159,7 @@ def _prime(ctx: _InitContext, name_or_path: Any, kwargs: dict[str, Any]) -> Any:
     ranges = []
     for e in sorted(entries.values(), key=lambda e: (e.path, e.offset)):
         part = partition_numel(e.numel, where.world_size)
-        start, end = min(e.numel, where.rank * part), min(e.numel, (where.rank + 1) * part)
-        if end > start:
-            ranges.append((e.path, e.offset + start * e.dtype.itemsize, (end - start) * e.dtype.itemsize))
+        ranges.append(e.span(where.rank * part, (where.rank + 1) * part))
     return _stfile.Readahead(ranges)
 
 

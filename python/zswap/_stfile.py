@@ -68,6 +68,15 @@ class TensorEntry:
     def numel(self) -> int:
         return self.shape.numel()
 
+    def span(self, start: int, end: int) -> tuple[str, int, int] | None:
+        """``(path, offset, length)`` of flattened elements ``[start, end)`` (``end`` clipped to the tensor;
+        None when nothing is left): the bytes a ranged read of them touches."""
+        end = min(end, self.numel)
+        if end <= start:
+            return None
+        size = self.dtype.itemsize
+        return self.path, self.offset + start * size, (end - start) * size
+
 
 def read_header(path: str) -> dict[str, TensorEntry]:
     """The tensors of one safetensors file, checked against the file's size (no tensor data is read)."""

@@ -254,11 +254,7 @@ def _span(target: Target, src: Source, placement: Placement | None) -> tuple[str
         start, end = placement.rank * part, (placement.rank + 1) * part
     else:
         start, end = 0, e.numel
-    end = min(end, e.numel)
-    if end <= start:
-        return None
-    size = e.dtype.itemsize
-    return e.path, e.offset + start * size, (end - start) * size
+    return e.span(start, end)
 
 
 def quiesce(params: list[torch.Tensor]) -> None:
