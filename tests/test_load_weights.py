@@ -247,3 +247,32 @@ def test_refused_once_the_optimizer_holds_a_master_copy(tmp_path):
             ZswapError, match=r"weight: the optimizer of an open zswap Engine holds a float32"
         ):
             load_weights(m, tmp_path / "w.safetensors")
+
+
+def test_nvme_load_buffers_are_reused_for_same_sized_params_and_the_pool_restored(tmp_path, monkeypatch):
+    import zswap.weights as weights
+    from zswap.swap import SwapEngine
+
+    torch.manual_seed(3)
+    ref = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(6)])
+    save_file(ref.state_dict(), tmp_path / "w.safetensors")
+    with init_for("nvme", tmp_path):
+        m = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(6)])
+    store = param_state(m[0].weight).store
+    pool_before = store.pool_bytes
+    sizes: list[int] = []
+    real_empty = SwapEngine.empty
+
+    def counted(self, shape, dtype=torch.float32):
+        sizes.append(shape[0] if isinstance(shape, tuple) else shape)
+        return real_empty(self, shape, dtype)
+
+    monkeypatch.setattr(SwapEngine, "empty", counted)
+    monkeypatch.setattr(weights, "LOAD_INFLIGHT_BYTES", 0)  # each write waited for before the next one's
+    load_weights(m, tmp_path / "w.safetensors")
+    # The first two partitions take a buffer each (the first is still being written while the second
+    # fills); every later one reuses a buffer whose write has landed.
+    assert sizes == [256 * 256, 256 * 256]
+    assert store.pool_bytes == pool_before and store._pooled <= pool_before
+    got = current(m)
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())

@@ -117,6 +117,33 @@ def test_the_write_queue_bounds_the_bytes_in_flight(storage, monkeypatch):
     assert all(torch.equal(read(ns, str(i), 4096), t(4096, i)) for i in range(20))
 
 
+def test_a_write_larger_than_the_queue_does_not_wait_for_itself_the_next_put_waits_for_it(storage):
+    storage.queue.limit = 4096 * 4
+    ns = storage.namespace("p")
+    big = ns.put("big", t(3 * 4096, 1))
+    assert not big.settled and storage.queue.queued == 3 * 4096 * 4  # still in flight: the caller goes on
+    small = ns.put("small", t(16, 2))
+    assert big.settled and storage.queue.queued <= storage.queue.limit  # over the limit: the oldest waited
+    ns.wait()
+    assert small.settled and storage.queue.queued == 0
+    assert torch.equal(read(ns, "big", 3 * 4096), t(3 * 4096, 1))
+    assert torch.equal(read(ns, "small", 16), t(16, 2))
+
+
+def test_a_write_whose_source_is_counted_elsewhere_is_not_counted_by_the_queue(storage):
+    ns = storage.namespace("p")
+    slot = t(4096, 3)  # e.g. a slot of the optimizer's ring, which outlives the write anyway
+    w = ns.put("rec", slot, held=0)
+    assert storage.queue.queued == 0
+    txn = zs.Transaction()
+    staged = ns.put("rec", t(4096, 4), txn, held=0)
+    assert storage.queue.queued == 0
+    w.settle()
+    staged.settle()
+    txn.commit()
+    assert torch.equal(read(ns, "rec", 4096), t(4096, 4))
+
+
 # -- transactions ---------------------------------------------------------------------------------------
 
 

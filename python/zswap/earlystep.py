@@ -242,7 +242,7 @@ class EarlyStep:
             targets = {i: self.ready[i][1] for i in steps}
             self.opt._update(sg, rec, steps, grads, 1.0, self.txn, targets=targets)
             store = self.records
-            self.writes.append((buf, store.ns.put(store._name(sg), rec, self.txn)))
+            self.writes.append((buf, store.ns.put(store._name(sg), rec, self.txn, held=0)))  # a ring slot
             for i in steps:
                 self.left[i] -= 1
                 if self.left[i] == 0:

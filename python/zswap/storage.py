@@ -11,7 +11,9 @@ freed). A failed write frees its own version and leaves the previous value reada
 overwrite semantics are never relied on.
 
 One write queue per storage bounds the source bytes held by writes in flight (`INFLIGHT_WRITE_BYTES`):
-``put`` never waits unless that is exceeded, then for the oldest writes.
+``put`` never waits unless that is exceeded, then for the oldest writes — never for the one it queued, so
+a write larger than the bound still overlaps with its caller's next work. A source whose memory is counted
+elsewhere (a slot of the optimizer's ring) is queued with ``held=0``.
 
 One error policy: the first failed write of a namespace is kept, named by its logical key
 (``SwapIOError.key``), and raised by the next `Namespace.wait` (or by a read of that very name, which then
@@ -89,9 +91,11 @@ class WriteQueue:
         self.queued = 0
 
     def push(self, w: _Write) -> None:
+        """Queue ``w``; past the limit, wait for the oldest writes — never for ``w`` itself, so one write
+        larger than the limit still overlaps with what its caller does next (the next `push` waits for it)."""
         self._writes.append(w)
         self.queued += w.held
-        while self._writes and (self.queued > self.limit or self._writes[0].done()):
+        while self._writes[0] is not w and (self.queued > self.limit or self._writes[0].done()):
             self.settle(self._writes[0])
 
     def settle(self, w: _Write) -> None:
@@ -243,26 +247,33 @@ class Namespace:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def put(self, name: str, tensor: torch.Tensor, txn: Transaction | None = None) -> _Write:
+    def put(
+        self, name: str, tensor: torch.Tensor, txn: Transaction | None = None, *, held: int | None = None
+    ) -> _Write:
         """Start writing ``tensor`` as the new value of ``name`` (staged in ``txn`` when given). The
-        caller must not modify ``tensor`` until the returned write is settled (`settle`)."""
+        caller must not modify ``tensor`` until the returned write is settled (`settle`). ``held``: the
+        bytes the write queue counts for it (default the tensor's storage; 0 for a buffer that outlives the
+        write anyway, such as a slot of the optimizer's ring, whose memory is counted once, as the ring)."""
         self._check_open()
         if txn is not None:
-            return txn.put(self, name, tensor)
+            return txn.put(self, name, tensor, held=held)
         old = self._pending.get(name)
         if old is not None:
             self.storage.queue.settle(old)  # writes of one name land in order
-        w = self._issue(name, tensor, self._landed)
+        w = self._issue(name, tensor, self._landed, held)
         if not w.settled:
             self._pending[name] = w
         return w
 
-    def _issue(self, name: str, tensor: torch.Tensor, on_done: Callable[[_Write], None]) -> _Write:
+    def _issue(
+        self, name: str, tensor: torch.Tensor, on_done: Callable[[_Write], None], held: int | None = None
+    ) -> _Write:
         if tensor.device.type != "cpu":
-            tensor = tensor.to("cpu")
+            tensor, held = tensor.to("cpu"), None  # the copy lives as long as the write
         physical = self.storage.physical(self.prefix, name)
         handle = self.storage.engine.write(physical, tensor)
-        w = _Write(handle, tensor.untyped_storage().nbytes(), physical, name, on_done, self.storage.queue)
+        nbytes = tensor.untyped_storage().nbytes() if held is None else held
+        w = _Write(handle, nbytes, physical, name, on_done, self.storage.queue)
         self.storage.queue.push(w)
         return w
 
@@ -429,11 +440,11 @@ class Transaction:
     def on_abort(self, fn: Callable[[], object]) -> None:
         self._on_abort.append(fn)
 
-    def put(self, ns: Namespace, name: str, tensor: torch.Tensor) -> _Write:
+    def put(self, ns: Namespace, name: str, tensor: torch.Tensor, *, held: int | None = None) -> _Write:
         self._check_open()
         self.uses(ns.storage)
         prev = self._staged.get((id(ns), name))
-        w = ns._issue(name, tensor, self._landed)
+        w = ns._issue(name, tensor, self._landed, held)
         self._writes.append(w)
         self._staged[(id(ns), name)] = (ns, w)
         if prev is not None:

@@ -214,7 +214,7 @@ def write(
     quiesce([t.tensor for t, _, _ in items])
     stores: dict[int, Store] = {}
     ahead = _stfile.Readahead(_span(t, src, placement) for t, _, src in items)
-    with contextlib.closing(ahead), _tight_queues(items, placement), no_torch_function(), torch.no_grad():
+    with contextlib.closing(ahead), _load_buffers(items, placement), no_torch_function(), torch.no_grad():
         for i, (target, _, src) in enumerate(items):
             st = param_state(target.tensor)
             if st is not None:
@@ -329,7 +329,7 @@ def _adopt_meta(target: Target, src: Source, where: Placement) -> torch.Tensor:
 
 def _buffer(store: Store, numel: int, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(store, NvmeStore) and numel:
-        return store.engine.empty((numel,), dtype)  # page-aligned: written without a bounce copy
+        return store._buffer(numel, dtype)  # page-aligned (no bounce copy), pooled while loading
     return torch.empty(numel, dtype=dtype)
 
 
@@ -340,18 +340,42 @@ def _read_all(src: Source) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _tight_queues(items: list[tuple[Target, str, Source]], placement: Placement | None) -> Any:
+def _load_buffers(items: list[tuple[Target, str, Source]], placement: Placement | None) -> Any:
+    """While loading: writes queued to NVMe bounded by `LOAD_INFLIGHT_BYTES`, and each NVMe store pools
+    that much, plus two largest partitions (the one being filled and the one the queue may hold beyond its
+    bound), of its written-out buffers for the next partitions of the same size. A load of repeated layers
+    then populates its buffers' pages once, not once per tensor: zeroing and mapping fresh pages costs
+    about as much CPU as copying the bytes in."""
     stores = [placement.store] if placement is not None else []
     stores += [st.store for t, _, _ in items if (st := param_state(t.tensor)) is not None]
-    queues = {id(q): q for s in stores if isinstance(s, NvmeStore) and (q := _queue_of(s)) is not None}
-    before = [(q, q.limit) for q in queues.values()]
-    for q, b in before:
+    nvme = {id(s): s for s in stores if isinstance(s, NvmeStore)}
+    queues = {id(q): q for s in nvme.values() if (q := _queue_of(s)) is not None}
+    limits = [(q, q.limit) for q in queues.values()]
+    for q, b in limits:
         q.limit = min(b, LOAD_INFLIGHT_BYTES)
+    largest = max((_part_bytes(t, src, placement) for t, _, src in items), default=0)
+    pools = [(s, s.pool_bytes) for s in nvme.values()]
+    for s, b in pools:
+        s.pool_bytes = b + LOAD_INFLIGHT_BYTES + 2 * largest
     try:
         yield
     finally:
-        for q, b in before:
+        for q, b in limits:
             q.limit = b
+        for s, b in pools:
+            s.pool_bytes = b
+            s._evict(s._pooled - b)
+
+
+def _part_bytes(target: Target, src: Source, placement: Placement | None) -> int:
+    """Bytes of the partition `write` fills for ``target`` (0: none)."""
+    st = param_state(target.tensor)
+    if st is not None:
+        return st.partition_numel * st.dtype.itemsize
+    if placement is None or target.tensor.device.type != "meta" or not target.slots[0][2]:
+        return 0
+    dtype = target.dtype or target.tensor.dtype
+    return partition_numel(src.shape.numel(), placement.world_size) * dtype.itemsize
 
 
 def _queue_of(store: NvmeStore) -> Any:

@@ -13,6 +13,7 @@ mod fault;
 mod job;
 mod keys;
 mod psync;
+mod queue;
 mod request;
 mod uring;
 mod workers;
@@ -21,8 +22,6 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::thread::JoinHandle;
-
-use crossbeam_channel::{Receiver, Sender};
 
 pub use fault::{Fault, FaultInjector};
 use job::{BlockJob, Checksums};
@@ -105,7 +104,7 @@ pub fn probe_io_uring() -> std::result::Result<(), i32> {
 
 /// What a worker thread needs besides its own ring or buffer.
 pub(crate) struct WorkerCtx {
-    pub rx: Receiver<BlockJob>,
+    pub rx: queue::JobReceiver,
     pub counters: Arc<Counters>,
     pub faults: Arc<FaultInjector>,
     /// Workers still serving the queue (a failed ring leaves; the last one never does, see uring.rs).
@@ -155,7 +154,7 @@ pub struct Engine {
     store: Arc<Store>,
     /// `None` once closed. Calls that queue jobs hold the read side from their open check until their
     /// jobs are queued, so `close` (the write side) sees every job queued before it stops the workers.
-    tx: RwLock<Option<Sender<BlockJob>>>,
+    tx: RwLock<Option<queue::JobSender>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     keys: Mutex<Keys>,
     buffers: BufferRegistry,
@@ -166,7 +165,7 @@ pub struct Engine {
 /// Jobs queued beyond what the workers hold; a caller submitting past it waits (backpressure).
 const QUEUE_CAP: usize = 1 << 16;
 
-type OpenGuard<'a> = RwLockReadGuard<'a, Option<Sender<BlockJob>>>;
+type OpenGuard<'a> = RwLockReadGuard<'a, Option<queue::JobSender>>;
 
 impl Engine {
     /// Validates the paths, opens a swap file in each, probes the backend and starts the workers.
@@ -215,7 +214,7 @@ impl Engine {
                 }
             },
         };
-        let (tx, rx) = crossbeam_channel::bounded(QUEUE_CAP);
+        let (tx, rx) = queue::bounded(QUEUE_CAP);
         let counters = Arc::new(Counters::default());
         let faults = Arc::new(FaultInjector::default());
         let alive = Arc::new(std::sync::atomic::AtomicUsize::new(0));

@@ -23,7 +23,7 @@ impl PsyncWorker {
     }
 
     pub fn run(self, ctx: WorkerCtx) {
-        while let Ok(job) = ctx.rx.recv() {
+        while let Some(job) = ctx.rx.recv() {
             self.transfer(job, &ctx);
         }
     }

@@ -97,13 +97,13 @@ impl UringWorker {
                 let job = if inflight == 0 {
                     // Blocks while idle; Err only once the queue is closed and empty.
                     match ctx.rx.recv() {
-                        Ok(j) => j,
-                        Err(_) => return,
+                        Some(j) => j,
+                        None => return,
                     }
                 } else {
                     match ctx.rx.try_recv() {
-                        Ok(j) => j,
-                        Err(_) => break,
+                        Some(j) => j,
+                        None => break,
                     }
                 };
                 self.free.pop();
@@ -165,7 +165,7 @@ impl UringWorker {
                 // Refill the slot just freed before copying out the next completed block, so a burst
                 // of completions does not leave the disk idle while this thread copies them all.
                 if let Some(&free) = self.free.last() {
-                    if let Ok(job) = ctx.rx.try_recv() {
+                    if let Some(job) = ctx.rx.try_recv() {
                         self.free.pop();
                         self.launch(free, job, ctx, inflight);
                     }
@@ -341,7 +341,7 @@ fn fail_rest_if_last(errno: i32, ctx: &WorkerCtx) {
     if ctx.alive.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) != 1 {
         return;
     }
-    while let Ok(job) = ctx.rx.recv() {
+    while let Some(job) = ctx.rx.recv() {
         let dir = job.store.files[job.path].dir.clone();
         let err = Error::io(Op::Submit, errno, &dir, job.file_offset, job.io_len as u64);
         job.finish(Err(err), &ctx.counters);

@@ -2,10 +2,14 @@
 //! (`extent`), and the layout that stripes a key's blocks across paths.
 //!
 //! Space given back: when a free leaves more than `PUNCH_SLACK` bytes of a file free and not yet
-//! returned, and more free than live, every free extent is punched (`FALLOC_FL_PUNCH_HOLE`) and the
-//! file truncated to its high-water mark. Steady overwrites (each key copy-on-write into a new extent,
-//! then the old one freed) keep at most the largest key free at a time, so they do not trigger it;
-//! freeing many keys does. Punched space is `fallocate`d again when reused.
+//! returned (the preallocated reserve above the high-water mark included), and more than twice as much
+//! free below that mark as live, every free extent is punched (`FALLOC_FL_PUNCH_HOLE`) and the file
+//! truncated to its high-water mark. Why twice: copy-on-write keeps one version more of every key a
+//! transaction rewrites (a training step rewrites them all, then frees the old ones at once), so a file
+//! holding twice its live bytes is the next step's working set, not waste. Punching it would make that
+//! step `fallocate` every range again, and `fallocate` waits for all direct I/O in flight on the file
+//! (ext4's `inode_dio_wait`), draining the queue at each allocation. Freeing most keys (a dropped model,
+//! the end of a run) does trigger it. Punched space is `fallocate`d again when reused.
 
 mod extent;
 mod file;
@@ -139,8 +143,9 @@ impl Store {
             let mut a = lock(&file.alloc);
             a.free(off, len);
             let live = a.end() - a.free_bytes();
-            let idle = a.unpunched_bytes() + file.size().saturating_sub(a.end());
-            if idle > PUNCH_SLACK && idle > live {
+            let free = a.unpunched_bytes(); // below the high-water mark; above it is growth reserve
+            let idle = free + file.size().saturating_sub(a.end());
+            if idle > PUNCH_SLACK && free > 2 * live {
                 let ranges = a.take_unpunched();
                 let keep = a.end();
                 // Under the allocator lock, so no punched range is handed out before it is punched.
@@ -262,6 +267,29 @@ mod tests {
         // SAFETY: nothing else uses the file.
         unsafe { f.close() };
         assert_ne!(target(fd), Some(before), "fd {fd} kept open");
+    }
+
+    #[test]
+    fn a_step_worth_of_old_versions_freed_keeps_its_space_for_the_next_step() {
+        let d = tempfile::tempdir().unwrap();
+        let (f, _) = SwapFile::create(d.path(), Some(false)).unwrap();
+        let store = Store::new(vec![f], 1 << 20);
+        let size = PUNCH_SLACK + (64 << 20);
+        let old = store.allocate(size).unwrap(); // every record before a step ...
+        let new = store.allocate(size).unwrap(); // ... its copy-on-write versions ...
+        let grads = store.allocate(64 << 20).unwrap(); // ... and the step's gradients
+        let before = store.allocated_bytes();
+        store.free(&old); // the commit frees the old versions,
+        store.free(&grads); // zero_grad the gradients: more free than live, less than twice
+        assert!(
+            store.allocated_bytes() + (1 << 20) >= before,
+            "punched: {before} -> {} bytes",
+            store.allocated_bytes()
+        );
+        let next = store.allocate(size).unwrap(); // the next step reuses the range, no fallocate
+        assert_eq!(next.extents[0].1, old.extents[0].1);
+        store.free(&new);
+        store.free(&next);
     }
 
     #[test]

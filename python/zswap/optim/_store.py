@@ -170,7 +170,7 @@ class NvmeStore:
                 if not write:
                     free.append(buf)
                     continue
-                writes.append((buf, self.ns.put(self._name(sg), rec, txn)))
+                writes.append((buf, self.ns.put(self._name(sg), rec, txn, held=0)))  # the ring counts it
                 if not self.write_behind:
                     land_oldest()
             while writes:
