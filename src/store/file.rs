@@ -22,6 +22,12 @@ use crate::error::{Error, Feature, Op, Result};
 const GROW_MIN: u64 = 64 << 20;
 const GROW_MAX: u64 = 1 << 30;
 
+/// Bytes a file of `size` bytes grows by at once (`ensure_size`): its size, within [64 MiB, 1 GiB], so a
+/// growing file calls `fallocate` a logarithmic number of times.
+pub fn growth_step(size: u64) -> u64 {
+    size.clamp(GROW_MIN, GROW_MAX)
+}
+
 /// How a swap file is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Access {
@@ -143,7 +149,7 @@ impl SwapFile {
         UNIT.max(self.io_align())
     }
 
-    /// Makes the file at least `need` bytes long with `fallocate`, growing in large steps; on ENOSPC
+    /// Makes the file at least `need` bytes long with `fallocate`, growing by `growth_step`; on ENOSPC
     /// retries with exactly what is needed before failing.
     pub fn ensure_size(&self, need: u64) -> Result<()> {
         if need <= self.size() {
@@ -154,7 +160,7 @@ impl SwapFile {
         if need <= cur {
             return Ok(());
         }
-        let generous = align_up(need.max(cur + cur.clamp(GROW_MIN, GROW_MAX)), UNIT);
+        let generous = align_up(need.max(cur + growth_step(cur)), UNIT);
         let mut target = generous;
         loop {
             match self.fallocate(0, cur, target - cur) {

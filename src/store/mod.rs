@@ -2,14 +2,15 @@
 //! (`extent`), and the layout that stripes a key's blocks across paths.
 //!
 //! Space given back: when a free leaves more than `PUNCH_SLACK` bytes of a file free and not yet
-//! returned (the preallocated reserve above the high-water mark included), and more than twice as much
-//! free below that mark as live, every free extent is punched (`FALLOC_FL_PUNCH_HOLE`) and the file
-//! truncated to its high-water mark. Why twice: copy-on-write keeps one version more of every key a
-//! transaction rewrites (a training step rewrites them all, then frees the old ones at once), so a file
-//! holding twice its live bytes is the next step's working set, not waste. Punching it would make that
-//! step `fallocate` every range again, and `fallocate` waits for all direct I/O in flight on the file
-//! (ext4's `inode_dio_wait`), draining the queue at each allocation. Freeing most keys (a dropped model,
-//! the end of a run) does trigger it. Punched space is `fallocate`d again when reused.
+//! returned (free extents plus the preallocated tail past the high-water mark), and more than twice its
+//! live bytes plus one growth step (`file::growth_step`, what the file's next growth would add), every
+//! free extent is punched (`FALLOC_FL_PUNCH_HOLE`) and the file truncated to its high-water mark. Why
+//! twice: copy-on-write keeps one version more of every key a transaction rewrites (a training step
+//! rewrites them all, then frees the old ones at once), so a file holding twice its live bytes is the next
+//! step's working set, not waste. Punching it would make that step `fallocate` every range again, and
+//! `fallocate` waits for all direct I/O in flight on the file (ext4's `inode_dio_wait`), draining the
+//! queue at each allocation. Freeing most keys (a dropped model, the end of a run) does trigger it.
+//! Punched space is `fallocate`d again when reused.
 
 mod extent;
 mod file;
@@ -143,9 +144,8 @@ impl Store {
             let mut a = lock(&file.alloc);
             a.free(off, len);
             let live = a.end() - a.free_bytes();
-            let free = a.unpunched_bytes(); // below the high-water mark; above it is growth reserve
-            let idle = free + file.size().saturating_sub(a.end());
-            if idle > PUNCH_SLACK && free > 2 * live {
+            let idle = a.unpunched_bytes() + file.size().saturating_sub(a.end());
+            if idle > PUNCH_SLACK && idle > 2 * live + file::growth_step(a.end()) {
                 let ranges = a.take_unpunched();
                 let keep = a.end();
                 // Under the allocator lock, so no punched range is handed out before it is punched.
