@@ -40,6 +40,7 @@ def twins(tmp_path: Path, stash: int, **extra: Any) -> tuple[Any, Any]:
         e = engine_for(m, cfg)
         e.grad_stash_bytes = keep
         e.early_step = keep > 0
+        e.keep_applied_grads = True  # stored, so kept in the stash (not kept: tests/test_applied_grads.py)
         runs.append((m, e))
     return runs[0], runs[1]
 
@@ -247,8 +248,8 @@ def test_the_next_forward_starts_from_the_params_the_early_step_kept(tmp_path):
     back with it is what the next forward sees (that copy is no longer used)."""
     (m, e), (ref, ref_e) = twins(tmp_path, 0)
     e.early_step = True
-    assert e._early is not None and e._early.seed_numel == 0  # off by default (memory: benches/README)
-    e._early.seed_numel = e.sizing.budget.max_live
+    assert e._early is not None and e._early.seed_numel == e.sizing.budget.max_live  # on by default
+    e.keep_applied_grads = False  # the default
     pairs = [(m, e), (ref, ref_e)]
     train(pairs, 0)
     for seed in range(1, 4):

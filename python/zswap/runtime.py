@@ -153,6 +153,13 @@ class Engine:
         self.early_step = True
         """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
         (set False to always step after backward; results are the same either way)."""
+        self.keep_applied_grads = False
+        """Store the gradients the early step applies in backward as any other (written to NVMe past
+        `grad_stash_bytes`). Default false: they are let go once applied — 1 × the model fewer bytes
+        written per step — so what needs them after backward raises `zswap.errors.GradientsNotKeptError`
+        (`full_grad`, a second backward, a step the early step cannot be (an lr changed, a partition
+        written, clipping turned on between backward and step); README, "The early step"). True: those
+        fall back to the ordinary step, as before. Read at each backward's start; results never differ."""
         self._early: earlystep.EarlyStep | None = None
         self._grad_stash = 0  # `grad_stash_bytes`
         self._ids: set[int] = set()
