@@ -324,8 +324,11 @@ class EarlyStep:
 
     def _alloc(self, st: ParamState, like: torch.Tensor) -> torch.Tensor:
         if like.numel() * like.element_size() >= ENGINE_COPY:  # page-aligned: written without a bounce copy
-            with memory.purpose("early_step"):
-                return _ps(st).engine.empty((like.numel(),), like.dtype)
+            # From the param store's fetch pool: a buffer a released param gave back (backward lets go of
+            # one of the same shape at about every gradient), so copies and seeds take the memory of the
+            # gathered params they replace rather than adding to it; free again once written, or once
+            # the seed it became is released.
+            return _ps(st)._buffer(like.numel(), like.dtype)
         return torch.empty(like.numel(), dtype=like.dtype)
 
     def _start(self, sg: SubGroup) -> None:

@@ -402,8 +402,9 @@ class Engine:
 
         Engine buffers by purpose (``mem_fetch_buffers``: gathered params and the pool kept for reuse, at
         most ``mem_fetch_pool_limit`` pooled; ``mem_grad_buffers``: gradient partitions read for a step or
-        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_early_step_buffers``: the
-        early step's param copies of 1 MiB or more; ``mem_other_buffers``: any other) add up to
+        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_early_step_buffers``:
+        purpose "early_step" (the early step's copies are fetch-pool buffers); ``mem_other_buffers``: any
+        other) add up to
         ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`); ``mem_peak_*`` are
         their high-water marks since the last reset. Ordinary tensors zswap holds past their use are on
         their own line, ``mem_early_step_tensors`` (the early step's gradients and smaller copies, waiting
