@@ -405,8 +405,8 @@ class EarlyStep:
     def commit(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
         """Make the early step live if it is exactly the step `Engine.step` would take now (see the
         module docstring); True if it did. Otherwise it is dropped and the caller steps as usual."""
-        if self.state != "running":
-            self.abort()
+        if self.state != "running" or not self.ended:  # not begun, dropped, or its backward raised (then
+            self.abort()  # that backward's gradients went with it, applied ones included: nothing is lost)
             self.check_kept(items)
             return False
         why = self._mismatch(items)
