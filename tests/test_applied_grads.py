@@ -354,3 +354,36 @@ def test_reentrant_checkpointing_gradients_on_nvme_equal_plain_pytorchs(tmp_path
             sq(m(ids(seed=seed))).backward()
             sq(ref(ids(seed=seed))).backward()
             assert_same_grads(m, ref)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_failed_commit_raises_or_falls_back_and_changes_nothing(keep, tmp_path):
+    """The commit's transaction fails (injected: it aborts itself, as a failed commit does): not kept, the
+    step raises naming the failure and nothing changed; kept, the ordinary step runs instead."""
+    pairs, before, e = _before_step(tmp_path, keep)
+    (m, _), (ref, ref_e) = pairs
+    txn = e._early.txn
+
+    def failing() -> None:
+        txn.abort()
+        raise OSError(errno.EIO, "injected commit failure")
+
+    txn.commit = failing
+    if keep:
+        for _, ee in pairs:
+            ee.step()
+    else:
+        with pytest.raises(
+            GradientsNotKeptError, match=r"the early step's writes failed \(.*injected"
+        ) as info:
+            e.step()
+        assert RESTART in str(info.value)
+        assert same(state(m, e), before)
+        with pytest.raises(GradientsNotKeptError, match=r"\(its writes failed"):
+            e.step()
+        for _, ee in pairs:
+            ee.zero_grad()
+    train(pairs, 2)
+    assert same(state(m, e), state(ref, ref_e))
+    for _, ee in pairs:
+        ee.close()
