@@ -8,10 +8,11 @@ NVMe in one directory — `zswap.demo.default_config`, the knobs the demo uses �
 (stage 3, the same live budget, prefetch bucket, persistence threshold and ``sub_group_size``, aio block
 1 MiB, queue depth 16) given to DeepSpeed on its CPU accelerator. Each contender runs in its own process:
 
-- ``zswap``: as shipped (the optimizer update runs in backward where it may: `zswap.earlystep`; a
-  step's gradients kept in memory up to ``engine.grad_stash_bytes``, the live budget's bytes);
-- ``zswap, all grads kept``: ``engine.grad_stash_bytes`` = the model's bytes (every gradient in memory
-  between backward and step, as DeepSpeed keeps them: fewer bytes, more memory);
+- ``zswap``: as shipped (the optimizer update runs in backward where it may: `zswap.earlystep`; the
+  gradients it applies are not stored; the next forward's first params kept from it: seeds);
+- ``zswap, applied grads kept``: ``engine.keep_applied_grads = True`` (those gradients stored too —
+  written, with the default ``grad_stash_bytes`` 0 — so that ``full_grad`` and every change between
+  backward and step fall back to the ordinary step);
 - ``zswap, ordinary step``: ``engine.early_step = False`` (the step after backward, as before);
 - ``deepspeed``: ZeRO-3 with ``offload_param``/``offload_optimizer`` on NVMe, DeepSpeedCPUAdam; bytes are
   those of every read and write issued through its aio handles (counted by a proxy, `benches/_ds_step.py`);
@@ -82,7 +83,7 @@ def _step_loop(step: Any, steps: int, stats: Any) -> list[dict[str, float]]:
     return out
 
 
-def run_zswap(size: int, path: Path, steps: int, early: bool, keep_all: bool = False) -> dict[str, Any]:
+def run_zswap(size: int, path: Path, steps: int, early: bool, keep: bool = False) -> dict[str, Any]:
     import zswap
     from zswap.demo import BATCH, GPT, Shape
 
@@ -95,8 +96,7 @@ def run_zswap(size: int, path: Path, steps: int, early: bool, keep_all: bool = F
             model = GPT(shape)
         engine = zswap.initialize(model, cfg)
     engine.early_step = early
-    if keep_all:
-        engine.grad_stash_bytes = shape.params * 4
+    engine.keep_applied_grads = keep
     batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
 
     def step() -> float:
@@ -152,7 +152,7 @@ def worker(kind: str, size: int, path: Path, steps: int) -> int:
     if kind == "ram":
         res = run_ram(size, steps)
     else:
-        res = run_zswap(size, path, steps, early=kind != "zswap-ordinary", keep_all=kind == "zswap-keepall")
+        res = run_zswap(size, path, steps, early=kind != "zswap-ordinary", keep=kind == "zswap-keep")
     res["peak_rss"] = peak_rss()
     print("RESULT " + json.dumps(res), flush=True)
     return 0
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=1800, help="seconds per contender (DeepSpeed JIT-builds ops)"
     )
     ap.add_argument(
-        "--worker", choices=["zswap", "zswap-keepall", "zswap-ordinary", "ram"], help=argparse.SUPPRESS
+        "--worker", choices=["zswap", "zswap-keep", "zswap-ordinary", "ram"], help=argparse.SUPPRESS
     )
     args = ap.parse_args(argv)
     from zswap.cli import _size
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[str, float] | str] = {}
         for name, kind in (
             ("zswap", "zswap"),
-            ("zswap, all grads kept", "zswap-keepall"),
+            ("zswap, applied kept", "zswap-keep"),
             ("zswap, ordinary step", "zswap-ordinary"),
             ("plain PyTorch in RAM", "ram"),
         ):

@@ -23,8 +23,10 @@ from .test_faults import cfg_for, engine_of, inject, optim_state, params_of, sam
 from .test_runtime import TinyLM, build, engine_for, ids, sq
 
 
-def twins(tmp_path: Path, stash: int | None = None, **extra: Any) -> tuple[Any, Any]:
-    """(early step on, off) over the same model; ``stash``: both engines' ``grad_stash_bytes``."""
+def twins(tmp_path: Path, stash: int | None = None, keep: bool = True, **extra: Any) -> tuple[Any, Any]:
+    """(early step on, off) over the same model; ``stash``: both engines' ``grad_stash_bytes``; ``keep``:
+    the early one's ``keep_applied_grads`` (its gradients stored too, so every case between backward and
+    step falls back; not kept, the default: tests/test_applied_grads.py)."""
     runs = []
     tmp_path.mkdir(parents=True, exist_ok=True)
     for name, early in (("early", True), ("plain", False)):
@@ -32,6 +34,7 @@ def twins(tmp_path: Path, stash: int | None = None, **extra: Any) -> tuple[Any, 
         m, _ = build(TinyLM, cfg)
         e = engine_for(m, cfg)
         e.early_step = early
+        e.keep_applied_grads = keep
         if stash is not None:
             e.grad_stash_bytes = stash
         runs.append((m, e))
@@ -130,12 +133,14 @@ def test_clipping_and_accumulation_take_the_ordinary_step(tmp_path):
         ref_e.close()
 
 
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize(("op", "code"), [("write", errno.ENOSPC), ("write", errno.EIO), ("read", errno.EIO)])
 @pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
-def test_a_fault_in_the_early_step_falls_back_to_the_exact_ordinary_step(op, code, where, tmp_path):
-    """A fault in one of backward's transfers: if it hit a gradient write, backward raises as ever and
-    nothing counts; else backward succeeds, the early step is dropped and `step` gives the exact result."""
-    (m, e), (ref, ref_e) = twins(tmp_path)
+def test_a_fault_in_the_early_step_falls_back_to_the_exact_ordinary_step(op, code, where, keep, tmp_path):
+    """A fault in one of backward's transfers: if it hit a gradient write (or, applied gradients not
+    kept, one of the early step's after it let one go), backward raises and nothing counts; else backward
+    succeeds, the early step is dropped and `step` gives the exact result."""
+    (m, e), (ref, ref_e) = twins(tmp_path, keep=keep)
     pairs = [(m, e), (ref, ref_e)]
     train(pairs, 0)
     swap = engine_of(m)

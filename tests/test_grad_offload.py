@@ -92,6 +92,7 @@ def test_training_matches_the_plain_model_bitwise(param_tier, kind, tmp_path):
     given = _adamw("torch")(m.parameters()) if kind == "torch" else None
     with engine_for(m, cfg, optimizer=given) as engine:
         engine.grad_stash_bytes = 0  # every gradient written
+        engine.keep_applied_grads = True  # accumulated over two backwards, read between backward and step
         if kind == "config":
             assert isinstance(engine.optimizer, zswap.optim.OffloadedAdamW)
         for step in range(3):

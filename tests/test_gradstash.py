@@ -40,6 +40,7 @@ def twins(tmp_path: Path, stash: int, **extra: Any) -> tuple[Any, Any]:
         e = engine_for(m, cfg)
         e.grad_stash_bytes = keep
         e.early_step = keep > 0
+        e.keep_applied_grads = True  # stored, so kept in the stash (not kept: tests/test_applied_grads.py)
         runs.append((m, e))
     return runs[0], runs[1]
 
@@ -247,8 +248,8 @@ def test_the_next_forward_starts_from_the_params_the_early_step_kept(tmp_path):
     back with it is what the next forward sees (that copy is no longer used)."""
     (m, e), (ref, ref_e) = twins(tmp_path, 0)
     e.early_step = True
-    assert e._early is not None and e._early.seed_numel == 0  # off by default (memory: benches/README)
-    e._early.seed_numel = e.sizing.budget.max_live
+    assert e._early is not None and e._early.seed_numel == e.sizing.budget.max_live  # on by default
+    e.keep_applied_grads = False  # the default
     pairs = [(m, e), (ref, ref_e)]
     train(pairs, 0)
     for seed in range(1, 4):
@@ -345,3 +346,35 @@ def test_a_kept_gradient_that_views_a_larger_buffer_keeps_only_its_own_bytes(tmp
         kept = st.grad_store._stash[st.grad_store.key(st)]
         assert kept.untyped_storage().nbytes() == st.numel * 4  # not the whole buffer's
         assert e.stats()["grad_stash_bytes"] == st.numel * 4
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_tied_embedding_stays_gathered_between_its_uses_within_the_room_prefetch_leaves(tier, tmp_path):
+    """TinyLM's tied embedding (640 elements) is used by forward's first and last steps and backward's
+    first and last: with ``max_live - bucket`` ≥ 640 it is kept between them (gathered once per training
+    pass, not three times), with less it is not; gradients are bitwise plain PyTorch's either way."""
+    fetches = {}
+    for room in (1000, 500):
+        cfg = {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": tier, **({"nvme_path": str(tmp_path)} if tier == "nvme" else {})},
+                "stage3_param_persistence_threshold": 0,
+                "stage3_max_live_parameters": 3000,
+                "stage3_prefetch_bucket_size": 3000 - room,
+            }
+        }
+        m, ref = build(TinyLM, cfg)
+        with engine_for(m, cfg) as e:
+            for it in range(3):
+                e.stats(reset=True)
+                sq(m(ids(seed=it))).backward()
+                sq(ref(ids(seed=it))).backward()
+                s = e.stats()
+                assert s["peak_live_elements"] <= 3000
+                assert_same_grads(m, ref)
+                assert all_released(m)
+                e.zero_grad()
+                ref.zero_grad()
+            fetches[room] = s["fetches"]
+    assert fetches[500] - fetches[1000] == 2, fetches

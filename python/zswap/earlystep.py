@@ -16,21 +16,39 @@ What it keeps:
   1, and a record is taken only when the gradient store was empty before this backward), one rank, the
   CPU as compute device, every managed param on NVMe with its gradient, an `OffloadedAdamW` on NVMe whose
   records already exist (from the second step on).
-- **API.** Gradients are still stored (kept in memory up to the gradient store's stash, written past it:
-  `zswap.gradstore`), so `full_grad`, `zero_grad`, another backward, a checkpoint, `GatheredParameters`
-  between backward and step all see what they saw before: nothing the early step wrote is visible until
-  `Engine.step` commits it. A kept gradient the commit consumed is dropped unwritten.
-- **Seeds.** The updated copies of the last params backward completes (up to the live budget) are kept
-  past their write; after a commit `Engine.step` hands them to `zswap.prefetch.Scheduler.seed`, so the
-  next forward's first modules (the last of backward) start gathered, with no read — each only if nothing
-  wrote its partition in between.
+- **Gradients it applies are not stored** (``Engine.keep_applied_grads`` false, the default): the GradSink
+  hands each partition gradient to `on_grad` first; one it takes is held until its records are updated,
+  then let go — never written (1 × the model of writes per step) nor kept — and the store only notes that
+  the param has one (`NvmeGrads.applied`). Nothing the early step wrote is visible until `Engine.step`
+  commits it, so params and records are as before whatever happens; but with the gradients gone there is
+  no ordinary step to fall back to once one was let go. So: the early step giving up in backward *before*
+  it let go of any (a gradient of another backward inside this one, a param not gathered, the memory cap,
+  a failed transfer) hands the gradients it holds to their store, and the ordinary step runs; *after*, that
+  backward raises (`GradientsNotKeptError`, or the `SwapIOError` of the failed transfer) and counts for
+  nothing (its gradient generation is dropped). Between backward and step, whatever would have dropped
+  the early step — a second backward, a change of hyper-parameters, step counters, sub-groups or
+  settings (clipping turned on), a partition or record written (a `GatheredParameters` write-back, a
+  checkpoint load), a failed commit — raises `GradientsNotKeptError` from that backward or from
+  `Engine.step`, which changes nothing; `full_grad` of such a param raises it too. Until
+  `Engine.zero_grad` (the next step calls it) the lost gradients make every `Engine.step` raise
+  (`check_kept`). ``keep_applied_grads = True``: gradients are stored as any other (in memory up to the
+  stash, written past it: `zswap.gradstore`), and each of those cases drops the early step and takes
+  the ordinary step, as before; a kept gradient the commit consumed is dropped unwritten.
+- **Seeds.** The updated copies of the params the next pass would start gathered (`Scheduler.seed_plan`,
+  asked when backward begins: the run of the recorded pass's first forward steps that fits in the live
+  budget with the step after it; the last ones backward completes) are kept past their write, and only
+  those, so none is held for most of backward; after a commit `Engine.step` hands them to
+  `zswap.prefetch.Scheduler.seed`, so the next forward's first modules start gathered, with no read —
+  each only if nothing wrote its partition in between. ``seed_numel`` (the live budget; 0: none) caps
+  them.
 - **All or nothing.** Records and partitions are written copy-on-write into one `zswap.storage`
   transaction of its own; in-memory state never changes (the kernel updates a copy of the gathered param).
   `Engine.step` commits it only if nothing it depended on moved since: the set of params with gradients,
   the hyper-parameters of each param group, the step counters, the sub-group layout, the stored versions
   of every partition and record it read; and only if every write landed. Otherwise (or after any failure
   inside backward: a record read, the memory cap, a second gradient for a param) it is aborted — its
-  staged versions freed — and the ordinary step runs, so a fault costs bytes, never a result.
+  staged versions freed — and the ordinary step runs (or, where it let go of gradients it did not keep,
+  the call raises: above), so a fault costs bytes or a retried backward, never a result.
 - **Memory.** Param copies and gradients wait for the rest of their record (a record spans params
   backward completes at different times; a tied embedding completes last); past `cap` bytes held the early
   step gives up. The record buffers are the optimizer's own ring (idle in backward); every read and write
@@ -40,6 +58,7 @@ What it keeps:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
@@ -48,8 +67,9 @@ import torch
 from torch.autograd import Variable
 
 from . import memory
+from .errors import GradientsNotKeptError, SwapIOError
 from .gather import no_torch_function
-from .gradstore import NvmeGrads
+from .gradstore import RESTART, NvmeGrads, _Alive, _dead
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
@@ -76,6 +96,10 @@ class EarlyStep:
     held: int
     seeds: deque[tuple[torch.Tensor, torch.Tensor]]
     seeded: int
+    keeping: bool
+    dropped: int
+    """Gradients of this backward applied and let go without being stored (``keeping`` false)."""
+    plan: frozenset[int]
     gs: NvmeGrads | None
     txn: Any
     hyper: list[tuple[Any, ...]]
@@ -97,16 +121,24 @@ class EarlyStep:
         eligible: Callable[[], bool],
         cap: int,
         seed_numel: int = 0,
-        streamed: frozenset[int] = frozenset(),
+        seed_plan: Callable[[], frozenset[int]] = frozenset,
+        keep: Callable[[], bool] = lambda: True,
     ) -> None:
         self.opt = optimizer
         self.eligible = eligible
         self.cap = cap
         self.seed_numel = seed_numel
-        """Elements of updated params kept in memory for the next forward (the last ones backward
-        completes: the first the next forward uses); see `take_seeds`."""
-        self.streamed = streamed
-        """ids of the params the scheduler streams (the only ones worth seeding)."""
+        """Elements of updated params kept in memory for the next forward at most (0: none); see
+        `take_seeds`."""
+        self.seed_plan = seed_plan
+        """ids of the params the next pass would take as seeds (`zswap.prefetch.Scheduler.seed_plan`):
+        only their copies are kept, so nothing is held for a seed that would be trimmed later."""
+        self.keep = keep
+        """Whether the gradients it applies are stored too (``Engine.keep_applied_grads``), read once per
+        backward at its first gradient."""
+        self.lost = ""
+        """Why the last early step was dropped after it had let go of gradients it did not keep (those
+        gradients are gone until `Engine.zero_grad`); "" when none were lost."""
         self._committed_seeds: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.records = cast(RecordStore, optimizer._store)  # for_engine: on NVMe
         self.index = {id(p): i for i, p in enumerate(optimizer._params)}
@@ -115,39 +147,112 @@ class EarlyStep:
         self.aborts = 0
         """Early steps begun and dropped."""
         self.holding = memory.Holding("early_step")  # gradients and small copies held (`_as_tensors`)
+        self._outer: Callable[[], object] = _dead  # the backward in progress, while it runs (`_begin`)
+        self.ended = True
+        """Whether that backward reached its end (its final callback ran)."""
         self._reset()
 
     # -- backward side ---------------------------------------------------------------------------------
 
-    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> None:
-        """A param's gradient for this backward is complete (``part`` is what its store keeps)."""
+    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> bool:
+        """A param's gradient for this backward is complete. True: it is placed (held by the early step,
+        and stored too where gradients are kept); False: the caller stores it (``store.add``)."""
         task = int(torch._C._current_graph_task_id())
         try:
-            self._on_grad(p, st, part, task)
-        except Exception:
-            self._give_up(task)  # an early step never breaks a backward: the ordinary step runs instead
+            try:
+                return self._on_grad(p, st, part, task)
+            except (_Void, GradientsNotKeptError):
+                raise
+            except Exception as exc:
+                # An early step never breaks a backward it can fall back from: the ordinary step runs.
+                self._give_up(task, f"it failed in backward ({exc})", exc)
+                return False
+        except _Void as void:
+            raise void.error from void.error.__cause__  # no falling back: this backward counts for nothing
         except BaseException:
             self.abort()
             raise
 
-    def _give_up(self, task: int) -> None:
-        """Drop what this backward did (freeing it now) and do nothing more until the next backward."""
+    def _give_up(
+        self,
+        task: int,
+        why: str,
+        exc: BaseException | None = None,
+        also: tuple[ParamState, torch.Tensor] | None = None,
+    ) -> None:
+        """Drop what this backward did (freeing it now) and do nothing more until the next backward. The
+        gradients it holds (and ``also``, one it took but does not hold yet) go to their store: the
+        ordinary step needs them. If it already let go of one it did not keep there is no falling back:
+        raises `_Void` with the error this backward raises (it then counts for nothing)."""
+        gs, dropped, keeping = self.gs, self.dropped, self.keeping
+        held = [(st, g) for st, _, g, _ in self.ready.values() if g is not _empty]
+        if also is not None:
+            held.append(also)
         self.abort()
         self.state, self.task = "off", task
+        if dropped:
+            if isinstance(exc, SwapIOError):  # as any failed transfer of backward: run it again
+                raise _Void(exc)
+            error = GradientsNotKeptError(
+                f"the early step had to stop in this backward ({why}) after it had applied gradients it did "
+                "not keep (engine.keep_applied_grads is False), so it cannot fall back to the ordinary step: "
+                f"this backward counts for nothing. {RESTART}"
+            )
+            error.__cause__ = exc
+            raise _Void(error)
+        if gs is not None and not keeping:
+            for st, g in held:  # still in memory: stored now, as they would have been
+                gs.unapply(st)
+                gs.add(st, g)
 
-    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
+    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> bool:
         if self.state != "idle" and task != self.task:
+            if self._outer() is not None:  # that backward still runs: this one runs inside it (reentrant
+                if self.state == "running":  # activation checkpointing): no early step in it
+                    self._give_up(self.task, "a backward ran inside it (reentrant activation checkpointing)")
+                return False
+            if self.state == "running" and self.dropped and self.ended:
+                self._second_backward(task)
             self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
         if self.state == "idle":
             self._begin(st, task)
         if self.state != "running":
-            return
+            return False
         i = self.index.get(id(p))
         if i is None or i not in self.opt._placed:
-            return  # not stepped by this optimizer, or no record yet: the ordinary step will say
+            return False  # not stepped by this optimizer, or no record yet: the ordinary step will say
         if i in self.ready or st.status is not Status.AVAILABLE or st.world_size != 1:
-            self._give_up(task)  # a second gradient for one param, or no gathered data to copy
-            return
+            why = "a second gradient for one param" if i in self.ready else "a param not gathered"
+            self._give_up(task, why)
+            return False
+        gs = cast(NvmeGrads, self.gs)
+        if self.keeping:
+            gs.add(st, part)
+        else:
+            gs.applied(st, part.numel(), part.dtype)  # placed: `_give_up` hands it back from here on
+        try:
+            self._take(i, p, st, part, task)
+        except _Void:
+            raise
+        except Exception as exc:
+            also = None if i in self.ready or self.keeping else (st, part)
+            self._give_up(task, f"it failed in backward ({exc})", exc, also)
+        return True
+
+    def _second_backward(self, task: int) -> None:
+        """A gradient of another backward while an early step whose gradients were let go waits for
+        `Engine.step`: nothing can be accumulated onto them."""
+        self.abort()
+        self.lost = "a second backward ran before engine.step()"
+        self.state, self.task = "off", task
+        raise GradientsNotKeptError(
+            "a second backward before engine.step(): the early step applied the first one's gradients to the "
+            "optimizer in backward and did not keep them (engine.keep_applied_grads is False), so this "
+            "backward cannot accumulate onto them (use gradient_accumulation_steps to accumulate). The early "
+            f"step is dropped. {RESTART}"
+        )
+
+    def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
         data = p.data.reshape(-1)
         copy = self._alloc(st, data)
         with no_torch_function():
@@ -157,7 +262,9 @@ class EarlyStep:
         self.held += 2 * copy.numel() * copy.element_size()
         self.holding.add(_as_tensors(copy))
         if self.held > self.cap:
-            self._give_up(task)
+            self._give_up(
+                task, f"it held more than its cap of {self.cap} bytes of param copies and gradients"
+            )
             return
         for sg in self.by_param.get(i, ()):
             self.waiting[sg.key] -= 1
@@ -169,10 +276,19 @@ class EarlyStep:
         gs = st.grad_store
         if task == -1:
             return  # a gradient added outside a backward
+        # The callback holds ``alive`` until autograd drops it with its graph task: at the end of this
+        # backward, or when it raised. While it is held, a gradient of another task is of a backward run
+        # inside this one, not of the next.
+        alive = _Alive()
+        self._outer, self.ended = weakref.ref(alive), False
+        Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
         if not isinstance(gs, NvmeGrads) or gs._meta or not self.eligible():
             self.state, self.task = "off", task  # accumulating onto earlier gradients, or not allowed now
             return
         self.task, self.gs, self.state = task, gs, "running"
+        self.keeping = bool(self.keep())
+        self.lost = ""
+        self.plan = self.seed_plan() if self.seed_numel > 0 else frozenset()
         self.index = {id(p): i for i, p in enumerate(self.opt._params)}
         self.txn = Transaction()
         self.txn.uses(self.records.storage)
@@ -187,9 +303,9 @@ class EarlyStep:
                 if sg not in self.by_param.setdefault(s.param, []):
                     self.by_param[s.param].append(sg)
         self.left = {i: len(sgs) for i, sgs in self.by_param.items()}
-        Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _end_backward(self) -> None:
+    def _end_backward(self, alive: object = None) -> None:
+        self._outer, self.ended = _dead, True
         if self.state != "running":
             return
         try:
@@ -200,13 +316,19 @@ class EarlyStep:
             self._pump(keep=0)
             while self.writes:
                 self._land_oldest()
-        except Exception:
-            self.abort()
+        except Exception as exc:
+            try:
+                self._give_up(self.task, f"it failed at the end of backward ({exc})", exc)
+            except _Void as void:
+                raise void.error from void.error.__cause__
 
     def _alloc(self, st: ParamState, like: torch.Tensor) -> torch.Tensor:
         if like.numel() * like.element_size() >= ENGINE_COPY:  # page-aligned: written without a bounce copy
-            with memory.purpose("early_step"):
-                return _ps(st).engine.empty((like.numel(),), like.dtype)
+            # From the param store's fetch pool: a buffer a released param gave back (backward lets go of
+            # one of the same shape at about every gradient), so copies and seeds take the memory of the
+            # gathered params they replace rather than adding to it; free again once written, or once
+            # the seed it became is released.
+            return _ps(st)._buffer(like.numel(), like.dtype)
         return torch.empty(like.numel(), dtype=like.dtype)
 
     def _start(self, sg: SubGroup) -> None:
@@ -251,14 +373,16 @@ class EarlyStep:
                     self.held -= copy.numel() * copy.element_size()
                     self.holding.add(-copy.numel() * copy.element_size())  # the gradient
                     self.ready[i] = (st, _empty, _empty, self.ready[i][3])  # the queue holds the copy
+                    if not self.keeping:
+                        self.dropped += 1  # that gradient is gone: no falling back from here on
                     self._seed(i, copy)
 
     def _seed(self, i: int, copy: torch.Tensor) -> None:
-        """Keep ``copy`` (param ``i``'s updated partition) as a seed if it is among the last
-        ``seed_numel`` elements completed; the oldest seeds go first."""
+        """Keep ``copy`` (param ``i``'s updated partition) as a seed if the next pass would take it
+        (`seed_plan`), up to ``seed_numel`` elements; past that the oldest seeds go first."""
         nbytes = copy.numel() * copy.element_size()
         p = self.opt._params[i]
-        if id(p) in self.streamed and copy.numel() <= self.seed_numel:
+        if id(p) in self.plan and copy.numel() <= self.seed_numel:
             self.seeds.append((p, copy))
             self.seeded += copy.numel()
         else:
@@ -281,23 +405,23 @@ class EarlyStep:
     def commit(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
         """Make the early step live if it is exactly the step `Engine.step` would take now (see the
         module docstring); True if it did. Otherwise it is dropped and the caller steps as usual."""
-        if self.state != "running":
-            self.abort()
+        if self.state != "running" or not self.ended:  # not begun, dropped, or its backward raised (then
+            self.abort()  # that backward's gradients went with it, applied ones included: nothing is lost)
+            self.check_kept(items)
             return False
-        ok = (
-            self.eligible()
-            and not self.reads
-            and not self.writes
-            and _hyper(self.opt) == self.hyper
-            and tuple(self.opt._sub_groups) == self.layout
-            and list(self.opt._steps) == self.steps
-            and self._same_grads(items)
-            and self._same_versions()
-        )
-        if not ok:
+        why = self._mismatch(items)
+        if why:
+            dropped = self.dropped
             self.abort()
+            if dropped:
+                self.lost = why
+                raise GradientsNotKeptError(
+                    f"engine.step(): {why}, but the early step already applied this step's gradients in "
+                    "backward and did not keep them (engine.keep_applied_grads is False), so the ordinary "
+                    f"step cannot run instead. {RESTART}"
+                )
             return False
-        txn, ready, steps, seeds = self.txn, self.ready, self.steps, list(self.seeds)
+        txn, ready, steps, seeds, dropped = self.txn, self.ready, self.steps, list(self.seeds), self.dropped
 
         def counters() -> None:
             for i in ready:
@@ -308,8 +432,15 @@ class EarlyStep:
         self._reset()
         try:
             txn.commit()
-        except Exception:
+        except Exception as exc:
             self.aborts += 1  # commit aborted itself: nothing changed
+            if dropped:
+                self.lost = f"its writes failed ({exc})"
+                raise GradientsNotKeptError(
+                    f"engine.step(): the early step's writes failed ({exc}) and it applied this step's "
+                    "gradients in backward without keeping them (engine.keep_applied_grads is False), so the "
+                    f"ordinary step cannot run instead. {RESTART}"
+                ) from exc
             return False
         self.commits += 1
         self._committed_seeds = seeds
@@ -328,6 +459,42 @@ class EarlyStep:
                 ns = _ps(st).ns
                 out.append((p, copy, _unchanged(ns, st.key, ns._live.get(st.key))))
         return out
+
+    def _mismatch(self, items: list[tuple[torch.Tensor, ParamState]]) -> str:
+        """Why the early step is not the step `Engine.step` would take now ("" if it is)."""
+        if not self.eligible():
+            return (
+                "the early step is no longer allowed for this step (engine.early_step, max_grad_norm, fp16 "
+                "loss scaling, gradient_accumulation_steps or the optimizer changed since backward)"
+            )
+        if self.reads or self.writes:
+            return "its transfers did not all settle in backward"
+        if _hyper(self.opt) != self.hyper:
+            return "a param group's lr, betas, eps or weight_decay changed between backward and step"
+        if tuple(self.opt._sub_groups) != self.layout or list(self.opt._steps) != self.steps:
+            return "the optimizer's sub-groups or step counters changed between backward and step"
+        if not self._same_grads(items):
+            return "the params with gradients are not those the early step updated"
+        if not self._same_versions():
+            return (
+                "a param partition or optimizer record was written between backward and step "
+                "(GatheredParameters with modifier_rank, a checkpoint load)"
+            )
+        return ""
+
+    def check_kept(self, items: list[tuple[torch.Tensor, ParamState]]) -> None:
+        """Raise `GradientsNotKeptError` if any of ``items`` has a gradient an early step applied and did
+        not keep, and that early step was dropped (the ordinary step would need it)."""
+        lost = [
+            st.key for _, st in items if isinstance(st.grad_store, NvmeGrads) and st.grad_store.not_kept(st)
+        ]
+        if lost:
+            why = self.lost or "it was dropped"
+            raise GradientsNotKeptError(
+                f"engine.step(): the gradients of {len(lost)} params (first {lost[0]}) were applied in "
+                f"backward by an early step that was not made live ({why}) and were not kept "
+                f"(engine.keep_applied_grads is False). {RESTART}"
+            )
 
     def _same_grads(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
         with_grad = {
@@ -373,6 +540,9 @@ class EarlyStep:
         self.left = {}
         self.ready = {}
         self.versions = {}
+        self.keeping = True
+        self.dropped = 0
+        self.plan = frozenset()
         self.held = 0
         self.seeds = deque()
         self.seeded = 0
@@ -383,6 +553,15 @@ class EarlyStep:
 
 
 _empty = torch.empty(0)
+
+
+class _Void(Exception):
+    """`EarlyStep._give_up` could not fall back: ``error`` is what this backward raises."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
 
 ENGINE_COPY = 1 << 20
 """Bytes from which a param copy is an engine buffer (`zswap.memory` purpose "early_step")."""
@@ -434,11 +613,11 @@ def for_engine(engine: Any) -> EarlyStep | None:
         )
 
     size = max(st.dtype.itemsize for _, st in engine._items)
-    streamed = frozenset(id(s.p) for s in engine._slots.values() if not s.persistent)
     return EarlyStep(
         opt,
         eligible,
         (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
-        streamed=streamed,  # seeds stay off (seed_numel 0): at the live budget they cost that much memory
-        # on top of the bound (benches/README.md, "Bytes per step")
+        seed_numel=engine.sizing.budget.max_live,  # `Scheduler.seed_plan` keeps them within it with the
+        seed_plan=engine._sched.seed_plan,  # next pass's first read (benches/README.md, "Bytes per step")
+        keep=lambda: bool(engine.keep_applied_grads),
     )

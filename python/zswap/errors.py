@@ -18,6 +18,7 @@ would already catch for the same fault, so existing ``except`` blocks keep worki
     ├── SwapMemoryError (MemoryError)                 the kernel refused memory (ENOMEM)
     ├── ThreadStartError (RuntimeError)               an engine thread could not be started
     ├── EngineClosedError (RuntimeError)              a SwapEngine used after close()
+    ├── GradientsNotKeptError (RuntimeError)          gradients the early step applied were not kept
     └── UnknownKeyError (KeyError)                    a key never written, or freed
     ZswapWarning (RuntimeWarning)                     a fallback was taken
 
@@ -152,6 +153,14 @@ class EngineClosedError(ZswapError, RuntimeError):
     """An operation was attempted on a `SwapEngine` after `close()`."""
 
 
+class GradientsNotKeptError(ZswapError, RuntimeError):
+    """A step's gradients were applied in backward by the early step (`zswap.earlystep`) and not kept
+    (``Engine.keep_applied_grads`` false), and something now needs them: the early step cannot be made
+    live (the message says why), a second backward would accumulate onto them, or `zswap.full_grad` reads
+    one. Params and optimizer states are as before the step; ``engine.zero_grad()`` and another backward
+    start over."""
+
+
 class UnknownKeyError(ZswapError, KeyError):
     """A `SwapEngine` key that was never written, or was freed."""
 
@@ -169,6 +178,7 @@ __all__ = [
     "ConfigError",
     "DirectIOUnavailable",
     "EngineClosedError",
+    "GradientsNotKeptError",
     "InvalidTensorError",
     "NvmePathError",
     "NvmePathMissing",

@@ -46,7 +46,8 @@ class GradSink:
         self.landing: ReusePool | None = None
         """Registered host buffers the device-to-host copies land in (`land_in`); ``None``: pinned memory."""
         self.early: Any = None
-        """`zswap.earlystep.EarlyStep` told of each complete partition gradient (set by the Engine)."""
+        """`zswap.earlystep.EarlyStep` handed each complete partition gradient first (set by the Engine):
+        what it does not place (`EarlyStep.on_grad` false) goes to the gradient store."""
         for p, st in items:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._make_pre(p, st)))
@@ -147,9 +148,8 @@ class GradSink:
                         me._to_host(st, local_part(st, grad))  # reduce-scatter on the device first
                     else:
                         part = local_part(st, grad)
-                        store_of(st).add(st, part)
-                        if me.early is not None:
-                            me.early.on_grad(p, st, part)
+                        if me.early is None or not me.early.on_grad(p, st, part):
+                            store_of(st).add(st, part)  # else the early step stored it, or applies it
 
         return post
 

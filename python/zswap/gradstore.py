@@ -11,13 +11,20 @@ back, adds in place (the op `MemoryGrads` uses, so values are the same) and writ
 backward's writes commit together at its end or not at all (`NvmeGrads`).
 
 A step's first gradients are kept in memory instead, up to ``NvmeGrads.stash_cap`` bytes (the *stash*; the
-Engine sizes it, `size_stash`): the step then reads them from memory, and when `zswap.earlystep` has
-already applied them in backward they are never written at all — `full_grad`, a second backward, the
-ordinary step all still see them, from memory. Gradients past the cap are written as above.
+Engine sizes it, `size_stash`): the step then reads them from memory. Gradients past the cap are written as
+above.
+
+Gradients `zswap.earlystep` applies in backward are, by default (``Engine.keep_applied_grads`` false), not
+stored at all: the early step holds each one until its optimizer records are updated and then lets it go;
+the store only notes that the param has a gradient (`NvmeGrads.applied`: `has` is true, so `Engine.step`
+sees the same params with gradients). `load` of such a gradient (`full_grad`), and `add` onto it (a second
+backward), raise `GradientsNotKeptError`: its value is gone, and the optimizer records do not give it back
+(``m' = β₁m + (1-β₁)g`` rounds). With ``keep_applied_grads`` they are stored as any other gradient.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,7 +32,7 @@ import torch
 from torch.autograd import Variable
 
 from . import memory
-from .errors import ConfigError
+from .errors import ConfigError, GradientsNotKeptError
 from .params import NvmeStore, ParamState
 from .storage import Transaction, open_dir, storage_for
 
@@ -101,7 +108,20 @@ class MemoryGrads(GradStore):
             st.grad = None
 
 
+class _Alive:
+    __slots__ = ("__weakref__",)
+
+
+def _dead() -> None:
+    return None
+
+
 MEMORY = MemoryGrads()
+RESTART = (
+    "Params and optimizer states are as before this step: call engine.zero_grad() and run backward again; "
+    "set engine.keep_applied_grads = True to keep applied gradients (written or kept in memory), so that "
+    "this falls back to the ordinary step"
+)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -129,6 +149,7 @@ class NvmeGrads(GradStore):
         self._meta: dict[str, tuple[int, torch.dtype]] = {}  # committed: name -> (numel, dtype)
         self._gen: Transaction | None = None
         self._gen_task = -1  # the autograd graph task that opened it (-1: none)
+        self._gen_alive: Callable[[], object] = _dead  # while that task runs (`_generation`)
         self._gen_meta: dict[str, tuple[int, torch.dtype]] = {}
         self._error: BaseException | None = None
         self._reported = False
@@ -145,6 +166,8 @@ class NvmeGrads(GradStore):
         value's norm is computed as it is stored, while in memory, and the step reads no gradient for it."""
         self._norms: dict[str, torch.Tensor] = {}
         self._gen_norms: dict[str, torch.Tensor] = {}
+        self._applied: set[str] = set()  # committed names whose gradient the early step applied, unkept
+        self._gen_applied: set[str] = set()  # the open generation's
 
     @property
     def engine(self) -> Any:
@@ -158,13 +181,44 @@ class NvmeGrads(GradStore):
         """The engine key holding ``st``'s committed gradient (None: none)."""
         return self.ns._live.get(self.key(st))
 
+    def applied(self, st: ParamState, numel: int, dtype: torch.dtype) -> None:
+        """Note that this backward gave ``st`` its first gradient, which `zswap.earlystep` applies and does
+        not keep (see the module docstring); `unapply` takes the note back."""
+        gen = self._generation()
+        if gen._error is not None:
+            return
+        key = self.key(st)
+        self._gen_meta[key] = (numel, dtype)
+        self._gen_applied.add(key)
+
+    def unapply(self, st: ParamState) -> None:
+        """Undo `applied` (the early step gave up in backward and hands the gradient to `add` instead)."""
+        key = self.key(st)
+        if key in self._gen_applied:
+            self._gen_applied.discard(key)
+            self._gen_meta.pop(key, None)
+        elif key in self._applied:  # this backward's generation already committed (its end came first)
+            self._applied.discard(key)
+            self._meta.pop(key, None)
+
+    def not_kept(self, st: ParamState) -> bool:
+        """Whether ``st``'s committed gradient was applied by the early step and not kept."""
+        self._commit()
+        return self.key(st) in self._applied
+
     def add(self, st: ParamState, part: torch.Tensor) -> None:
         if self._error is not None:
             return  # gradients are lost until `clear`; `wait_all` (every step) raises the error
+        key = self.key(st)
+        if key in self._applied or key in self._gen_applied:
+            raise GradientsNotKeptError(
+                f"a second gradient for param {st.key} before engine.step(): its gradient from an earlier "
+                "backward was applied to the optimizer by the early step and not kept "
+                f"(engine.keep_applied_grads is False), so nothing can be added to it. {RESTART}"
+            )
         gen = self._generation()
         if gen._error is not None:
             return  # this backward already failed: its end raises
-        key = self.key(st)
         part = part.to("cpu") if part.device.type != "cpu" else part
         meta = self._gen_meta.get(key) or self._meta.get(key)
         kept = self._gen_stash.get(key)
@@ -257,12 +311,19 @@ class NvmeGrads(GradStore):
     def _generation(self) -> Transaction:
         task = torch._C._current_graph_task_id()
         if self._gen is not None and self._gen_task not in (-1, task):
+            if self._gen_alive() is not None:
+                return self._gen  # a backward inside the one that opened it (reentrant checkpointing)
             self._drop_unfinished()
         if self._gen is None:
             self._gen = Transaction()
             self._gen_task = task
             if task != -1:  # inside a backward: commit when it ends
-                Variable._execution_engine.queue_callback(self._end_backward)
+                # Autograd holds the callback, and ``alive`` with it, until it drops the graph task (at
+                # its end, or when it raised): while ``alive`` lives, another task's gradients are of a
+                # backward run inside this one and belong to this generation.
+                alive = _Alive()
+                self._gen_alive = weakref.ref(alive)
+                Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
         return self._gen
 
     def _drop_gen_stash(self) -> None:
@@ -273,11 +334,12 @@ class NvmeGrads(GradStore):
         """Abort the generation of a backward that raised before its end (its error went to the caller
         of that backward): none of its gradients count."""
         gen, self._gen, self._gen_meta, self._gen_norms = self._gen, None, {}, {}
+        self._gen_applied = set()
         self._drop_gen_stash()
         if gen is not None:
             gen.abort()
 
-    def _end_backward(self) -> None:
+    def _end_backward(self, alive: object = None) -> None:
         err = self._commit()
         if err is not None:
             # Raised from loss.backward(): that backward counted for nothing and the store is as before
@@ -289,6 +351,8 @@ class NvmeGrads(GradStore):
     def _commit(self) -> BaseException | None:
         """Commit the open generation; keep and return its error (then it counted for nothing)."""
         if self._gen is not None and self._gen_task not in (-1, torch._C._current_graph_task_id()):
+            if self._gen_alive() is not None:
+                return None  # asked inside a backward run within the generation's: its end commits it
             self._drop_unfinished()  # its backward never reached its end
         gen, self._gen = self._gen, None
         if gen is None:
@@ -296,6 +360,7 @@ class NvmeGrads(GradStore):
         meta, self._gen_meta = self._gen_meta, {}
         kept, self._gen_stash = self._gen_stash, {}
         norms, self._gen_norms = self._gen_norms, {}
+        applied, self._gen_applied = self._gen_applied, set()
         try:
             gen.commit()
         except Exception as exc:
@@ -308,6 +373,8 @@ class NvmeGrads(GradStore):
             if old is not None:
                 self.stash_bytes -= old.nbytes
             self._norms.pop(key, None)
+            self._applied.discard(key)
+        self._applied |= applied
         self._stash.update(kept)
         self._norms.update(norms)
         self._meta.update(meta)
@@ -327,6 +394,13 @@ class NvmeGrads(GradStore):
         self._commit()
         self._check()
         key = self.key(st)
+        if key in self._applied:
+            raise GradientsNotKeptError(
+                f"the gradient of param {st.key} was applied to the optimizer in backward by the early step "
+                "and not kept (engine.keep_applied_grads is False): it cannot be read before engine.step(). "
+                "Set engine.keep_applied_grads = True before backward to read gradients between backward and "
+                "step"
+            )
         numel, dtype = self._meta[key]
         kept = self._stash.get(key)
         if kept is not None:
@@ -340,6 +414,7 @@ class NvmeGrads(GradStore):
         for st in sts:
             key = self.key(st)
             self._norms.pop(key, None)
+            self._applied.discard(key)
             if self._meta.pop(key, None) is not None:
                 kept = self._stash.pop(key, None)
                 if kept is not None:
@@ -362,6 +437,8 @@ class NvmeGrads(GradStore):
         self._drop_gen_stash()
         self._stash.clear()
         self._norms.clear()
+        self._applied.clear()
+        self._gen_applied.clear()
         self.stash_bytes = 0
         self.ns.close()
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +169,7 @@ class Scheduler:
         self._prefetched: dict[int, Slot] = {}  # issue order
         self._prefetched_numel = 0
         self._retained: dict[int, Slot] = {}
+        self._shared: set[int] = set()  # ids of the slots `_kept_for_backward` keeps for a later use
         self.order: list[tuple[int, Sequence[Slot]]] = []
         """The static guess: (module index, the list of its params) in registration order. The lists are
         read at each guess, so params found in use later (`zswap.hooks`) are in the next one."""
@@ -282,15 +283,29 @@ class Scheduler:
         as a retained param — used by that pass without a read, released at its end or evicted first for
         room; `drop_all` forgets them. One rank, CPU data only (where the early step runs)."""
         offered = {id(p): (p, data, valid) for p, data, valid in seeds}
-        trace = self._traces.get(self._kind)
         self._seeds = []
-        if not offered or trace is None:
-            return
+        if offered:
+            taken = self._seed_run(offered)
+            self._seeds = [(s, offered[k][1], offered[k][2]) for k, s in taken.items()]
+
+    def seed_plan(self) -> frozenset[int]:
+        """ids of the params `seed` would take if every param were offered (from the pass running now:
+        called in its backward, by `zswap.earlystep`, so that only those copies are kept)."""
+        return frozenset(self._seed_run(None))
+
+    def _seed_run(self, offered: Container[int] | None) -> dict[int, Slot]:
+        """`seed`'s choice among ``offered`` (``None``: all), by param id."""
+        trace = self._traces.get(self._kind)
+        if trace is None:
+            return {}
         run: list[Step] = []
         taken: dict[int, Slot] = {}
         after = 0
         for step in trace.steps:
-            if step.key[0] != "F" or any(id(s.p) not in offered and id(s.p) not in taken for s in step.slots):
+            if step.key[0] != "F" or (
+                offered is not None
+                and any(id(s.p) not in offered and id(s.p) not in taken for s in step.slots)
+            ):
                 after = sum(s.numel for s in step.slots if id(s.p) not in taken)
                 break
             run.append(step)
@@ -300,7 +315,7 @@ class Scheduler:
             keep = {id(s.p) for step in run for s in step.slots}
             after = sum(s.numel for s in last.slots if id(s.p) not in keep)
             taken = {k: v for k, v in taken.items() if k in keep}
-        self._seeds = [(s, offered[k][1], offered[k][2]) for k, s in taken.items()]
+        return taken
 
     def _plant(self) -> None:
         """Gather the seeds (`seed`) that are still valid, as retained params of the pass beginning."""
@@ -451,12 +466,19 @@ class Scheduler:
         the steps up to its next use need fits in ``max_live`` with it, and with the step after that use
         (then nothing has to be evicted to keep it, it is not read again, and the read of the first
         backward step not kept can still be issued ahead). Only from a forward (outside any backward: a
-        checkpoint's re-run forward inside backward releases as usual) to its backward."""
+        checkpoint's re-run forward inside backward releases as usual) to its backward. A param whose next
+        use is in the same half of the pass (forward to forward, backward to backward: a shared param) is
+        kept within `_kept_shared`'s room instead."""
         trace = self._trace
-        if not self._on_trace or trace is None or torch._C._current_graph_task_id() >= 0:
+        if not self._on_trace or trace is None:
             return False
         nxt = trace.next_use(s, self._pos)
-        if nxt is None or trace.steps[nxt].key[0] != "B":
+        if nxt is None:
+            return False
+        in_backward = torch._C._current_graph_task_id() >= 0
+        if trace.steps[nxt].key[0] == ("B" if in_backward else "F"):
+            return self._kept_shared(s)
+        if in_backward:
             return False
         seen, total = {id(s)}, s.numel
         if nxt + 1 < len(trace.steps):
@@ -468,6 +490,20 @@ class Scheduler:
                     total += o.numel
                     if total > self.budget.max_live:
                         return False
+        return True
+
+    def _kept_shared(self, s: Slot) -> bool:
+        """Whether a param used again later in the same half of the pass (a tied embedding: forward's
+        first and last steps, backward's first and last) stays gathered until then: while the params so
+        kept fit in what the live budget holds beyond the prefetch bucket (``max_live - bucket``), so the
+        read-ahead loses at most that; a demand may still evict them, furthest first."""
+        room = self.budget.max_live - self.budget.bucket
+        if s.numel > room:
+            return False
+        self._shared = {k for k in self._shared if k in self._retained}
+        if s.numel + sum(self._retained[k].numel for k in self._shared) > room:
+            return False
+        self._shared.add(id(s.p))
         return True
 
     def _prefetch(self) -> None:

@@ -153,6 +153,13 @@ class Engine:
         self.early_step = True
         """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
         (set False to always step after backward; results are the same either way)."""
+        self.keep_applied_grads = False
+        """Store the gradients the early step applies in backward as any other (written to NVMe past
+        `grad_stash_bytes`). Default false: they are let go once applied — 1 × the model fewer bytes
+        written per step — so what needs them after backward raises `zswap.errors.GradientsNotKeptError`
+        (`full_grad`, a second backward, a step the early step cannot be (an lr changed, a partition
+        written, clipping turned on between backward and step); README, "The early step"). True: those
+        fall back to the ordinary step, as before. Read at each backward's start; results never differ."""
         self._early: earlystep.EarlyStep | None = None
         self._grad_stash = 0  # `grad_stash_bytes`
         self._ids: set[int] = set()
@@ -395,8 +402,9 @@ class Engine:
 
         Engine buffers by purpose (``mem_fetch_buffers``: gathered params and the pool kept for reuse, at
         most ``mem_fetch_pool_limit`` pooled; ``mem_grad_buffers``: gradient partitions read for a step or
-        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_early_step_buffers``: the
-        early step's param copies of 1 MiB or more; ``mem_other_buffers``: any other) add up to
+        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_early_step_buffers``:
+        purpose "early_step" (the early step's copies are fetch-pool buffers); ``mem_other_buffers``: any
+        other) add up to
         ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`); ``mem_peak_*`` are
         their high-water marks since the last reset. Ordinary tensors zswap holds past their use are on
         their own line, ``mem_early_step_tensors`` (the early step's gradients and smaller copies, waiting

@@ -107,9 +107,17 @@ class ZswapPrecision(Precision):
                 f"optimizer.step(**{sorted(kwargs)})"
             )
         self.clip_norm = None
-        result = closure()
-        self._after_closure(model, optimizer)
         engine = self._current()
+        early = engine.early_step
+        if model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model):
+            # Whether this step clips is decided after backward: the update cannot run in it
+            # (`zswap.earlystep`; its gradients would not be kept for the clipped step).
+            engine.early_step = False
+        try:
+            result = closure()
+        finally:
+            engine.early_step = early
+        self._after_closure(model, optimizer)
         default = engine.max_grad_norm
         try:
             if self.clip_norm is not None:

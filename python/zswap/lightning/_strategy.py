@@ -210,6 +210,8 @@ class ZswapStrategy(ProcessGroupStrategy):
                 owned.close()
             raise
         self._open(module, _Run(engine, owned))
+        if trainer.accumulate_grad_batches > 1:  # several backwards per engine step: no update in backward
+            engine.early_step = False  # (`zswap.earlystep` does not keep the gradients it applies)
         self.model = module  # no wrapper: the engine's hooks are on the module itself
         if fitting:
             # Lightning's loop needs one optimizer: the engine's, or its stand-in when there is none.

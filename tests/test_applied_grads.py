@@ -1,0 +1,389 @@
+"""Gradients the early step applies are not stored (`zswap.earlystep`, ``Engine.keep_applied_grads`` false,
+the default): one model's bytes fewer written per step, and every path that would have needed them after
+backward raises `GradientsNotKeptError` — or, inside backward before any was let go, falls back — leaving
+params and optimizer records bitwise as they were.
+
+Each test trains twins over the same model: the default engine (early step on, applied gradients not
+kept) and a reference (the ordinary step, every gradient written), and compares params, records and step
+counters bitwise; ``keep_applied_grads = True`` is shown to restore the fallback in each case.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zswap
+from zswap import GatheredParameters, full_grad
+from zswap.errors import GradientsNotKeptError
+
+from .test_earlystep import model_bytes, state, train
+from .test_faults import cfg_for, engine_of, grads_of, inject, same
+from .test_runtime import TinyLM, assert_same_grads, build, engine_for, ids, sq
+
+RESTART = "call engine.zero_grad() and run backward again; set engine.keep_applied_grads = True"
+
+
+def twins(tmp_path: Path, keep: bool = False, make: Callable[[], Any] = TinyLM) -> tuple[Any, Any]:
+    """(the default engine, ``keep_applied_grads`` = ``keep``; the ordinary step, every gradient written)."""
+    runs = []
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for name in ("early", "ordinary"):
+        cfg = cfg_for(tmp_path / name, "nvme", "nvme")
+        m, _ = build(make, cfg)
+        e = engine_for(m, cfg)
+        if name == "early":
+            assert e.keep_applied_grads is False and e.early_step  # the defaults
+            e.keep_applied_grads = keep
+        else:
+            e.early_step = False
+        runs.append((m, e))
+    return runs[0], runs[1]
+
+
+def test_applied_gradients_are_never_written_and_each_step_is_bitwise_the_ordinary_one(tmp_path):
+    """Default vs ``keep_applied_grads`` (both early): exactly the gradients' bytes fewer written, the same
+    reads; both bitwise the ordinary step."""
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    cfg = cfg_for(tmp_path / "kept", "nvme", "nvme")
+    kept, _ = build(TinyLM, cfg)
+    kept_e = engine_for(kept, cfg)
+    kept_e.keep_applied_grads = True
+    runs = [(m, e), (kept, kept_e), (ref, ref_e)]
+    train(runs, 0)  # the first step places the records: never early
+    nbytes = model_bytes(m)
+    for seed in range(1, 4):
+        moved = []
+        for mm, ee in runs:
+            ee.stats(reset=True)
+            sq(mm(ids(seed=seed))).backward()
+            if ee is e:
+                assert ee.stats()["grad_stash_bytes"] == 0  # nor kept in memory
+            ee.step()
+            s = ee.stats()
+            moved.append((s["bytes_read"], s["bytes_written"]))
+        assert same(state(m, e), state(ref, ref_e)), seed
+        assert same(state(kept, kept_e), state(ref, ref_e)), seed
+        assert moved[1][1] - moved[0][1] == nbytes, moved  # the gradients, not written
+        assert moved[0][0] == moved[1][0], moved  # the same reads
+    assert e._early.commits == 3 and kept_e._early.commits == 3
+    for _, ee in runs:
+        ee.close()
+
+
+def _before_step(tmp_path: Path, keep: bool) -> tuple[Any, Any, Any]:
+    """Twins trained one step, then one backward each; returns them and the early one's state before."""
+    (m, e), (ref, ref_e) = twins(tmp_path, keep)
+    pairs = [(m, e), (ref, ref_e)]
+    train(pairs, 0)
+    before = state(m, e)
+    for mm, _ in pairs:
+        sq(mm(ids(seed=1))).backward()
+    return pairs, before, e
+
+
+def _lr(pairs: Any) -> None:
+    for _, ee in pairs:
+        ee.optimizer.param_groups[0]["lr"] = 3e-2
+
+
+def _clip(pairs: Any) -> None:
+    for _, ee in pairs:
+        ee.max_grad_norm = 0.05
+
+
+def _write(pairs: Any) -> None:
+    for mm, _ in pairs:
+        first = next(mm.parameters())
+        with GatheredParameters([first], modifier_rank=0):
+            first.data.mul_(0.5)
+
+
+def _steps(pairs: Any) -> None:  # the optimizer's step counter moved (a load_state_dict, say)
+    for _, ee in pairs:
+        ee.optimizer._steps[0] += 1
+
+
+CHANGES = {
+    "lr": (_lr, "a param group's lr, betas, eps or weight_decay changed between backward and step"),
+    "clipping": (_clip, "the early step is no longer allowed for this step"),
+    "written": (_write, "a param partition or optimizer record was written between backward and step"),
+    "counters": (_steps, "the optimizer's sub-groups or step counters changed between backward and step"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_change_between_backward_and_step_raises_and_changes_nothing(change, tmp_path):
+    edit, why = CHANGES[change]
+    pairs, before, e = _before_step(tmp_path, keep=False)
+    (m, _), (ref, ref_e) = pairs
+    edit(pairs)
+    expected = state(m, e)  # what the edit itself did (a partition written); the step adds nothing
+    for _ in range(2):  # the second: the gradients are still gone
+        with pytest.raises(GradientsNotKeptError, match=r"engine\.step\(\)") as info:
+            e.step()
+        assert why in str(info.value) and RESTART in str(info.value)
+        assert same(state(m, e), expected)
+    if change in ("lr", "clipping"):  # the others changed stored state themselves
+        assert same(expected, before)
+    with pytest.raises(GradientsNotKeptError, match="was applied to the optimizer in backward"):
+        full_grad(next(m.parameters()))
+    # zero_grad starts over; from there the twins train alike
+    for _, ee in pairs:
+        ee.zero_grad()
+        ee.max_grad_norm = None
+    assert all(full_grad(p) is None for p in m.parameters())
+    train(pairs, 2)
+    train(pairs, 3)
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits >= 1
+    for _, ee in pairs:
+        ee.close()
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_with_keep_applied_grads_a_change_falls_back_to_the_ordinary_step(change, tmp_path):
+    edit, _ = CHANGES[change]
+    pairs, _, e = _before_step(tmp_path, keep=True)
+    (m, _), (ref, ref_e) = pairs
+    assert same(grads_of(m), grads_of(ref))  # kept: full_grad sees them
+    edit(pairs)
+    for _, ee in pairs:
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 0
+    for _, ee in pairs:
+        ee.max_grad_norm = None
+    train(pairs, 2)
+    train(pairs, 3)
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits >= 1
+    for _, ee in pairs:
+        ee.close()
+
+
+def test_full_grad_of_an_applied_gradient_raises_and_the_step_still_commits(tmp_path):
+    pairs, _, e = _before_step(tmp_path, keep=False)
+    (m, _), (ref, ref_e) = pairs
+    for p in m.parameters():
+        with pytest.raises(GradientsNotKeptError) as info:
+            full_grad(p)
+        assert "Set engine.keep_applied_grads = True before backward" in str(info.value)
+    for _, ee in pairs:
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 1
+    for _, ee in pairs:
+        ee.close()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_second_backward_before_the_step(keep, tmp_path):
+    """Not kept: the second backward raises at its first gradient, nothing changes, and the step raises
+    until zero_grad. Kept: it accumulates and the ordinary step runs (as before)."""
+    pairs, before, e = _before_step(tmp_path, keep)
+    (m, _), (ref, ref_e) = pairs
+    if keep:
+        for mm, ee in pairs:
+            sq(mm(ids(seed=2))).backward()
+            ee.step()
+        assert same(state(m, e), state(ref, ref_e))
+        assert e._early.commits == 0
+    else:
+        with pytest.raises(GradientsNotKeptError, match=r"a second backward before engine\.step\(\)") as info:
+            sq(m(ids(seed=2))).backward()
+        assert RESTART in str(info.value)
+        assert same(state(m, e), before)
+        with pytest.raises(GradientsNotKeptError, match=r"\(a second backward ran before engine.step\(\)\)"):
+            e.step()
+        assert same(state(m, e), before)
+        for _, ee in pairs:
+            ee.zero_grad()
+    train(pairs, 3)
+    train(pairs, 4)
+    assert same(state(m, e), state(ref, ref_e))
+    for _, ee in pairs:
+        ee.close()
+
+
+def test_the_cap_reached_before_any_gradient_was_let_go_falls_back(tmp_path):
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    pairs = [(m, e), (ref, ref_e)]
+    train(pairs, 0)
+    e._early.cap = 0  # gives up at the first gradient: it hands it (and any other) to the store
+    aborts = e._early.aborts
+    for mm, _ in pairs:
+        sq(mm(ids(seed=1))).backward()
+    assert same(grads_of(m), grads_of(ref))  # stored: the ordinary step has them
+    for _, ee in pairs:
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 0 and e._early.aborts > aborts
+    for _, ee in pairs:
+        ee.close()
+
+
+def test_the_cap_reached_after_a_gradient_was_let_go_fails_that_backward(tmp_path):
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    pairs = [(m, e), (ref, ref_e)]
+    train(pairs, 0)
+    before = state(m, e)
+    early = e._early
+    seed = early._seed
+
+    def then_cap(i: int, copy: torch.Tensor) -> None:  # right after the first gradient was let go
+        seed(i, copy)
+        early.cap = 0
+
+    early._seed = then_cap
+    stop = r"the early step had to stop in this backward \(it held more than its cap of 0 bytes"
+    with pytest.raises(GradientsNotKeptError, match=stop) as info:
+        sq(m(ids(seed=1))).backward()
+    assert "this backward counts for nothing" in str(info.value) and RESTART in str(info.value)
+    assert all(full_grad(p) is None for p in m.parameters())  # counted for nothing
+    assert same(state(m, e), before)
+    del early._seed  # the method again
+    early.cap = 1 << 40
+    train(pairs, 1)  # run again: the same as the twin's
+    train(pairs, 2)
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 2
+    for _, ee in pairs:
+        ee.close()
+
+
+@pytest.mark.parametrize(("op", "code"), [("write", errno.ENOSPC), ("read", errno.EIO)])
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
+def test_a_fault_in_backward_either_falls_back_or_fails_that_backward(op, code, where, tmp_path):
+    """A fault in one of backward's transfers: before any applied gradient was let go the early step
+    hands its gradients to the store and the ordinary step runs; after, backward raises the SwapIOError
+    (noting why) and counts for nothing: nothing changed, run it again. Either way the result is exact."""
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    pairs = [(m, e), (ref, ref_e)]
+    train(pairs, 0)
+    before = state(m, e)
+    swap = engine_of(m)
+    key = "reads" if op == "read" else "writes"
+    n = int(swap.stats()[key])
+    out = m(ids(seed=1))
+    fwd = int(swap.stats()[key])
+    sq(ref(ids(seed=1))).backward()
+    # the early twin's own backward transfers: counted on a dry run of the same model is not possible, so
+    # aim within the early step's (records read, records and params written: a few per sub-group)
+    inject(swap, op, code, int(where * 4))
+    try:
+        sq(out).backward()
+        raised = None
+    except zswap.SwapIOError as exc:
+        raised = exc
+    swap._engine.clear_faults()
+    assert int(swap.stats()[key]) > fwd >= n
+    if raised is not None:  # counted for nothing
+        assert all(full_grad(p) is None for p in m.parameters())
+        assert same(state(m, e), before)
+        sq(m(ids(seed=1))).backward()
+    e.step()
+    ref_e.step()
+    assert same(state(m, e), state(ref, ref_e))
+    train(pairs, 2)
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits >= 1
+    for _, ee in pairs:
+        ee.close()
+
+
+def test_reentrant_checkpointing_falls_back_without_raising(tmp_path):
+    """A backward inside backward (reentrant activation checkpointing): the early step stops there and
+    hands back what it holds before letting any gradient go, so every step is the ordinary one, exact."""
+    (m, e), (ref, ref_e) = twins(tmp_path, make=lambda: TinyLM(reentrant=True))
+    pairs = [(m, e), (ref, ref_e)]
+    for seed in range(4):
+        train(pairs, seed)
+        assert same(state(m, e), state(ref, ref_e)), seed
+    for _, ee in pairs:
+        ee.close()
+
+
+def test_keep_applied_grads_keeps_them_for_full_grad(tmp_path):
+    pairs, _, e = _before_step(tmp_path, keep=True)
+    (m, _), (ref, _) = pairs
+    assert same(grads_of(m), grads_of(ref))
+    for _, ee in pairs:
+        ee.step()
+    assert e._early.commits == 1
+    for _, ee in pairs:
+        ee.close()
+
+
+def test_only_the_copies_the_next_pass_takes_are_kept_as_seeds(tmp_path):
+    """The early step asks the scheduler which params the next pass would start gathered
+    (`Scheduler.seed_plan`) when backward begins and keeps only their updated copies: after backward the
+    seeds are exactly those, within the live budget, and the step hands every one to the next pass."""
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    pairs = [(m, e), (ref, ref_e)]
+    train(pairs, 0)
+    for seed in range(1, 4):
+        plan = e._sched.seed_plan()
+        assert plan  # the recorded pass's first steps
+        sq(m(ids(seed=seed))).backward()
+        kept = {id(p) for p, _ in e._early.seeds}
+        assert kept == plan, seed
+        assert e._early.seeded == sum(c.numel() for _, c in e._early.seeds) <= e.sizing.budget.max_live
+        e.step()
+        assert {id(s.p) for s, _, _ in e._sched._seeds} == plan
+        sq(ref(ids(seed=seed))).backward()
+        ref_e.step()
+        assert same(state(m, e), state(ref, ref_e)), seed
+    for _, ee in pairs:
+        ee.close()
+
+
+def test_reentrant_checkpointing_gradients_on_nvme_equal_plain_pytorchs(tmp_path):
+    """A reentrant checkpoint's backward runs as its own autograd task inside the outer one: its gradients
+    belong to the outer backward's generation (they used to open one of their own, dropping the outer's
+    gradients so far: ln_f's and the head's)."""
+    cfg = cfg_for(tmp_path, "nvme", "nvme")
+    m, ref = build(lambda: TinyLM(reentrant=True), cfg)
+    with engine_for(m, cfg):
+        for seed in range(2):  # the second accumulates onto the first
+            sq(m(ids(seed=seed))).backward()
+            sq(ref(ids(seed=seed))).backward()
+            assert_same_grads(m, ref)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_failed_commit_raises_or_falls_back_and_changes_nothing(keep, tmp_path):
+    """The commit's transaction fails (injected: it aborts itself, as a failed commit does): not kept, the
+    step raises naming the failure and nothing changed; kept, the ordinary step runs instead."""
+    pairs, before, e = _before_step(tmp_path, keep)
+    (m, _), (ref, ref_e) = pairs
+    txn = e._early.txn
+
+    def failing() -> None:
+        txn.abort()
+        raise OSError(errno.EIO, "injected commit failure")
+
+    txn.commit = failing
+    if keep:
+        for _, ee in pairs:
+            ee.step()
+    else:
+        with pytest.raises(
+            GradientsNotKeptError, match=r"the early step's writes failed \(.*injected"
+        ) as info:
+            e.step()
+        assert RESTART in str(info.value)
+        assert same(state(m, e), before)
+        with pytest.raises(GradientsNotKeptError, match=r"\(its writes failed"):
+            e.step()
+        for _, ee in pairs:
+            ee.zero_grad()
+    train(pairs, 2)
+    assert same(state(m, e), state(ref, ref_e))
+    for _, ee in pairs:
+        ee.close()
