@@ -1,7 +1,7 @@
 """Gradients the early step applies are not stored (`zswap.earlystep`, ``Engine.keep_applied_grads`` false,
-the default): one model's bytes fewer written per step, and every path that would have needed them after
-backward raises `GradientsNotKeptError` — or, inside backward before any was let go, falls back — leaving
-params and optimizer records bitwise as they were.
+and "auto", the default, until they are wanted): one model's bytes fewer written per step, and every path
+that would have needed them after backward raises `GradientsNotKeptError` — or, inside backward before any
+was let go, falls back — leaving params and optimizer records bitwise as they were.
 
 Each test trains twins over the same model: the default engine (early step on, applied gradients not
 kept) and a reference (the ordinary step, every gradient written), and compares params, records and step
@@ -38,7 +38,7 @@ def twins(tmp_path: Path, keep: bool = False, make: Callable[[], Any] = TinyLM) 
         m, _ = build(make, cfg)
         e = engine_for(m, cfg)
         if name == "early":
-            assert e.keep_applied_grads is False and e.early_step  # the defaults
+            assert e.keep_applied_grads == "auto" and e.early_step  # the defaults
             e.keep_applied_grads = keep
         else:
             e.early_step = False
@@ -387,3 +387,56 @@ def test_a_failed_commit_raises_or_falls_back_and_changes_nothing(keep, tmp_path
     assert same(state(m, e), state(ref, ref_e))
     for _, ee in pairs:
         ee.close()
+
+
+# -- "auto": kept once wanted ------------------------------------------------------------------------------
+
+
+def test_auto_keeps_applied_gradients_once_full_grad_read_them_on_the_first_step(tmp_path):
+    """A loop that reads gradients between backward and step (as DeepSpeed's ``safe_get_full_grad`` tests
+    do) reads them on the first step too, which has no early step: from the next backward on they are kept,
+    so every read works and the early step still runs."""
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    e.keep_applied_grads = "auto"
+    for seed in range(3):
+        sq(m(ids(seed=seed))).backward()
+        sq(ref(ids(seed=seed))).backward()
+        assert same(grads_of(m), grads_of(ref)), seed
+        e.step()
+        ref_e.step()
+        assert same(state(m, e), state(ref, ref_e)), seed
+    assert e._early.commits == 2
+    e.close()
+    ref_e.close()
+
+
+def test_auto_keeps_them_for_manual_accumulation_seen_on_the_first_step(tmp_path):
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    e.keep_applied_grads = "auto"
+    for seed in range(3):
+        for mm, ee in ((m, e), (ref, ref_e)):
+            sq(mm(ids(seed=seed))).backward()
+            sq(mm(ids(seed=seed + 10))).backward()  # a second backward before the step: accumulates
+            ee.step()
+        assert same(state(m, e), state(ref, ref_e)), seed
+    e.close()
+    ref_e.close()
+
+
+def test_auto_raises_the_first_read_after_an_early_step_then_keeps_them(tmp_path):
+    (m, e), (ref, ref_e) = twins(tmp_path)
+    e.keep_applied_grads = "auto"
+    train([(m, e), (ref, ref_e)], 0)  # the first step: nothing read between backward and step
+    sq(m(ids(seed=1))).backward()
+    with pytest.raises(GradientsNotKeptError, match="keep_applied_grads"):
+        grads_of(m)
+    e.zero_grad()  # start over: this backward now keeps what it applies
+    sq(m(ids(seed=1))).backward()
+    sq(ref(ids(seed=1))).backward()
+    assert same(grads_of(m), grads_of(ref))
+    e.step()
+    ref_e.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 1
+    e.close()
+    ref_e.close()

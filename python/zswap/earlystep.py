@@ -282,6 +282,8 @@ class EarlyStep:
         alive = _Alive()
         self._outer, self.ended = weakref.ref(alive), False
         Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
+        if isinstance(gs, NvmeGrads) and gs._meta:
+            gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on
         if not isinstance(gs, NvmeGrads) or gs._meta or not self.eligible():
             self.state, self.task = "off", task  # accumulating onto earlier gradients, or not allowed now
             return
@@ -619,5 +621,5 @@ def for_engine(engine: Any) -> EarlyStep | None:
         (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
         seed_numel=engine.sizing.budget.max_live,  # `Scheduler.seed_plan` keeps them within it with the
         seed_plan=engine._sched.seed_plan,  # next pass's first read (benches/README.md, "Bytes per step")
-        keep=lambda: bool(engine.keep_applied_grads),
+        keep=engine._keeps_applied_grads,
     )

@@ -233,6 +233,7 @@ def full_grad(p: torch.Tensor) -> torch.Tensor | None:
     if st is None:
         return p.grad
     store = store_of(st)
+    store.wanted = True  # "auto" keeps the early step's gradients from the next backward on
     if not store.has(st):
         return None
     part, handle = store.load(st)

@@ -40,6 +40,11 @@ from .storage import Transaction, open_dir, storage_for
 class GradStore:
     """One backend for partition gradients, keyed by `ParamState`."""
 
+    wanted = False
+    """Whether its gradients were needed between a backward and the step: read by `zswap.full_grad`, or
+    added to by a second backward. ``Engine.keep_applied_grads = "auto"`` keeps the gradients the early
+    step applies from then on."""
+
     def add(self, st: ParamState, part: torch.Tensor) -> None:
         """Accumulate one backward's local partition (the store may keep ``part``: callers hand it over)."""
         raise NotImplementedError
@@ -211,6 +216,7 @@ class NvmeGrads(GradStore):
             return  # gradients are lost until `clear`; `wait_all` (every step) raises the error
         key = self.key(st)
         if key in self._applied or key in self._gen_applied:
+            self.wanted = True
             raise GradientsNotKeptError(
                 f"a second gradient for param {st.key} before engine.step(): its gradient from an earlier "
                 "backward was applied to the optimizer by the early step and not kept "
@@ -395,6 +401,7 @@ class NvmeGrads(GradStore):
         self._check()
         key = self.key(st)
         if key in self._applied:
+            self.wanted = True
             raise GradientsNotKeptError(
                 f"the gradient of param {st.key} was applied to the optimizer in backward by the early step "
                 "and not kept (engine.keep_applied_grads is False): it cannot be read before engine.step(). "

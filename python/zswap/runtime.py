@@ -12,7 +12,7 @@ import inspect
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -153,13 +153,16 @@ class Engine:
         self.early_step = True
         """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
         (set False to always step after backward; results are the same either way)."""
-        self.keep_applied_grads = False
-        """Store the gradients the early step applies in backward as any other (written to NVMe past
-        `grad_stash_bytes`). Default false: they are let go once applied — 1 × the model fewer bytes
+        self.keep_applied_grads: bool | Literal["auto"] = "auto"
+        """Whether the gradients the early step applies in backward are stored as any other (written to
+        NVMe past `grad_stash_bytes`). False: they are let go once applied — 1 × the model fewer bytes
         written per step — so what needs them after backward raises `zswap.errors.GradientsNotKeptError`
         (`full_grad`, a second backward, a step the early step cannot be (an lr changed, a partition
-        written, clipping turned on between backward and step); README, "The early step"). True: those
-        fall back to the ordinary step, as before. Read at each backward's start; results never differ."""
+        written, clipping turned on between backward and step); README, "The step in backward"). True:
+        those fall back to the ordinary step. ``"auto"`` (default): False until this engine's gradients
+        are needed between a backward and its step — `full_grad` reads one, or a second backward adds to
+        them (both work on the first step, which has no early step) — then True from the next backward
+        on. Read at each backward's start; results never differ."""
         self._early: earlystep.EarlyStep | None = None
         self._grad_stash = 0  # `grad_stash_bytes`
         self._ids: set[int] = set()
@@ -319,6 +322,13 @@ class Engine:
         """Make `close` close the optimizer too: one a caller built for this engine only (as
         `zswap.deepspeed.initialize` builds the config's optimizer over ``model_parameters``)."""
         self._owns_optimizer = True
+
+    def _keeps_applied_grads(self) -> bool:
+        """`keep_applied_grads` resolved: ``"auto"`` is True once a gradient store saw its gradients
+        wanted between a backward and the step (`zswap.gradstore.GradStore.wanted`)."""
+        if self.keep_applied_grads == "auto":
+            return any(gs.wanted for gs in self._grad_stores)
+        return bool(self.keep_applied_grads)
 
     @property
     def grad_stash_bytes(self) -> int:
