@@ -127,6 +127,7 @@ def _two_runs(tmp_path: Path, params: str, states: str, kind: str) -> tuple[Any,
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) if kind == "torch" else None
         engine = engine_for(m, cfg, optimizer=opt)
         engine.early_step = False  # faults in the step itself; the early step's: tests/test_earlystep.py
+        engine.prefetch_across_passes = False  # its reads ahead would be the step's last transfers
         runs.append((m, engine))
     return runs[0], runs[1]
 
@@ -241,6 +242,7 @@ def test_a_failed_forward_read_releases_everything_and_the_next_forward_is_exact
     cfg = cfg_for(tmp_path, "nvme", "cpu")
     m, ref = build(TinyLM, cfg)
     with engine_for(m, cfg) as engine:
+        engine.prefetch_across_passes = False  # counted: this pass's own reads (reads ahead: elsewhere)
         swap = engine_of(m)
         before = snapshot(m, engine)
         n, w = transfers(swap, "read"), transfers(swap, "write")

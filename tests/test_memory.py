@@ -187,6 +187,25 @@ def test_engine_stats_add_up_and_buffers_are_counted_back_on_close(tmp_path):
     assert memory.live() == start and memory.buffers() == start_count
 
 
+def test_persistent_params_have_their_own_line_within_the_fetch_buffers(tmp_path):
+    cfg = _config(tmp_path)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 256  # the three biases
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            net = _Net()
+        engine = zswap.initialize(net, cfg, device="cpu")
+    biases = sum(zswap.param_state(m.bias).numel for m in (net.a, net.b, net.c))  # type: ignore[union-attr]
+    for _ in range(2):
+        s = engine.stats()
+        assert s["persistent_elements"] == biases == 256 + 256 + 8
+        assert s["mem_persistent_params"] == 4 * biases <= s["mem_fetch_buffers"]
+        net(torch.randn(4, 64)).square().sum().backward()
+        engine.step()  # released and fetched again after the step
+    engine.close()
+
+
 def test_init_reports_touched_bytes_while_it_holds_them(tmp_path):
     cfg = _config(tmp_path)
     seen: list[int] = []

@@ -20,11 +20,11 @@ from .test_runtime import (
     assert_same_grads,
     build,
     config,
-    engine_for,
     ids,
     sq,
     xs,
 )
+from .test_runtime import engine_for as _engine_for
 
 # Every weight and bias streamed, nothing kept between uses: each step of an iteration is one fetch.
 STREAM = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -53,6 +53,14 @@ class Shuffled(nn.Module):
         h = torch.tanh(self.b(self.e(x)))
         h = self.a(self.d(h)) + self.c(h)
         return self.b(torch.relu(h))
+
+
+def engine_for(m: nn.Module, cfg: dict[str, Any], **kwargs: Any) -> Any:
+    """The prefetch within a pass alone: nothing read ahead across passes (tests/test_prefetch_across.py),
+    so the first step of each pass is on demand and the guess is what fills the rest."""
+    engine = _engine_for(m, cfg, **kwargs)
+    engine.prefetch_across_passes = False
+    return engine
 
 
 def x(seed: int, d: int = 24) -> torch.Tensor:

@@ -168,6 +168,8 @@ class ModuleHooks:
                 self._exit_mode()
                 if (not self._bw_expected or _raised(output)) and _graph_task() < 0:
                     self.sched.end()  # no backward can follow: release at once, prefetches included
+                    if not _raised(output):
+                        self.sched.read_ahead()  # the next pass's first reads (prefetch.py, "Across passes")
 
     def _kind(self) -> Hashable:
         return torch.is_grad_enabled(), self.root.training

@@ -228,6 +228,11 @@ class NvmeStore(Store):
         """The engine key holding ``key``'s current value (None: none)."""
         return self.ns.physical(key, _storage.current())
 
+    def version(self, key: str) -> str | None:
+        """The stored version a read of ``key`` would see now; None while a write of it is unsettled
+        (`zswap.storage.Namespace.version`: never waits or raises)."""
+        return self.ns.version(key, _storage.current())
+
     def put(self, key: str, part: torch.Tensor) -> None:
         self.ns.put(key, part, _storage.current())
 

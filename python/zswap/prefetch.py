@@ -23,6 +23,20 @@ trace comes within ``reuse_distance`` elements of fetches. Gathered params (pers
 in flight never exceed ``max_live`` elements: prefetch stops short of it, and a demand evicts retained
 params, then the furthest prefetches, first. Only if the params held at once exceed it alone is it passed.
 
+*Across passes* (`Scheduler.read_ahead`): when a pass ends (an inference forward; `zswap.Engine.step`,
+after the optimizer wrote the partitions; `initialize`, along the guess) the swap-ins of the next pass's
+first steps are issued — along the trace of the kind just run (the same kind is the likely next one), up
+to ``bucket`` elements and within ``max_live`` — so the first step of a pass is a hit too. Such a read
+leaves its param as it is (not gathered, `Status.NOT_AVAILABLE`: `GatheredParameters`, ``state_dict``,
+checkpoints, ``load_state_dict`` see nothing in flight) and notes the stored version it reads
+(`zswap.params.NvmeStore.version`: every write goes to a new version). When the next pass begins, each
+one whose param is still not gathered and whose store still reads that version becomes a prefetch of that
+pass, whatever its kind (`_adopt`); the rest are dropped unused, so a write in between — the optimizer's,
+a `GatheredParameters` write-back, ``load_state_dict``, ``load_weights`` — is never hidden by a stale read.
+`drop_all` (which `Engine.step`, checkpoint loads and `zswap.weights.quiesce` call) drops them too. A
+failed read-ahead raises, naming the key, at its use in the next pass, as a failed prefetch does. Only
+stores with I/O (NVMe) are read ahead; `zswap.Engine.prefetch_across_passes` turns it off.
+
 All-gathers happen when a step is served, in the order of its params, so ranks that run the same modules
 issue the same collectives in the same order; nothing here depends on I/O timing.
 
@@ -35,9 +49,11 @@ step is served.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,6 +87,17 @@ class Slot:
     @property
     def item(self) -> tuple[torch.Tensor, ParamState]:
         return self.p, self.st
+
+
+@dataclass(eq=False)
+class Ahead:
+    """A swap-in issued between passes for the next one (`Scheduler.read_ahead`); its param is untouched.
+    Used only while its store still reads ``version`` (the version read)."""
+
+    slot: Slot
+    buf: torch.Tensor
+    handle: Any
+    version: str
 
 
 @dataclass(eq=False)
@@ -140,6 +167,12 @@ class Counters:
     """Demands that went past ``max_live`` because the params held at once alone exceed it."""
     guessed_iterations: int = 0
     """Iterations that followed the static guess (`Scheduler.order`), not a recording."""
+    read_ahead_issued: int = 0
+    """Swap-ins issued between passes for the next one (`Scheduler.read_ahead`)."""
+    read_ahead_used: int = 0
+    """Of those, taken over by the next pass as its prefetches (counted in ``prefetch_issued`` then)."""
+    read_ahead_dropped: int = 0
+    """Of those, dropped unused: stale (written since), gathered meanwhile, `Scheduler.drop_all`."""
 
 
 @dataclass
@@ -175,6 +208,9 @@ class Scheduler:
         read at each guess, so params found in use later (`zswap.hooks`) are in the next one."""
         self._rebuild_backward = False
         self._seeds: list[tuple[Slot, torch.Tensor, Callable[[], bool]]] = []
+        self.across_passes = True
+        """Read the next pass's first params ahead when a pass ends (`read_ahead`)."""
+        self._ahead_reads: dict[int, Ahead] = {}  # issue order
 
     # -- iterations --------------------------------------------------------------------------------
 
@@ -193,6 +229,7 @@ class Scheduler:
         self._pos = self._ahead = 0
         self._recording = []
         self._plant()
+        self._adopt()
 
     def end(self) -> None:
         """End the iteration: keep its recording if it differs from the trace, release what no one holds."""
@@ -259,8 +296,10 @@ class Scheduler:
                 s.ours = True
 
     def drop_all(self) -> None:
-        """End the iteration and release everything the scheduler gathered, persistent params included."""
+        """End the iteration and release everything the scheduler gathered, persistent params included;
+        drop the reads ahead."""
         self._seeds = []
+        self.drop_ahead()
         self.end()
         self._cancel_prefetches()
         for s in self.slots.values():
@@ -316,6 +355,93 @@ class Scheduler:
             after = sum(s.numel for s in last.slots if id(s.p) not in keep)
             taken = {k: v for k, v in taken.items() if k in keep}
         return taken
+
+    def read_ahead(self) -> int:
+        """Between passes: issue the swap-ins of the next pass's first steps (module docstring, "Across
+        passes"), along the last recorded trace of the kind run last (the static guess before any), up to
+        ``bucket`` elements and within ``max_live`` (less what the seeds will take). Nothing is gathered;
+        returns how many reads were issued. No-op inside a pass, when some are in flight already, or when
+        `across_passes` is off."""
+        if not self.across_passes or self._recording is not None or self._ahead_reads:
+            return 0
+        b = self.budget
+        trace = self._traces.get(self._kind)
+        if trace is None:
+            trace = self._guess(False)
+        if trace is None or b.bucket <= 0:
+            return 0
+        seeded = {id(s.p) for s, _, _ in self._seeds}
+        room = min(b.bucket, b.max_live - self.live - sum(s.numel for s, _, _ in self._seeds))
+        for step in trace.steps:
+            todo = [
+                s
+                for s in step.slots
+                if id(s.p) not in seeded and id(s.p) not in self._ahead_reads
+                and s.st.status is Status.NOT_AVAILABLE and s.loading is None
+                and getattr(s.st.store, "version", None) is not None
+            ]  # fmt: skip
+            n = sum(s.numel for s in todo)
+            if n > room:
+                break
+            if not all(self._issue_ahead(s) for s in todo):
+                break
+            room -= n
+        self._note_live()
+        return len(self._ahead_reads)
+
+    def _issue_ahead(self, s: Slot) -> bool:
+        st = s.st
+        version = st.store.version(st.key)  # type: ignore[attr-defined]
+        if version is None:
+            return True  # a write of it is unsettled: the pass reads it itself (counted as read: harmless)
+        try:
+            with no_torch_function():
+                buf, handle = st.store.load(st.key, st.partition_numel, st.dtype)
+        except Exception:
+            # Nothing was changed or gathered: the next pass fetches this param itself and reports
+            # whatever is wrong (a closed engine, say) to its caller.
+            return False
+        self._ahead_reads[id(s.p)] = Ahead(s, buf, handle, version)
+        self.live += s.numel
+        self.counters.read_ahead_issued += 1
+        return True
+
+    def _adopt(self) -> None:
+        """At a pass's start: each read ahead whose param is still not gathered and whose store still
+        reads the version it read becomes a prefetch of this pass; the others are dropped."""
+        reads, self._ahead_reads = self._ahead_reads, {}
+        for a in reads.values():
+            s, st = a.slot, a.slot.st
+            valid = st.status is Status.NOT_AVAILABLE and s.loading is None
+            if valid and st.store.version(st.key) == a.version:  # type: ignore[attr-defined]
+                st.status = Status.INFLIGHT
+                s.loading = Loading([s.item], [(a.buf, a.handle)])
+                s.ours = True
+                self._prefetched[id(s.p)] = s
+                self._prefetched_numel += s.numel
+                self.counters.prefetch_issued += 1
+                self.counters.read_ahead_used += 1
+            else:
+                self._drop_ahead(a)
+
+    def _drop_ahead(self, a: Ahead) -> None:
+        with contextlib.suppress(Exception):
+            a.handle.wait()  # the buffer must not be reused under a running read; its error is moot
+        self.live -= a.slot.numel
+        self.counters.read_ahead_dropped += 1
+
+    def drop_ahead(self) -> None:
+        """Drop every read ahead (`read_ahead`) not yet taken over by a pass."""
+        reads, self._ahead_reads = self._ahead_reads, {}
+        for a in reads.values():
+            self._drop_ahead(a)
+
+    def settle_ahead(self) -> None:
+        """Wait for the reads ahead in flight (so the engine's byte counters include them); a failure
+        stays with its read and is raised at its use."""
+        for a in self._ahead_reads.values():
+            with contextlib.suppress(Exception):
+                a.handle.wait()
 
     def _plant(self) -> None:
         """Gather the seeds (`seed`) that are still valid, as retained params of the pass beginning."""
@@ -546,6 +672,11 @@ class Scheduler:
         over = self.live + need - self.budget.max_live
         if over <= 0:
             return
+        if self._ahead_reads:  # a pass without a begin (a backward after another pass): reads ahead go first
+            self.drop_ahead()
+            over = self.live + need - self.budget.max_live
+            if over <= 0:
+                return
         for s in sorted(self._retained.values(), key=self._distance, reverse=True):
             self._drop(s)
             over -= s.numel

@@ -165,6 +165,7 @@ class Engine:
         on. Read at each backward's start; results never differ."""
         self._early: earlystep.EarlyStep | None = None
         self._grad_stash = 0  # `grad_stash_bytes`
+        self._across = True  # `prefetch_across_passes`
         self._ids: set[int] = set()
         self._items: list[Item] = []
         self._grad_stores: list[gradstore.GradStore] = []
@@ -193,6 +194,7 @@ class Engine:
             self._unwire()
             raise
         _ENGINES.add(self)
+        self._sched.read_ahead()  # the first pass's first reads, along the guess (counted from here on)
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -211,6 +213,7 @@ class Engine:
             raise ZswapError(self._no_optimizer)
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
+            self._sched.read_ahead()  # nothing was written: the next forward's first reads start now
             return
         self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
@@ -219,6 +222,7 @@ class Engine:
             self.last_grad_norm = None
             self._finish_step(1.0)
             self._sched.seed(self._early.take_seeds())  # the next forward's first params: no read
+            self._sched.read_ahead()  # and the next ones' reads, of the values just committed
             return
         others = [p for p in self.module.parameters() if id(p) not in self._ids]
         chunk = max(1, self.sizing.budget.max_live // 2)  # a chunk's params and grads: the live budget
@@ -238,6 +242,7 @@ class Engine:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
             step_partitions(self.optimizer, self._items, others, chunk, scale)
         self._finish_step(scale)
+        self._sched.read_ahead()  # the next forward's first reads, of the values just written
 
     def _finish_step(self, scale: float | None) -> None:
         self.zero_grad()
@@ -331,6 +336,23 @@ class Engine:
         return bool(self.keep_applied_grads)
 
     @property
+    def prefetch_across_passes(self) -> bool:
+        """Whether the swap-ins of the next pass's first params are issued when a pass ends (an inference
+        forward's end, `step`'s end, `initialize`'s end), so a pass's first step does not wait for the
+        disk (`zswap.prefetch`, "Across passes"). Default True. A read made stale by a write in between is
+        dropped unused; results are the same either way. Off: the first step of each pass is read on
+        demand."""
+        return self._across
+
+    @prefetch_across_passes.setter
+    def prefetch_across_passes(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"prefetch_across_passes must be a bool, got {on!r}")
+        self._across = self._sched.across_passes = on
+        if not on:
+            self._sched.drop_ahead()
+
+    @property
     def grad_stash_bytes(self) -> int:
         """Bytes of partition gradients kept in memory between backward and step instead of being written
         to NVMe, where the optimizer lives there (`zswap.gradstore`). Default 0: every gradient is written,
@@ -362,7 +384,9 @@ class Engine:
         (``bytes_read``, ``bytes_written``), bytes gathered for compute, seconds compute waited for params
         (``fetch_wait_seconds``), fetches on demand and prefetch hits (``prefetch_hit_rate`` = hits /
         fetches), the peak of elements gathered, the budgets in force, and where the memory is: the
-        ``mem_*`` lines, in bytes (`_memory_stats`; README, "Where the memory goes")."""
+        ``mem_*`` lines, in bytes (`_memory_stats`; README, "Where the memory goes"). Reads issued ahead
+        for the next pass are waited for first, so the byte counts include them."""
+        self._sched.settle_ahead()
         c = self._sched.counters
         io = self._io_counters()
         fetches = c.demand_fetches + c.prefetch_hits
@@ -384,6 +408,9 @@ class Engine:
             "off_trace": c.off_trace,
             "budget_exceeded": c.budget_exceeded,
             "guessed_iterations": c.guessed_iterations,
+            "read_ahead_issued": c.read_ahead_issued,
+            "read_ahead_used": c.read_ahead_used,
+            "read_ahead_dropped": c.read_ahead_dropped,
             "grad_placeholders": self._grads.placeholders,
             "max_live_elements": b.max_live,
             "prefetch_bucket_elements": b.bucket,
@@ -460,6 +487,7 @@ class Engine:
             "mem_grad_stash": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
             "mem_peak_grad_stash": sum(getattr(gs, "stash_peak", 0) for gs in self._grad_stores),
             "mem_fetch_pool_limit": sum(pools),
+            "mem_persistent_params": self._persistent_bytes(),
             "mem_bounce": bounce,
             "mem_write_queue": sum(q.queued for q in queues),
             "mem_write_queue_limit": sum(q.limit for q in queues),
@@ -469,6 +497,13 @@ class Engine:
             **{f"mem_{k}": v for k, v in memory.heap().items()},
             "mem_rss": memory.rss(),
         }
+
+    def _persistent_bytes(self) -> int:
+        """Bytes of the persistent (and ``max_in_cpu``) NVMe params gathered now, within
+        ``mem_fetch_buffers``: they grow with the model's count of small params (biases, norms). Memory
+        tiers hand out the partition itself, so theirs cost nothing more."""
+        kept = [s for s in self._slots.values() if s.persistent and s.ours and s.st.tier == "nvme"]
+        return sum(s.numel * s.st.dtype.itemsize for s in kept)
 
     # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
 
@@ -565,6 +600,7 @@ class Engine:
             for p, st in self._items
         }
         self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.compute_device)
+        self._sched.across_passes = self._across
         infos = {
             id(m): ModuleInfo(
                 i, name, [self._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]

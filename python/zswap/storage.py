@@ -343,6 +343,17 @@ class Namespace:
             raise failed  # the newest value is lost: say so once; the previous one reads from now on
         return self._live.get(name)
 
+    def version(self, name: str, txn: Transaction | None = None) -> str | None:
+        """The physical key ``name`` reads from now, or None while that is not settled — a write of it
+        staged in ``txn``, in flight, or failed and not yet reported (`physical` would wait or raise);
+        never waits or raises. A read issued at version v still holds ``name``'s value while `version`
+        returns v: every write goes to a new physical key."""
+        if (txn is not None and txn.staged(self, name) is not None) or name in self._pending:
+            return None
+        if name in self._failed:
+            return None
+        return self._live.get(name)
+
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and (name in self._live or name in self._pending)
 
