@@ -134,6 +134,15 @@ def _config(tmp_path: Path) -> dict[str, Any]:
     }
 
 
+def _built(cfg: dict, make: type[nn.Module]) -> tuple[nn.Module, Any]:
+    """``make()`` built under ``zswap.Init(cfg)`` and its CPU engine (zswap's fallback warnings muted)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            net = make()
+        return net, zswap.initialize(net, cfg, device="cpu")
+
+
 def _mem(s: dict[str, Any]) -> dict[str, int]:
     return {k: v for k, v in s.items() if k.startswith("mem_")}
 
@@ -143,11 +152,7 @@ def test_engine_stats_add_up_and_buffers_are_counted_back_on_close(tmp_path):
     start, start_count = memory.live(), memory.buffers()
     cfg = _config(tmp_path)
     torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", zswap.ZswapWarning)
-        with zswap.Init(cfg):
-            net = _Net()
-        engine = zswap.initialize(net, cfg, device="cpu")
+    net, engine = _built(cfg, _Net)
     engine.grad_stash_bytes = 0  # gradients written and read back: grad buffers take part
     x = torch.randn(4, 64)
     for _ in range(2):
@@ -191,11 +196,7 @@ def test_persistent_params_have_their_own_line_within_the_fetch_buffers(tmp_path
     cfg = _config(tmp_path)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 256  # the three biases
     torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", zswap.ZswapWarning)
-        with zswap.Init(cfg):
-            net = _Net()
-        engine = zswap.initialize(net, cfg, device="cpu")
+    net, engine = _built(cfg, _Net)
     biases = sum(zswap.param_state(m.bias).numel for m in (net.a, net.b, net.c))  # type: ignore[union-attr]
     for _ in range(2):
         s = engine.stats()
@@ -303,11 +304,7 @@ def test_the_early_steps_copies_and_gradients_are_counted_while_held_and_counted
     start, start_held = memory.live(), memory.held()
     cfg = _config(tmp_path)
     torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", zswap.ZswapWarning)
-        with zswap.Init(cfg):
-            net = _Wide()
-        engine = zswap.initialize(net, cfg, device="cpu")
+    net, engine = _built(cfg, _Wide)
     early = engine._early
     assert early is not None
     x = torch.randn(4, 64)
@@ -393,11 +390,7 @@ def test_a_dropped_engine_gives_back_every_buffer_closed_or_not(tmp_path, close)
 
     def train_and_drop() -> None:
         cfg = _config(tmp_path)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", zswap.ZswapWarning)
-            with zswap.Init(cfg):
-                net = _Net()
-            engine = zswap.initialize(net, cfg, device="cpu")
+        net, engine = _built(cfg, _Net)
         for _ in range(2):
             net(torch.randn(4, 64)).square().sum().backward()
             engine.step()

@@ -220,7 +220,7 @@ def write(
             if st is not None:
                 fill(target.tensor, st, src)
                 stores[id(st.store)] = st.store
-            elif target.tensor.device.type == "meta" and target.slots[0][2]:
+            elif _adopts(target):
                 assert placement is not None
                 p = _adopt_meta(target, src, placement)
                 stores[id(placement.store)] = placement.store
@@ -240,6 +240,11 @@ def write(
             store.wait_all()
 
 
+def _adopts(target: Target) -> bool:
+    """Whether `write` makes ``target`` a new managed param (a meta param; a meta buffer is materialised)."""
+    return target.tensor.device.type == "meta" and target.slots[0][2]
+
+
 def _span(target: Target, src: Source, placement: Placement | None) -> tuple[str, int, int] | None:
     """The file range `write` reads for ``target`` (for `zswap._stfile.Readahead`): this rank's slice of a
     param it partitions, the whole tensor otherwise."""
@@ -249,7 +254,7 @@ def _span(target: Target, src: Source, placement: Placement | None) -> tuple[str
     st = param_state(target.tensor)
     if st is not None and st.status is not Status.AVAILABLE:
         start, end = st.bounds()
-    elif st is None and placement is not None and target.tensor.device.type == "meta" and target.slots[0][2]:
+    elif st is None and placement is not None and _adopts(target):
         part = partition_numel(e.numel, placement.world_size)
         start, end = placement.rank * part, (placement.rank + 1) * part
     else:
@@ -372,7 +377,7 @@ def _part_bytes(target: Target, src: Source, placement: Placement | None) -> int
     st = param_state(target.tensor)
     if st is not None:
         return st.partition_numel * st.dtype.itemsize
-    if placement is None or target.tensor.device.type != "meta" or not target.slots[0][2]:
+    if placement is None or not _adopts(target):
         return 0
     dtype = target.dtype or target.tensor.dtype
     return partition_numel(src.shape.numel(), placement.world_size) * dtype.itemsize
