@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zswap
-from zswap import GatheredParameters, full_grad, param_state
+from zswap import GatheredParameters, earlystep, full_grad, param_state
 
 from .test_faults import cfg_for, engine_of, inject, optim_state, params_of, same
 from .test_runtime import TinyLM, build, engine_for, ids, sq
@@ -195,3 +195,53 @@ def test_stats_count_the_bytes_of_every_engine_a_step_uses(tmp_path):
         s, after = e.stats(), swap.stats()
         assert s["bytes_written"] == after["bytes_written"] - before["bytes_written"] > 0
         assert s["bytes_read"] == after["bytes_read"] - before["bytes_read"]
+
+
+class _Wide(torch.nn.Module):
+    """Three 1 MiB weights: the early step's copies of them are engine buffers (`earlystep.ENGINE_COPY`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_from_the_third_step_on_copies_and_fetches_reuse_pooled_buffers(tmp_path, monkeypatch):
+    """The fetch pool keeps what the early step may hold as well as the live budget: a step that maps
+    new buffers for its param copies faults in and zeroes their pages, then unmaps them."""
+    from zswap.swap import SwapEngine
+
+    one = 512 * 512
+    cfg = cfg_for(tmp_path, "nvme", "nvme", stage3_max_live_parameters=2 * one, sub_group_size=one)
+    m, _ = build(_Wide, cfg)
+    e = engine_for(m, cfg)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+    mapped: list[int] = []
+    real_empty = SwapEngine.empty
+
+    def counted(self: Any, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        mapped.append(shape[0] if isinstance(shape, tuple) else shape)
+        return real_empty(self, shape, dtype)
+
+    in_flight: list[tuple[int, int]] = []  # (bytes of copies being written, bound), after each gradient
+    real_take = earlystep.EarlyStep._take
+
+    def take(self: Any, *args: Any) -> None:
+        real_take(self, *args)
+        in_flight.append((self.copying, self.write_ahead))
+
+    monkeypatch.setattr(earlystep.EarlyStep, "_take", take)
+    for step in range(4):
+        if step == 2:
+            monkeypatch.setattr(SwapEngine, "empty", counted)
+        sq(m(x)).backward()
+        e.step()
+    assert e._early is not None and e._early.commits == 3
+    assert mapped == []
+    # backward waits for the oldest copy's write only past two sub-groups' params (2 × 1 MiB here)
+    assert in_flight and all(n <= bound == 2 * 512 * 512 * 4 for n, bound in in_flight)
+    e.close()

@@ -52,7 +52,11 @@ What it keeps:
 - **Memory.** Param copies and gradients wait for the rest of their record (a record spans params
   backward completes at different times; a tied embedding completes last); past `cap` bytes held the early
   step gives up. The record buffers are the optimizer's own ring (idle in backward); every read and write
-  using them has settled when backward ends.
+  using them has settled when backward ends. The updated copies' writes are bounded by the early step
+  itself, not by the storage's write queue: up to two sub-groups' params (``write_ahead``) in flight before
+  backward waits for the oldest, counted against `cap` until they land. Copies of 1 MiB and more are
+  buffers of the param stores' fetch pools, which `for_engine` widens by `cap` so that they are reused
+  from step to step (a pool miss maps, faults in and zeroes a new buffer, then unmaps it).
 """
 
 from __future__ import annotations
@@ -114,6 +118,12 @@ class EarlyStep:
     free: deque[torch.Tensor]
     reads: deque[tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
     writes: deque[tuple[torch.Tensor, Any]]
+    copies: deque[tuple[int, Any]]
+    write_ahead: int
+    """Bytes of copies' writes in flight before backward waits for the oldest: two sub-groups' params."""
+    copying: int
+    """Bytes of updated param copies whose writes are in flight (`copies`: bytes, write), counted in ``held``
+    until they land."""
 
     def __init__(
         self,
@@ -261,7 +271,8 @@ class EarlyStep:
         self.ready[i] = (st, copy, part.reshape(-1), _ps(st).ns._live.get(st.key))
         self.held += 2 * copy.numel() * copy.element_size()
         self.holding.add(_as_tensors(copy))
-        if self.held > self.cap:
+        self._land_copies(self.write_ahead)
+        if self.held + self.copying > self.cap:
             self._give_up(
                 task, f"it held more than its cap of {self.cap} bytes of param copies and gradients"
             )
@@ -305,6 +316,8 @@ class EarlyStep:
                 if sg not in self.by_param.setdefault(s.param, []):
                     self.by_param[s.param].append(sg)
         self.left = {i: len(sgs) for i, sgs in self.by_param.items()}
+        itemsize = max((p.element_size() for p in self.opt._params), default=4)
+        self.write_ahead = 2 * max((sg.numel for sg in self.layout), default=0) * itemsize
 
     def _end_backward(self, alive: object = None) -> None:
         self._outer, self.ended = _dead, True
@@ -318,6 +331,7 @@ class EarlyStep:
             self._pump(keep=0)
             while self.writes:
                 self._land_oldest()
+            self._land_copies(0)
         except Exception as exc:
             try:
                 self._give_up(self.task, f"it failed at the end of backward ({exc})", exc)
@@ -371,30 +385,46 @@ class EarlyStep:
                 self.left[i] -= 1
                 if self.left[i] == 0:
                     st, copy, _, _ = self.ready[i]
-                    _ps(st).ns.put(st.key, copy, self.txn)
-                    self.held -= copy.numel() * copy.element_size()
-                    self.holding.add(-copy.numel() * copy.element_size())  # the gradient
-                    self.ready[i] = (st, _empty, _empty, self.ready[i][3])  # the queue holds the copy
+                    nbytes = copy.numel() * copy.element_size()
+                    # Bounded here (`write_ahead`), not by the storage's write queue: backward goes on while
+                    # a sub-group's worth of copies is written, and waits only past two of them.
+                    w = _ps(st).ns.put(st.key, copy, self.txn, held=0)
+                    self.holding.add(-nbytes)  # the gradient
+                    self.ready[i] = (st, _empty, _empty, self.ready[i][3])  # the write holds the copy
                     if not self.keeping:
                         self.dropped += 1  # that gradient is gone: no falling back from here on
-                    self._seed(i, copy)
+                    kept = self._seed(i, copy)
+                    self.copies.append((0 if kept else nbytes, w))
+                    self.copying += 0 if kept else nbytes
 
-    def _seed(self, i: int, copy: torch.Tensor) -> None:
+    def _seed(self, i: int, copy: torch.Tensor) -> bool:
         """Keep ``copy`` (param ``i``'s updated partition) as a seed if the next pass would take it
-        (`seed_plan`), up to ``seed_numel`` elements; past that the oldest seeds go first."""
+        (`seed_plan`), up to ``seed_numel`` elements; past that the oldest seeds go first. True if kept."""
         nbytes = copy.numel() * copy.element_size()
         p = self.opt._params[i]
+        self.held -= 2 * nbytes  # the gradient, and the copy: counted in ``copying`` until written
         if id(p) in self.plan and copy.numel() <= self.seed_numel:
             self.seeds.append((p, copy))
             self.seeded += copy.numel()
+            self.held += nbytes
         else:
-            self.held -= nbytes
             self.holding.add(-_small(copy))
+            return False
         while self.seeded > self.seed_numel:
             _, old = self.seeds.popleft()
             self.seeded -= old.numel()
             self.held -= old.numel() * old.element_size()
             self.holding.add(-_small(old))
+        return True
+
+    def _land_copies(self, limit: int) -> None:
+        """Settle the copies' writes that have landed, and the oldest ones while more than ``limit`` bytes
+        are in flight."""
+        while self.copies and (self.copying > limit or self.copies[0][1].done()):
+            nbytes, w = self.copies.popleft()
+            w.settle()
+            self.copying -= nbytes
+            self.txn.check()
 
     def _land_oldest(self) -> None:
         buf, w = self.writes.popleft()
@@ -552,6 +582,9 @@ class EarlyStep:
         self.free = deque()
         self.reads = deque()
         self.writes = deque()
+        self.copies = deque()
+        self.copying = 0
+        self.write_ahead = 0
 
 
 _empty = torch.empty(0)
@@ -615,7 +648,7 @@ def for_engine(engine: Any) -> EarlyStep | None:
         )
 
     size = max(st.dtype.itemsize for _, st in engine._items)
-    return EarlyStep(
+    early = EarlyStep(
         opt,
         eligible,
         (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
@@ -623,3 +656,9 @@ def for_engine(engine: Any) -> EarlyStep | None:
         seed_plan=engine._sched.seed_plan,  # next pass's first read (benches/README.md, "Bytes per step")
         keep=engine._keeps_applied_grads,
     )
+    # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they
+    # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and
+    # zeroed, then unmapped: at 2 GiB that was 1.2 s of a 10 s step (benches/README.md, "Bytes per step").
+    for store in {id(st.store): st.store for _, st in engine._items}.values():
+        store.pool_bytes += early.cap
+    return early

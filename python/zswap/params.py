@@ -248,8 +248,12 @@ class NvmeStore(Store):
             for buf, uses in pool:
                 if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
                     return buf
+        nbytes = numel * dtype.itemsize
+        # A miss first unmaps as many bytes of idle buffers (of other sizes: the mix in use shifts), so
+        # that idle pooled memory never adds to the process's peak: mapped stays what is in use at once.
+        self._evict(nbytes)
         buf = self._allocate(numel, dtype)
-        nbytes, uses = numel * dtype.itemsize, _storage_uses(buf)
+        uses = _storage_uses(buf)
         if uses < 0:  # no way to tell when a buffer is free again: no pooling
             return buf
         if self._pooled + nbytes > self.pool_bytes:
