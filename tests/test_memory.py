@@ -412,7 +412,6 @@ def test_a_fetch_pool_miss_first_unmaps_idle_buffers_of_other_sizes(tmp_path):
     store = NvmeStore(SwapEngine(str(tmp_path)))
     store.pool_bytes = 1 << 30  # far more than is used: only idleness decides
     a = store._buffer(1 << 18, torch.float32)
-    a_ptr = a.data_ptr()
     del a  # idle in the pool now
     assert store._pooled == 1 << 20
     b = store._buffer(1 << 17, torch.float32)  # a miss: the idle 1 MiB buffer goes first
@@ -420,7 +419,7 @@ def test_a_fetch_pool_miss_first_unmaps_idle_buffers_of_other_sizes(tmp_path):
     assert not store._pool.get((1 << 18, torch.float32))
     b_ptr = b.data_ptr()
     c = store._buffer(1 << 17, torch.float32)  # b in use: c is new, and pooled too
-    assert c.data_ptr() not in (b_ptr, a_ptr) and store._pooled == 1 << 20
+    assert c.data_ptr() != b_ptr and store._pooled == 1 << 20  # (it may take a's freed address)
     del b
     assert store._buffer(1 << 17, torch.float32).data_ptr() == b_ptr  # idle again: reused
     store.trim()
