@@ -34,6 +34,8 @@ class Arch:
     config: Callable[[Any], Any]
     """``transformers -> config``."""
     seq2seq: bool = False
+    speech: int = 0
+    """Mel bins of a speech encoder's input features (0: the encoder reads token ids)."""
 
     def build(self) -> Any:
         import transformers
@@ -49,6 +51,8 @@ class Arch:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(3, VOCAB, (2, 10), generator=g)
         out = {"input_ids": ids}
+        if self.speech:  # 2 x max_source_positions frames (the encoder's convolutions halve them)
+            out = {"input_features": torch.randn(2, self.speech, 32, generator=g)}
         if self.seq2seq:
             out["decoder_input_ids"] = torch.randint(3, VOCAB, (2, 6), generator=g)
         return out
@@ -59,7 +63,8 @@ class Arch:
         if self.cls.endswith("SequenceClassification"):
             return {**ins, "labels": torch.tensor([0, 2])}
         if self.seq2seq:
-            return {"input_ids": ins["input_ids"], "labels": ins["decoder_input_ids"]}
+            first = "input_features" if self.speech else "input_ids"
+            return {first: ins[first], "labels": ins["decoder_input_ids"]}
         return {**ins, "labels": ins["input_ids"]}
 
 
@@ -167,4 +172,89 @@ ARCHS: dict[str, Arch] = {
     "phi": Arch("PhiForCausalLM", lambda t: t.PhiConfig(**DECODER)),
     # fused qkv_proj and gate_up_proj
     "phi3": Arch("Phi3ForCausalLM", lambda t: t.Phi3Config(**DECODER)),
+    # positions offset past the padding index
+    "roberta-mlm": Arch(
+        "RobertaForMaskedLM",
+        lambda t: t.RobertaConfig(
+            **COMMON, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        ),
+    ),
+    # one layer's params shared by every layer; factorised embeddings (16 -> 32)
+    "albert-mlm": Arch(
+        "AlbertForMaskedLM",
+        lambda t: t.AlbertConfig(
+            **COMMON,
+            embedding_size=16,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+        ),
+    ),
+    # sinusoidal position embeddings: a param _init_weights fills
+    "distilbert-mlm": Arch(
+        "DistilBertForMaskedLM",
+        lambda t: t.DistilBertConfig(
+            **COMMON, n_layers=2, n_heads=4, dim=32, hidden_dim=64, sinusoidal_pos_embds=True
+        ),
+    ),
+    # sin/cos position table as a buffer, partial rotary
+    "gpt-j": Arch(
+        "GPTJForCausalLM",
+        lambda t: t.GPTJConfig(
+            vocab_size=VOCAB,
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            rotary_dim=4,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "starcoder2": Arch(
+        "Starcoder2ForCausalLM", lambda t: t.Starcoder2Config(**DECODER, num_key_value_heads=2)
+    ),
+    "olmo2": Arch("Olmo2ForCausalLM", lambda t: t.Olmo2Config(**DECODER, num_key_value_heads=2)),
+    # a state-space model: A_log, D, convolutions (the slow path without the CUDA kernels)
+    "mamba": Arch(
+        "MambaForCausalLM",
+        lambda t: t.MambaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            state_size=8,
+            num_hidden_layers=2,
+            expand=2,
+            conv_kernel=4,
+            time_step_rank=4,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        ),
+    ),
+    # speech encoder-decoder: convolutions, a sinusoidal encoder position table filled at init
+    "whisper": Arch(
+        "WhisperForConditionalGeneration",
+        lambda t: t.WhisperConfig(
+            vocab_size=VOCAB,
+            num_mel_bins=8,
+            encoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_layers=2,
+            decoder_attention_heads=4,
+            d_model=32,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_source_positions=16,
+            max_target_positions=32,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+        ),
+        seq2seq=True,
+        speech=8,
+    ),
 }
