@@ -1,7 +1,7 @@
 """The common Hugging Face architectures under ``zswap.Init``: built, loaded, trained as the plain model.
 
-For each tiny model of `tests._hf_archs.ARCHS` (BERT heads, T5, BART, OPT, GPT-NeoX, Falcon, BLOOM, Mistral,
-Qwen2/3, Gemma/Gemma2, Phi/Phi3):
+For each tiny model of `tests._hf_archs.ARCHS` (BERT heads, RoBERTa, ALBERT, DistilBERT, T5, BART, Whisper,
+OPT, GPT-NeoX, GPT-J, Falcon, BLOOM, Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, Starcoder2, OLMo2, Mamba):
 
 - built under Init, its weights gather to bitwise the same-seed plain build's;
 - saved with ``save_pretrained`` (one file, and 20 kB shards with an index) and loaded with its class's
@@ -132,6 +132,17 @@ def test_load_weights_and_load_state_dict_into_a_model_built_under_init(arch, tm
     assert _different(gathered_named(n), want) == []
     ins = a.inputs()
     assert torch.equal(_logits(m.eval(), ins), _logits(ref, ins))
+
+
+def test_load_weights_resolves_legacy_names_as_from_pretrained(tmp_path):
+    # save_pretrained writes GPT-NeoX's head under its legacy name, embed_out (renamed lm_head on load)
+    a = ARCHS["gpt-neox"]
+    ckpt = _save(a, tmp_path / "ckpt", sharded=False)
+    assert "embed_out.weight" in file_tensors(ckpt) and "lm_head.weight" not in file_tensors(ckpt)
+    with init_for("cpu", tmp_path):
+        m = a.build()
+    assert zswap.load_weights(m, ckpt) == ([], [])
+    assert torch.equal(gathered_named(m)["lm_head.weight"], file_tensors(ckpt)["embed_out.weight"])
 
 
 DTYPE_CASES = {

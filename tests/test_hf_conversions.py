@@ -2,11 +2,12 @@
 
 transformers 5 saves the experts of mixture-of-experts models one tensor per expert (``save_pretrained``
 reverses the fusion) and stacks them into one 3-D param on load (``WeightConverter``: ``MergeModulelist``,
-``Concatenate``). Tiny Mixtral, Qwen2-MoE and Qwen3-MoE models saved so are loaded with ``from_pretrained``
-under ``Init`` (cpu and nvme) and with ``zswap.load_weights``: gathered weights bitwise a plain
-``from_pretrained`` of the same folder, the forward bitwise the plain model's, each conversion reading only
-its own source tensors and at most one conversion's result held at a time. A one-to-many conversion
-(``Chunk``) streams too; an operation zswap does not know is refused by name, as is one that fails.
+``Concatenate``). Tiny Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE models saved so are loaded with
+``from_pretrained`` under ``Init`` (cpu and nvme) and with ``zswap.load_weights``: gathered weights bitwise
+a plain ``from_pretrained`` of the same folder, the forward bitwise the plain model's, each conversion
+reading only its own source tensors and at most one conversion's result held at a time. A one-to-many
+conversion (``Chunk``) streams too; an operation zswap does not know is refused by name, as is one that
+fails.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ MOES = {
         transformers.Qwen2MoeConfig(
             **SMALL, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32
         )
+    ),
+    "olmoe": lambda: transformers.OlmoeForCausalLM(  # shares Qwen2-MoE's conversion mapping
+        transformers.OlmoeConfig(**SMALL, num_experts=4)
     ),
     "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(**SMALL, num_experts=4, moe_intermediate_size=16, head_dim=8)
