@@ -88,9 +88,21 @@ def test_built_under_init_is_the_plain_build(arch, tmp_path):
     assert _different(gathered_named(m), _plain_params(ref)) == []
 
 
-@pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
-@pytest.mark.parametrize("arch", ARCHS)
+# Every architecture one file on cpu and sharded on nvme; a few in the other two combinations as well (the
+# layout and the tier are independent: the sweep stays fast).
+LOADS = [(arch, False, "cpu") for arch in ARCHS] + [(arch, True, "nvme") for arch in ARCHS]
+LOADS += [
+    (arch, sharded, tier)
+    for arch in ("bert-mlm", "t5", "qwen2")
+    for sharded, tier in ((False, "nvme"), (True, "cpu"))
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "sharded", "tier"),
+    LOADS,
+    ids=[f"{a}-{'sharded' if s else 'one-file'}-{t}" for a, s, t in LOADS],
+)
 def test_from_pretrained_is_the_plain_load(arch, sharded, tier, tmp_path):
     a = ARCHS[arch]
     ckpt = _save(a, tmp_path / "ckpt", sharded=sharded)
