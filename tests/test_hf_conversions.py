@@ -323,3 +323,14 @@ def test_peak_memory_of_a_converted_load_under_init_nvme(tmp_path):
     bound = 0.25 * size + (300 << 20)
     print(f"converted load: peak RSS grew {grew / 2**20:.0f} MiB for {size / 2**20:.0f} MiB")
     assert 0 < grew <= bound, f"peak RSS grew {grew / 2**20:.0f} MiB loading {size / 2**20:.0f} MiB"
+
+
+def test_a_legacy_state_dict_argument_is_converted_too(tmp_path):
+    ckpt = _save("mixtral", tmp_path / "ckpt", sharded=False)
+    ref = _plain(ckpt)
+    sd = {k: v.clone() for k, v in file_tensors(ckpt).items()}
+    with init_for("nvme", tmp_path):
+        config = transformers.AutoConfig.from_pretrained(ckpt)
+        m = transformers.MixtralForCausalLM.from_pretrained(None, config=config, state_dict=sd)
+    assert all(param_state(p) is not None for p in m.parameters())
+    assert _different(gathered_named(m), _params(ref)) == []
