@@ -203,46 +203,6 @@ def test_unsupported_transformers_version_is_named(tmp_path, monkeypatch):
     _load(ckpt)  # outside Init: transformers' own path, whatever the version says
 
 
-def test_conversions_that_need_whole_tensors_are_refused(tmp_path, monkeypatch):
-    from transformers.core_model_loading import Concatenate, WeightConverter
-
-    ckpt = save("gpt2", tmp_path / "ckpt", sharded=False)
-    conv = WeightConverter(["attn.c_attn.weight"], "attn.c_attn.weight", operations=[Concatenate(dim=0)])
-    import transformers.modeling_utils as mu
-
-    real = mu.get_model_conversion_mapping
-    monkeypatch.setattr(mu, "get_model_conversion_mapping", lambda *a, **k: [*real(*a, **k), conv])
-    with (
-        pytest.raises(zswap.ZswapError, match=r"h\.0\.attn\.c_attn\.weight: this checkpoint needs"),
-        init_for("cpu", tmp_path),
-    ):
-        _load(ckpt)
-
-
-def test_a_mixture_of_experts_checkpoint_is_refused_and_the_named_way_round_loads_it(tmp_path):
-    # transformers 5 saves MoE experts one tensor per expert and fuses them on load (a WeightConverter).
-    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
-    cfg = transformers.MixtralConfig(
-        **small, vocab_size=128, max_position_embeddings=64, num_key_value_heads=2, num_local_experts=4
-    )
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
-    named_way = r"experts\.0\.w1\.weight: .*zswap\.save_weights\(model, folder\)"
-    with pytest.raises(zswap.ZswapError, match=named_way), init_for("nvme", tmp_path):
-        _load(tmp_path / "ckpt")
-    plain = _load(tmp_path / "ckpt")
-    want = {n: p.detach().clone() for n, p in plain.named_parameters()}
-    zswap.save_weights(plain, tmp_path / "fused")
-    with init_for("nvme", tmp_path):
-        m = _load(tmp_path / "fused")
-    assert all(param_state(p) is not None for p in m.parameters())
-    assert gathered_named(m).keys() == want.keys()
-    assert all(torch.equal(t, want[n]) for n, t in gathered_named(m).items())
-    with init_for("cpu", tmp_path, module=plain):
-        pass
-    assert all(param_state(p) is not None for p in plain.parameters())
-
-
 @pytest.mark.dist
 def test_two_ranks_read_only_their_own_slices(tmp_path):
     from .conftest import run_ranks

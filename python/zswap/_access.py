@@ -2,7 +2,8 @@
 that reads or writes its data.
 
 Metadata (dtype, device, requires_grad, grad…) never needs the data; shape queries (``shape``, ``size``,
-``dim``, ``numel``, ``len``) are answered from the `ParamState` without I/O; ``p.data = x`` makes ``x`` the
+``dim``, ``numel``, ``len``) and ``empty_like`` / ``zeros_like`` / ``ones_like`` / ``full_like`` are answered
+from the `ParamState` without I/O; ``p.data = x`` makes ``x`` the
 param's data. Anything else reaching a not-gathered param (as an argument, or inside a list/tuple argument)
 gathers it first. The mode is off inside its own handler, so the call it wraps, and zswap's own tensor
 work (run under `no_torch_function`), are never intercepted.
@@ -46,6 +47,35 @@ _DATA = torch.Tensor.data
 _SIZE, _LEN = torch.Tensor.size, torch.Tensor.__len__
 _RANK_METHODS = frozenset((torch.Tensor.dim, torch.Tensor.ndimension))
 _NUMEL_METHODS = frozenset((torch.Tensor.numel, torch.Tensor.nelement))
+
+
+# ``torch.*_like(p)`` needs only p's shape, dtype and device: answered without gathering p (transformers'
+# _init_weights calls ``empty_like`` on loaded weights to build values it then does not copy in).
+_LIKE: dict[Any, Any] = {
+    torch.empty_like: torch.empty,
+    torch.zeros_like: torch.zeros,
+    torch.ones_like: torch.ones,
+}
+_LIKE_KWARGS = frozenset({"dtype", "device", "layout", "requires_grad", "pin_memory"})
+
+
+def _like_answer(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], st: ParamState) -> Any:
+    """``empty_like`` / ``zeros_like`` / ``ones_like`` / ``full_like`` of a not-gathered param, built from
+    its state; ``_ABSENT`` for anything else (or a memory format other than the default)."""
+    make: Any = _LIKE.get(func)
+    fill: tuple[Any, ...] = ()
+    if make is None and func is torch.full_like and len(args) == 2:
+        make, fill = torch.full, (args[1],)
+    extra = set(kwargs) - _LIKE_KWARGS
+    fmt = kwargs.get("memory_format", torch.preserve_format)
+    if make is None or len(args) != 1 + len(fill) or extra - {"memory_format"} or fmt not in (
+        torch.preserve_format, torch.contiguous_format,
+    ):  # fmt: skip
+        return _ABSENT
+    opts = {k: v for k, v in kwargs.items() if k in _LIKE_KWARGS and v is not None}
+    opts.setdefault("dtype", st.dtype)
+    opts.setdefault("device", st.device)
+    return make(st.shape, *fill, **opts)
 
 
 def _unavailable(x: object) -> ParamState | None:
@@ -93,6 +123,8 @@ class AccessMode(TorchFunctionMode):
             return out
         if args and (st := _unavailable(args[0])) is not None:
             answer = _shape_answer(func, args, kwargs, st)
+            if answer is _ABSENT:
+                answer = _like_answer(func, args, kwargs, st)
             if answer is not _ABSENT:
                 return answer
         pending = _collect(args, kwargs)

@@ -11,14 +11,20 @@ unexpected, mismatched keys), so transformers' own finishing steps run unchanged
 (the tied param stays one managed param), materialises and initialises the missing ones (which Init then
 partitions), and reports the keys.
 
+Names and weight conversions are resolved by `zswap._hfconv` with transformers' own functions: a tensor
+only renamed streams by byte range; a target transformers builds from several tensors (the experts of
+mixture-of-experts models, saved one tensor per expert and stacked on load) is converted by transformers'
+own operations from just its source tensors when it is written, one target at a time.
+
 The DeepSpeed seam (``is_deepspeed_zero3_enabled``) is not used: behind it transformers imports ``deepspeed``
 itself and loads the whole state dict on rank 0 through ``GatheredParameters`` — neither streamed nor per
 rank.
 
 What cannot be streamed is refused with a `ZswapError` naming it, never loaded silently otherwise: ``.bin``
-(pickle) checkpoints, quantized models, ``device_map`` / tensor-parallel meshes, and weight *conversions*
-(fusing or splitting tensors, e.g. MoE experts); and any transformers whose loading entry point is not the one
-described above (checked at the first Init entry after transformers is imported).
+(pickle) checkpoints, quantized models, ``device_map`` / tensor-parallel meshes, conversion operations that
+are not transformers' plain tensor reshuffles (`zswap._hfconv.STREAMABLE_OPS`), and any transformers whose
+loading entry point is not the one described above (checked at the first Init entry after transformers is
+imported).
 """
 
 from __future__ import annotations
@@ -72,7 +78,12 @@ def unsupported_reason(pretrained: type) -> str | None:
               "checkpoint_files, load_config)"  # fmt: skip
     else:
         try:
-            from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key  # noqa: F401
+            from transformers.core_model_loading import (  # noqa: F401
+                WeightConverter,
+                WeightRenaming,
+                dot_natural_key,
+                rename_source_key,
+            )
             from transformers.utils.loading_report import LoadStateDictInfo  # noqa: F401
         except ImportError as e:
             why = f"a loading helper zswap uses is missing ({e})"
@@ -125,6 +136,16 @@ def _patch(ctx: _InitContext, pretrained: type) -> None:
 
     _load_pretrained_model.__zswap__ = True  # type: ignore[attr-defined]
     ctx.patches.set(pretrained, "_load_pretrained_model", staticmethod(_load_pretrained_model))
+    if "_adjust_bias" in pretrained.__dict__:  # tie_weights inside from_pretrained, on partitioned params
+        from .module_api import adjust_bias
+
+        plain_adjust = pretrained.__dict__["_adjust_bias"]
+
+        def _adjust_bias(self: Any, output_embeddings: Any, input_embeddings: Any) -> None:
+            adjust_bias(self, output_embeddings, input_embeddings, plain=plain_adjust)
+
+        _adjust_bias.__zswap__ = True  # type: ignore[attr-defined]
+        ctx.patches.set(pretrained, "_adjust_bias", _adjust_bias)
 
 
 def _prime(ctx: _InitContext, name_or_path: Any, kwargs: dict[str, Any]) -> Any:
@@ -166,10 +187,9 @@ def _prime(ctx: _InitContext, name_or_path: Any, kwargs: dict[str, Any]) -> Any:
 def load_into_partitions(
     ctx: _InitContext, model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any
 ) -> tuple[Any, None]:
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    from . import _stfile, weights
+    from . import _hfconv, _stfile, weights
 
     for what, value in (
         ("a quantization config", load_config.hf_quantizer),
@@ -194,42 +214,19 @@ def load_into_partitions(
             "save_pretrained outside Init"
         )
     targets = weights.targets(model)
-    mapping = list(load_config.weight_mapping or [])
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    prefix = model.base_model_prefix
-    renamed: dict[str, weights.Source] = {}
-    used: list[Any] = []
-    for key, src in sources.items():
-        new, pattern = rename_source_key(key, renamings, converters, prefix, targets)
-        if new not in targets and key in targets:  # as transformers: only the prefix may change then
-            new, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=targets)
-        if pattern is not None:
-            raise ZswapError(
-                f"{key}: this checkpoint needs transformers' weight conversion {pattern!r} (tensors fused or "
-                "split on load, as for the experts of mixture-of-experts models), which zswap cannot stream "
-                "into partitions. Load it once outside zswap.Init, then either partition that model with "
-                "zswap.Init(config, module=model), or save it in the model's own layout with "
-                "zswap.save_weights(model, folder): that folder then loads under zswap.Init, streamed"
-            )
-        if new in renamed:
-            raise ZswapError(f"checkpoint keys {key!r} and another both load into {new!r}")
-        renamed[new] = src
-        for r in renamings:
-            if r not in used and r.rename_source_key(key)[1] is not None:
-                used.append(r)
-    _apply_dtype_plan(targets, load_config)
-    plan = weights.plan(targets, renamed)
+    _apply_dtype_plan(targets, load_config)  # before resolving: converted tensors are cast to these dtypes
+    resolved = _hfconv.resolve(model, sources, list(load_config.weight_mapping or []), targets)
+    plan = weights.plan(targets, resolved.sources)
     frame = ctx.frames[-1]
     _cast_on_load(plan, frame.placement.dtype)
     weights.check_optimizer(plan.items)
     weights.write(plan.items, frame.build_placement, weights.frame_hook(frame))
     for target, _, _ in plan.items:
         target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers: no re-init
-    model._weight_conversions = used
+    model._weight_conversions = resolved.used
     info = LoadStateDictInfo(
         missing_keys=set(plan.missing),
-        unexpected_keys=set(plan.unexpected),
+        unexpected_keys={*plan.unexpected, *resolved.unexpected},
         mismatched_keys={(k, tuple(a), tuple(b)) for k, a, b in plan.mismatched},  # type: ignore[misc]
         conversion_errors={},
         error_msgs=[],

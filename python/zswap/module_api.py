@@ -58,6 +58,8 @@ def attach(modules: Iterable[nn.Module]) -> None:
         if hasattr(type(m), "resize_token_embeddings") and hasattr(type(m), "num_parameters"):
             m.__dict__["resize_token_embeddings"] = _Bound(m, _resize_token_embeddings)
             m.__dict__["num_parameters"] = _Bound(m, _num_parameters)
+            if hasattr(type(m), "_adjust_bias"):
+                m.__dict__["_adjust_bias"] = _Bound(m, adjust_bias)
 
 
 class _Bound:
@@ -306,7 +308,11 @@ def _resize_token_embeddings(self: Any, *args: Any, **kwargs: Any) -> Any:
         for engine in engines:
             stack.enter_context(engine._rewired())
         stack.enter_context(Init._at(Placement(st.store, st.group, st.rank, st.world_size, None)))
-        out = plain(self, *args, **kwargs)
+        _LOCAL.resizing = True  # adjust_bias may re-partition the head's bias: the engine is unwired
+        try:
+            out = plain(self, *args, **kwargs)
+        finally:
+            _LOCAL.resizing = False
         # An untied head is a new nn.Linear (new params): the optimizer steps those in place of the old.
         new = {
             id(old): p
@@ -316,6 +322,71 @@ def _resize_token_embeddings(self: Any, *args: Any, **kwargs: Any) -> Any:
         for engine in engines:
             _swap_params(engine.optimizer, new)
         return out
+
+
+def adjust_bias(self: Any, output_embeddings: Any, input_embeddings: Any, plain: Any = None) -> None:
+    """transformers' ``_adjust_bias`` on a partitioned model. ``tie_weights`` runs it on every output
+    embedding with a bias (BERT's masked-LM decoder) to pad the bias with zeros to the weight's row count
+    (or cut it), reading ``weight.shape`` and ``bias.data``: on partitioned params those are the empty
+    placeholders, so the plain method would size nothing right (and its ``.data`` access gathers the bias
+    under Init only to write the same values back). Here the real shapes decide: equal (as loaded), nothing
+    moves; different (the weight resized), the bias is gathered, padded or cut as transformers does, and
+    re-partitioned in place (same param, so its ties hold). Refused under an open `zswap.Engine` unless
+    ``resize_token_embeddings`` runs it (the engine is wired again over the new shape). ``plain``: the
+    method to run when neither is managed (default: the class's)."""
+    bias, weight = getattr(output_embeddings, "bias", None), getattr(output_embeddings, "weight", None)
+    states = [param_state(t) if isinstance(t, torch.Tensor) else None for t in (weight, bias)]
+    if bias is None or weight is None or states == [None, None]:
+        (plain or type(self)._adjust_bias)(self, output_embeddings, input_embeddings)
+        return
+    rows, have = (_rows(t, st) for t, st in zip((weight, bias), states, strict=True))
+    if rows != have:
+        pad = (0, rows - have)
+        bst = states[1]
+        if bst is None:
+            with no_torch_function(), torch.no_grad():
+                bias.data = nn.functional.pad(bias.data, pad, "constant", 0)
+        else:
+            if not getattr(_LOCAL, "resizing", False):
+                _refuse_if_engine([bias], "pad the bias of")
+            _repartition(bias, bst, lambda full: nn.functional.pad(full, pad, "constant", 0))
+    if hasattr(output_embeddings, "out_features") and hasattr(input_embeddings, "num_embeddings"):
+        output_embeddings.out_features = input_embeddings.num_embeddings
+
+
+def _rows(t: torch.Tensor, st: ParamState | None) -> int:
+    """Rows of ``t`` as they are now: a gathered param's data (it may have been replaced, as
+    ``resize_token_embeddings`` does), else its record."""
+    with no_torch_function():
+        return int(t.shape[0] if st is None or st.status is Status.AVAILABLE else st.shape[0])
+
+
+def _repartition(p: torch.Tensor, st: ParamState, change: Any) -> None:
+    """Replace managed ``p``'s full value by ``change(full)``, which may have another shape; ``p`` stays the
+    same param (its ties hold). Gathered by Init's access hook: its data is replaced, and Init writes it
+    back at the new size with the rest it touched. Not gathered: gathered, changed, and partitioned anew
+    under its key."""
+    from .gather import GatheredParameters, offload
+
+    if (
+        st.status is Status.INFLIGHT
+        or st.gathered_by is not None
+        or (st.status is Status.AVAILABLE and not st.touched)
+    ):
+        raise ZswapError(
+            f"a param of shape {tuple(st.shape)} is held gathered (a GatheredParameters block, a running "
+            "forward); cannot change its size now"
+        )
+    if st.status is Status.AVAILABLE:
+        with no_torch_function(), torch.no_grad():
+            p.data = change(p.data)
+        return
+    with GatheredParameters([p]), no_torch_function():
+        full = p.data.detach().clone()
+    with no_torch_function(), torch.no_grad():
+        p.data = change(full)
+        offload(p, st)
+    st.store.wait_all()
 
 
 def _swap_params(opt: Any, new: dict[int, torch.Tensor]) -> None:

@@ -212,6 +212,10 @@ def write(
                 f"{name} is on the meta device: load it under zswap.Init, which says where it goes"
             )
     quiesce([t.tensor for t, _, _ in items])
+    for _, _, src in items:  # a converted source (zswap._hfconv) keeps its result until these are written
+        expect = getattr(src, "expect", None)
+        if expect is not None:
+            expect()
     stores: dict[int, Store] = {}
     ahead = _stfile.Readahead(_span(t, src, placement) for t, _, src in items)
     with contextlib.closing(ahead), _load_buffers(items, placement), no_torch_function(), torch.no_grad():
@@ -236,6 +240,9 @@ def write(
                 full = _read_all(src)
                 target.tensor.copy_(full.view(src.shape))
             ahead.done(i)
+            release = getattr(src, "release", None)  # a converted source frees its conversion's result
+            if release is not None:
+                release()
         for store in stores.values():
             store.wait_all()
 
@@ -416,17 +423,23 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str], *, strict: bool
 
     ``path``: a ``.safetensors`` file, a sharded index (``model.safetensors.index.json``), or a folder with
     either (what ``save_pretrained`` and `zswap.save_weights` write). Names are the model's
-    ``state_dict`` names. Every name and shape is checked before anything is written: with ``strict``
-    (default) missing keys, unexpected keys and shape mismatches are one `LoadWeightsError` (a `ZswapError`
-    and `ValueError`) listing them all; without it, missing and unexpected keys are returned as
-    ``(missing_keys, unexpected_keys)``, as ``torch.nn.Module.load_state_dict`` returns them, and shape
-    mismatches still raise (as torch's do). Values are cast to each param's dtype. Params that an open
-    engine's optimizer already keeps a float32 master of are refused (its next step would undo the load).
+    ``state_dict`` names; for a transformers model, the checkpoint's names are first resolved as its
+    ``from_pretrained`` resolves them (legacy renamings, base-model prefix, weight conversions such as MoE
+    experts saved one tensor each: `zswap._hfconv`). Every name and shape is checked before anything is
+    written: with ``strict`` (default) missing keys, unexpected keys and shape mismatches are one
+    `LoadWeightsError` (a `ZswapError` and `ValueError`) listing them all; without it, missing and
+    unexpected keys are returned as ``(missing_keys, unexpected_keys)``, as
+    ``torch.nn.Module.load_state_dict`` returns them, and shape mismatches still raise (as torch's do).
+    Values are cast to each param's dtype. Params that an open engine's optimizer already keeps a float32
+    master of are refused (its next step would undo the load).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_weights takes an nn.Module, not {type(model).__name__}")
     sources: dict[str, Source] = {k: FileSource(e) for k, e in _stfile.resolve(path).items()}
-    p = plan(targets(model), sources)
+    model_targets = targets(model)
+    sources, converted_away = _hf_names(model, sources, model_targets)
+    p = plan(model_targets, sources)
+    p.unexpected += converted_away
     if p.mismatched or (strict and (p.missing or p.unexpected)):
         raise LoadWeightsError(
             describe(p, f"checkpoint {os.fspath(path)}"), p.missing, p.unexpected, p.mismatched
@@ -434,6 +447,21 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str], *, strict: bool
     check_optimizer(p.items)
     write(p.items, _placement_of(model))
     return _IncompatibleKeys(p.missing, p.unexpected)
+
+
+def _hf_names(
+    model: nn.Module, sources: dict[str, Source], model_targets: dict[str, Target]
+) -> tuple[dict[str, Source], list[str]]:
+    """For a transformers model, the checkpoint's names as ``from_pretrained`` resolves them (legacy
+    renamings, the base-model prefix, weight conversions such as MoE experts saved one per tensor; see
+    `zswap._hfconv`), and the names a conversion would make that the model lacks. Other models: as given."""
+    from . import _hfconv
+
+    mapping = _hfconv.model_mapping(model)
+    if mapping is None:
+        return sources, []
+    resolved = _hfconv.resolve(model, sources, mapping, model_targets)
+    return resolved.sources, resolved.unexpected
 
 
 def _placement_of(model: nn.Module) -> Placement | None:
