@@ -26,7 +26,11 @@ from .test_earlystep import model_bytes, state, train
 from .test_faults import cfg_for, engine_of, grads_of, inject, same
 from .test_runtime import TinyLM, assert_same_grads, build, engine_for, ids, sq
 
-RESTART = "call engine.zero_grad() and run backward again; set engine.keep_applied_grads = True"
+RESTART = (
+    'call engine.zero_grad() and run backward again. With engine.keep_applied_grads = "auto" (the default) '
+    "applied gradients are kept from the next backward on, after this error; set "
+    "engine.keep_applied_grads = True to keep them always"
+)
 
 
 def twins(tmp_path: Path, keep: bool = False, make: Callable[[], Any] = TinyLM) -> tuple[Any, Any]:
@@ -440,3 +444,48 @@ def test_auto_raises_the_first_read_after_an_early_step_then_keeps_them(tmp_path
     assert e._early.commits == 1
     e.close()
     ref_e.close()
+
+
+def test_keep_applied_grads_takes_true_false_or_auto_and_refuses_anything_else(tmp_path):
+    cfg = cfg_for(tmp_path, "nvme", "nvme")
+    m, _ = build(TinyLM, cfg)
+    e = engine_for(m, cfg)
+    for good in (True, False, "auto"):
+        e.keep_applied_grads = good
+        assert e.keep_applied_grads is good or e.keep_applied_grads == good == "auto"
+    for bad in (1, 0, None, "Auto", "true", "yes"):
+        with pytest.raises(zswap.ConfigError, match=r'keep_applied_grads must be True, False or "auto", got'):
+            e.keep_applied_grads = bad  # type: ignore[assignment]
+        assert e.keep_applied_grads == "auto"  # unchanged
+    with pytest.raises(ValueError):  # ConfigError is a ZswapError and a ValueError
+        e.keep_applied_grads = 2  # type: ignore[assignment]
+    assert issubclass(zswap.ConfigError, zswap.ZswapError)
+    e.close()
+
+
+def test_auto_keeps_them_after_the_error_so_the_same_change_then_falls_back(tmp_path):
+    """ "auto" (the default): an lr change between backward and step raises once, and the error says "auto"
+    keeps the gradients from the next backward on; it does: after zero_grad the same kind of change falls
+    back to the ordinary step, bitwise the twin's."""
+    pairs, before, e = _before_step(tmp_path, keep="auto")  # type: ignore[arg-type]
+    (m, _), (ref, ref_e) = pairs
+    assert e.keep_applied_grads == "auto" and not e._keeps_applied_grads()
+    _lr([(m, e)])
+    with pytest.raises(GradientsNotKeptError, match="a param group's lr") as info:
+        e.step()
+    text = str(info.value)
+    assert RESTART in text and '(engine.keep_applied_grads is False, or "auto", the default, before' in text
+    assert same(state(m, e), before) and e._keeps_applied_grads()
+    _lr([(ref, ref_e)])
+    for mm, ee in pairs:
+        ee.zero_grad()
+        sq(mm(ids(seed=1))).backward()  # kept this time
+    for _, ee in pairs:
+        ee.optimizer.param_groups[0]["lr"] = 1e-2  # changed between backward and step again
+        ee.step()  # the early one falls back to the ordinary step instead of raising
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 0
+    train(pairs, 2)  # and goes on early, gradients kept
+    assert same(state(m, e), state(ref, ref_e)) and e._early.commits == 1
+    for _, ee in pairs:
+        ee.close()

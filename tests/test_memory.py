@@ -423,3 +423,84 @@ def test_a_fetch_pool_miss_first_unmaps_idle_buffers_of_other_sizes(tmp_path):
     del b
     assert store._buffer(1 << 17, torch.float32).data_ptr() == b_ptr  # idle again: reused
     store.trim()
+
+
+class _Stack(nn.Module):
+    """Six 1 MiB weights (each early-step copy an engine buffer from the fetch pool) and small biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+WEIGHT = 512 * 512  # elements of one of _Stack's weights: 1 MiB of fp32
+
+
+def test_the_early_steps_pool_copies_and_seeds_count_in_the_live_budget(tmp_path):
+    """In backward the early step holds param copies from the params' fetch pool (waiting for the rest of
+    their optimizer record, or kept as seeds for the next forward): the scheduler counts them in its live
+    budget (`Scheduler.lent`), so gathered params, prefetches in flight and those copies together never
+    exceed it, the fetch ledger stays within the pool, and every copy is counted back once written or
+    used; results are bitwise the ordinary step's."""
+    from zswap.optim import OffloadedAdamW
+
+    def cfg_of(path: Path) -> dict[str, Any]:
+        path.mkdir()
+        cfg = _config(path)
+        cfg["zero_optimization"].update(
+            stage3_max_live_parameters=3 * WEIGHT,
+            stage3_prefetch_bucket_size=2 * WEIGHT,
+            stage3_param_persistence_threshold=512,  # the biases: gathered for good, no step of their own
+            sub_group_size=2 * WEIGHT,  # a record spans two weights: the later one's copy waits for the other
+        )
+        return cfg
+
+    cfg, ref_cfg = cfg_of(tmp_path / "early"), cfg_of(tmp_path / "ref")
+    torch.manual_seed(0)
+    net, engine = _built(cfg, _Stack)
+    torch.manual_seed(0)
+    ref, ref_engine = _built(ref_cfg, _Stack)
+    ref_engine.early_step = False
+    early, sched = engine._early, engine._sched
+    assert early is not None and isinstance(engine.optimizer, OffloadedAdamW)
+    pool = engine.stats()["mem_fetch_pool_limit"]
+    seen: list[tuple[int, int]] = []  # (gathered + in flight, lent) at each of the scheduler's changes
+    note = sched._note_live
+
+    def spy() -> None:
+        seen.append((sched.live, early.pooled() // 4))
+        note()
+
+    sched._note_live = spy  # type: ignore[method-assign]
+    x = torch.randn(4, 512)
+    for it in range(4):
+        gc.collect()
+        memory.reset_peaks()
+        seen.clear()
+        for m, e in ((net, engine), (ref, ref_engine)):
+            m(x).square().sum().backward()
+            e.step()
+        peak_fetch = memory.peaks()["fetch"]
+        assert all(live + lent <= 3 * WEIGHT for live, lent in seen), (it, max(a + b for a, b in seen))
+        if it:  # from the second step on the early step runs: copies were lent, the budget held them
+            assert early.commits == it
+            assert max(lent for _, lent in seen) >= WEIGHT
+            assert max(live + lent for live, lent in seen) == 3 * WEIGHT  # the budget, exactly, not past it
+        # the fetch buffers: the pool and what the write queue still held of copies being written
+        assert peak_fetch <= pool + INFLIGHT_WRITE_BYTES
+        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+            with zswap.GatheredParameters([p, q]):
+                assert torch.equal(p.data, q.data), it
+    with torch.no_grad():
+        net(x)  # takes the seeds
+    gc.collect()
+    assert early.pooled() == 0 and sched.lent() == 0  # every copy counted back
+    s = engine.stats()
+    assert s["peak_live_lent_elements"] <= 3 * WEIGHT
+    engine.close()
+    ref_engine.close()

@@ -56,7 +56,9 @@ What it keeps:
   itself, not by the storage's write queue: up to two sub-groups' params (``write_ahead``) in flight before
   backward waits for the oldest, counted against `cap` until they land. Copies of 1 MiB and more are
   buffers of the param stores' fetch pools, which `for_engine` widens by `cap` so that they are reused
-  from step to step (a pool miss maps, faults in and zeroes a new buffer, then unmaps it).
+  from step to step (a pool miss maps, faults in and zeroes a new buffer, then unmaps it); while waiting
+  for their record or kept as seeds they count in the scheduler's live budget (`pooled`,
+  `zswap.prefetch.Scheduler.lent`), so the prefetcher holds that much less.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from torch.autograd import Variable
 from . import memory
 from .errors import GradientsNotKeptError, SwapIOError
 from .gather import no_torch_function
-from .gradstore import RESTART, NvmeGrads, _Alive, _dead
+from .gradstore import NOT_KEPT, RESTART, NvmeGrads, _Alive, _dead
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
@@ -203,10 +205,11 @@ class EarlyStep:
         if dropped:
             if isinstance(exc, SwapIOError):  # as any failed transfer of backward: run it again
                 raise _Void(exc)
+            _wanted(gs)
             error = GradientsNotKeptError(
                 f"the early step had to stop in this backward ({why}) after it had applied gradients it did "
-                "not keep (engine.keep_applied_grads is False), so it cannot fall back to the ordinary step: "
-                f"this backward counts for nothing. {RESTART}"
+                f"not keep {NOT_KEPT}, so it cannot fall back to the ordinary step: this backward counts for "
+                f"nothing. {RESTART}"
             )
             error.__cause__ = exc
             raise _Void(error)
@@ -252,14 +255,14 @@ class EarlyStep:
     def _second_backward(self, task: int) -> None:
         """A gradient of another backward while an early step whose gradients were let go waits for
         `Engine.step`: nothing can be accumulated onto them."""
+        _wanted(self.gs)
         self.abort()
         self.lost = "a second backward ran before engine.step()"
         self.state, self.task = "off", task
         raise GradientsNotKeptError(
             "a second backward before engine.step(): the early step applied the first one's gradients to the "
-            "optimizer in backward and did not keep them (engine.keep_applied_grads is False), so this "
-            "backward cannot accumulate onto them (use gradient_accumulation_steps to accumulate). The early "
-            f"step is dropped. {RESTART}"
+            f"optimizer in backward and did not keep them {NOT_KEPT}, so this backward cannot accumulate "
+            f"onto them (use gradient_accumulation_steps to accumulate). The early step is dropped. {RESTART}"
         )
 
     def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
@@ -426,6 +429,12 @@ class EarlyStep:
             self.copying -= nbytes
             self.txn.check()
 
+    def pooled(self) -> int:
+        """Bytes of the params' fetch pool it holds now: its param copies of `ENGINE_COPY` bytes or more,
+        waiting for their record or kept as seeds (the rest of `held` is ordinary tensors, `holding`).
+        `zswap.prefetch.Scheduler.lent` counts them against the live budget."""
+        return self.held - self.holding.nbytes
+
     def _land_oldest(self) -> None:
         buf, w = self.writes.popleft()
         w.settle()
@@ -443,17 +452,19 @@ class EarlyStep:
             return False
         why = self._mismatch(items)
         if why:
-            dropped = self.dropped
+            dropped, gs = self.dropped, self.gs
             self.abort()
             if dropped:
                 self.lost = why
+                _wanted(gs)
                 raise GradientsNotKeptError(
                     f"engine.step(): {why}, but the early step already applied this step's gradients in "
-                    "backward and did not keep them (engine.keep_applied_grads is False), so the ordinary "
-                    f"step cannot run instead. {RESTART}"
+                    f"backward and did not keep them {NOT_KEPT}, so the ordinary step cannot run instead. "
+                    f"{RESTART}"
                 )
             return False
         txn, ready, steps, seeds, dropped = self.txn, self.ready, self.steps, list(self.seeds), self.dropped
+        gs = self.gs
 
         def counters() -> None:
             for i in ready:
@@ -468,10 +479,11 @@ class EarlyStep:
             self.aborts += 1  # commit aborted itself: nothing changed
             if dropped:
                 self.lost = f"its writes failed ({exc})"
+                _wanted(gs)
                 raise GradientsNotKeptError(
                     f"engine.step(): the early step's writes failed ({exc}) and it applied this step's "
-                    "gradients in backward without keeping them (engine.keep_applied_grads is False), so the "
-                    f"ordinary step cannot run instead. {RESTART}"
+                    f"gradients in backward without keeping them {NOT_KEPT}, so the ordinary step cannot run "
+                    f"instead. {RESTART}"
                 ) from exc
             return False
         self.commits += 1
@@ -522,10 +534,12 @@ class EarlyStep:
         ]
         if lost:
             why = self.lost or "it was dropped"
+            for _, st in items:
+                _wanted(st.grad_store)
             raise GradientsNotKeptError(
                 f"engine.step(): the gradients of {len(lost)} params (first {lost[0]}) were applied in "
-                f"backward by an early step that was not made live ({why}) and were not kept "
-                f"(engine.keep_applied_grads is False). {RESTART}"
+                f"backward by an early step that was not made live ({why}) and were not kept {NOT_KEPT}. "
+                f"{RESTART}"
             )
 
     def _same_grads(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
@@ -614,6 +628,13 @@ def _as_tensors(copy: torch.Tensor) -> int:
     return copy.numel() * copy.element_size() + _small(copy)
 
 
+def _wanted(gs: object) -> None:
+    """A `GradientsNotKeptError` is raised for gradients of ``gs``: ``keep_applied_grads = "auto"`` keeps
+    them from the next backward on (`zswap.gradstore.RESTART` says so)."""
+    if isinstance(gs, NvmeGrads):
+        gs.wanted = True
+
+
 def _unchanged(ns: Any, key: str, physical: str | None) -> Callable[[], bool]:
     """Whether ``key``'s stored value is still ``physical`` (nothing wrote it since)."""
     return lambda: physical is not None and ns._live.get(key) == physical and key not in ns._pending
@@ -661,4 +682,8 @@ def for_engine(engine: Any) -> EarlyStep | None:
     # zeroed, then unmapped: at 2 GiB that was 1.2 s of a 10 s step (benches/README.md, "Bytes per step").
     for store in {id(st.store): st.store for _, st in engine._items}.values():
         store.pool_bytes += early.cap
+    # While held (waiting for their record, or as seeds) those copies count in the scheduler's live budget,
+    # in elements as the pool is sized (weakly: the scheduler outlives no engine).
+    ref = weakref.ref(early)
+    engine._sched.lent = lambda: (e.pooled() // size) if (e := ref()) is not None else 0
     return early

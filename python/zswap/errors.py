@@ -158,7 +158,8 @@ class GradientsNotKeptError(ZswapError, RuntimeError):
     (``Engine.keep_applied_grads`` false), and something now needs them: the early step cannot be made
     live (the message says why), a second backward would accumulate onto them, or `zswap.full_grad` reads
     one. Params and optimizer states are as before the step; ``engine.zero_grad()`` and another backward
-    start over."""
+    start over. Raising it marks those gradients wanted: with ``keep_applied_grads = "auto"`` (the default)
+    they are kept from the next backward on; ``keep_applied_grads = True`` keeps them always."""
 
 
 class UnknownKeyError(ZswapError, KeyError):

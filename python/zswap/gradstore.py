@@ -122,11 +122,16 @@ def _dead() -> None:
 
 
 MEMORY = MemoryGrads()
+NOT_KEPT = '(engine.keep_applied_grads is False, or "auto", the default, before they were first needed)'
+"""Why applied gradients were let go, as the `GradientsNotKeptError` messages say it."""
 RESTART = (
-    "Params and optimizer states are as before this step: call engine.zero_grad() and run backward again; "
-    "set engine.keep_applied_grads = True to keep applied gradients (written or kept in memory), so that "
-    "this falls back to the ordinary step"
+    "Params and optimizer states are as before this step: call engine.zero_grad() and run backward again. "
+    'With engine.keep_applied_grads = "auto" (the default) applied gradients are kept from the next backward '
+    "on, after this error; set engine.keep_applied_grads = True to keep them always (written or kept in "
+    "memory), so that this falls back to the ordinary step"
 )
+"""How to go on after a `GradientsNotKeptError`; every raise of one also marks its gradients wanted, so
+that ``"auto"`` keeps them from the next backward on."""
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -219,8 +224,8 @@ class NvmeGrads(GradStore):
             self.wanted = True
             raise GradientsNotKeptError(
                 f"a second gradient for param {st.key} before engine.step(): its gradient from an earlier "
-                "backward was applied to the optimizer by the early step and not kept "
-                f"(engine.keep_applied_grads is False), so nothing can be added to it. {RESTART}"
+                f"backward was applied to the optimizer by the early step and not kept {NOT_KEPT}, so "
+                f"nothing can be added to it. {RESTART}"
             )
         gen = self._generation()
         if gen._error is not None:
@@ -404,9 +409,9 @@ class NvmeGrads(GradStore):
             self.wanted = True
             raise GradientsNotKeptError(
                 f"the gradient of param {st.key} was applied to the optimizer in backward by the early step "
-                "and not kept (engine.keep_applied_grads is False): it cannot be read before engine.step(). "
-                "Set engine.keep_applied_grads = True before backward to read gradients between backward and "
-                "step"
+                f"and not kept {NOT_KEPT}: it cannot be read before engine.step(). Set "
+                "engine.keep_applied_grads = True before backward to read gradients between backward and "
+                'step (with "auto", the default, they are kept from the next backward on, after this error)'
             )
         numel, dtype = self._meta[key]
         kept = self._stash.get(key)

@@ -19,23 +19,15 @@ can never change a value, since data is only ever read from the store when a ste
 
 A param is gathered while any step holds it; when the last hold goes it is released, unless it is
 *persistent* (at most the persistence threshold's elements: gathered once, kept) or its next use on the
-trace comes within ``reuse_distance`` elements of fetches. Gathered params (persistent ones aside) and reads
-in flight never exceed ``max_live`` elements: prefetch stops short of it, and a demand evicts retained
-params, then the furthest prefetches, first. Only if the params held at once exceed it alone is it passed.
+trace comes within ``reuse_distance`` elements of fetches. Gathered params (persistent ones aside), reads
+in flight, and the fetch-pool memory held outside the scheduler (`Scheduler.lent`: in backward, the early
+step's param copies waiting for their record and the seeds it keeps, `zswap.earlystep`) never exceed
+``max_live`` elements: prefetch stops short of it, and a demand evicts retained params, then the furthest
+prefetches, first. Only if the params held at once and what is lent exceed it alone is it passed.
 
-*Across passes* (`Scheduler.read_ahead`): when a pass ends (an inference forward; `zswap.Engine.step`,
-after the optimizer wrote the partitions; `initialize`, along the guess) the swap-ins of the next pass's
-first steps are issued — along the trace of the kind just run (the same kind is the likely next one), up
-to ``bucket`` elements and within ``max_live`` — so the first step of a pass is a hit too. Such a read
-leaves its param as it is (not gathered, `Status.NOT_AVAILABLE`: `GatheredParameters`, ``state_dict``,
-checkpoints, ``load_state_dict`` see nothing in flight) and notes the stored version it reads
-(`zswap.params.NvmeStore.version`: every write goes to a new version). When the next pass begins, each
-one whose param is still not gathered and whose store still reads that version becomes a prefetch of that
-pass, whatever its kind (`_adopt`); the rest are dropped unused, so a write in between — the optimizer's,
-a `GatheredParameters` write-back, ``load_state_dict``, ``load_weights`` — is never hidden by a stale read.
-`drop_all` (which `Engine.step`, checkpoint loads and `zswap.weights.quiesce` call) drops them too. A
-failed read-ahead raises, naming the key, at its use in the next pass, as a failed prefetch does. Only
-stores with I/O (NVMe) are read ahead; `zswap.Engine.prefetch_across_passes` turns it off.
+*Between passes* (`zswap._between`): when a pass ends the swap-ins of the next pass's first steps are
+issued (*reads ahead*, `Scheduler.read_ahead`), and updated params the early step left in memory are
+gathered from it, with no read, when the next pass begins (*seeds*, `Scheduler.seed`).
 
 All-gathers happen when a step is served, in the order of its params, so ranks that run the same modules
 issue the same collectives in the same order; nothing here depends on I/O timing.
@@ -48,143 +40,21 @@ step is served.
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import time
-from collections.abc import Callable, Container, Hashable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
+from ._between import Ahead, BetweenPasses
+from ._trace import Budget, Counters, Slot, Step, StepKey, Trace, guess
 from .device import Device
-from .gather import Loading, advance, cancel_fetch, finish_fetch, no_torch_function, release, start_fetch
-from .params import ParamState, Status
+from .gather import Loading, advance, cancel_fetch, finish_fetch, release, start_fetch
+from .params import Status
 
-StepKey = tuple[str, int]
-"""("F" or "B", index of the module): a module's forward, or its backward."""
-
-
-@dataclass(eq=False)
-class Slot:
-    """The scheduler's record of one managed param."""
-
-    p: torch.Tensor
-    st: ParamState
-    persistent: bool
-    holds: int = 0
-    ours: bool = False
-    """Gathered (or being gathered) by the scheduler, so it is the scheduler's to release."""
-    loading: Loading | None = None
-    """A prefetch in flight, not yet consumed."""
-    retained: bool = False
-    """Gathered with no holder, kept for a use soon."""
-
-    @property
-    def numel(self) -> int:
-        return self.st.numel
-
-    @property
-    def item(self) -> tuple[torch.Tensor, ParamState]:
-        return self.p, self.st
+__all__ = ["Ahead", "Budget", "Counters", "Scheduler", "Slot", "Step", "StepKey", "Trace"]
 
 
-@dataclass(eq=False)
-class Ahead:
-    """A swap-in issued between passes for the next one (`Scheduler.read_ahead`); its param is untouched.
-    Used only while its store still reads ``version`` (the version read)."""
-
-    slot: Slot
-    buf: torch.Tensor
-    handle: Any
-    version: str
-
-
-@dataclass(eq=False)
-class Step:
-    key: StepKey
-    slots: tuple[Slot, ...]
-    """The non-persistent params it needs."""
-    numel: int
-
-
-class Trace:
-    """One recorded (or guessed) iteration: its steps in order, and at which steps each param is used."""
-
-    def __init__(self, steps: list[Step], guessed: bool = False) -> None:
-        self.steps = steps
-        self.guessed = guessed
-        self.prefix = [0]
-        self.uses: dict[int, list[int]] = {}
-        self.at: dict[StepKey, list[int]] = {}
-        for i, step in enumerate(steps):
-            self.prefix.append(self.prefix[-1] + step.numel)
-            self.at.setdefault(step.key, []).append(i)
-            for s in step.slots:
-                self.uses.setdefault(id(s), []).append(i)
-
-    def find(self, key: StepKey, start: int, end: int) -> int | None:
-        """Index of the first step ``key`` in ``[start, end)``."""
-        at = self.at.get(key, [])
-        k = bisect.bisect_left(at, start)
-        return at[k] if k < len(at) and at[k] < end else None
-
-    def keys(self) -> list[StepKey]:
-        return [s.key for s in self.steps]
-
-    def next_use(self, slot: Slot, start: int) -> int | None:
-        """Index of the first step at or after ``start`` that uses ``slot``."""
-        uses = self.uses.get(id(slot), [])
-        k = bisect.bisect_left(uses, start)
-        return uses[k] if k < len(uses) else None
-
-    def fetched_between(self, start: int, end: int) -> int:
-        """Elements the steps in ``[start, end)`` fetch."""
-        return self.prefix[end] - self.prefix[start]
-
-
-@dataclass
-class Counters:
-    demand_fetches: int = 0
-    """Params fetched when needed, with nothing prefetched for them."""
-    prefetch_hits: int = 0
-    """Params whose read was issued ahead and consumed when needed."""
-    prefetch_dropped: int = 0
-    """Prefetches cancelled unused (trace left, budget)."""
-    prefetch_issued: int = 0
-    """Prefetches started: hits + dropped + those still in flight."""
-    elements_fetched: int = 0
-    bytes_fetched: int = 0
-    """Full-size bytes gathered (what compute saw), all tiers."""
-    wait_seconds: float = 0.0
-    """Time compute waited for params: demand fetches and the unfinished part of prefetches."""
-    peak_live: int = 0
-    iterations: int = 0
-    traces_recorded: int = 0
-    off_trace: int = 0
-    """Iterations that left their recorded trace."""
-    budget_exceeded: int = 0
-    """Demands that went past ``max_live`` because the params held at once alone exceed it."""
-    guessed_iterations: int = 0
-    """Iterations that followed the static guess (`Scheduler.order`), not a recording."""
-    read_ahead_issued: int = 0
-    """Swap-ins issued between passes for the next one (`Scheduler.read_ahead`)."""
-    read_ahead_used: int = 0
-    """Of those, taken over by the next pass as its prefetches (counted in ``prefetch_issued`` then)."""
-    read_ahead_dropped: int = 0
-    """Of those, dropped unused: stale (written since), gathered meanwhile, `Scheduler.drop_all`."""
-
-
-@dataclass
-class Budget:
-    """Elements; see the module docstring."""
-
-    bucket: int
-    max_live: int
-    reuse_distance: int
-
-
-class Scheduler:
+class Scheduler(BetweenPasses):
     def __init__(self, slots: Iterable[Slot], budget: Budget, device: Device | None = None) -> None:
         self.slots = {id(s.p): s for s in slots}
         self.budget = budget
@@ -211,6 +81,10 @@ class Scheduler:
         self.across_passes = True
         """Read the next pass's first params ahead when a pass ends (`read_ahead`)."""
         self._ahead_reads: dict[int, Ahead] = {}  # issue order
+        self.lent: Callable[[], int] = _none
+        """Elements of the params' fetch-pool memory held outside the scheduler now — the early step's param
+        copies, waiting for their record or kept as seeds (`zswap.earlystep.EarlyStep.pooled`) — counted
+        against ``max_live`` with `live`: the prefetcher holds that much less while they are held."""
 
     # -- iterations --------------------------------------------------------------------------------
 
@@ -311,155 +185,6 @@ class Scheduler:
         self._retained.clear()
         self.live = 0
 
-    def seed(self, seeds: Iterable[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]) -> None:
-        """Values already in memory for the next pass: ``(param, its partition, still_valid)`` where the
-        partition *is* the stored value while ``still_valid()`` (`zswap.earlystep`: the updated params the
-        step just made live, the last ones backward completed and so the first the next forward uses).
-        The longest run of the last recorded pass's first steps whose params are all offered is taken,
-        less its last steps while it and the first step after it do not fit in ``max_live`` together (so
-        that step's read can still be issued ahead). Nothing is gathered now: when the next pass begins,
-        each taken param still valid (no write to its partition since) is gathered from its value and kept
-        as a retained param — used by that pass without a read, released at its end or evicted first for
-        room; `drop_all` forgets them. One rank, CPU data only (where the early step runs)."""
-        offered = {id(p): (p, data, valid) for p, data, valid in seeds}
-        self._seeds = []
-        if offered:
-            taken = self._seed_run(offered)
-            self._seeds = [(s, offered[k][1], offered[k][2]) for k, s in taken.items()]
-
-    def seed_plan(self) -> frozenset[int]:
-        """ids of the params `seed` would take if every param were offered (from the pass running now:
-        called in its backward, by `zswap.earlystep`, so that only those copies are kept)."""
-        return frozenset(self._seed_run(None))
-
-    def _seed_run(self, offered: Container[int] | None) -> dict[int, Slot]:
-        """`seed`'s choice among ``offered`` (``None``: all), by param id."""
-        trace = self._traces.get(self._kind)
-        if trace is None:
-            return {}
-        run: list[Step] = []
-        taken: dict[int, Slot] = {}
-        after = 0
-        for step in trace.steps:
-            if step.key[0] != "F" or (
-                offered is not None
-                and any(id(s.p) not in offered and id(s.p) not in taken for s in step.slots)
-            ):
-                after = sum(s.numel for s in step.slots if id(s.p) not in taken)
-                break
-            run.append(step)
-            taken.update((id(s.p), s) for s in step.slots)
-        while run and sum(s.numel for s in taken.values()) + after > self.budget.max_live:
-            last = run.pop()
-            keep = {id(s.p) for step in run for s in step.slots}
-            after = sum(s.numel for s in last.slots if id(s.p) not in keep)
-            taken = {k: v for k, v in taken.items() if k in keep}
-        return taken
-
-    def read_ahead(self) -> int:
-        """Between passes: issue the swap-ins of the next pass's first steps (module docstring, "Across
-        passes"), along the last recorded trace of the kind run last (the static guess before any), up to
-        ``bucket`` elements and within ``max_live`` (less what the seeds will take). Nothing is gathered;
-        returns how many reads were issued. No-op inside a pass, when some are in flight already, or when
-        `across_passes` is off."""
-        if not self.across_passes or self._recording is not None or self._ahead_reads:
-            return 0
-        b = self.budget
-        trace = self._traces.get(self._kind)
-        if trace is None:
-            trace = self._guess(False)
-        if trace is None or b.bucket <= 0:
-            return 0
-        seeded = {id(s.p) for s, _, _ in self._seeds}
-        room = min(b.bucket, b.max_live - self.live - sum(s.numel for s, _, _ in self._seeds))
-        for step in trace.steps:
-            todo = [
-                s
-                for s in step.slots
-                if id(s.p) not in seeded and id(s.p) not in self._ahead_reads
-                and s.st.status is Status.NOT_AVAILABLE and s.loading is None
-                and getattr(s.st.store, "version", None) is not None
-            ]  # fmt: skip
-            n = sum(s.numel for s in todo)
-            if n > room:
-                break
-            if not all(self._issue_ahead(s) for s in todo):
-                break
-            room -= n
-        self._note_live()
-        return len(self._ahead_reads)
-
-    def _issue_ahead(self, s: Slot) -> bool:
-        st = s.st
-        version = st.store.version(st.key)  # type: ignore[attr-defined]
-        if version is None:
-            return True  # a write of it is unsettled: the pass reads it itself (counted as read: harmless)
-        try:
-            with no_torch_function():
-                buf, handle = st.store.load(st.key, st.partition_numel, st.dtype)
-        except Exception:
-            # Nothing was changed or gathered: the next pass fetches this param itself and reports
-            # whatever is wrong (a closed engine, say) to its caller.
-            return False
-        self._ahead_reads[id(s.p)] = Ahead(s, buf, handle, version)
-        self.live += s.numel
-        self.counters.read_ahead_issued += 1
-        return True
-
-    def _adopt(self) -> None:
-        """At a pass's start: each read ahead whose param is still not gathered and whose store still
-        reads the version it read becomes a prefetch of this pass; the others are dropped."""
-        reads, self._ahead_reads = self._ahead_reads, {}
-        for a in reads.values():
-            s, st = a.slot, a.slot.st
-            valid = st.status is Status.NOT_AVAILABLE and s.loading is None
-            if valid and st.store.version(st.key) == a.version:  # type: ignore[attr-defined]
-                st.status = Status.INFLIGHT
-                s.loading = Loading([s.item], [(a.buf, a.handle)])
-                s.ours = True
-                self._prefetched[id(s.p)] = s
-                self._prefetched_numel += s.numel
-                self.counters.prefetch_issued += 1
-                self.counters.read_ahead_used += 1
-            else:
-                self._drop_ahead(a)
-
-    def _drop_ahead(self, a: Ahead) -> None:
-        with contextlib.suppress(Exception):
-            a.handle.wait()  # the buffer must not be reused under a running read; its error is moot
-        self.live -= a.slot.numel
-        self.counters.read_ahead_dropped += 1
-
-    def drop_ahead(self) -> None:
-        """Drop every read ahead (`read_ahead`) not yet taken over by a pass."""
-        reads, self._ahead_reads = self._ahead_reads, {}
-        for a in reads.values():
-            self._drop_ahead(a)
-
-    def settle_ahead(self) -> None:
-        """Wait for the reads ahead in flight (so the engine's byte counters include them); a failure
-        stays with its read and is raised at its use."""
-        for a in self._ahead_reads.values():
-            with contextlib.suppress(Exception):
-                a.handle.wait()
-
-    def _plant(self) -> None:
-        """Gather the seeds (`seed`) that are still valid, as retained params of the pass beginning."""
-        seeds, self._seeds = self._seeds, []
-        with no_torch_function():
-            for s, data, valid in seeds:
-                st = s.st
-                if s.persistent or st.status is not Status.NOT_AVAILABLE or st.world_size != 1:
-                    continue
-                if data.numel() < st.numel or self.live + s.numel > self.budget.max_live or not valid():
-                    continue
-                s.p.data = data[: st.numel].view(st.shape)
-                st.status = Status.AVAILABLE
-                s.ours = s.retained = True
-                self._retained[id(s.p)] = s
-                self.live += s.numel
-        self._note_live()
-
     def prefill(self) -> int:
         """Allocate and fault in, before any pass runs, the read buffers the first forward's prefetch
         window will need (the guess, up to ``max_live`` elements), in the stores' pools; returns the bytes.
@@ -540,13 +265,7 @@ class Scheduler:
         self._cancel_prefetches()
 
     def _guess(self, grad: bool) -> Trace | None:
-        forward = []
-        for index, slots in self.order:
-            held = tuple(s for s in slots if not s.persistent)
-            if held:
-                forward.append(Step(("F", index), held, sum(s.numel for s in held)))
-        backward = [Step(("B", s.key[1]), s.slots, s.numel) for s in reversed(forward)] if grad else []
-        return Trace(forward + backward, guessed=True) if forward else None
+        return guess(self.order, grad)
 
     def _follow_guess(self, key: StepKey) -> None:
         trace = self._trace
@@ -643,7 +362,7 @@ class Scheduler:
                 s for s in trace.steps[j].slots if s.st.status is Status.NOT_AVAILABLE and s.loading is None
             ]
             n = sum(s.numel for s in todo)
-            if n and (self._prefetched_numel + n > b.bucket or self.live + n > b.max_live):
+            if n and (self._prefetched_numel + n > b.bucket or self.live + self.lent() + n > b.max_live):
                 break
             for s in todo:
                 s.loading = start_fetch([s.item])
@@ -669,12 +388,12 @@ class Scheduler:
                 advance(s.loading, dev)
 
     def _make_room(self, need: int, keep: list[Slot]) -> None:
-        over = self.live + need - self.budget.max_live
+        over = self.live + self.lent() + need - self.budget.max_live
         if over <= 0:
             return
         if self._ahead_reads:  # a pass without a begin (a backward after another pass): reads ahead go first
             self.drop_ahead()
-            over = self.live + need - self.budget.max_live
+            over = self.live + self.lent() + need - self.budget.max_live
             if over <= 0:
                 return
         for s in sorted(self._retained.values(), key=self._distance, reverse=True):
@@ -744,3 +463,8 @@ class Scheduler:
 
     def _note_live(self) -> None:
         self.counters.peak_live = max(self.counters.peak_live, self.live)
+        self.counters.peak_live_lent = max(self.counters.peak_live_lent, self.live + self.lent())
+
+
+def _none() -> int:
+    return 0

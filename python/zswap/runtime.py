@@ -153,16 +153,7 @@ class Engine:
         self.early_step = True
         """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
         (set False to always step after backward; results are the same either way)."""
-        self.keep_applied_grads: bool | Literal["auto"] = "auto"
-        """Whether the gradients the early step applies in backward are stored as any other (written to
-        NVMe past `grad_stash_bytes`). False: they are let go once applied — 1 × the model fewer bytes
-        written per step — so what needs them after backward raises `zswap.errors.GradientsNotKeptError`
-        (`full_grad`, a second backward, a step the early step cannot be (an lr changed, a partition
-        written, clipping turned on between backward and step); README, "The step in backward"). True:
-        those fall back to the ordinary step. ``"auto"`` (default): False until this engine's gradients
-        are needed between a backward and its step — `full_grad` reads one, or a second backward adds to
-        them (both work on the first step, which has no early step) — then True from the next backward
-        on. Read at each backward's start; results never differ."""
+        self._keep_applied: bool | Literal["auto"] = "auto"  # `keep_applied_grads`
         self._early: earlystep.EarlyStep | None = None
         self._grad_stash = 0  # `grad_stash_bytes`
         self._across = True  # `prefetch_across_passes`
@@ -328,6 +319,25 @@ class Engine:
         `zswap.deepspeed.initialize` builds the config's optimizer over ``model_parameters``)."""
         self._owns_optimizer = True
 
+    @property
+    def keep_applied_grads(self) -> bool | Literal["auto"]:
+        """Whether the gradients the early step applies in backward are stored as any other (written to
+        NVMe past `grad_stash_bytes`). False: they are let go once applied — 1 × the model fewer bytes
+        written per step — so what needs them after backward raises `zswap.errors.GradientsNotKeptError`
+        (`full_grad`, a second backward, a step the early step cannot be (an lr changed, a partition
+        written, clipping turned on between backward and step); README, "The step in backward"). True:
+        those fall back to the ordinary step. ``"auto"`` (default): False until this engine's gradients
+        are needed between a backward and its step — `full_grad` reads one, or a second backward adds to
+        them (both work on the first step, which has no early step) — then True from the next backward
+        on. Read at each backward's start; results never differ. Any other value is a `ConfigError`."""
+        return self._keep_applied
+
+    @keep_applied_grads.setter
+    def keep_applied_grads(self, keep: bool | Literal["auto"]) -> None:
+        if not isinstance(keep, bool) and not (isinstance(keep, str) and keep == "auto"):
+            raise ConfigError(f'keep_applied_grads must be True, False or "auto", got {keep!r}')
+        self._keep_applied = keep
+
     def _keeps_applied_grads(self) -> bool:
         """`keep_applied_grads` resolved: ``"auto"`` is True once a gradient store saw its gradients
         wanted between a backward and the step (`zswap.gradstore.GradStore.wanted`)."""
@@ -403,6 +413,7 @@ class Engine:
             "prefetch_dropped": c.prefetch_dropped,
             "prefetch_issued": c.prefetch_issued,
             "peak_live_elements": c.peak_live,
+            "peak_live_lent_elements": c.peak_live_lent,
             "iterations": c.iterations,
             "traces_recorded": c.traces_recorded,
             "off_trace": c.off_trace,
@@ -429,7 +440,7 @@ class Engine:
             memory.reset_peaks()
             self.compute_device.reset_peak()
             peak = self._sched.live
-            self._sched.counters = type(c)(peak_live=peak)
+            self._sched.counters = type(c)(peak_live=peak, peak_live_lent=peak + self._sched.lent())
             self._grads.placeholders = 0
             self._io_base = io
         return out
