@@ -45,3 +45,18 @@ def gathered_named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     named = dict(model.named_parameters(remove_duplicate=False))
     with zswap.GatheredParameters(list(named.values())):
         return {n: p.data.clone() for n, p in named.items()}
+
+
+def nvme_training_config(tmp_path: Path) -> dict[str, Any]:
+    """Params and AdamW states on NVMe in ``tmp_path/swap`` (made here), the hyper-parameters the
+    fine-tuning tests compare against ``torch.optim.AdamW(lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1)``."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    return {
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(swap)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
+            "stage3_param_persistence_threshold": 0,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.95], "weight_decay": 0.1}},
+    }

@@ -26,7 +26,7 @@ import zswap
 from zswap import Status, param_state
 
 from ._hf_archs import ARCHS, Arch
-from ._pretrained import file_tensors, gathered_named, init_for
+from ._pretrained import file_tensors, gathered_named, init_for, nvme_training_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -191,16 +191,7 @@ def test_dtype_loads_as_the_plain_load(case, tmp_path):
 def test_trains_like_the_plain_model_loaded_the_plain_way(arch, tmp_path):
     a = ARCHS[arch]
     ckpt = _save(a, tmp_path / "ckpt", sharded=True)
-    swap = tmp_path / "swap"
-    swap.mkdir()
-    cfg = {
-        "zero_optimization": {
-            "offload_param": {"device": "nvme", "nvme_path": str(swap)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
-            "stage3_param_persistence_threshold": 0,
-        },
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.95], "weight_decay": 0.1}},
-    }
+    cfg = nvme_training_config(tmp_path)
     cls = a.model_class()
     ref = cls.from_pretrained(ckpt).train()
     with warnings.catch_warnings():
@@ -257,16 +248,7 @@ def test_resize_token_embeddings_pads_the_tied_bias_of_a_masked_lm_head(tier, tm
 
 
 def test_resize_after_initialize_trains_a_masked_lm_like_plain(tmp_path):
-    swap = tmp_path / "swap"
-    swap.mkdir()
-    cfg = {
-        "zero_optimization": {
-            "offload_param": {"device": "nvme", "nvme_path": str(swap)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
-            "stage3_param_persistence_threshold": 0,
-        },
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.95], "weight_decay": 0.1}},
-    }
+    cfg = nvme_training_config(tmp_path)
     plain, m = _built_pair("bert-mlm", "nvme", tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)

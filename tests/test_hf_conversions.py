@@ -12,11 +12,8 @@ fails.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -298,7 +295,7 @@ def test_two_ranks_each_convert_and_keep_their_slice(tmp_path):
 def test_peak_memory_of_a_converted_load_under_init_nvme(tmp_path):
     # A ~270 MiB per-expert Mixtral checkpoint: the load holds one converted param (8 MiB) at a time, within
     # the bound of issue 9 (0.25 x the checkpoint + 300 MiB), never the whole model.
-    from .test_pretrained import MEM_SCRIPT
+    from .test_pretrained import load_peak_growth
 
     cfg = transformers.MixtralConfig(
         vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=20, num_attention_heads=4,
@@ -307,19 +304,7 @@ def test_peak_memory_of_a_converted_load_under_init_nvme(tmp_path):
     torch.manual_seed(0)
     transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "big", max_shard_size="64MB")
     size = sum(f.stat().st_size for f in (tmp_path / "big").glob("*.safetensors"))
-    swap = tmp_path / "swap"
-    swap.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-c", MEM_SCRIPT, str(tmp_path / "big"), str(swap)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    grew = r["peak"] - r["base"]
+    grew = load_peak_growth(tmp_path / "big", tmp_path / "swap")
     bound = 0.25 * size + (300 << 20)
     print(f"converted load: peak RSS grew {grew / 2**20:.0f} MiB for {size / 2**20:.0f} MiB")
     assert 0 < grew <= bound, f"peak RSS grew {grew / 2**20:.0f} MiB loading {size / 2**20:.0f} MiB"

@@ -23,7 +23,7 @@ import torch
 import zswap
 from zswap import Status, param_state
 
-from ._pretrained import file_tensors, gathered_named, init_for, save
+from ._pretrained import file_tensors, gathered_named, init_for, nvme_training_config, save
 from .test_hf_models import MODELS
 
 transformers = pytest.importorskip("transformers")
@@ -130,16 +130,7 @@ def test_state_dict_argument_is_streamed_too(tmp_path):
 
 def test_trains_like_the_plain_model_loaded_the_plain_way(tmp_path):
     ckpt = save("gpt2", tmp_path / "ckpt", sharded=True)
-    swap = tmp_path / "swap"
-    swap.mkdir()
-    cfg = {
-        "zero_optimization": {
-            "offload_param": {"device": "nvme", "nvme_path": str(swap)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
-            "stage3_param_persistence_threshold": 0,
-        },
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.95], "weight_decay": 0.1}},
-    }
+    cfg = nvme_training_config(tmp_path)
     ref = _load(ckpt).train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
@@ -281,15 +272,13 @@ def write_big_checkpoint(path: Path, target_bytes: int) -> int:
     return total
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-def test_peak_memory_of_a_load_under_init_nvme(tmp_path):
-    size = write_big_checkpoint(tmp_path / "big", 256 << 20)
-    swap = tmp_path / "swap"
+def load_peak_growth(ckpt: Path, swap: Path) -> int:
+    """Bytes the peak RSS of a fresh process grew while `MEM_SCRIPT` loaded ``ckpt`` under Init(nvme) in
+    ``swap`` (made here)."""
     swap.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
-        [sys.executable, "-c", MEM_SCRIPT, str(tmp_path / "big"), str(swap)],
+        [sys.executable, "-c", MEM_SCRIPT, str(ckpt), str(swap)],
         capture_output=True,
         text=True,
         env=env,
@@ -297,7 +286,14 @@ def test_peak_memory_of_a_load_under_init_nvme(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    grew = r["peak"] - r["base"]
+    return int(r["peak"] - r["base"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_peak_memory_of_a_load_under_init_nvme(tmp_path):
+    size = write_big_checkpoint(tmp_path / "big", 256 << 20)
+    grew = load_peak_growth(tmp_path / "big", tmp_path / "swap")
     bound = 0.25 * size + (300 << 20)
     assert grew <= bound, (
         f"peak RSS grew {grew / 2**20:.0f} MiB loading {size / 2**20:.0f} MiB (bound {bound / 2**20:.0f})"
