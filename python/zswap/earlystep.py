@@ -124,8 +124,8 @@ class EarlyStep:
     write_ahead: int
     """Bytes of copies' writes in flight before backward waits for the oldest: two sub-groups' params."""
     copying: int
-    """Bytes of updated param copies whose writes are in flight (`copies`: bytes, write), counted in ``held``
-    until they land."""
+    """Bytes of updated param copies whose writes are in flight (`copies`: bytes, write; a seed's are 0, it
+    stays in ``held``), counted with ``held`` against `cap` until they land."""
 
     def __init__(
         self,
