@@ -313,7 +313,7 @@ def test_the_early_steps_copies_and_gradients_are_counted_while_held_and_counted
     net(x).square().sum().backward()
     engine.step()  # the first step places the records: never early
     seen: list[tuple[dict[str, int], int, list[int], list[int]]] = []
-    begin_record = early._start
+    begin_record = early._ready
 
     def spy(sg: Any) -> None:  # a record's params are all in: what is held now, before it is written
         waiting = [c.numel() * c.element_size() for _, c, _, _ in early.ready.values() if c.numel()]
@@ -321,7 +321,7 @@ def test_the_early_steps_copies_and_gradients_are_counted_while_held_and_counted
         seen.append((_mem(engine.stats()), early.held, waiting, seeds))
         begin_record(sg)
 
-    early._start = spy  # type: ignore[method-assign]
+    early._ready = spy  # type: ignore[method-assign]
     net(x).square().sum().backward()
     assert len(seen) == len(engine.optimizer._sub_groups) > 1
     for m, held, waiting, seeds in seen:
@@ -352,7 +352,7 @@ def test_the_early_steps_copies_and_gradients_are_counted_while_held_and_counted
     assert after["mem_early_step_tensors"] == start_held["early_step"]
     assert after["mem_early_step_buffers"] == start["early_step"]  # committed and written: unmapped
     # an early step dropped midway (zero_grad after backward) gives back what it held too
-    early._start = begin_record  # type: ignore[method-assign]
+    early._ready = begin_record  # type: ignore[method-assign]
     net(x).square().sum().backward()
     engine.zero_grad()
     gc.collect()

@@ -59,6 +59,11 @@ What it keeps:
   from step to step (a pool miss maps, faults in and zeroes a new buffer, then unmaps it); while waiting
   for their record or kept as seeds they count in the scheduler's live budget (`pooled`,
   `zswap.prefetch.Scheduler.lent`), so the prefetcher holds that much less.
+- **Reads ahead.** A record is read before its last gradient comes, into a free slot of the ring: one some
+  of whose params have their gradients, then the next ones in the order the last backward completed them
+  (`_read_ahead`; all slots but one, so a record completing out of that order always finds one). Read
+  once its gradients were all in, the disk idled while backward computed and backward waited while it
+  read. A record read ahead that no gradient came for is let go at backward's end (a read more, no change).
 """
 
 from __future__ import annotations
@@ -119,6 +124,13 @@ class EarlyStep:
     ring: list[torch.Tensor]
     free: deque[torch.Tensor]
     reads: deque[tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
+    """Records of complete sub-groups, read or being read, in the order they are updated."""
+    early: dict[str, tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
+    """Records read ahead for sub-groups still waiting for gradients (`_read_ahead`)."""
+    upcoming: deque[SubGroup]
+    """Sub-groups to read ahead, next first."""
+    order: list[str]
+    """Sub-group keys in the order this backward completed them."""
     writes: deque[tuple[torch.Tensor, Any]]
     copies: deque[tuple[int, Any]]
     write_ahead: int
@@ -158,6 +170,11 @@ class EarlyStep:
         """Steps made live by `commit` (for tests and benchmarks)."""
         self.aborts = 0
         """Early steps begun and dropped."""
+        self.read_ahead = self.read_late = self.read_unused = 0
+        """Records read before their last gradient (`_read_ahead`), at it, and read ahead for nothing
+        (no param of theirs got a gradient)."""
+        self._order: list[str] = []
+        """The order the last backward that reached its end completed its records in: the next one's guess."""
         self.holding = memory.Holding("early_step")  # gradients and small copies held (`_as_tensors`)
         self._outer: Callable[[], object] = _dead  # the backward in progress, while it runs (`_begin`)
         self.ended = True
@@ -283,8 +300,11 @@ class EarlyStep:
         for sg in self.by_param.get(i, ()):
             self.waiting[sg.key] -= 1
             if self.waiting[sg.key] == 0:
-                self._start(sg)
+                self._ready(sg)
+            elif sg.key not in self.early:
+                self.upcoming.appendleft(sg)  # its other params come next: read it before the planned ones
         self._pump(keep=1)
+        self._read_ahead()
 
     def _begin(self, st: ParamState, task: int) -> None:
         gs = st.grad_store
@@ -319,6 +339,9 @@ class EarlyStep:
                 if sg not in self.by_param.setdefault(s.param, []):
                     self.by_param[s.param].append(sg)
         self.left = {i: len(sgs) for i, sgs in self.by_param.items()}
+        keys = {sg.key: sg for sg in self.layout}
+        self.upcoming = deque(keys[k] for k in self._order if k in keys)
+        self.order = []
         itemsize = max((p.element_size() for p in self.opt._params), default=4)
         self.write_ahead = 2 * max((sg.numel for sg in self.layout), default=0) * itemsize
 
@@ -330,11 +353,19 @@ class EarlyStep:
             for sg in self.layout:  # records whose other params got no gradient in this backward
                 if self.waiting[sg.key] > 0 and any(s.param in self.ready for s in sg.segments):
                     self.waiting[sg.key] = 0
-                    self._start(sg)
+                    self._ready(sg)
+            for sg, buf, _, handle in self.early.values():  # read ahead, but no param of it got a gradient
+                if handle is not None:
+                    handle.wait()
+                self.versions.pop(self.records._name(sg))
+                self.free.append(buf)
+                self.read_unused += 1
+            self.early = {}
             self._pump(keep=0)
             while self.writes:
                 self._land_oldest()
             self._land_copies(0)
+            self._order = self.order
         except Exception as exc:
             try:
                 self._give_up(self.task, f"it failed at the end of backward ({exc})", exc)
@@ -350,7 +381,37 @@ class EarlyStep:
             return _ps(st)._buffer(like.numel(), like.dtype)
         return torch.empty(like.numel(), dtype=like.dtype)
 
-    def _start(self, sg: SubGroup) -> None:
+    def _ready(self, sg: SubGroup) -> None:
+        """Every param of ``sg`` with a gradient has it: its record is updated once read."""
+        entry = self.early.pop(sg.key, None)
+        if entry is None:
+            self.read_late += 1
+            entry = self._start(sg)
+        self.reads.append(entry)
+        self.order.append(sg.key)
+
+    def _read_ahead(self) -> None:
+        """Read the records backward completes next into the ring's free slots, before their gradients
+        are: those of a record some of whose params have theirs, then the order the last backward completed
+        them in (`_order`). Waiting for a record's last gradient to read it left the disk idle while
+        backward computed and held backward while it read: 0.9 s of a 2 GiB step. At most all slots but
+        one are so taken, so a record that completes out of that order always finds one."""
+        room = self.records.ring_size - 1
+        while self.upcoming and len(self.early) < room:
+            sg = self.upcoming[0]
+            if sg.key in self.early or self.waiting.get(sg.key, 0) == 0:
+                self.upcoming.popleft()  # read, or complete (then `_ready` read it)
+                continue
+            while self.writes and not self.free and self.writes[0][1].done():
+                self._land_oldest()
+            if self.ring and not self.free:
+                return
+            self.upcoming.popleft()
+            self.early[sg.key] = self._start(sg)
+            self.read_ahead += 1
+
+    def _start(self, sg: SubGroup) -> tuple[SubGroup, torch.Tensor, torch.Tensor, Any]:
+        """Issue the read of ``sg``'s record into a free ring slot (waiting for one if none is)."""
         store = self.records
         if not self.free:
             if not self.ring:
@@ -370,11 +431,12 @@ class EarlyStep:
         handle = store.ns.read(name, rec, self.txn) if store.ns.has(name, self.txn) else None
         if handle is None:
             rec.zero_()
-        self.reads.append((sg, buf, rec, handle))
+        return sg, buf, rec, handle
 
     def _pump(self, keep: int) -> None:
-        """Update and write the records read so far, leaving at most ``keep`` reads in flight."""
-        while len(self.reads) > keep:
+        """Update and write the complete records read so far: every one whose read has landed, and the
+        oldest ones while more than ``keep`` are left."""
+        while len(self.reads) > keep or (self.reads and _landed(self.reads[0][3])):
             sg, buf, rec, handle = self.reads.popleft()
             if handle is not None:
                 handle.wait()
@@ -511,7 +573,7 @@ class EarlyStep:
                 "the early step is no longer allowed for this step (engine.early_step, max_grad_norm, fp16 "
                 "loss scaling, gradient_accumulation_steps or the optimizer changed since backward)"
             )
-        if self.reads or self.writes:
+        if self.reads or self.writes or self.early:
             return "its transfers did not all settle in backward"
         if _hyper(self.opt) != self.hyper:
             return "a param group's lr, betas, eps or weight_decay changed between backward and step"
@@ -565,7 +627,7 @@ class EarlyStep:
         txn = self.txn
         if txn is not None:
             self.aborts += 1
-            for _, _, _, handle in self.reads:
+            for _, _, _, handle in [*self.reads, *self.early.values()]:
                 if handle is not None:
                     with contextlib.suppress(Exception):
                         handle.wait()
@@ -595,6 +657,9 @@ class EarlyStep:
         self.ring = []
         self.free = deque()
         self.reads = deque()
+        self.early = {}
+        self.upcoming = deque()
+        self.order = []
         self.writes = deque()
         self.copies = deque()
         self.copying = 0
@@ -614,6 +679,10 @@ class _Void(Exception):
 
 ENGINE_COPY = 1 << 20
 """Bytes from which a param copy is an engine buffer (`zswap.memory` purpose "early_step")."""
+
+
+def _landed(handle: Any) -> bool:
+    return handle is None or bool(handle.done())
 
 
 def _small(copy: torch.Tensor) -> int:
