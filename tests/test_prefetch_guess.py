@@ -212,3 +212,41 @@ def test_initialize_prefills_the_first_passes_read_buffers(tmp_path):
         assert torch.equal(m(x(1)), ref(x(1)))
         assert pooled() == before
     assert all_released(m)
+
+
+@pytest.mark.parametrize("across", [True, False], ids=["reads-ahead", "no-reads-ahead"])
+def test_persistent_params_leave_the_prefilled_read_buffers_to_pass_1(across, tmp_path, monkeypatch):
+    # Biases persistent (24 elements), weights streamed, the whole model in the live budget: the prefill
+    # makes one read buffer per weight, and nothing else ever makes another — not the persistent params'
+    # fetches at initialize (a pool miss unpools idle buffers first: run before the prefill, they unpooled
+    # its buffers), not initialize's reads ahead, not passes 1 and 2. Values are the plain model's.
+    cfg = config("nvme", tmp_path, stage3_param_persistence_threshold=24, stage3_max_reuse_distance=0)
+    m, ref = build(Deep, cfg)
+    store = param_state(m.layers[0].weight).store
+    made: list[int] = []
+    allocate = type(store)._allocate
+
+    def counted(self: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        made.append(numel)
+        return allocate(self, numel, dtype)
+
+    monkeypatch.setattr(type(store), "_allocate", counted)
+
+    def pooled() -> list[int]:
+        return sorted(buf.data_ptr() for buf, _ in store._pool.get((24 * 24, torch.float32), []))
+
+    engine = _engine_for(m, cfg)
+    engine.prefetch_across_passes = across
+    with engine, torch.no_grad():
+        assert made == [24] * 6 + [24 * 24] * 6  # the biases' buffers, then the prefill's
+        before = pooled()
+        assert len(before) == 6
+        m.eval()
+        ref.eval()
+        for seed in (1, 2):
+            assert torch.equal(m(x(seed)), ref(x(seed))), seed
+            assert pooled() == before, seed
+        s = engine.stats()
+        assert s["fetches"] == 12 and s["prefetch_hits"] == (12 if across else 10)
+    assert len(made) == 12
+    assert all_released(m)

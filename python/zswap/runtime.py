@@ -636,7 +636,6 @@ class Engine:
                     store.host_alloc = self.compute_device.register_alloc(store.engine.empty)
         if isinstance(self.compute_device, _device.CudaDevice | _device.StandInDevice):
             self.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
-        self._sched.prefill()  # the first pass's read buffers, faulted in now rather than under its reads
         self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
         self._grads = grads.GradSink(self._items, self.compute_device)
         self._grad_stores = []
@@ -658,6 +657,9 @@ class Engine:
                 grads.landing_alloc(self.compute_device, self._grad_stores, self._stores.values()), pool
             )
             self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
+            # After the persistent params' fetches: a pool miss unpools idle buffers first, so theirs,
+            # made later, unpooled the prefilled ones (and pass 1 and its reads ahead made them anew).
+            self._sched.prefill()  # the first pass's read buffers, faulted in now, not under its reads
         except BaseException:
             self._unwire()
             raise
