@@ -1,7 +1,7 @@
 """Prefetch hit rates on the first and later iterations, and the read bandwidth of an I/O-bound inference
 pass next to fio's on the same directory, in the same run.
 
-    python benches/bench_prefetch.py [--size 512MiB] [--passes 4] [--path DIR] [--skip-gpt]
+    python benches/bench_prefetch.py [--size 512MiB] [--passes 4] [--repeat 1] [--path DIR] [--skip-gpt]
 
 1. I/O-bound inference: ``nn.Sequential`` of ``Linear(2048, 2048)`` (16 MiB of fp32 each) up to ``--size``,
    params on NVMe, a batch of one row (compute is a matrix-vector product per layer, far below the I/O).
@@ -10,14 +10,16 @@ pass next to fio's on the same directory, in the same run.
    no_grad: the static guess again, into buffers already used): prefetch hit rate, bytes read / wall
    time, and that next to the disk's best raw read in the same directory (``fio --rw=read``, io_uring,
    O_DIRECT, 1 MiB blocks, the engine's queue depth, with malloc'd and huge-page buffers, and the crate's
-   bare io_uring loop, also run right after each engine's passes), with the ratio (target >= 0.85), and
-   pass 1's rate next to the later passes' of the same engine. Twice, in the same run: with the reads
-   ahead across passes (`Engine.prefetch_across_passes`, the default) and without (the first step of
-   every pass read on demand). The passes run back to back, pass 1 right after `initialize` (whose last
-   act is to issue its reads ahead, as a pass's end issues the next one's); bytes are the engine's
+   bare io_uring loop, also run right after each setting's passes), with the ratio (target >= 0.85),
+   and pass 1's rate next to the later passes' of the same engines. Twice, in the same run: with the
+   reads ahead across passes (`Engine.prefetch_across_passes`, the default) and without (the first step
+   of every pass read on demand). The passes run back to back, pass 1 right after `initialize` (whose
+   last act is to issue its reads ahead, as a pass's end issues the next one's); bytes are the engine's
    completed reads in each pass's wall time (not `Engine.stats()`, which waits for reads ahead in
-   flight). Before any of it, a plain PyTorch model of the same shapes runs its first and second forward
-   (printed): the process's one-time warm-up is paid there, not in zswap's pass 1.
+   flight). ``--repeat R``: R new models and engines per setting, one after the other, their rows
+   summed (R passes 1: one pass is a fraction of a second on a shared disk). Before any of it, a plain
+   PyTorch model of the same shapes runs its first and second forward (printed): the process's one-time
+   warm-up is paid there, not in zswap's pass 1.
 2. The `zswap demo` model (GPT-style, live budget 1/6 of the model, at ``--size``) for inference and
    training (forward + backward + `Engine.step`): hit rate of iteration 1 and of iterations 2.. (target
    >= 0.95 from the second on).
@@ -82,12 +84,12 @@ def bare_read(path: Path, size: int, queue_depth: int) -> float:
 
 def disk_read(path: Path, size: int, queue_depth: int, earlier: list[float]) -> float:
     """The best raw read rate of the disk, GB/s: fio with malloc'd and (where hugetlb pages are reserved)
-    huge-page buffers, and the crate's bare io_uring loop on huge pages, now and right after each set of
+    huge-page buffers, and the crate's bare io_uring loop on huge pages, now and right after each setting's
     passes (``earlier``: the disk is shared, so its rate drifts within a run; the best is the baseline);
     each printed."""
     rates: dict[str, float] = {}
     for i, rate in enumerate(earlier, 1):
-        rates[f"bare io_uring loop (huge pages), after engine {i}'s passes"] = rate
+        rates[f"bare io_uring loop (huge pages), after setting {i}'s passes"] = rate
     if shutil.which("fio") is not None:
         for iomem in ("malloc", "shmhuge"):
             try:
@@ -153,7 +155,7 @@ def io_bound(path: Path, size: int, passes: int, across: bool) -> tuple[int, int
             before = after
     s = engine.stats()
     engine.close()
-    depth = int(swap.info.get("queue_depth", 16))
+    depth = int(swap.info.get("queue_depth", 16))  # in all: the engine's rings share it
     model_bytes = sum(zswap.param_state(p).numel for p in model.parameters()) * 4  # type: ignore[union-attr]
     say(
         f"I/O-bound inference, reads ahead across passes {'on' if across else 'off'}: {layers} x "
@@ -209,7 +211,7 @@ def report(rows: list[tuple[str, Any]], disk: float, across: bool) -> None:
     if len(rows) > 2:  # the same engine, passes back to back: the ratio the disk's drift disturbs least
         (first, _), (later, _) = rows[0], rows[1]
         on = "on " if across else "off"
-        say(f"  across {on} {first} at {rate[first] / rate[later]:.2f} x {later}'s rate, same engine")
+        say(f"  across {on} {first} at {rate[first] / rate[later]:.2f} x {later}'s rate, same engines")
 
 
 def gpt(path: Path, size: int, passes: int) -> None:
@@ -249,13 +251,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--path", type=Path)
     ap.add_argument("--skip-gpt", action="store_true")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="I/O-bound engines per setting, summed (a pass 1 each)"
+    )
     args = ap.parse_args(argv)
     plain_warm_up(args.size)
     with tempfile.TemporaryDirectory(dir=args.path or "/var/tmp", prefix="zswap-bench-prefetch-") as d:
         runs, bare = [], []
         for across in (True, False):
-            runs.append((across, io_bound(Path(d), args.size, args.passes, across)))
-            bare.append(bare_read(Path(d), runs[-1][1][0], runs[-1][1][1]))
+            totals: dict[str, dict[str, Any]] = {}
+            for _ in range(args.repeat):  # each a new model and engine: its own pass 1
+                model_bytes, depth, got = io_bound(Path(d), args.size, args.passes, across)
+                for label, st in got:
+                    into = totals.setdefault(label, dict.fromkeys(st, 0))
+                    for k, v in st.items():
+                        into[k] += v
+            runs.append((across, (model_bytes, depth, list(totals.items()))))
+            bare.append(bare_read(Path(d), model_bytes, depth))
         model_bytes, depth, _ = runs[0][1]
         disk = disk_read(Path(d), model_bytes, depth, bare)
         for across, (_, _, rows) in runs:
