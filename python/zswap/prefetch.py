@@ -21,7 +21,7 @@ A param is gathered while any step holds it; when the last hold goes it is relea
 *persistent* (at most the persistence threshold's elements: gathered once, kept) or its next use on the
 trace comes within ``reuse_distance`` elements of fetches. Gathered params (persistent ones aside), reads
 in flight, and the fetch-pool memory held outside the scheduler (`Scheduler.lent`: in backward, the early
-step's param copies waiting for their record and the seeds it keeps, `zswap.earlystep`) never exceed
+step's param copies waiting for their record, being written, or kept as seeds, `zswap.earlystep`) never exceed
 ``max_live`` elements: prefetch stops short of it, and a demand evicts retained params, then the furthest
 prefetches, first. Only if the params held at once and what is lent exceed it alone is it passed.
 
@@ -83,8 +83,9 @@ class Scheduler(BetweenPasses):
         self._ahead_reads: dict[int, Ahead] = {}  # issue order
         self.lent: Callable[[], int] = _none
         """Elements of the params' fetch-pool memory held outside the scheduler now — the early step's param
-        copies, waiting for their record or kept as seeds (`zswap.earlystep.EarlyStep.pooled`) — counted
-        against ``max_live`` with `live`: the prefetcher holds that much less while they are held."""
+        copies, waiting for their record, kept as seeds or being written (`zswap.earlystep.EarlyStep.lent`)
+        — counted against ``max_live`` with `live`: the prefetcher holds that much less while they are
+        held."""
 
     # -- iterations --------------------------------------------------------------------------------
 
