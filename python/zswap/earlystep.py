@@ -511,6 +511,16 @@ class EarlyStep:
         queue settles landed writes at its head) let go of its copy already, so it is not counted."""
         return sum(n - small for n, small, w in self.copies if not w.settled)
 
+    def settle(self) -> None:
+        """Land the copies being written now (`in_flight` becomes 0), for the scheduler when its live
+        budget is full (`zswap.prefetch.Scheduler.settle_lent`). A failed write is not raised here, in the
+        scheduler's call: the transaction keeps it, and the next landing, backward's end or the commit
+        reports it as any failed write of the early step."""
+        if self.txn is None:
+            return
+        with contextlib.suppress(Exception):
+            self._land_copies(0)
+
     def lent(self) -> int:
         """Bytes of the params' fetch pool it holds now: `pooled` (copies waiting for their record, seeds)
         and `in_flight` (copies being written). `zswap.prefetch.Scheduler.lent` counts them against the
@@ -776,4 +786,5 @@ def for_engine(engine: Any) -> EarlyStep | None:
     # scheduler's live budget, in elements as the pool is sized (weakly: the scheduler outlives no engine).
     ref = weakref.ref(early)
     engine._sched.lent = lambda: (e.lent() // size) if (e := ref()) is not None else 0
+    engine._sched.settle_lent = lambda: e.settle() if (e := ref()) is not None else None
     return early

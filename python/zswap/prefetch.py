@@ -86,6 +86,9 @@ class Scheduler(BetweenPasses):
         copies, waiting for their record, kept as seeds or being written (`zswap.earlystep.EarlyStep.lent`)
         — counted against ``max_live`` with `live`: the prefetcher holds that much less while they are
         held."""
+        self.settle_lent: Callable[[], None] = _nothing
+        """Wait for the writes of what `lent` counts as being written (`zswap.earlystep.EarlyStep.settle`),
+        so they stop counting: a demand that finds the budget full does so before it evicts anything."""
 
     # -- iterations --------------------------------------------------------------------------------
 
@@ -399,6 +402,10 @@ class Scheduler(BetweenPasses):
             over = self.live + self.lent() + need - self.budget.max_live
             if over <= 0:
                 return
+        self.settle_lent()  # copies being written: their memory is let go once their write lands
+        over = self.live + self.lent() + need - self.budget.max_live
+        if over <= 0:
+            return
         for s in sorted(self._retained.values(), key=self._distance, reverse=True):
             self._drop(s)
             over -= s.numel
@@ -471,3 +478,7 @@ class Scheduler(BetweenPasses):
 
 def _none() -> int:
     return 0
+
+
+def _nothing() -> None:
+    pass
