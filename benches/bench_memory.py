@@ -7,12 +7,15 @@ same invocation, each in a fresh subprocess too:
 - ``import torch``: the process after ``import torch, zswap`` (what the issue calls the torch baseline);
 - ``torch training``: that plus what any PyTorch training process pays once — a ``torch.optim.AdamW``
   (its first ``add_param_group`` imports ``torch._dynamo``, sympy and triton: ~150 MiB here) and one
-  activation-checkpointed ``Linear`` forward + backward (torch's kernels paged in).
+  activation-checkpointed ``Linear`` forward + backward (torch's kernels paged in);
+- ``plain``, per size: plain PyTorch training this same model on this same batch (`_child_plain`), its
+  params and gradients taken out (zswap keeps those on NVMe): the model's own activations, measured.
 
 Bound: peak RSS − baseline ≤ live-param budget + the optimizer's in-flight sub-groups (its ring of three
 records) + 256 MiB, the same at every size (the demo caps its live budget at 128 MiB and its sub-groups at
 8 Mi elements, so the bound itself does not grow with the model). The breakdown comes from the run's
-``Engine.stats()`` ``mem_*`` lines (peaks over the training phase).
+``Engine.stats()`` ``mem_*`` lines (peaks over the training phase), and from a sampler thread's snapshot
+of every account at the demo's highest RSS (`_sampler`, printed as ``at the peak``).
 
 Usage: ``python benches/bench_memory.py [--path DIR] [--sizes 0.75GiB,3GiB,6GiB] [--steps 2]``. The default
 runs 0.75 GiB only (~1.5 min); 3 GiB needs ~15 GiB free on DIR's disk and 2–6 minutes on this VM (load
@@ -33,6 +36,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -54,7 +58,8 @@ def _child_import() -> dict[str, Any]:
     return {"peak_rss": _maxrss()}
 
 
-def _child_training() -> dict[str, Any]:
+def _fixed_cost() -> None:
+    """What any PyTorch training process pays once (the ``torch training`` baseline)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -67,7 +72,42 @@ def _child_training() -> dict[str, Any]:
     lin = torch.nn.Linear(1024, 1024)
     x = torch.randn(2, 64, 1024, requires_grad=True)
     checkpoint(lin, x, use_reentrant=False).sum().backward()
+
+
+def _child_training() -> dict[str, Any]:
+    _fixed_cost()
     return {"peak_rss": _maxrss()}
+
+
+def _child_plain(size: int) -> dict[str, Any]:
+    """Plain PyTorch, the demo's model and batch: the fixed cost above, then one training forward +
+    backward of `zswap.demo.GPT` at the shape of ``size`` (checkpointed blocks, the demo's batch of
+    ``BATCH × (seq − 1)`` tokens, zswap's glibc setting), in memory, with no zswap. Its weights are one
+    block's, shared by every layer (the same module at each depth), so that params and gradients are 2 ×
+    one block + the embeddings instead of 2 × the model; every tensor the forward and backward make — the
+    checkpointed block inputs, one block's recomputed activations, logits, each gradient as it is computed —
+    has the size and lifetime it has in the real model. ``state`` = bytes of those params and their
+    gradients, which zswap keeps on NVMe: ``peak_rss − state`` is what plain PyTorch needs in memory for
+    this model and batch beside the model's state, measured."""
+    import torch
+    import torch.nn.functional as F
+
+    from zswap import demo, memory
+
+    _fixed_cost()
+    memory.bound_heap()
+    shape = demo.Shape.for_bytes(size)
+    torch.manual_seed(0)
+    model = demo.GPT(demo.Shape(shape.vocab, shape.width, 1, shape.heads, shape.seq), checkpoint_blocks=True)
+    model.blocks = torch.nn.ModuleList([model.blocks[0]] * shape.layers)
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, shape.vocab, (demo.BATCH, shape.seq), generator=g)
+    model.train()
+    logits = model(batch[:, :-1])
+    F.cross_entropy(logits.reshape(-1, shape.vocab), batch[:, 1:].reshape(-1)).backward()
+    params = list(model.parameters())  # unique: the tied head and the shared block once each
+    state = sum(p.nbytes for p in params) + sum(p.grad.nbytes for p in params if p.grad is not None)
+    return {"peak_rss": _maxrss(), "state": state, "layers": shape.layers}
 
 
 def _child_compute(iters: int) -> dict[str, Any]:
@@ -110,14 +150,62 @@ def activations(size: int) -> int:
     return shape.layers * demo.BATCH * (shape.seq - 1) * shape.width * 4
 
 
+def _sampler(found: dict[str, Any], stop: threading.Event) -> None:
+    """At each new high of the process's RSS (by 1 MiB or more), a snapshot of every account zswap keeps:
+    the ledger by purpose, the fetch buffers by holder (`zswap.buffers.fetch_lines`), the held tensors,
+    glibc's heap — so the peak's line-by-line split is taken at the peak itself, not from peaks of
+    separate lines at different moments."""
+    from zswap import buffers, memory
+    from zswap.runtime import _ENGINES
+
+    high = 0
+    while not stop.wait(0.003):
+        rss = memory.rss()
+        if rss < high + (1 << 20):
+            continue
+        high = rss
+        for _ in range(3):  # the main thread changes what is read here: retry a torn read
+            try:
+                engines = list(_ENGINES)
+                snap: dict[str, Any] = {"rss": rss, **memory.live(), **memory.heap()}
+                snap["held"] = sum(memory.held().values())
+                snap["stash"] = sum(getattr(gs, "stash_bytes", 0) for e in engines for gs in e._grad_stores)
+                for e in engines:
+                    lines = getattr(buffers, "fetch_lines", None)  # (absent before this bench's round)
+                    snap.update(lines(e) if lines else {}, persistent=e._persistent_bytes())
+                    early = e._early
+                    snap["phase"] = (
+                        "between passes"
+                        if e._sched._recording is None
+                        else "backward" if early is not None and not early.ended
+                        else "a pass"
+                    )  # fmt: skip
+                    snap["phase"] += f", pass {e._sched.counters.iterations + 1} of the phase"
+                    if early is not None:
+                        snap["phase"] += f", {early.commits} early steps made live"
+            except (RuntimeError, KeyError, AttributeError):
+                continue
+            found.clear()
+            found.update(snap)
+            break
+
+
 def _child_demo(path: str, size: int, steps: int) -> dict[str, Any]:
     import io
     from pathlib import Path
 
     from zswap import demo
 
+    at_peak: dict[str, Any] = {}
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sampler, args=(at_peak, stop), daemon=True)
     t0 = time.perf_counter()
-    fig = demo.run(Path(path), size, None, steps, out=io.StringIO())
+    sampler.start()
+    try:
+        fig = demo.run(Path(path), size, None, steps, out=io.StringIO())
+    finally:
+        stop.set()
+        sampler.join()
     t = fig["training"]
     return {
         "peak_rss": _maxrss(),
@@ -130,10 +218,12 @@ def _child_demo(path: str, size: int, steps: int) -> dict[str, Any]:
         "step_read": t["bytes_read"] / steps,
         "step_written": t["bytes_written"] / steps,
         "live_bytes": t["max_live_elements"] * 4,
+        "hit_rate": t["prefetch_hit_rate"],
         "inference_rss": fig["inference_rss"],
         "build_rss": fig["build_rss"],
         "layers": demo.Shape.for_bytes(size).layers,
         "acts": activations(size),
+        "at_peak": at_peak,
         **{k: v for k, v in t.items() if k.startswith("mem_")},
     }
 
@@ -197,6 +287,8 @@ def main() -> None:
             res = _child_training()
         elif kind == "compute":
             res = _child_compute(int(rest[0]))
+        elif kind == "plain":
+            res = _child_plain(int(rest[0]))
         else:
             res = _child_demo(rest[0], int(rest[1]), int(rest[2]))
         print(json.dumps(res))
@@ -209,25 +301,29 @@ def main() -> None:
     train = _run(["training"])["peak_rss"]
     print(f"baselines: import torch {imp / MIB:,.0f} MiB; torch training fixed cost {train / MIB:,.0f} MiB")
     hdr = (
-        f"{'model':>9} {'layers':>6} {'peak RSS':>9} {'- import':>9} {'- train':>9} {'bound':>7} "
-        f"{'ratio':>11} {'acts':>5} {'-acts':>6} {'build':>6} {'infer':>6} {'live':>6} {'ring':>6} "
+        f"{'model':>9} {'layers':>6} {'peak RSS':>9} {'- import':>9} {'- train':>9} {'plain':>6} "
+        f"{'bound':>6} "
+        f"{'ratio imp/train/plain':>22} {'acts':>5} {'build':>6} {'infer':>6} {'live':>6} {'ring':>6} "
         f"{'fetch':>6} {'grads':>6} "
         f"{'early':>6} {'bounce':>6} {'queue':>6} {'heap':>6} {'wall s':>7} {'s/step':>7} "
-        f"{'GiB/step r+w':>13} loss"
+        f"{'GiB/step r+w':>13} {'hits':>5} loss"
     )
     print(hdr)
     done: list[dict[str, Any]] = []
     for text in a.sizes.split(","):
         size = _size(text.strip())
+        plain = _run(["plain", str(size)])
         with tempfile.TemporaryDirectory(dir=a.path or "/tmp") as d:
             r = _run(["demo", d, str(size), str(a.steps)])
         bound = r["live_bytes"] + r["mem_peak_optimizer_ring"] + SLACK
         over_imp, over_train = r["peak_rss"] - imp, r["peak_rss"] - train
+        # plain PyTorch's own memory for this model and batch beyond the fixed cost and the model's state
+        r["plain"] = plain["peak_rss"] - plain["state"] - train
+        over_plain = over_train - r["plain"]
         losses = r["losses"]
-        ratio = f"{over_imp / bound:.2f}/{over_train / bound:.2f}×"
-        r["over_train"] = over_train
+        ratio = f"{over_imp / bound:.2f}/{over_train / bound:.2f}/{over_plain / bound:.2f}×"
+        r["over_train"], r["bound"] = over_train, bound
         done.append(r)
-        acts = f"{r['acts'] / MIB:>5,.0f} {(over_train - r['acts']) / bound:>5.2f}×"
         early = r["mem_peak_early_step_buffers"] + r["mem_peak_early_step_tensors"]
         heap = r["mem_heap_in_use"] + r["mem_heap_free"]
         mib = [r[k] / MIB for k in ("build_rss", "inference_rss", "live_bytes", "mem_peak_optimizer_ring")]
@@ -235,36 +331,71 @@ def main() -> None:
         mib += [early / MIB, r["mem_bounce"] / MIB, r["mem_write_queue_limit"] / MIB, heap / MIB]
         print(
             f"{r['model_bytes'] / MIB:>5,.0f} MiB {r['layers']:>6} {r['peak_rss'] / MIB:>5,.0f} MiB "
-            f"{over_imp / MIB:>5,.0f} MiB {over_train / MIB:>5,.0f} MiB {bound / MIB:>7,.0f} {ratio:>11} "
-            f"{acts} "
+            f"{over_imp / MIB:>5,.0f} MiB {over_train / MIB:>5,.0f} MiB {r['plain'] / MIB:>6,.0f} "
+            f"{bound / MIB:>6,.0f} {ratio:>22} {r['acts'] / MIB:>5,.0f} "
             + " ".join(f"{v:>6,.0f}" for v in mib)
             + f" {r['seconds']:>7.0f} {r['step_seconds']:>7.2f} "
-            f"{r['step_read'] / 2**30:>6.2f}+{r['step_written'] / 2**30:<6.2f} "
+            f"{r['step_read'] / 2**30:>6.2f}+{r['step_written'] / 2**30:<6.2f} {r['hit_rate']:>5.0%} "
             f"{losses[0]:.3f}→{losses[-1]:.3f}",
             flush=True,
         )
+    for r in done:
+        print(_at_peak(r, train))
     for lo, hi in itertools.pairwise(done):
         n = hi["layers"] - lo["layers"]
         if n:
             # The lines with a cap (the ring, the early step's records, the fetch pool) reach it at different
             # sizes: their growth is not per layer. What is left beside them and the activations is.
-            per = {k: (hi[k] - lo[k]) / n / MIB for k in ("over_train", "acts", *CAPPED)}
-            rest = per["over_train"] - sum(v for k, v in per.items() if k != "over_train")
+            per = {k: (hi[k] - lo[k]) / n / MIB for k in ("over_train", "plain", "acts", *CAPPED)}
+            rest = per["over_train"] - sum(v for k, v in per.items() if k not in ("over_train", "plain"))
             print(
                 f"per layer, {lo['layers']} → {hi['layers']} layers: peak above the training baseline "
                 f"+{per['over_train']:.3f} MiB = checkpointed inputs {per['acts']:.3f} + "
                 + " + ".join(f"{k[9:]} {per[k]:.3f}" for k in CAPPED)
-                + f" + the rest {rest:.3f} MiB"
+                + f" + the rest {rest:.3f} MiB; plain PyTorch, same model and batch: +{per['plain']:.3f} MiB"
             )
     print(
-        "bound = live budget + optimizer ring + 256 MiB; ratio = (peak − import baseline)/bound and "
-        "(peak − training baseline)/bound, target ≤ 1.00 at every size; acts = the checkpointed block inputs "
-        "(MiB, the model's own activations), -acts = (peak − training baseline − acts)/bound: the bound "
-        "with the activations counted as the model's, as torch's baseline. Columns build…heap in MiB: "
-        "peak RSS after the build under Init and after inference; the live budget; the training phase's "
-        "peaks of engine buffers by purpose (Engine.stats() mem_peak_*; early = the early step's copies + "
-        "gradients held in backward); bounce buffers; write-queue limit; glibc heap (in use + free) after "
-        "training. wall s: the whole demo run (build, raw-disk baseline, 3 inference passes, the steps)."
+        "bound = live budget + optimizer ring + 256 MiB. ratio = peak RSS above a baseline / bound, target "
+        "≤ 1.00 at every size, against three baselines, each measured in this run in a fresh process: imp = "
+        "import torch, zswap; train = that + the fixed cost of any torch training process (an AdamW step: "
+        "torch._dynamo, sympy; a checkpointed Linear forward + backward); plain = train + `plain` MiB, what "
+        "plain PyTorch itself holds in memory to train this same model on this same batch beside its params "
+        "and gradients (the demo GPT at this shape, checkpointed, one forward + backward; its layers share "
+        "one block's weights, whose bytes and gradients are subtracted exactly: `_child_plain`) — the "
+        "checkpointed block inputs, one block's recomputed activations, logits, gradients as they are made. "
+        "acts = the checkpointed inputs alone, computed from the shape (MiB), for comparison. Columns "
+        "build…heap in MiB: peak RSS after the build under Init and after inference; the live budget; the "
+        "training phase's peaks of engine buffers by purpose (Engine.stats() mem_peak_*; early = the early "
+        "step's copies + gradients held in backward); bounce buffers; write-queue limit; glibc heap (in use "
+        "+ free) after training. wall s: the whole demo run (build, raw-disk baseline, 3 inference passes, "
+        "the steps); hits: the training prefetch hit rate. `at the peak`: a sampler's snapshot of every "
+        "account at the demo's highest RSS (MiB)."
+    )
+
+
+def _at_peak(r: dict[str, Any], train: int) -> str:
+    """The demo's RSS at its peak, line by line, from the sampler's snapshot there (`_sampler`)."""
+    p = r["at_peak"]
+    if not p:
+        return f"{r['model_bytes'] / MIB:,.0f} MiB: no snapshot at the peak"
+    fetch = ("fetch_live", "early_step_copies", "early_step_writing", "fetch_seeds", "fetch_pool_idle")
+    vals = {k: p.get(f"mem_{k}", 0) for k in (*fetch, "fetch_elsewhere")}
+    vals["persistent"] = p.get("persistent", 0)
+    engine = sum(p[k] for k in ("fetch", "grads", "optimizer", "early_step", "other"))
+    heap = p["heap_in_use"] + p["heap_free"] + p["heap_mapped"]
+    rest = p["rss"] - engine - heap
+    m = {k: v / MIB for k, v in vals.items()}
+    return (
+        f"{r['model_bytes'] / MIB:,.0f} MiB at the peak ({p.get('phase', '?')}): RSS {p['rss'] / MIB:,.0f} "
+        f"({(p['rss'] - train) / MIB:,.0f} over the training baseline) = engine buffers {engine / MIB:,.0f} "
+        f"[fetch {p['fetch'] / MIB:,.0f} = live {m['fetch_live']:.0f} + persistent {m['persistent']:.0f} + "
+        f"early-step copies {m['early_step_copies']:.0f} + being written {m['early_step_writing']:.0f} + "
+        f"seeds {m['fetch_seeds']:.0f} + idle in the pool {m['fetch_pool_idle']:.0f} + elsewhere "
+        f"{m['fetch_elsewhere']:.0f}; grads {p['grads'] / MIB:,.0f}; ring {p['optimizer'] / MIB:,.0f}; other "
+        f"{(p['early_step'] + p['other']) / MIB:,.0f}] + glibc {heap / MIB:,.0f} [in use "
+        f"{p['heap_in_use'] / MIB:,.0f} (early-step tensors {p['held'] / MIB:,.0f}, gradient stash "
+        f"{p['stash'] / MIB:,.0f}), free {p['heap_free'] / MIB:,.0f}, mapped by itself "
+        f"{p['heap_mapped'] / MIB:,.0f}] + the rest {rest / MIB:,.0f} (code, Python's arenas, stacks)"
     )
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import zswap
-from zswap import memory
+from zswap import buffers, memory
 from zswap.storage import INFLIGHT_WRITE_BYTES
 from zswap.swap import SwapEngine
 
@@ -203,7 +203,11 @@ def test_persistent_params_have_their_own_line_within_the_fetch_buffers(tmp_path
     for _ in range(2):
         s = engine.stats()
         assert s["persistent_elements"] == biases == 256 + 256 + 8
-        assert s["mem_persistent_params"] == 4 * biases <= s["mem_fetch_buffers"]
+        # each buffer as mapped: a page at least (what the ledger counts, so the fetch lines add up)
+        mapped = sum(buffers.capacity(4 * n) for n in (256, 256, 8))
+        assert (
+            s["mem_persistent_params"] == mapped == 3 * os.sysconf("SC_PAGE_SIZE") <= s["mem_fetch_buffers"]
+        )
         net(torch.randn(4, 64)).square().sum().backward()
         engine.step()  # released and fetched again after the step
     engine.close()
@@ -226,7 +230,7 @@ def test_init_reports_touched_bytes_while_it_holds_them(tmp_path):
 _HEAP_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-    from zswap import memory
+    from zswap import buffers, memory
     bounded = memory.bound_heap()
     a = memory.heap()["heap_mapped"]
     t = torch.empty(3 << 20, dtype=torch.uint8)
@@ -318,18 +322,22 @@ def test_the_early_steps_copies_and_gradients_are_counted_while_held_and_counted
     def spy(sg: Any) -> None:  # a record's params are all in: what is held now, before it is written
         waiting = [c.numel() * c.element_size() for _, c, _, _ in early.ready.values() if c.numel()]
         seeds = [c.numel() * c.element_size() for _, c in early.seeds]  # written copies kept for forward
-        seen.append((_mem(engine.stats()), early.held, waiting, seeds))
+        writing = sum(small for _, small, _ in early.copies)  # small copies being written
+        assert early.writing.nbytes == writing
+        seen.append((_mem(engine.stats()), early.held, waiting, [*seeds, writing]))
         begin_record(sg)
 
     early._ready = spy  # type: ignore[method-assign]
     net(x).square().sum().backward()
     assert len(seen) == len(engine.optimizer._sub_groups) > 1
-    for m, held, waiting, seeds in seen:
+    for m, held, waiting, seeds_writing in seen:
         # each waiting param: its gradient (an ordinary tensor) and its copy (an engine buffer from 1 MiB);
-        # each seed: its copy alone
+        # each seed: its copy alone; each small copy being written: itself (not in ``held``: in ``copying``)
+        *seeds, writing = seeds_writing
         assert held == 2 * sum(waiting) + sum(seeds)
         small = earlystep.ENGINE_COPY
         tensors = sum(2 * n if n < small else n for n in waiting) + sum(n for n in seeds if n < small)
+        tensors += writing
         assert m["mem_early_step_tensors"] - start_held["early_step"] == tensors
         assert m["mem_peak_early_step_tensors"] >= m["mem_early_step_tensors"]
         assert m["mem_peak_early_step_buffers"] >= m["mem_early_step_buffers"]
@@ -473,7 +481,8 @@ def test_the_early_steps_pool_copies_and_seeds_count_in_the_live_budget(tmp_path
     note = sched._note_live
 
     def spy() -> None:
-        seen.append((sched.live, early.pooled() // 4))
+        assert sched.lent() == (early.pooled() + early.in_flight()) // 4 == early.lent() // 4
+        seen.append((sched.live, sched.lent()))
         note()
 
     sched._note_live = spy  # type: ignore[method-assign]
@@ -496,11 +505,96 @@ def test_the_early_steps_pool_copies_and_seeds_count_in_the_live_budget(tmp_path
         for p, q in zip(net.parameters(), ref.parameters(), strict=True):
             with zswap.GatheredParameters([p, q]):
                 assert torch.equal(p.data, q.data), it
+    seeded = _mem(engine.stats())
+    assert seeded["mem_fetch_seeds"] >= 4 * WEIGHT  # committed copies waiting for the next pass: a line
     with torch.no_grad():
         net(x)  # takes the seeds
     gc.collect()
-    assert early.pooled() == 0 and sched.lent() == 0  # every copy counted back
+    assert early.pooled() == 0 and early.in_flight() == 0 and sched.lent() == 0  # every copy counted back
+    assert _mem(engine.stats())["mem_fetch_seeds"] == 0
     s = engine.stats()
     assert s["peak_live_lent_elements"] <= 3 * WEIGHT
+    engine.close()
+    ref_engine.close()
+
+
+FETCH_LINES = ("mem_fetch_live", "mem_persistent_params", "mem_early_step_copies", "mem_early_step_writing")
+FETCH_LINES += ("mem_fetch_seeds", "mem_fetch_pool_idle", "mem_fetch_elsewhere")
+
+
+def _own(m: dict[str, int]) -> int:
+    return sum(m[k] for k in FETCH_LINES if k != "mem_fetch_elsewhere")
+
+
+def test_the_fetch_buffers_add_up_by_holder_and_a_written_copy_is_counted_back_as_idle(tmp_path):
+    """``mem_fetch_buffers`` split by who holds each buffer (`zswap.buffers.fetch_lines`): the lines add up
+    at every moment; between passes an engine's own buffers are all on its lines (what is elsewhere is the
+    other engine's); a copy whose write the early step lands leaves ``mem_early_step_writing`` (and the
+    live budget's ``lent``) and is back in the pool as idle, byte for byte; results are bitwise the
+    ordinary step's."""
+
+    def cfg_of(path: Path) -> dict[str, Any]:
+        path.mkdir()
+        cfg = _config(path)
+        cfg["zero_optimization"].update(
+            stage3_max_live_parameters=3 * WEIGHT,
+            stage3_prefetch_bucket_size=2 * WEIGHT,
+            stage3_param_persistence_threshold=512,
+            sub_group_size=2 * WEIGHT,
+        )
+        return cfg
+
+    gc.collect()
+    base = memory.live()["fetch"]  # what earlier tests' objects still map
+    torch.manual_seed(0)
+    net, engine = _built(cfg_of(tmp_path / "early"), _Stack)
+    torch.manual_seed(0)
+    ref, ref_engine = _built(cfg_of(tmp_path / "ref"), _Stack)
+    ref_engine.early_step = False
+    early = engine._early
+    assert early is not None
+    # No seeds: the last record's copies are then written, not kept, and their writes are still unsettled
+    # when backward's end lands them (nothing pushes a write after them), so landing is seen every step.
+    early.seed_numel = 0
+    landed: list[tuple[dict[str, int], dict[str, int]]] = []
+    land = early._land_copies
+
+    def spy(limit: int) -> None:
+        before = _mem(engine.stats())
+        land(limit)
+        landed.append((before, _mem(engine.stats())))
+
+    early._land_copies = spy  # type: ignore[method-assign]
+    x = torch.randn(4, 512)
+    for it in range(3):
+        gc.disable()  # no buffer of an unrelated cycle unmapped between a landing's two snapshots
+        try:
+            for m, e in ((net, engine), (ref, ref_engine)):
+                m(x).square().sum().backward()
+                e.step()
+        finally:
+            gc.enable()
+        gc.collect()
+        mine, theirs = _mem(engine.stats()), _mem(ref_engine.stats())
+        for a, b in ((mine, theirs), (theirs, mine)):
+            assert sum(a[k] for k in FETCH_LINES) == a["mem_fetch_buffers"]
+            assert a["mem_fetch_elsewhere"] == base + _own(b)  # nothing of its own is elsewhere
+            assert a["mem_early_step_copies"] == a["mem_early_step_writing"] == 0
+            assert a["mem_fetch_live"] > 0 and a["mem_persistent_params"] == 6 * buffers.capacity(512 * 4)
+        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+            with zswap.GatheredParameters([p, q]):
+                assert torch.equal(p.data, q.data), it
+    assert early.commits == 2
+    moved = 0
+    for before, after in landed:
+        for m in (before, after):
+            assert sum(m[k] for k in FETCH_LINES) == m["mem_fetch_buffers"]
+        gone = before["mem_early_step_writing"] - after["mem_early_step_writing"]
+        assert gone >= 0
+        # the copies landed go back to the pool, idle: nothing unmapped, nothing counted twice
+        assert after["mem_fetch_buffers"] == before["mem_fetch_buffers"]
+        assert after["mem_fetch_pool_idle"] - before["mem_fetch_pool_idle"] == gone
+        moved += gone
+    assert moved >= 2 * 4 * WEIGHT  # a 1 MiB copy landed while its write was counted, in each early step
     engine.close()
     ref_engine.close()

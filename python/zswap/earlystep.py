@@ -57,8 +57,10 @@ What it keeps:
   backward waits for the oldest, counted against `cap` until they land. Copies of 1 MiB and more are
   buffers of the param stores' fetch pools, which `for_engine` widens by `cap` so that they are reused
   from step to step (a pool miss maps, faults in and zeroes a new buffer, then unmaps it); while waiting
-  for their record or kept as seeds they count in the scheduler's live budget (`pooled`,
-  `zswap.prefetch.Scheduler.lent`), so the prefetcher holds that much less.
+  for their record, kept as seeds, or being written (until the write settles) they count in the
+  scheduler's live budget (`lent` = `pooled` + `in_flight`, `zswap.prefetch.Scheduler.lent`), so the
+  prefetcher holds that much less. Copies under 1 MiB are ordinary tensors: on `holding` while they wait,
+  on `writing` while written, so `zswap.Engine.stats` has every byte the early step keeps on one line.
 - **Reads ahead.** A record is read before its last gradient comes, into a free slot of the ring: one some
   of whose params have their gradients, then the next ones in the order the last backward completed them
   (`_read_ahead`; all slots but one, so a record completing out of that order always finds one). Read
@@ -132,12 +134,14 @@ class EarlyStep:
     order: list[str]
     """Sub-group keys in the order this backward completed them."""
     writes: deque[tuple[torch.Tensor, Any]]
-    copies: deque[tuple[int, Any]]
+    copies: deque[tuple[int, int, Any]]
     write_ahead: int
     """Bytes of copies' writes in flight before backward waits for the oldest: two sub-groups' params."""
     copying: int
-    """Bytes of updated param copies whose writes are in flight (`copies`: bytes, write; a seed's are 0, it
-    stays in ``held``), counted with ``held`` against `cap` until they land."""
+    """Bytes of updated param copies whose writes are in flight (`copies`: bytes, of them under
+    `ENGINE_COPY`, write; a seed's are 0, it stays in ``held``), counted with ``held`` against `cap` until
+    they land. Those under `ENGINE_COPY` are ordinary tensors, on `writing`; the others are fetch-pool
+    buffers, lent to the scheduler while their write is unsettled (`in_flight`, `lent`)."""
 
     def __init__(
         self,
@@ -176,6 +180,7 @@ class EarlyStep:
         self._order: list[str] = []
         """The order the last backward that reached its end completed its records in: the next one's guess."""
         self.holding = memory.Holding("early_step")  # gradients and small copies held (`_as_tensors`)
+        self.writing = memory.Holding("early_step")  # small copies whose writes are in flight (`copies`)
         self._outer: Callable[[], object] = _dead  # the backward in progress, while it runs (`_begin`)
         self.ended = True
         """Whether that backward reached its end (its final callback ran)."""
@@ -459,8 +464,10 @@ class EarlyStep:
                     if not self.keeping:
                         self.dropped += 1  # that gradient is gone: no falling back from here on
                     kept = self._seed(i, copy)
-                    self.copies.append((0 if kept else nbytes, w))
+                    small = 0 if kept else _small(copy)  # moved from ``holding`` to ``writing``
+                    self.copies.append((0 if kept else nbytes, small, w))
                     self.copying += 0 if kept else nbytes
+                    self.writing.add(small)
 
     def _seed(self, i: int, copy: torch.Tensor) -> bool:
         """Keep ``copy`` (param ``i``'s updated partition) as a seed if the next pass would take it
@@ -485,10 +492,11 @@ class EarlyStep:
     def _land_copies(self, limit: int) -> None:
         """Settle the copies' writes that have landed, and the oldest ones while more than ``limit`` bytes
         are in flight."""
-        while self.copies and (self.copying > limit or self.copies[0][1].done()):
-            nbytes, w = self.copies.popleft()
+        while self.copies and (self.copying > limit or self.copies[0][2].done()):
+            nbytes, small, w = self.copies.popleft()
             w.settle()
             self.copying -= nbytes
+            self.writing.add(-small)
             self.txn.check()
 
     def pooled(self) -> int:
@@ -496,6 +504,28 @@ class EarlyStep:
         waiting for their record or kept as seeds (the rest of `held` is ordinary tensors, `holding`).
         `zswap.prefetch.Scheduler.lent` counts them against the live budget."""
         return self.held - self.holding.nbytes
+
+    def in_flight(self) -> int:
+        """Bytes of its param copies of `ENGINE_COPY` bytes or more (fetch-pool buffers) whose writes have
+        not settled: the write still holds them. A write another one's push settled (`zswap.storage`'s
+        queue settles landed writes at its head) let go of its copy already, so it is not counted."""
+        return sum(n - small for n, small, w in self.copies if not w.settled)
+
+    def settle(self) -> None:
+        """Land the copies being written now (`in_flight` becomes 0), for the scheduler when its live
+        budget is full (`zswap.prefetch.Scheduler.settle_lent`). A failed write is not raised here, in the
+        scheduler's call: the transaction keeps it, and the next landing, backward's end or the commit
+        reports it as any failed write of the early step."""
+        if self.txn is None:
+            return
+        with contextlib.suppress(Exception):
+            self._land_copies(0)
+
+    def lent(self) -> int:
+        """Bytes of the params' fetch pool it holds now: `pooled` (copies waiting for their record, seeds)
+        and `in_flight` (copies being written). `zswap.prefetch.Scheduler.lent` counts them against the
+        live budget, so gathered params, reads in flight and these never exceed it together."""
+        return self.pooled() + self.in_flight()
 
     def _land_oldest(self) -> None:
         buf, w = self.writes.popleft()
@@ -636,6 +666,7 @@ class EarlyStep:
 
     def _reset(self) -> None:
         self.holding.clear()
+        self.writing.clear()
         self.state = "idle"
         self.task = -1
         self.gs = None
@@ -751,8 +782,9 @@ def for_engine(engine: Any) -> EarlyStep | None:
     # zeroed, then unmapped: at 2 GiB that was 1.2 s of a 10 s step (benches/README.md, "Bytes per step").
     for store in {id(st.store): st.store for _, st in engine._items}.values():
         store.pool_bytes += early.cap
-    # While held (waiting for their record, or as seeds) those copies count in the scheduler's live budget,
-    # in elements as the pool is sized (weakly: the scheduler outlives no engine).
+    # While held (waiting for their record, kept as seeds, or being written) those copies count in the
+    # scheduler's live budget, in elements as the pool is sized (weakly: the scheduler outlives no engine).
     ref = weakref.ref(early)
-    engine._sched.lent = lambda: (e.pooled() // size) if (e := ref()) is not None else 0
+    engine._sched.lent = lambda: (e.lent() // size) if (e := ref()) is not None else 0
+    engine._sched.settle_lent = lambda: e.settle() if (e := ref()) is not None else None
     return early

@@ -21,7 +21,7 @@ A param is gathered while any step holds it; when the last hold goes it is relea
 *persistent* (at most the persistence threshold's elements: gathered once, kept) or its next use on the
 trace comes within ``reuse_distance`` elements of fetches. Gathered params (persistent ones aside), reads
 in flight, and the fetch-pool memory held outside the scheduler (`Scheduler.lent`: in backward, the early
-step's param copies waiting for their record and the seeds it keeps, `zswap.earlystep`) never exceed
+step's param copies waiting for their record, being written, or kept as seeds, `zswap.earlystep`) never exceed
 ``max_live`` elements: prefetch stops short of it, and a demand evicts retained params, then the furthest
 prefetches, first. Only if the params held at once and what is lent exceed it alone is it passed.
 
@@ -83,8 +83,12 @@ class Scheduler(BetweenPasses):
         self._ahead_reads: dict[int, Ahead] = {}  # issue order
         self.lent: Callable[[], int] = _none
         """Elements of the params' fetch-pool memory held outside the scheduler now — the early step's param
-        copies, waiting for their record or kept as seeds (`zswap.earlystep.EarlyStep.pooled`) — counted
-        against ``max_live`` with `live`: the prefetcher holds that much less while they are held."""
+        copies, waiting for their record, kept as seeds or being written (`zswap.earlystep.EarlyStep.lent`)
+        — counted against ``max_live`` with `live`: the prefetcher holds that much less while they are
+        held."""
+        self.settle_lent: Callable[[], None] = _nothing
+        """Wait for the writes of what `lent` counts as being written (`zswap.earlystep.EarlyStep.settle`),
+        so they stop counting: a demand that finds the budget full does so before it evicts anything."""
 
     # -- iterations --------------------------------------------------------------------------------
 
@@ -398,6 +402,10 @@ class Scheduler(BetweenPasses):
             over = self.live + self.lent() + need - self.budget.max_live
             if over <= 0:
                 return
+        self.settle_lent()  # copies being written: their memory is let go once their write lands
+        over = self.live + self.lent() + need - self.budget.max_live
+        if over <= 0:
+            return
         for s in sorted(self._retained.values(), key=self._distance, reverse=True):
             self._drop(s)
             over -= s.numel
@@ -470,3 +478,7 @@ class Scheduler(BetweenPasses):
 
 def _none() -> int:
     return 0
+
+
+def _nothing() -> None:
+    pass

@@ -456,8 +456,9 @@ class Engine:
         ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`); ``mem_peak_*`` are
         their high-water marks since the last reset. Ordinary tensors zswap holds past their use are on
         their own line, ``mem_early_step_tensors`` (the early step's gradients and smaller copies, waiting
-        for the rest of their optimizer record), with its ``mem_peak_``. Beside them: the engines' bounce
-        buffers (``mem_bounce``), the source bytes writes in flight hold (``mem_write_queue``, at most
+        for the rest of their optimizer record, or being written), with its ``mem_peak_``;
+        ``mem_fetch_buffers`` is split by holder (`zswap.buffers.fetch_lines`). Beside them: the engines'
+        bounce buffers (``mem_bounce``), the source bytes writes in flight hold (``mem_write_queue``, at most
         ``mem_write_queue_limit``; engine buffers among them are counted above too), the undo log's
         arena (``mem_undo_arena``), glibc's heap (``mem_heap_*``) and the process's ``mem_rss``."""
         live = memory.live()
@@ -499,6 +500,7 @@ class Engine:
             "mem_peak_grad_stash": sum(getattr(gs, "stash_peak", 0) for gs in self._grad_stores),
             "mem_fetch_pool_limit": sum(pools),
             "mem_persistent_params": self._persistent_bytes(),
+            **buffers.fetch_lines(self),  # mem_fetch_buffers by holder: live, early step, seeds, idle, rest
             "mem_bounce": bounce,
             "mem_write_queue": sum(q.queued for q in queues),
             "mem_write_queue_limit": sum(q.limit for q in queues),
@@ -511,10 +513,10 @@ class Engine:
 
     def _persistent_bytes(self) -> int:
         """Bytes of the persistent (and ``max_in_cpu``) NVMe params gathered now, within
-        ``mem_fetch_buffers``: they grow with the model's count of small params (biases, norms). Memory
-        tiers hand out the partition itself, so theirs cost nothing more."""
-        kept = [s for s in self._slots.values() if s.persistent and s.ours and s.st.tier == "nvme"]
-        return sum(s.numel * s.st.dtype.itemsize for s in kept)
+        ``mem_fetch_buffers`` (each buffer as mapped: `zswap.buffers.persistent`): they grow with the
+        model's count of small params (biases, norms). Memory tiers hand out the partition itself, so
+        theirs cost nothing more."""
+        return buffers.persistent(self)
 
     # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
 
