@@ -449,6 +449,19 @@ class _Stack(nn.Module):
 WEIGHT = 512 * 512  # elements of one of _Stack's weights: 1 MiB of fp32
 
 
+def _lent_config(path: Path) -> dict[str, Any]:
+    """Three 1 MiB weights' live budget, where the early step's copies must fit beside gathered params."""
+    path.mkdir()
+    cfg = _config(path)
+    cfg["zero_optimization"].update(
+        stage3_max_live_parameters=3 * WEIGHT,
+        stage3_prefetch_bucket_size=2 * WEIGHT,
+        stage3_param_persistence_threshold=512,  # the biases: gathered for good, no step of their own
+        sub_group_size=2 * WEIGHT,  # a record spans two weights: the later one's copy waits for the other
+    )
+    return cfg
+
+
 def test_the_early_steps_pool_copies_and_seeds_count_in_the_live_budget(tmp_path):
     """In backward the early step holds param copies from the params' fetch pool (waiting for the rest of
     their optimizer record, or kept as seeds for the next forward): the scheduler counts them in its live
@@ -457,16 +470,7 @@ def test_the_early_steps_pool_copies_and_seeds_count_in_the_live_budget(tmp_path
     used; results are bitwise the ordinary step's."""
     from zswap.optim import OffloadedAdamW
 
-    def cfg_of(path: Path) -> dict[str, Any]:
-        path.mkdir()
-        cfg = _config(path)
-        cfg["zero_optimization"].update(
-            stage3_max_live_parameters=3 * WEIGHT,
-            stage3_prefetch_bucket_size=2 * WEIGHT,
-            stage3_param_persistence_threshold=512,  # the biases: gathered for good, no step of their own
-            sub_group_size=2 * WEIGHT,  # a record spans two weights: the later one's copy waits for the other
-        )
-        return cfg
+    cfg_of = _lent_config
 
     cfg, ref_cfg = cfg_of(tmp_path / "early"), cfg_of(tmp_path / "ref")
     torch.manual_seed(0)
@@ -532,17 +536,7 @@ def test_the_fetch_buffers_add_up_by_holder_and_a_written_copy_is_counted_back_a
     other engine's); a copy whose write the early step lands leaves ``mem_early_step_writing`` (and the
     live budget's ``lent``) and is back in the pool as idle, byte for byte; results are bitwise the
     ordinary step's."""
-
-    def cfg_of(path: Path) -> dict[str, Any]:
-        path.mkdir()
-        cfg = _config(path)
-        cfg["zero_optimization"].update(
-            stage3_max_live_parameters=3 * WEIGHT,
-            stage3_prefetch_bucket_size=2 * WEIGHT,
-            stage3_param_persistence_threshold=512,
-            sub_group_size=2 * WEIGHT,
-        )
-        return cfg
+    cfg_of = _lent_config
 
     gc.collect()
     base = memory.live()["fetch"]  # what earlier tests' objects still map
