@@ -89,7 +89,9 @@ def pool_idle(store: NvmeStore) -> int:
 
 
 def persistent(engine: Any) -> int:
-    """Bytes of the persistent (and ``max_in_cpu``) NVMe params gathered now (``mem_persistent_params``)."""
+    """Bytes of the persistent (and ``max_in_cpu``) NVMe params gathered now (``mem_persistent_params``),
+    within ``mem_fetch_buffers``, each buffer as mapped: they grow with the model's count of small params
+    (biases, norms). Memory tiers hand out the partition itself, so theirs cost nothing more."""
     kept = [s for s in engine._slots.values() if s.persistent and s.ours and s.st.tier == "nvme"]
     return sum(capacity(s.st.partition_numel * s.st.dtype.itemsize) for s in kept)
 

@@ -399,7 +399,7 @@ class EarlyStep:
         """Read the records backward completes next into the ring's free slots, before their gradients
         are: those of a record some of whose params have theirs, then the order the last backward completed
         them in (`_order`). Waiting for a record's last gradient to read it left the disk idle while
-        backward computed and held backward while it read: 0.9 s of a 2 GiB step. At most all slots but
+        backward computed and held backward while it read: 0.6–0.9 s of a 2 GiB step. At most all slots but
         one are so taken, so a record that completes out of that order always finds one."""
         room = self.records.ring_size - 1
         while self.upcoming and len(self.early) < room:

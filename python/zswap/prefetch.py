@@ -394,16 +394,17 @@ class Scheduler(BetweenPasses):
                 advance(s.loading, dev)
 
     def _make_room(self, need: int, keep: list[Slot]) -> None:
-        over = self.live + self.lent() + need - self.budget.max_live
-        if over <= 0:
+        def excess() -> int:
+            return self.live + self.lent() + need - self.budget.max_live
+
+        if excess() <= 0:
             return
         if self._ahead_reads:  # a pass without a begin (a backward after another pass): reads ahead go first
             self.drop_ahead()
-            over = self.live + self.lent() + need - self.budget.max_live
-            if over <= 0:
+            if excess() <= 0:
                 return
         self.settle_lent()  # copies being written: their memory is let go once their write lands
-        over = self.live + self.lent() + need - self.budget.max_live
+        over = excess()
         if over <= 0:
             return
         for s in sorted(self._retained.values(), key=self._distance, reverse=True):

@@ -499,7 +499,7 @@ class Engine:
             "mem_grad_stash": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
             "mem_peak_grad_stash": sum(getattr(gs, "stash_peak", 0) for gs in self._grad_stores),
             "mem_fetch_pool_limit": sum(pools),
-            "mem_persistent_params": self._persistent_bytes(),
+            "mem_persistent_params": buffers.persistent(self),
             **buffers.fetch_lines(self),  # mem_fetch_buffers by holder: live, early step, seeds, idle, rest
             "mem_bounce": bounce,
             "mem_write_queue": sum(q.queued for q in queues),
@@ -510,13 +510,6 @@ class Engine:
             **{f"mem_{k}": v for k, v in memory.heap().items()},
             "mem_rss": memory.rss(),
         }
-
-    def _persistent_bytes(self) -> int:
-        """Bytes of the persistent (and ``max_in_cpu``) NVMe params gathered now, within
-        ``mem_fetch_buffers`` (each buffer as mapped: `zswap.buffers.persistent`): they grow with the
-        model's count of small params (biases, norms). Memory tiers hand out the partition itself, so
-        theirs cost nothing more."""
-        return buffers.persistent(self)
 
     # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
 
