@@ -22,37 +22,32 @@ import resource
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step_bytes import config  # the same config, not a copy of it
+from bench_step_bytes import forward_loss, peak_rss, setup_ram, setup_zswap  # the same model and config
 
 Sample = tuple[list[int], int, int, int]
 
 
-def _disk_of(path: Path) -> str | None:
-    """The /proc/diskstats name of the whole disk holding ``path`` (None where it cannot be told)."""
+def _disk_of(path: Path) -> str:
+    """The /proc/diskstats name of the whole disk holding ``path`` (on tmpfs, say, a name no line has: the
+    disk columns read 0)."""
     dev = os.stat(path).st_dev
     name = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve().name
     part = Path(f"/sys/class/block/{name}/partition")
-    return Path(f"/sys/class/block/{name}").resolve().parent.name if part.exists() else name or None
+    return Path(f"/sys/class/block/{name}").resolve().parent.name if part.exists() else name
 
 
-def _sample(disk: str | None) -> Sample:
+def _sample(disk: str) -> Sample:
     with open("/proc/stat") as f:
         cpu = [int(x) for x in f.readline().split()[1:]]
     read = written = busy_ms = 0
-    if disk is not None:
-        with open("/proc/diskstats") as f:
-            for line in f:
-                d = line.split()
-                if d[2] == disk:  # sectors of 512 B read (5) and written (9), ms busy (12)
-                    read, written, busy_ms = int(d[5]) * 512, int(d[9]) * 512, int(d[12])
+    with open("/proc/diskstats") as f:
+        for line in f:
+            d = line.split()
+            if d[2] == disk:  # sectors of 512 B read (5) and written (9), ms busy (12)
+                read, written, busy_ms = int(d[5]) * 512, int(d[9]) * 512, int(d[12])
     return cpu, read, written, busy_ms
 
 
@@ -68,34 +63,8 @@ def _window(a: Sample, b: Sample, wall: float) -> str:
     )
 
 
-def _build(size: int, path: Path, plain: bool) -> tuple[Any, Any, Any]:
-    from zswap.demo import GPT, Shape
-
-    shape = Shape.for_bytes(size)
-    torch.manual_seed(0)
-    if plain:
-        model = GPT(shape)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-
-        def step() -> None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return shape, model, (step, None)
-    import zswap
-
-    cfg = config(path, size)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", zswap.ZswapWarning)
-        with zswap.Init(cfg):
-            model = GPT(shape)
-        engine = zswap.initialize(model, cfg)
-    return shape, model, (engine.step, engine)
-
-
 def main(argv: list[str] | None = None) -> int:
     from zswap.cli import _size
-    from zswap.demo import BATCH
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="2GiB", help="fp32 bytes of params (default 2GiB)")
@@ -107,17 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         path = args.path or Path(tmp)
         path.mkdir(parents=True, exist_ok=True)
         disk = _disk_of(path)
-        shape, model, (opt_step, engine) = _build(_size(args.size), path, args.plain)
-        batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
+        size = _size(args.size)
+        s = setup_ram(size) if args.plain else setup_zswap(size, path)
         try:
             for i in range(args.steps):
                 r0, s0, t0 = resource.getrusage(resource.RUSAGE_SELF), _sample(disk), time.perf_counter()
-                logits = model(batch[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, shape.vocab), batch[:, 1:].reshape(-1))
+                loss = forward_loss(s)
                 s1, t1 = _sample(disk), time.perf_counter()
                 loss.backward()
                 s2, t2 = _sample(disk), time.perf_counter()
-                opt_step()
+                s.apply()
                 t3, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
                 print(
                     f"step {i}: {t3 - t0:.2f} s = forward {t1 - t0:.2f} + backward {t2 - t1:.2f} + step "
@@ -129,10 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    forward  [{_window(s0, s1, t1 - t0)}]", flush=True)
                 print(f"    backward [{_window(s1, s2, t2 - t1)}]", flush=True)
         finally:
-            if engine is not None:
-                engine.close()
-    with open("/proc/self/status") as f:
-        print(next(line.strip() for line in f if line.startswith("VmHWM:")))
+            if s.engine is not None:
+                s.engine.close()
+    print(f"VmHWM: {peak_rss() // 1024} kB")
     return 0
 
 

@@ -36,8 +36,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -83,9 +84,27 @@ def _step_loop(step: Any, steps: int, stats: Any) -> list[dict[str, float]]:
     return out
 
 
-def run_zswap(size: int, path: Path, steps: int, early: bool, keep: bool = False) -> dict[str, Any]:
+class Setup(NamedTuple):
+    """One contender, built: the model, its fixed batch and what applies a step's gradients."""
+
+    shape: Any
+    model: torch.nn.Module
+    batch: torch.Tensor
+    apply: Callable[[], None]
+    """The optimizer step after backward: ``engine.step`` for zswap, AdamW's step + ``zero_grad`` in RAM."""
+    engine: Any = None
+
+
+def _batch(shape: Any) -> torch.Tensor:
+    from zswap.demo import BATCH
+
+    return torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
+
+
+def setup_zswap(size: int, path: Path) -> Setup:
+    """The model built under ``zswap.Init`` with `config`'s dict and handed to ``zswap.initialize``."""
     import zswap
-    from zswap.demo import BATCH, GPT, Shape
+    from zswap.demo import GPT, Shape
 
     shape = Shape.for_bytes(size)
     cfg = config(path, size)
@@ -95,45 +114,59 @@ def run_zswap(size: int, path: Path, steps: int, early: bool, keep: bool = False
         with zswap.Init(cfg):
             model = GPT(shape)
         engine = zswap.initialize(model, cfg)
-    engine.early_step = early
-    engine.keep_applied_grads = keep
-    batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
-
-    def step() -> float:
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, shape.vocab), batch[:, 1:].reshape(-1))
-        loss.backward()
-        engine.step()
-        return float(loss.detach())
-
-    def stats(reset: bool) -> dict[str, float]:
-        s = engine.stats(reset=reset)
-        return {"bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"]}
-
-    with engine:
-        out = _step_loop(step, steps, stats)
-        early_commits = 0 if engine._early is None else engine._early.commits
-    return {"steps": out, "early_commits": early_commits}
+    return Setup(shape, model, _batch(shape), engine.step, engine)
 
 
-def run_ram(size: int, steps: int) -> dict[str, Any]:
-    from zswap.demo import BATCH, GPT, Shape
+def setup_ram(size: int) -> Setup:
+    """The same model in RAM with ``torch.optim.AdamW(fused=True)``: the compute baseline."""
+    from zswap.demo import GPT, Shape
 
     shape = Shape.for_bytes(size)
     torch.manual_seed(0)
     model = GPT(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-    batch = torch.randint(0, shape.vocab, (BATCH, shape.seq), generator=torch.Generator().manual_seed(0))
 
-    def step() -> float:
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, shape.vocab), batch[:, 1:].reshape(-1))
-        loss.backward()
+    def apply() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
 
-    return {"steps": _step_loop(step, steps, lambda _: {"bytes_read": 0, "bytes_written": 0})}
+    return Setup(shape, model, _batch(shape), apply)
+
+
+def forward_loss(s: Setup) -> torch.Tensor:
+    """Forward of the batch's tokens and the next-token cross-entropy."""
+    logits = s.model(s.batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, s.shape.vocab), s.batch[:, 1:].reshape(-1))
+
+
+def _train_step(s: Setup) -> float:
+    loss = forward_loss(s)
+    loss.backward()
+    s.apply()
+    return float(loss.detach())
+
+
+def run_zswap(size: int, path: Path, steps: int, early: bool, keep: bool = False) -> dict[str, Any]:
+    s = setup_zswap(size, path)
+    engine = s.engine
+    engine.early_step = early
+    engine.keep_applied_grads = keep
+
+    def stats(reset: bool) -> dict[str, float]:
+        st = engine.stats(reset=reset)
+        return {"bytes_read": st["bytes_read"], "bytes_written": st["bytes_written"]}
+
+    with engine:
+        out = _step_loop(lambda: _train_step(s), steps, stats)
+        early_commits = 0 if engine._early is None else engine._early.commits
+    return {"steps": out, "early_commits": early_commits}
+
+
+def run_ram(size: int, steps: int) -> dict[str, Any]:
+    s = setup_ram(size)
+    return {
+        "steps": _step_loop(lambda: _train_step(s), steps, lambda _: {"bytes_read": 0, "bytes_written": 0})
+    }
 
 
 def bandwidth(path: Path) -> tuple[float, float]:
