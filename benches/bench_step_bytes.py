@@ -253,11 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             ("zswap, ordinary step", "zswap-ordinary"),
             ("plain PyTorch in RAM", "ram"),
         ):
-            sub = Path(tmp) / kind
-            sub.mkdir()
-            res, why = spawn(
-                [*me, "--path", str(args.path / kind if args.path else sub), "--worker", kind], args.timeout
-            )
+            sub = (args.path or Path(tmp)) / kind
+            sub.mkdir(parents=True, exist_ok=True)
+            res, why = spawn([*me, "--path", str(sub), "--worker", kind], args.timeout)
             results[name] = summary(res) if res else why
             say(f"  {name}: done" if res else f"  {name}: failed: {why}")
         if args.no_deepspeed:

@@ -414,7 +414,8 @@ def test_a_dropped_engine_gives_back_every_buffer_closed_or_not(tmp_path, close)
 
 
 def test_a_fetch_pool_miss_first_unmaps_idle_buffers_of_other_sizes(tmp_path):
-    """Idle pooled buffers never add to the peak: a buffer of a new size takes the place of idle ones."""
+    """Idle pooled buffers never add to the peak: at the pool's peak in use, a buffer of a new size takes
+    the place of idle ones."""
     from zswap.params import NvmeStore
 
     store = NvmeStore(SwapEngine(str(tmp_path)))
@@ -430,6 +431,26 @@ def test_a_fetch_pool_miss_first_unmaps_idle_buffers_of_other_sizes(tmp_path):
     assert c.data_ptr() != b_ptr and store._pooled == 1 << 20  # (it may take a's freed address)
     del b
     assert store._buffer(1 << 17, torch.float32).data_ptr() == b_ptr  # idle again: reused
+    store.trim()
+
+
+def test_below_its_peak_in_use_the_fetch_pool_keeps_idle_buffers_of_other_sizes(tmp_path):
+    """The pool maps at most the most bytes it had in use at once: a miss unmaps idle buffers only past
+    that, so an idle buffer the peak leaves room for is there for its size's next fetch."""
+    from zswap.params import NvmeStore
+
+    mib = 1 << 18  # float32 elements
+    store = NvmeStore(SwapEngine(str(tmp_path)))
+    store.pool_bytes = 1 << 30
+    a, b = store._buffer(mib, torch.float32), store._buffer(mib, torch.float32)
+    b_ptr = b.data_ptr()
+    del a, b  # 2 MiB were in use at once; both idle now
+    c = store._buffer(mib // 2, torch.float32)  # 2.5 MiB would be mapped: one idle 1 MiB buffer goes
+    assert store._pooled == 3 << 19 and store._peak_in_use == 2 << 20
+    d = store._buffer(mib // 4, torch.float32)  # 1.75 MiB mapped, under the peak: nothing unmapped
+    assert store._pooled == 7 << 18 and store._idle() == 1 << 20
+    assert store._buffer(mib, torch.float32).data_ptr() == b_ptr  # the idle 1 MiB buffer, reused
+    del c, d
     store.trim()
 
 

@@ -216,6 +216,7 @@ class NvmeStore(Store):
         zeroing) fresh pages on every fetch."""
         self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         self._pooled = 0
+        self._peak_in_use = 0
         self.host_alloc: Any = None
         """``alloc(shape, dtype)`` for load buffers instead of ``engine.empty`` (``None``: that): a GPU
         `zswap.initialize` sets one that registers each buffer with CUDA (`zswap.device`)."""
@@ -249,18 +250,18 @@ class NvmeStore(Store):
                 if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
                     return buf
         nbytes = numel * dtype.itemsize
-        # A miss first unmaps as many bytes of idle buffers (of other sizes: the mix in use shifts), so
-        # that idle pooled memory does not add to the process's peak. The price: those sizes miss in
-        # turn later. Measured with the early step: at 3 GiB the peak is 587 MiB over the training
-        # baseline with this, 624 without; a 512 MiB model maps about 20 buffers of 4-32 MiB again per
-        # backward, against none (benches/README.md, "Bytes per step").
-        self._evict(nbytes)
+        # A miss maps a new buffer, but idle pooled memory must not add to the process's peak: the pool
+        # maps at most the most bytes it ever had in use at once (`_peak_in_use`), so it first unmaps idle
+        # buffers (of other sizes: the mix in use shifts) past that. Below its peak an idle buffer stays
+        # for the sizes that follow — with an unmap on every miss, about 40 % of the fetches and copies
+        # of a 2 GiB model's step mapped, zeroed and unmapped a new buffer (benches/README.md, "Step time").
+        limit = min(self.pool_bytes, self._note_use(nbytes))
+        if self._pooled + nbytes > limit:
+            self._evict(self._pooled + nbytes - limit)
         buf = self._allocate(numel, dtype)
         uses = _storage_uses(buf)
         if uses < 0:  # no way to tell when a buffer is free again: no pooling
             return buf
-        if self._pooled + nbytes > self.pool_bytes:
-            self._evict(self._pooled + nbytes - self.pool_bytes)
         if self._pooled + nbytes <= self.pool_bytes:
             self._pool.setdefault((numel, dtype), []).append((buf, uses))
             self._pooled += nbytes
@@ -276,6 +277,7 @@ class NvmeStore(Store):
         ``None`` once the pool has no room for it."""
         if self._pooled + numel * dtype.itemsize > self.pool_bytes:
             return None
+        self._note_use(numel * dtype.itemsize)
         buf = self._allocate(numel, dtype)
         uses = _storage_uses(buf)
         if uses < 0:
@@ -283,6 +285,20 @@ class NvmeStore(Store):
         self._pool.setdefault((numel, dtype), []).append((buf, uses))
         self._pooled += numel * dtype.itemsize
         return buf
+
+    def _note_use(self, nbytes: int) -> int:
+        """`_peak_in_use` once a new buffer of ``nbytes`` is in use too (pooled ones in use, and it)."""
+        self._peak_in_use = max(self._peak_in_use, self._pooled - self._idle() + nbytes)
+        return self._peak_in_use
+
+    def _idle(self) -> int:
+        """Bytes of pooled buffers nothing uses now."""
+        idle = 0
+        for (numel, dtype), pool in self._pool.items():
+            for buf, uses in pool:
+                if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
+                    idle += numel * dtype.itemsize
+        return idle
 
     def _evict(self, nbytes: int) -> None:
         """Unpool free buffers (of other sizes: the mix a model needs shifts) until ``nbytes`` are gone."""
@@ -300,6 +316,7 @@ class NvmeStore(Store):
         """Forget the pooled buffers (those still in use are freed by their last user)."""
         self._pool.clear()
         self._pooled = 0
+        self._peak_in_use = 0
 
     def free(self, key: str) -> None:
         self.ns.free(key)

@@ -194,8 +194,8 @@ class Scheduler(BetweenPasses):
         window will need (the guess, up to ``max_live`` elements), in the stores' pools; returns the bytes.
         A first touch of fresh memory costs a fault per page, far slower than the disk on a VM; paid here,
         the first pass reads into memory as warm as the later ones. Call it after any other load from the
-        stores (the persistent params' fetches): a pool miss unpools idle buffers first, so a load of
-        another size made after it unpools these."""
+        stores (the persistent params' fetches): a pool miss at the pool's peak in use unpools idle
+        buffers first, so a load of another size made after it unpools these."""
         trace = self._guess(False)
         held: list[torch.Tensor] = []
         live = 0
