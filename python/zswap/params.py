@@ -197,6 +197,13 @@ def _storage_uses(t: torch.Tensor) -> int:
     return -1 if use_count is None else int(use_count(t.untyped_storage()._cdata))
 
 
+def _unused(buf: torch.Tensor, uses: int) -> bool:
+    """Whether a pooled buffer is free again: no one holds it but the pool (references: the pool's entry,
+    the caller's loop variable, this parameter, getrefcount's argument) and no tensor views its memory
+    (``uses``: its storage's use count when made)."""
+    return sys.getrefcount(buf) == 4 and _storage_uses(buf) == uses
+
+
 class NvmeStore(Store):
     """Partitions in a namespace (``p/<n>``) of the swap directory's one `zswap.storage.Storage`: writes
     are queued, not awaited (bounded by the storage's write queue), and copy-on-write — a failed write
@@ -247,7 +254,7 @@ class NvmeStore(Store):
         pool = self._pool.get((numel, dtype))
         if pool:
             for buf, uses in pool:
-                if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
+                if _unused(buf, uses):
                     return buf
         nbytes = numel * dtype.itemsize
         # A miss maps a new buffer, but idle pooled memory must not add to the process's peak: the pool
@@ -296,7 +303,7 @@ class NvmeStore(Store):
         idle = 0
         for (numel, dtype), pool in self._pool.items():
             for buf, uses in pool:
-                if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop variable, argument
+                if _unused(buf, uses):
                     idle += numel * dtype.itemsize
         return idle
 
@@ -305,7 +312,7 @@ class NvmeStore(Store):
         for (numel, dtype), pool in self._pool.items():
             keep = []
             for buf, uses in pool:
-                if nbytes > 0 and sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:
+                if nbytes > 0 and _unused(buf, uses):
                     nbytes -= numel * dtype.itemsize
                     self._pooled -= numel * dtype.itemsize
                 else:
