@@ -2,7 +2,7 @@
 CPU (user, sys), minor page faults and voluntary context switches, and per phase the machine's CPU split
 (user, sys, idle, iowait, steal) and the swap disk's read / write rates and busy time.
 
-    python benches/bench_phases.py [--size 2GiB] [--steps 4] [--path DIR] [--plain]
+    python benches/bench_phases.py [--size 2GiB] [--steps 4] [--path DIR] [--plain | --no-output-pool]
 
 The model, batch and config are `benches/bench_step_bytes.py`'s (`zswap.demo.GPT` of ``--size`` fp32
 bytes, params and AdamW states on NVMe); ``--plain`` runs the same model in RAM with
@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--path", type=Path, help="swap directory (default: a temp dir under /var/tmp)")
     ap.add_argument("--plain", action="store_true", help="plain PyTorch in RAM instead of zswap")
+    ap.add_argument(
+        "--no-output-pool",
+        action="store_true",
+        help="backward's matmul outputs in fresh memory, not zswap.outputs' pool (what it saves)",
+    )
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="zswap-phases-") as tmp:
         path = args.path or Path(tmp)
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         disk = _disk_of(path)
         size = _size(args.size)
         s = setup_ram(size) if args.plain else setup_zswap(size, path)
+        if args.no_output_pool and s.engine is not None:
+            s.engine._hooks.outputs.enabled = False
         try:
             for i in range(args.steps):
                 r0, s0, t0 = resource.getrusage(resource.RUSAGE_SELF), _sample(disk), time.perf_counter()
@@ -96,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"    forward  [{_window(s0, s1, t1 - t0)}]", flush=True)
                 print(f"    backward [{_window(s1, s2, t2 - t1)}]", flush=True)
+            if s.engine is not None:
+                pool = s.engine._hooks.outputs.pool
+                print(f"output pool: {pool.made} buffers made, {pool.reused} outputs reused", flush=True)
         finally:
             if s.engine is not None:
                 s.engine.close()

@@ -19,10 +19,10 @@ PHASE = re.compile(
 )
 
 
-@pytest.mark.parametrize("plain", [False, True])
-def test_bench_phases_prints_each_step_and_phase(tmp_path, plain):
+@pytest.mark.parametrize("flags", [[], ["--plain"], ["--no-output-pool"]])
+def test_bench_phases_prints_each_step_and_phase(tmp_path, flags):
     args = [sys.executable, str(SCRIPT), "--size", "8MiB", "--steps", "2", "--path", str(tmp_path)]
-    out = subprocess.run(args + ["--plain"] * plain, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(args + flags, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     steps = [m for m in map(STEP.match, lines) if m]
@@ -34,3 +34,7 @@ def test_bench_phases_prints_each_step_and_phase(tmp_path, plain):
     assert losses[1] < losses[0]  # it trains
     assert sum(1 for line in lines if PHASE.match(line)) == 4
     assert lines[-1].startswith("VmHWM:")
+    pool = re.fullmatch(r"output pool: (\d+) buffers made, (\d+) outputs reused", lines[-2])
+    assert (pool is None) == (flags == ["--plain"])
+    if flags == ["--no-output-pool"]:
+        assert pool is not None and pool.groups() == ("0", "0")

@@ -17,7 +17,9 @@ and on each non-param input (fires right before the node that produced it, after
 *post-backward*, releases them). The CPU autograd engine runs ready nodes in decreasing creation order, so
 every node a module created has run by then. A module whose inputs need no grad (token ids) releases at
 the end of the backward, from a callback queued on the graph task. Nothing is inserted into the graph, so
-gradients are summed in the same order as in a plain model.
+gradients are summed in the same order as in a plain model. On the CPU the nodes between a call's outputs
+and inputs also get the hooks that compute their large matmul outputs into reused memory
+(`zswap.outputs`).
 
 Activation checkpointing: ``use_reentrant=True`` re-runs the forward inside backward — the forward hooks
 fetch and release as usual and the re-run registers its own backward hooks for the inner backward;
@@ -41,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from ._access import _ABSENT, _META_GETSETS, _META_METHODS, _shape_answer
 from .gather import no_torch_function
+from .outputs import BackwardOutputs
 from .params import ParamState, Status, param_state
 from .prefetch import Scheduler, Slot
 
@@ -115,6 +118,8 @@ class ModuleHooks:
         self._bw_calls: list[_Call] = []
         self._closed = False
         self._bw_expected = False
+        self.outputs = BackwardOutputs()
+        """Where the backward matmuls of hooked modules put their outputs on the CPU (`zswap.outputs`)."""
         self._handles: list[Any] = []
         for module in root.modules():
             info = infos[id(module)]
@@ -132,6 +137,7 @@ class ModuleHooks:
             h.remove()
         self._handles.clear()
         self._closed = True
+        self.outputs.close()
         self._reset()
 
     # -- forward -----------------------------------------------------------------------------------
@@ -232,12 +238,15 @@ class ModuleHooks:
         out_ids = {id(t) for t in outs}
         for t in outs:
             t.register_hook(pre)  # dies with the graph
+        ins = []
         for t in tree_leaves((args, kwargs)):
             # Leaves (a param passed in, an input that requires grad) are skipped: their hook would fire
             # at their AccumulateGrad, which may run before the module's own params' ones, and would stay
             # on a tensor that outlives the graph. Such a call releases at the end of the graph task.
             if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in out_ids:
                 t.register_hook(post)
+                ins.append(t)
+        self.outputs.instrument(outs, ins)
 
     def _bw_pre(self, call: _Call, grad: torch.Tensor) -> None:
         if call.bw_held is not None or self._closed:
@@ -277,6 +286,7 @@ class ModuleHooks:
             self._bw_post(call, None)  # type: ignore[arg-type]
         if task == -2:
             self.sched.end()
+            self.outputs.end()
 
     def _reset(self) -> None:
         for call in self._stack:

@@ -438,6 +438,7 @@ class Engine:
         out.update(self._memory_stats())
         if reset:
             memory.reset_peaks()
+            self._hooks.outputs.pool.reset_peak()
             self.compute_device.reset_peak()
             peak = self._sched.live
             self._sched.counters = type(c)(peak_live=peak, peak_live_lent=peak + self._sched.lent())
@@ -456,7 +457,11 @@ class Engine:
         ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`); ``mem_peak_*`` are
         their high-water marks since the last reset. Ordinary tensors zswap holds past their use are on
         their own line, ``mem_early_step_tensors`` (the early step's gradients and smaller copies, waiting
-        for the rest of their optimizer record, or being written), with its ``mem_peak_``;
+        for the rest of their optimizer record, or being written), with its ``mem_peak_``, and
+        ``mem_output_pool_idle``, the idle part of ``mem_output_pool``: the memory backward's large matmul
+        outputs are placed in on the CPU (`zswap.outputs`, emptied when the backward ends; its in-use part
+        is a gradient or activation counted where it is held — the early step's gradients in
+        ``mem_early_step_tensors`` — or autograd's own), with ``mem_peak_output_pool``;
         ``mem_fetch_buffers`` is split by holder (`zswap.buffers.fetch_lines`). Beside them: the engines'
         bounce buffers (``mem_bounce``), the source bytes writes in flight hold (``mem_write_queue``, at most
         ``mem_write_queue_limit``; engine buffers among them are counted above too), the undo log's
@@ -464,6 +469,7 @@ class Engine:
         live = memory.live()
         peaks = memory.peaks()
         held, held_peaks = memory.held(), memory.held_peaks()
+        out_pool = self._hooks.outputs.pool
         storages: dict[int, Any] = {}
         for st in self._stores.values():
             if isinstance(st, NvmeStore):
@@ -496,6 +502,9 @@ class Engine:
             "mem_peak_engine_buffers": peaks["total"],
             "mem_early_step_tensors": held["early_step"],
             "mem_peak_early_step_tensors": held_peaks["early_step"],
+            "mem_output_pool": out_pool.pooled,
+            "mem_output_pool_idle": out_pool.idle(),
+            "mem_peak_output_pool": out_pool.peak_pooled,
             "mem_grad_stash": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
             "mem_peak_grad_stash": sum(getattr(gs, "stash_peak", 0) for gs in self._grad_stores),
             "mem_fetch_pool_limit": sum(pools),
