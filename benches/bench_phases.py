@@ -2,7 +2,7 @@
 CPU (user, sys), minor page faults and voluntary context switches, and per phase the machine's CPU split
 (user, sys, idle, iowait, steal) and the swap disk's read / write rates and busy time.
 
-    python benches/bench_phases.py [--size 2GiB] [--steps 4] [--path DIR] [--plain | --no-output-pool]
+    python benches/bench_phases.py [--size 2GiB] [--steps 4] [--path DIR] [--plain | --output-pool]
 
 The model, batch and config are `benches/bench_step_bytes.py`'s (`zswap.demo.GPT` of ``--size`` fp32
 bytes, params and AdamW states on NVMe); ``--plain`` runs the same model in RAM with
@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--path", type=Path, help="swap directory (default: a temp dir under /var/tmp)")
     ap.add_argument("--plain", action="store_true", help="plain PyTorch in RAM instead of zswap")
     ap.add_argument(
-        "--no-output-pool",
+        "--output-pool",
         action="store_true",
-        help="backward's matmul outputs in fresh memory, not zswap.outputs' pool (what it saves)",
+        help="engine.reuse_backward_outputs = True (zswap.outputs; off by default)",
     )
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="zswap-phases-") as tmp:
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         disk = _disk_of(path)
         size = _size(args.size)
         s = setup_ram(size) if args.plain else setup_zswap(size, path)
-        if args.no_output_pool and s.engine is not None:
-            s.engine._hooks.outputs.enabled = False
+        if args.output_pool and s.engine is not None:
+            s.engine.reuse_backward_outputs = True
         try:
             for i in range(args.steps):
                 r0, s0, t0 = resource.getrusage(resource.RUSAGE_SELF), _sample(disk), time.perf_counter()

@@ -142,9 +142,11 @@ def swap_fds(e: Any) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def matmul_outputs_pooled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every backward matmul of a hooked module goes through `zswap.outputs`' pool, however small: the
-    suite's models are far below its 256 KiB threshold, and this way every bitwise comparison with a
-    plain model also checks the pool (subprocess workers run with the default)."""
+    """Every engine reuses backward's matmul outputs (`zswap.Engine.reuse_backward_outputs`, off by
+    default) and every backward matmul of a hooked module goes through `zswap.outputs`' pool, however
+    small: the suite's models are far below its 256 KiB threshold, and this way every bitwise comparison
+    with a plain model also checks the pool (subprocess workers run with the defaults)."""
     from zswap import outputs
 
     monkeypatch.setattr(outputs, "MIN_BYTES", 0)
+    monkeypatch.setattr(outputs, "DEFAULT", True)

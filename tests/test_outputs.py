@@ -247,7 +247,7 @@ def test_disabled_it_hooks_nothing(tmp_path, pool_everything):
     cfg = config("cpu", tmp_path, **STREAM)
     m, ref = build(TinyLM, cfg)
     with engine_for(m, cfg) as engine:
-        engine._hooks.outputs.enabled = False
+        engine.reuse_backward_outputs = False
         train_pass(m, ref, ids(), sq)
         assert engine._hooks.outputs.pool.made == 0
         assert_same_grads(m, ref)
@@ -286,3 +286,19 @@ def test_stats_count_the_pool_while_backward_runs_and_nothing_after(tmp_path, po
         assert (after["mem_output_pool"], after["mem_output_pool_idle"]) == (0, 0)
         assert after["mem_peak_output_pool"] == st["mem_peak_output_pool"]  # the peak before the reset
         assert engine.stats()["mem_peak_output_pool"] == 0
+
+
+def test_it_is_off_by_default_and_takes_a_bool(tmp_path, monkeypatch):
+    monkeypatch.setattr(outputs, "DEFAULT", False)  # as shipped (conftest turns it on)
+    cfg = config("cpu", tmp_path, **STREAM)
+    m, ref = build(TinyLM, cfg)
+    with engine_for(m, cfg) as engine:
+        assert engine.reuse_backward_outputs is False
+        train_pass(m, ref, ids(), sq)
+        assert engine._hooks.outputs.pool.made == 0
+        with pytest.raises(zswap.ConfigError, match="reuse_backward_outputs must be True or False, got 1"):
+            engine.reuse_backward_outputs = 1  # type: ignore[assignment]
+        engine.reuse_backward_outputs = True
+        train_pass(m, ref, ids(seed=2), sq)
+        assert engine._hooks.outputs.pool.made > 0
+        assert_same_grads(m, ref)

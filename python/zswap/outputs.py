@@ -3,23 +3,28 @@
 glibc maps every allocation of `zswap.memory.MMAP_THRESHOLD` bytes or more by itself (zswap fixes the
 threshold so that freed tensors go back to the kernel: `zswap.memory`), so on the CPU each weight gradient
 of a backward is a new mapping: its pages fault in, the kernel zeroes them, and the free unmaps them again.
-At 2 GiB of params that is 2 GiB of first touches a step (about 460 k faults, ~0.5 s of a 5.5 s step;
-benches/README.md, "Step time"). Plain PyTorch does not pay it: without a fixed threshold glibc's heap
-keeps the freed chunks, at a memory cost that grows with the model's depth (the reason for the threshold).
+At 2 GiB of params that is 2 GiB of first touches a step (about 460 k faults and 1 CPU-second of kernel
+time; benches/README.md, "Step time, stop 23"). Plain PyTorch does not pay it: without a fixed threshold
+glibc's heap keeps the freed chunks, at a memory cost that grows with the model's depth (the reason for
+the threshold).
 
 Here the outputs of ``mm`` and ``bmm`` (weight gradients, and the input gradients of the matmuls) that a
 managed module's backward nodes compute go to an `OutputPool` instead: buffers of exactly the requested
 size, reused once nothing views them any more. The op runs as its ``out=`` overload into the buffer — the
 same kernel, so the values are bitwise those of the plain op. The node's pre-hook enters a
-`TorchDispatchMode` that does this and its post-hook leaves it, so no other op and no user code runs under
-it; the autograd engine also restores its thread-local state after every node, so a node that raises
-leaves no mode behind. The hooks go on the nodes between a module's outputs and its inputs
+`TorchDispatchMode` that does this and its post-hook leaves it, so it is on only while such a node runs
+(every other op in it passes through unchanged, a Python ``Function.backward`` among them included); the
+autograd engine also restores its thread-local state after every node, so a node that raises leaves no
+mode behind. The hooks go on the nodes between a module's outputs and its inputs
 (`BackwardOutputs.instrument`, from the module's forward post-hook), only for modules that own managed
 params, only on the CPU (a CUDA device's caching allocator already reuses memory).
 
-The pool maps at most the most bytes its buffers had in use at once, and is emptied when the outermost
-backward ends: between backwards it holds nothing, and within one, idle buffers never add to what the
-pool had in use at its own peak.
+The pool maps at most the most bytes its buffers had in use at once and is emptied when the outermost
+backward ends: between backwards it holds nothing.
+
+Off by default (`DEFAULT`, `zswap.Engine.reuse_backward_outputs`): it removes the faults but, on the 6 GiB
+checkpointed demo, peak RSS came out 20–40 MiB higher, and that bound has no such margin (benches/README.md,
+"Step time, stop 23").
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from .device import _storage_uses
 
 MIN_BYTES = memory.MMAP_THRESHOLD
 """Outputs from this size on come from the pool; glibc's heap serves smaller ones without faulting."""
+
+DEFAULT = False
+"""`zswap.Engine.reuse_backward_outputs` of a new engine (off: see its docstring; the suite turns it on)."""
 
 MAX_NODES = 256
 """Most autograd nodes `BackwardOutputs.instrument` walks from one module call's outputs: a module whose
@@ -163,8 +171,8 @@ class BackwardOutputs:
 
     def __init__(self) -> None:
         self.pool = OutputPool()
-        self.enabled = True
-        """False: modules' backward nodes get no hooks from now on (a benchmark's baseline)."""
+        self.enabled = False
+        """Whether modules' backward nodes get the hooks (`zswap.Engine.reuse_backward_outputs`)."""
         self._mode = _PooledMatmuls(self.pool)
         self._closed = False
 
@@ -184,8 +192,10 @@ class BackwardOutputs:
             if not fn.next_functions and type(fn).__name__ == "AccumulateGrad":
                 continue
             meta = cast(dict[str, Any], fn.metadata)  # a dict attribute of the node (stubs: a method)
-            if _MARK not in meta:  # a nested module's call hooked it already
-                meta[_MARK] = True
+            # A torch.compile'd region's backward is one node running generated code, whose matmuls
+            # write into buffers of its own: nothing to place there, and no mode to put around it.
+            if _MARK not in meta and not type(fn).__name__.startswith("CompiledFunction"):
+                meta[_MARK] = True  # a nested module's call hooks its nodes before its parent's does
                 fn.register_prehook(self._enter)
                 fn.register_hook(self._leave)
             todo.extend(nf for nf, _ in fn.next_functions)

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from . import buffers, earlystep, grads, gradstore, memory, stepping
+from . import buffers, earlystep, grads, gradstore, memory, outputs, stepping
 from . import device as _device
 from . import init as _init
 from .config import ZswapConfig, load_config
@@ -154,6 +154,7 @@ class Engine:
         """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
         (set False to always step after backward; results are the same either way)."""
         self._keep_applied: bool | Literal["auto"] = "auto"  # `keep_applied_grads`
+        self._reuse_outputs = outputs.DEFAULT  # `reuse_backward_outputs`
         self._early: earlystep.EarlyStep | None = None
         self._grad_stash = 0  # `grad_stash_bytes`
         self._across = True  # `prefetch_across_passes`
@@ -337,6 +338,23 @@ class Engine:
         if not isinstance(keep, bool) and not (isinstance(keep, str) and keep == "auto"):
             raise ConfigError(f'keep_applied_grads must be True, False or "auto", got {keep!r}')
         self._keep_applied = keep
+
+    @property
+    def reuse_backward_outputs(self) -> bool:
+        """On the CPU, compute backward's large matmul outputs (weight and input gradients of 256 KiB or
+        more) into reused memory instead of fresh pages (`zswap.outputs`): about 460 k fewer page faults
+        and 1 CPU-second less kernel time a step at 2 GiB of params, bitwise the same results; but peak RSS
+        about 20–40 MiB higher on the 6 GiB checkpointed demo, where the memory bound has no room for it
+        (benches/README.md, "Step time, stop 23"). Default False. Any other value than a bool is a
+        `ConfigError`."""
+        return self._reuse_outputs
+
+    @reuse_backward_outputs.setter
+    def reuse_backward_outputs(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ConfigError(f"reuse_backward_outputs must be True or False, got {on!r}")
+        self._reuse_outputs = on
+        self._hooks.outputs.enabled = on
 
     def _keeps_applied_grads(self) -> bool:
         """`keep_applied_grads` resolved: ``"auto"`` is True once a gradient store saw its gradients
@@ -641,6 +659,7 @@ class Engine:
         if isinstance(self.compute_device, _device.CudaDevice | _device.StandInDevice):
             self.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
         self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
+        self._hooks.outputs.enabled = self._reuse_outputs
         self._grads = grads.GradSink(self._items, self.compute_device)
         self._grad_stores = []
         try:
