@@ -64,7 +64,7 @@ class OutputPool:
 
     def __init__(self) -> None:
         # (numel, dtype) -> [[1-D buffer, its storage's use count when made], ...]
-        self._free: dict[tuple[int, torch.dtype], list[list[Any]]] = {}
+        self._bufs: dict[tuple[int, torch.dtype], list[list[Any]]] = {}
         self.pooled = 0
         """Bytes of the buffers the pool keeps (in use or idle)."""
         self.peak_pooled = 0
@@ -80,7 +80,7 @@ class OutputPool:
         numel = 1
         for s in shape:
             numel *= s
-        for entry in self._free.get((numel, dtype), ()):
+        for entry in self._bufs.get((numel, dtype), ()):
             if _free(entry):
                 self.reused += 1
                 return entry[0].view(shape)
@@ -94,7 +94,7 @@ class OutputPool:
         self.made += 1
         uses = _storage_uses(buf)
         if uses >= 0:  # else no way to tell when it is free again: not pooled
-            self._free.setdefault((numel, dtype), []).append([buf, uses])
+            self._bufs.setdefault((numel, dtype), []).append([buf, uses])
             self.pooled += nbytes
             self.peak_pooled = max(self.peak_pooled, self.pooled)
         return buf.view(shape)
@@ -102,11 +102,11 @@ class OutputPool:
     def idle(self) -> int:
         """Bytes of pooled buffers nothing uses now."""
         return sum(
-            numel * dtype.itemsize for (numel, dtype), es in self._free.items() for e in es if _free(e)
+            numel * dtype.itemsize for (numel, dtype), es in self._bufs.items() for e in es if _free(e)
         )
 
     def _evict(self, nbytes: int) -> None:
-        for (numel, dtype), entries in self._free.items():
+        for (numel, dtype), entries in self._bufs.items():
             keep = []
             for entry in entries:
                 if nbytes > 0 and _free(entry):
@@ -118,7 +118,7 @@ class OutputPool:
 
     def clear(self) -> None:
         """Forget every buffer (one still in use is freed by its last user) and the peak in use."""
-        self._free.clear()
+        self._bufs.clear()
         self.pooled = 0
         self._peak_in_use = 0
 
