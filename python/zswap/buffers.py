@@ -20,7 +20,6 @@ in DeepSpeed as here):
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +28,7 @@ from .config import ZswapConfig
 from .earlystep import ENGINE_COPY
 from .errors import ConfigError
 from .gather import Item
-from .params import NvmeStore, _storage_uses
+from .params import NvmeStore, _unused
 
 
 def resident(items: list[Item], cfg: ZswapConfig, threshold: int) -> frozenset[int]:
@@ -83,7 +82,7 @@ def pool_idle(store: NvmeStore) -> int:
     idle = 0
     for (numel, dtype), pool in store._pool.items():
         for buf, uses in pool:
-            if sys.getrefcount(buf) == 3 and _storage_uses(buf) == uses:  # pool, loop, argument
+            if _unused(buf, uses):
                 idle += capacity(numel * dtype.itemsize)
     return idle
 

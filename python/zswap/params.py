@@ -19,6 +19,7 @@ import torch
 
 from . import memory
 from . import storage as _storage
+from .device import _storage_uses
 from .errors import ZswapError
 
 if TYPE_CHECKING:
@@ -189,12 +190,6 @@ class MemoryStore(Store):
 
     def free(self, key: str) -> None:
         self._parts.pop(key, None)
-
-
-def _storage_uses(t: torch.Tensor) -> int:
-    """References to ``t``'s memory from tensors (views included); -1 when torch cannot say."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return -1 if use_count is None else int(use_count(t.untyped_storage()._cdata))
 
 
 def _unused(buf: torch.Tensor, uses: int) -> bool:
