@@ -17,7 +17,8 @@ records) + 256 MiB, the same at every size (the demo caps its live budget at 128
 ``Engine.stats()`` ``mem_*`` lines (peaks over the training phase), and from a sampler thread's snapshot
 of every account at the demo's highest RSS (`_sampler`, printed as ``at the peak``).
 
-Usage: ``python benches/bench_memory.py [--path DIR] [--sizes 0.75GiB,3GiB,6GiB] [--steps 2]``. The default
+Usage: ``python benches/bench_memory.py [--path DIR] [--sizes 0.75GiB,3GiB,6GiB] [--steps 2]
+[--output-pool]`` (the last: ``engine.reuse_backward_outputs = True``, `zswap.outputs`). The default
 runs 0.75 GiB only (~1.5 min); 3 GiB needs ~15 GiB free on DIR's disk and 2–6 minutes on this VM (load
 3 to 8), 6 GiB ~30 GiB (params + two Adam moments + gradients, plus copy-on-write slack) and 10–25 minutes.
 
@@ -172,7 +173,9 @@ def _sampler(found: dict[str, Any], stop: threading.Event) -> None:
                 snap["stash"] = sum(getattr(gs, "stash_bytes", 0) for e in engines for gs in e._grad_stores)
                 for e in engines:
                     lines = getattr(buffers, "fetch_lines", None)  # (absent before this bench's round)
-                    snap.update(lines(e) if lines else {}, persistent=e._persistent_bytes())
+                    snap.update(lines(e) if lines else {}, persistent=buffers.persistent(e))
+                    pool = e._hooks.outputs.pool
+                    snap["output_pool"], snap["output_pool_idle"] = pool.pooled, pool.idle()
                     early = e._early
                     snap["phase"] = (
                         "between passes"
@@ -183,19 +186,24 @@ def _sampler(found: dict[str, Any], stop: threading.Event) -> None:
                     snap["phase"] += f", pass {e._sched.counters.iterations + 1} of the phase"
                     if early is not None:
                         snap["phase"] += f", {early.commits} early steps made live"
-            except (RuntimeError, KeyError, AttributeError):
+            except (RuntimeError, KeyError):
                 continue
+            except Exception as exc:  # a name this bench reads is gone: say so instead of a stale snapshot
+                found.clear()
+                found["error"] = f"{type(exc).__name__}: {exc}"
+                return
             found.clear()
             found.update(snap)
             break
 
 
-def _child_demo(path: str, size: int, steps: int) -> dict[str, Any]:
+def _child_demo(path: str, size: int, steps: int, output_pool: bool = False) -> dict[str, Any]:
     import io
     from pathlib import Path
 
-    from zswap import demo
+    from zswap import demo, outputs
 
+    outputs.DEFAULT = output_pool  # the demo's engine: `Engine.reuse_backward_outputs`
     at_peak: dict[str, Any] = {}
     stop = threading.Event()
     sampler = threading.Thread(target=_sampler, args=(at_peak, stop), daemon=True)
@@ -271,6 +279,11 @@ def main() -> None:
     ap.add_argument("--path", default=None, help="swap directory (default: a temp dir under /tmp)")
     ap.add_argument("--sizes", default="0.75GiB", help="comma-separated model sizes (default 0.75GiB)")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument(
+        "--output-pool",
+        action="store_true",
+        help="the demo with engine.reuse_backward_outputs = True (zswap.outputs; off by default)",
+    )
     ap.add_argument("--compute-iters", type=int, default=20, help=argparse.SUPPRESS)
     ap.add_argument(
         "--malloc",
@@ -290,7 +303,7 @@ def main() -> None:
         elif kind == "plain":
             res = _child_plain(int(rest[0]))
         else:
-            res = _child_demo(rest[0], int(rest[1]), int(rest[2]))
+            res = _child_demo(rest[0], int(rest[1]), int(rest[2]), rest[3:] == ["pool"])
         print(json.dumps(res))
         return
 
@@ -314,7 +327,7 @@ def main() -> None:
         size = _size(text.strip())
         plain = _run(["plain", str(size)])
         with tempfile.TemporaryDirectory(dir=a.path or "/tmp") as d:
-            r = _run(["demo", d, str(size), str(a.steps)])
+            r = _run(["demo", d, str(size), str(a.steps), *(["pool"] if a.output_pool else [])])
         bound = r["live_bytes"] + r["mem_peak_optimizer_ring"] + SLACK
         over_imp, over_train = r["peak_rss"] - imp, r["peak_rss"] - train
         # plain PyTorch's own memory for this model and batch beyond the fixed cost and the model's state
@@ -376,8 +389,8 @@ def main() -> None:
 def _at_peak(r: dict[str, Any], train: int) -> str:
     """The demo's RSS at its peak, line by line, from the sampler's snapshot there (`_sampler`)."""
     p = r["at_peak"]
-    if not p:
-        return f"{r['model_bytes'] / MIB:,.0f} MiB: no snapshot at the peak"
+    if not p or "error" in p:
+        return f"{r['model_bytes'] / MIB:,.0f} MiB: no snapshot at the peak ({p.get('error', 'none taken')})"
     fetch = ("fetch_live", "early_step_copies", "early_step_writing", "fetch_seeds", "fetch_pool_idle")
     vals = {k: p.get(f"mem_{k}", 0) for k in (*fetch, "fetch_elsewhere")}
     vals["persistent"] = p.get("persistent", 0)
@@ -395,7 +408,9 @@ def _at_peak(r: dict[str, Any], train: int) -> str:
         f"{(p['early_step'] + p['other']) / MIB:,.0f}] + glibc {heap / MIB:,.0f} [in use "
         f"{p['heap_in_use'] / MIB:,.0f} (early-step tensors {p['held'] / MIB:,.0f}, gradient stash "
         f"{p['stash'] / MIB:,.0f}), free {p['heap_free'] / MIB:,.0f}, mapped by itself "
-        f"{p['heap_mapped'] / MIB:,.0f}] + the rest {rest / MIB:,.0f} (code, Python's arenas, stacks)"
+        f"{p['heap_mapped'] / MIB:,.0f} (backward's output pool {p.get('output_pool', 0) / MIB:,.0f}, idle "
+        f"{p.get('output_pool_idle', 0) / MIB:,.0f})] + the rest {rest / MIB:,.0f} (code, Python's arenas, "
+        "stacks)"
     )
 
 

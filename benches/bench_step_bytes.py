@@ -1,6 +1,7 @@
 """Bytes moved per training step and step time against its bounds: zswap next to DeepSpeed ZeRO-3.
 
     python benches/bench_step_bytes.py [--size 609MiB] [--steps 4] [--path DIR] [--no-deepspeed]
+                                       [--rounds 1] [--no-variants] [--output-pool]
 
 Model: `zswap.demo.GPT` of ``--size`` fp32 bytes (the default is the issue's 160 M-param, 609 MiB one),
 batch 2 × 64 tokens, one fixed batch, AdamW (lr 1e-3, no weight decay), params and optimizer states on
@@ -23,6 +24,13 @@ Per contender: seconds per step, GiB read and written per step (the median step 
 first places the optimizer records), ratios to DeepSpeed. For zswap also I/O time (bytes read / write over
 the `SwapEngine` read / write bandwidth measured in the same directory in the same run) and the ratio
 step / max(I/O, compute). Target: zswap's bytes ≤ 0.85 × DeepSpeed's; step ≤ 1.15 × max(I/O, compute).
+
+``--rounds N`` runs ``zswap`` and ``plain PyTorch in RAM`` N times each, alternating and back to back
+(zswap, plain, zswap, plain, …), before the other contenders: this VM's speed drifts by up to 2 × within
+half an hour, so a ratio is only like with like between runs minutes apart. Each round's ratio is printed;
+the table gives both contenders' median over the rounds and, for ``zswap``, the median of the rounds'
+ratios. ``--no-variants`` leaves out the two other zswap contenders. ``--output-pool`` runs every zswap
+contender with ``engine.reuse_backward_outputs = True`` (`zswap.outputs`, off by default).
 """
 
 from __future__ import annotations
@@ -146,11 +154,14 @@ def _train_step(s: Setup) -> float:
     return float(loss.detach())
 
 
-def run_zswap(size: int, path: Path, steps: int, early: bool, keep: bool = False) -> dict[str, Any]:
+def run_zswap(
+    size: int, path: Path, steps: int, early: bool, keep: bool = False, pool: bool = False
+) -> dict[str, Any]:
     s = setup_zswap(size, path)
     engine = s.engine
     engine.early_step = early
     engine.keep_applied_grads = keep
+    engine.reuse_backward_outputs = pool
 
     def stats(reset: bool) -> dict[str, float]:
         st = engine.stats(reset=reset)
@@ -181,11 +192,12 @@ def bandwidth(path: Path) -> tuple[float, float]:
     return r.write, r.read
 
 
-def worker(kind: str, size: int, path: Path, steps: int) -> int:
+def worker(kind: str, size: int, path: Path, steps: int, pool: bool) -> int:
     if kind == "ram":
         res = run_ram(size, steps)
     else:
-        res = run_zswap(size, path, steps, early=kind != "zswap-ordinary", keep=kind == "zswap-keep")
+        early, keep = kind != "zswap-ordinary", kind == "zswap-keep"
+        res = run_zswap(size, path, steps, early=early, keep=keep, pool=pool)
     res["peak_rss"] = peak_rss()
     print("RESULT " + json.dumps(res), flush=True)
     return 0
@@ -224,12 +236,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--path", type=Path, help="swap directory (default: a temp dir under /var/tmp)")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed contender")
     ap.add_argument(
+        "--rounds", type=int, default=1, help="zswap and plain PyTorch alternately, this many times each"
+    )
+    ap.add_argument(
+        "--output-pool",
+        action="store_true",
+        help="zswap with engine.reuse_backward_outputs = True (zswap.outputs; off by default)",
+    )
+    ap.add_argument("--no-variants", action="store_true", help="skip the applied-kept and ordinary-step runs")
+    ap.add_argument(
         "--timeout", type=float, default=1800, help="seconds per contender (DeepSpeed JIT-builds ops)"
     )
     ap.add_argument(
         "--worker", choices=["zswap", "zswap-keep", "zswap-ordinary", "ram"], help=argparse.SUPPRESS
     )
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     from zswap.cli import _size
     from zswap.demo import Shape
 
@@ -238,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="zswap-bytes-", dir=root) as tmp:
         path = args.path or Path(tmp)
         if args.worker:
-            return worker(args.worker, size, path, args.steps)
+            return worker(args.worker, size, path, args.steps, args.output_pool)
         shape = Shape.for_bytes(size)
         say(f"bench_step_bytes: GPT {shape.layers} layers × {shape.width}, {shape.params / 1e6:.1f}M params "
             f"({shape.params * 4 / 2**20:,.0f} MiB fp32), batch 2 × {shape.seq}, {args.steps} steps, "
@@ -246,18 +269,28 @@ def main(argv: list[str] | None = None) -> int:
         wbw, rbw = bandwidth(path)
         say(f"  SwapEngine in {path}: write {wbw:.2f} GB/s, read {rbw:.2f} GB/s (512 MiB, best of 3)")
         me = [str(Path(__file__).resolve()), "--size", str(size), "--steps", str(args.steps)]
+        me += ["--output-pool"] if args.output_pool else []
         results: dict[str, dict[str, float] | str] = {}
-        for name, kind in (
-            ("zswap", "zswap"),
-            ("zswap, applied kept", "zswap-keep"),
-            ("zswap, ordinary step", "zswap-ordinary"),
-            ("plain PyTorch in RAM", "ram"),
-        ):
+
+        def contend(name: str, kind: str) -> dict[str, Any]:
             sub = (args.path or Path(tmp)) / kind
             sub.mkdir(parents=True, exist_ok=True)
             res, why = spawn([*me, "--path", str(sub), "--worker", kind], args.timeout)
-            results[name] = summary(res) if res else why
             say(f"  {name}: done" if res else f"  {name}: failed: {why}")
+            return summary(res) if res else {"failed": why}
+
+        rounds = [
+            (contend("zswap", "zswap"), contend("plain PyTorch in RAM", "ram")) for _ in range(args.rounds)
+        ]
+        for name, i in (("zswap", 0), ("plain PyTorch in RAM", 1)):
+            runs = [r[i] for r in rounds]
+            bad = next((r["failed"] for r in runs if "failed" in r), None)
+            results[name] = bad or {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        variants = () if args.no_variants else (("zswap, applied kept", "zswap-keep"),
+                                                ("zswap, ordinary step", "zswap-ordinary"))  # fmt: skip
+        for name, kind in variants:
+            res = contend(name, kind)
+            results[name] = res.get("failed", res)
         if args.no_deepspeed:
             results["deepspeed"] = "skipped (--no-deepspeed)"
         else:
@@ -273,15 +306,31 @@ def main(argv: list[str] | None = None) -> int:
                 results["deepspeed"] = summary(res) if res else f"could not run: {why}"
             except ImportError as exc:
                 results["deepspeed"] = f"skipped: DeepSpeed cannot be imported ({exc})"
-    report(results, wbw, rbw)
+    report(results, wbw, rbw, rounds)
     return 0
 
 
-def report(results: dict[str, Any], wbw: float, rbw: float) -> None:
+def io_seconds(r: dict[str, float], wbw: float, rbw: float) -> float:
+    """A contender's step bytes over the SwapEngine bandwidths of the same run."""
+    return r["bytes_read"] / 1e9 / rbw + r["bytes_written"] / 1e9 / wbw
+
+
+def report(
+    results: dict[str, Any], wbw: float, rbw: float, rounds: list[tuple[dict[str, Any], dict[str, Any]]]
+) -> None:
     say("")
     ds = results.get("deepspeed")
     ram = results.get("plain PyTorch in RAM")
     compute = ram["wall"] if isinstance(ram, dict) else None
+    # zswap's bound ratio, round by round: each against the plain run right after it
+    paired: list[float] = []
+    for i, (z, p) in enumerate(rounds, 1):
+        if "failed" in z or "failed" in p:
+            continue
+        paired.append(z["wall"] / max(io_seconds(z, wbw, rbw), p["wall"]))
+        if len(rounds) > 1:
+            say(f"round {i}: zswap {z['wall']:.2f} s/step, plain {p['wall']:.2f} s/step, "
+                f"step/max(I/O, compute) {paired[-1]:.2f}×")  # fmt: skip
     say(f"{'':<22} {'s/step':>7} {'read GiB':>9} {'write GiB':>10} {'moved GiB':>10} {'vs DS':>6} "
         f"{'I/O s':>6} {'step/max(I/O,compute)':>22} {'peak RSS GiB':>13}")  # fmt: skip
     for name, r in results.items():
@@ -290,12 +339,16 @@ def report(results: dict[str, Any], wbw: float, rbw: float) -> None:
             continue
         moved = r["bytes_read"] + r["bytes_written"]
         vs = f"{moved / (ds['bytes_read'] + ds['bytes_written']):.2f}×" if isinstance(ds, dict) else "-"
-        io = r["bytes_read"] / 1e9 / rbw + r["bytes_written"] / 1e9 / wbw
+        io = io_seconds(r, wbw, rbw)
         bound = f"{r['wall'] / max(io, compute):.2f}×" if compute and name.startswith("zswap") else "-"
+        if name == "zswap" and len(paired) > 1:
+            bound = f"{statistics.median(paired):.2f}× (median)"
         say(f"{name:<22} {r['wall']:>7.2f} {r['bytes_read'] / GiB:>9.2f} {r['bytes_written'] / GiB:>10.2f} "
             f"{moved / GiB:>10.2f} {vs:>6} {io if moved else 0:>6.2f} {bound:>22} "
             f"{r['peak_rss'] / GiB:>13.2f}")  # fmt: skip
-    say(f"compute = the plain PyTorch step in RAM ({compute:.2f} s)" if compute else "compute: not measured")
+    say(f"compute = the plain PyTorch step in RAM ({compute:.2f} s"
+        + (f", median of {len(rounds)} rounds)" if len(rounds) > 1 else ")")
+        if compute else "compute: not measured")  # fmt: skip
     say("targets: zswap moved ≤ 0.85 × DeepSpeed's; zswap step ≤ 1.15 × max(I/O, compute)")
 
 

@@ -23,8 +23,8 @@ The pool maps at most the most bytes its buffers had in use at once and is empti
 backward ends: between backwards it holds nothing.
 
 Off by default (`DEFAULT`, `zswap.Engine.reuse_backward_outputs`): it removes the faults but, on the 6 GiB
-checkpointed demo, peak RSS came out 20–40 MiB higher, and that bound has no such margin (benches/README.md,
-"Step time, stop 23").
+checkpointed demo, peak RSS came out 30–40 MiB higher, and that bound has no such margin (benches/README.md,
+"Step time, stop 24", splits it at the peak).
 """
 
 from __future__ import annotations
