@@ -344,9 +344,9 @@ class Engine:
         """On the CPU, compute backward's large matmul outputs (weight and input gradients of 256 KiB or
         more) into reused memory instead of fresh pages (`zswap.outputs`): about 460 k fewer page faults
         and 1 CPU-second less kernel time a step at 2 GiB of params, bitwise the same results; but peak RSS
-        about 20–40 MiB higher on the 6 GiB checkpointed demo, where the memory bound has no room for it
-        (benches/README.md, "Step time, stop 23"). Default False. Any other value than a bool is a
-        `ConfigError`."""
+        about 30–40 MiB higher on the 6 GiB checkpointed demo, where the memory bound has no room for it
+        (benches/README.md, "Step time, stop 24", splits it at the peak). Default False. Any other value
+        than a bool is a `ConfigError`."""
         return self._reuse_outputs
 
     @reuse_backward_outputs.setter
