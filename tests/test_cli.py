@@ -153,3 +153,85 @@ def test_runtime_errors_name_their_type_when_the_message_does_not(monkeypatch, c
     assert (
         capsys.readouterr().err == "zswap bench: error: ValueError: bad thing (--debug shows the traceback)\n"
     )
+
+
+# -- export and env on the same error path as every subcommand -----------------------------------------
+
+
+def test_export_bad_shard_size_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _usage_error(["export", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "huge"], capsys)
+    assert line == (
+        "zswap export: error: argument --max-shard-size: 'huge' is not a size such as 5GB, 500MB or 1GiB "
+        "(see zswap export --help)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_names_a_file_given_as_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"")
+    line = _usage_error(["export", str(f), str(tmp_path / "out")], capsys)
+    assert line.startswith(f"zswap export: error: argument ckpt_dir: '{f}' is not a directory ")
+    line = _usage_error(["export", str(tmp_path / "typo"), str(tmp_path / "out")], capsys)
+    assert line.startswith(f"zswap export: error: argument ckpt_dir: '{tmp_path / 'typo'}' does not exist ")
+
+
+def test_export_without_latest_names_the_tag_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "step2").mkdir()
+    (tmp_path / "step4").mkdir()
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"zswap export: error: argument --tag: '{tmp_path}' has no 'latest' file naming the checkpoint; "
+        "pass --tag to name one (tags there: step2, step4) (see zswap export --help)\n"
+    )
+    assert "tag=" not in err
+
+
+def test_export_runtime_failure_is_one_error_line_and_status_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "latest").write_text("step9")
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zswap export: error: ") and err.endswith("(--debug shows the traceback)\n")
+    assert "'step9' does not exist" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_export_honours_debug(tmp_path: Path, where: str) -> None:
+    from zswap.checkpoint import CheckpointNotFoundError
+
+    (tmp_path / "latest").write_text("step9")
+    args = ["export", str(tmp_path), str(tmp_path / "out")]
+    with pytest.raises(CheckpointNotFoundError, match="step9"):
+        main(["--debug", *args] if where == "before" else [*args, "--debug"])
+
+
+def test_env_on_a_directory_no_file_can_be_made_in(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env", "--path", "/proc"]) == 0
+    text = capsys.readouterr().out
+    assert "does not exist" not in text
+    line = next(x for x in text.splitlines() if x.split()[:1] == ["O_DIRECT"])
+    assert "/proc exists but is not usable as a swap directory: creating a file there fails" in line
+
+
+def test_env_on_a_file_says_it_is_not_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "f"
+    f.write_text("")
+    line = _usage_error(["env", "--path", str(f)], capsys)
+    assert line == f"zswap env: error: argument --path: '{f}' is not a directory (see zswap env --help)"
+
+
+def test_estimate_needs_exactly_one_source(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate"]) == 2
+    assert capsys.readouterr().err == (
+        "zswap estimate: error: give exactly one of --params (e.g. 7B) and --model (a config.json or model "
+        "folder) (see zswap estimate --help)\n"
+    )
+    line = _usage_error(["estimate", "--params", "7X"], capsys)
+    assert line.startswith("zswap estimate: error: argument --params: '7X' is not a parameter count")

@@ -201,3 +201,23 @@ def test_python_m_zswap_runs_the_cli() -> None:
     assert out.stdout == f"zswap {zswap.__version__}\n"
     bad = subprocess.run([sys.executable, "-m", "zswap", "nope"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
+
+
+def test_system_versions_and_the_issue_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = _env_json(capsys, "--path", str(tmp_path))
+    st = os.statvfs(tmp_path)
+    s = report["system"]
+    assert s["disk_total"] == st.f_blocks * st.f_frsize and 0 < s["disk_free"] <= s["disk_total"]
+    assert 0 < s["ram_available"] <= s["ram_total"] and s["cpus"] == os.cpu_count()
+    v = report["versions"]
+    assert v["zswap"] == zswap.__version__ and v["kernel"] == os.uname().release
+    for name in ("torch", "pydantic", "safetensors"):
+        assert v[name] == importlib.metadata.version(name)
+    assert set(envreport.LIBRARIES) <= set(v)
+    assert main(["env", "--path", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    block = text[text.index("Paste into an issue:\n```\n") :]
+    assert block.endswith("```\n") and f"zswap {zswap.__version__}, Python " in block
+    assert f"torch {v['torch']}" in block and f"pydantic {v['pydantic']}" in block
+    # heading, two fences, versions (3 lines), RAM and disk, one line per check
+    assert block.count("\n") == 1 + 2 + 3 + 2 + len(envreport.CHECKS)

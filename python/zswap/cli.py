@@ -1,11 +1,12 @@
 """The `zswap` command line: `demo` (a model larger than its memory budget, run and trained from a temp dir),
 `bench` (engine next to the raw disk), `tune` (block size × queue depth sweep printing a ready `aio`
-config block), `env` (what this machine allows, `zswap/envreport.py`) and `export` (checkpoint →
-consolidated safetensors).
+config block), `env` (what this machine allows, `zswap/envreport.py`), `export` (checkpoint →
+consolidated safetensors) and `estimate` (memory and disk a model needs, `zswap/estimate.py`).
 
-Errors reach the user as one line on stderr naming the value: a bad argument (checked while parsing, by
-the ``type=`` functions below) exits with status 2, a failure while running with status 1; ``--debug``
-shows the traceback instead."""
+Every subcommand reports errors the same way, as one line on stderr, ``zswap CMD: error: ...``, naming the
+value: a bad argument (checked while parsing by the ``type=`` functions below, or by a command before it
+starts work, `UsageError`) exits with status 2, a failure while running with status 1, an interrupt with
+130; ``--debug`` (before or after the subcommand) raises the error with its traceback instead."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ from .config._values import to_block_size, to_byte_size, to_int
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """An argument found wrong by a command before it starts work (it needed more than the argument's own
+    text to tell): reported as argparse reports one, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,8 +73,31 @@ def _int_between(minimum: int, maximum: int) -> Any:
 def _existing_directory(text: str) -> Path:
     path = Path(text)
     if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a directory" if path.exists() else f"{text!r} is not an existing directory"
+        )
     return path
+
+
+def _checkpoint_dir(text: str) -> Path:
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a directory (give the folder save_checkpoint wrote)"
+        )
+    return path
+
+
+def _shard_size(text: str) -> int:
+    # The rule export applies (decimal and binary units, positive), checked before any file is read.
+    from .checkpoint._hf_layout import parse_size
+
+    try:
+        return int(parse_size(text.strip()))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 1GiB") from None
 
 
 def _directory(text: str) -> Path:
@@ -170,17 +200,37 @@ def _env(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     # torch is needed for the tensor casts, torch.distributed is never started and no model is built.
     from .checkpoint import export
-    from .errors import ZswapError
+    from .checkpoint.manifest import LATEST
 
-    dtype = None if args.dtype is None else getattr(__import__("torch"), args.dtype)
-    try:
-        out = export(
-            args.ckpt_dir, args.out_dir, tag=args.tag, dtype=dtype, max_shard_size=args.max_shard_size
+    if args.tag is None and not (args.ckpt_dir / LATEST).is_file():
+        tags = sorted(e.name for e in args.ckpt_dir.iterdir() if e.is_dir() and not e.name.startswith("."))
+        raise UsageError(
+            f"argument --tag: {str(args.ckpt_dir)!r} has no {LATEST!r} file naming the checkpoint; "
+            f"pass --tag to name one (tags there: {', '.join(tags) or 'none'})"
         )
-    except (ZswapError, OSError, ValueError) as e:
-        print(f"zswap export: {e}", file=sys.stderr)
-        return 1
+    dtype = None if args.dtype is None else getattr(__import__("torch"), args.dtype)
+    out = export(args.ckpt_dir, args.out_dir, tag=args.tag, dtype=dtype, max_shard_size=args.max_shard_size)
     print(f"zswap export: weights written to {out}")
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from . import estimate
+
+    if (args.params is None) == (args.model is None):
+        raise UsageError("give exactly one of --params (e.g. 7B) and --model (a config.json or model folder)")
+    if args.model is not None:
+        try:
+            shape = estimate.shape_from_config(args.model)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"argument --model: {e}") from None
+    else:
+        shape = estimate.ModelShape(params=args.params, largest_layer=args.largest_layer)
+    est = estimate.estimate(
+        shape, dtype=args.dtype, world_size=args.world_size, offload_param=args.offload_param,
+        offload_optimizer=args.offload_optimizer,
+    )  # fmt: skip
+    sys.stdout.write(estimate.render(est))
     return 0
 
 
@@ -250,24 +300,61 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser(
         "export", parents=[common], help="checkpoint folder -> consolidated Hugging Face safetensors weights"
     )
-    x.add_argument("ckpt_dir", type=Path, help="the folder given to engine.save_checkpoint")
+    x.add_argument("ckpt_dir", type=_checkpoint_dir, help="the folder given to engine.save_checkpoint")
     x.add_argument("out_dir", type=Path, help="where model.safetensors (or shards + index) are written")
     x.add_argument("--tag", help="checkpoint tag (default: the one CKPT_DIR/latest names)")
     x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors")
-    x.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB (default) or 500MB")
+    x.add_argument(
+        "--max-shard-size", type=_shard_size, default="5GB", help="largest shard, e.g. 5GB (default) or 500MB"
+    )
     x.set_defaults(func=_export)
+
+    e = sub.add_parser(
+        "estimate", parents=[common], help="memory and disk a model needs per rank, by offload choice"
+    )
+    e.add_argument("--params", type=_param_count, help="parameter count, e.g. 7B, 350M or 1234567")
+    e.add_argument(
+        "--model", type=Path, help="a local config.json or model folder (built on meta; no download)"
+    )
+    e.add_argument(
+        "--largest-layer", type=_param_count, help="params of the largest layer, with --params (optional)"
+    )
+    e.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="param dtype (default bf16)"
+    )
+    e.add_argument("--world-size", type=positive, default=1, help="ranks sharing the model (default 1)")
+    tiers = ["none", "cpu", "nvme"]
+    e.add_argument("--offload-param", choices=tiers, default="nvme", help="params' tier (default nvme)")
+    e.add_argument(
+        "--offload-optimizer", choices=tiers, default="nvme", help="optimizer's tier (default nvme)"
+    )
+    e.set_defaults(func=_estimate)
     return p
 
 
+def _param_count(text: str) -> int:
+    from .estimate import parse_count
+
+    try:
+        return parse_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; a bad argument exits with status 2 (from argparse), an error while running returns
-    1 after one line on stderr (``--debug``: raised with its traceback)."""
+    """Run the command; a bad argument exits with status 2 (argparse's exit, or `UsageError` returned as 2),
+    an error while running returns 1 after one line on stderr (``--debug``: raised with its traceback)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
         print(f"zswap {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except UsageError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"zswap {args.command}: error: {exc} (see zswap {args.command} --help)", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:
         if getattr(args, "debug", False):
             raise

@@ -233,7 +233,19 @@ def _mount_of(path: Path) -> tuple[str, str, str] | None:
 def check_direct_io(path: Path) -> Check:
     mount = _mount_of(path)
     fs = mount[1] if mount else None
-    p = _zswap.probe_direct_io(path)
+    try:
+        p = _zswap.probe_direct_io(path)
+    except OSError as e:
+        # The directory exists (the CLI checked) yet no swap file can be made in it: a pseudo file system
+        # such as /proc answers ENOENT to a create, a read-only mount EROFS, a foreign one EACCES.
+        why = os.strerror(e.errno) if e.errno else str(e)
+        return Check(
+            False, f"{path} ({fs or 'unknown fs'})",
+            "no swap file can be created here: pick a writable directory on a local disk as nvme_path",
+            f"{path} exists but is not usable as a swap directory: creating a file there fails ({why})",
+            {"path": str(path), "filesystem": fs, "direct": False, "offset_align": None, "mem_align": None,
+             "align_source": None},
+        )  # fmt: skip
     details = {
         "path": str(path), "filesystem": fs, "direct": p["direct"], "offset_align": p["offset_align"],
         "mem_align": p["mem_align"], "align_source": "statx" if p["statx_dioalign"] else "logical_block_size",
@@ -381,6 +393,36 @@ def check_cuda() -> Check:
     )  # fmt: skip
 
 
+LIBRARIES = ("torch", "transformers", "accelerate", "lightning", "safetensors", "pydantic", "numpy", "tqdm")
+"""Packages whose version `collect()` reports (from their installed metadata; none is imported)."""
+
+
+def versions() -> dict[str, str | None]:
+    """zswap, Python, the kernel and each of `LIBRARIES` (``None``: not installed)."""
+    import importlib.metadata as md
+
+    out: dict[str, str | None] = {
+        "zswap": _zswap.__version__, "python": sys.version.split()[0], "kernel": platform.release(),
+    }  # fmt: skip
+    for name in LIBRARIES:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def system(path: Path) -> dict[str, Any]:
+    """RAM (total and available, /proc/meminfo), CPUs, and the free space of the file system at `path`."""
+    m = _meminfo()
+    st = os.statvfs(path)
+    return {
+        "ram_total": m.get("MemTotal"), "ram_available": m.get("MemAvailable"),
+        "cpus": os.cpu_count(), "disk_free": st.f_bavail * st.f_frsize,
+        "disk_total": st.f_blocks * st.f_frsize,
+    }  # fmt: skip
+
+
 def collect(path: Path) -> dict[str, Any]:
     """Every check for swap directory `path` (which must exist and be writable)."""
     thp = check_thp()
@@ -402,6 +444,8 @@ def collect(path: Path) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "path": str(path),
+        "system": system(path),
+        "versions": versions(),
         "checks": {k: {"summary": c.summary, **c.to_dict()} for k, c in checks.items()},
     }
 
@@ -412,19 +456,55 @@ _LABELS = {
 }  # fmt: skip
 
 
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _system_lines(report: dict[str, Any]) -> list[str]:
+    s = report["system"]
+    return [
+        f"  RAM        {_gib(s['ram_available'])} available of {_gib(s['ram_total'])}, {s['cpus']} CPUs",
+        f"  disk       {_gib(s['disk_free'])} free of {_gib(s['disk_total'])} at {report['path']}",
+    ]
+
+
+def issue_block(report: dict[str, Any]) -> str:
+    """A short Markdown block to paste into a bug report: versions, machine, and every check's verdict."""
+    v = report["versions"]
+    libs = ", ".join(f"{k} {v[k]}" for k in ("torch", *LIBRARIES[1:]) if v.get(k))
+    lines = [
+        "```",
+        f"zswap {v['zswap']}, Python {v['python']}, kernel {v['kernel']}",
+        f"platform {report['platform']}",
+        libs,
+        *(line.strip() for line in _system_lines(report)),
+        *(
+            f"{_LABELS[n]}: {'yes' if c['ok'] else 'no'} ({c['summary']})"
+            + ("" if c["ok"] else f": {c['reason']}")
+            for n, c in report["checks"].items()
+        ),
+        "```",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def render(report: dict[str, Any]) -> str:
-    """The human-readable report: one line per check (yes/no, the facts, the reason for a no), then what
-    zswap will do."""
+    """The human-readable report: machine and versions, one line per check (yes/no, the facts, the reason
+    for a no) and what zswap will do, then a block to paste into an issue."""
+    v = report["versions"]
     lines = [
         f"zswap {report['zswap_version']} on Python {report['python']}, {report['platform']}",
         f"  extension {report['extension']}",
+        "  versions   " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in LIBRARIES),
+        *_system_lines(report),
     ]
     for name in CHECKS:
         c = report["checks"][name]
         head = f"  {_LABELS[name]:<10} {'yes' if c['ok'] else 'NO ':<4} {c['summary']}"
         lines.append(head if c["ok"] else f"{head}: {c['reason']}")
         lines.append(f"  {'':<10} {'':<4} → {c['action']}")
-    return "\n".join(lines) + "\n"
+    lines += ["", "Paste into an issue:", issue_block(report)]
+    return "\n".join(lines)
 
 
 def to_json(report: dict[str, Any]) -> str:

@@ -1,0 +1,99 @@
+"""`zswap estimate`: exact bytes per rank for each tier choice, counts from a local config built on meta."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zswap import estimate as est
+from zswap.cli import main
+
+
+def test_counts_parse_as_model_names_write_them() -> None:
+    assert est.parse_count("7B") == 7_000_000_000
+    assert est.parse_count("350m") == 350_000_000
+    assert est.parse_count("1.5K") == 1500
+    assert est.parse_count("1234567") == 1234567
+    for bad in ("", "7X", "-3", "0"):
+        with pytest.raises(ValueError):
+            est.parse_count(bad)
+
+
+def test_everything_on_nvme_bf16_four_ranks() -> None:
+    e = est.estimate(7_000_000_000, world_size=4)
+    part = 1_750_000_000
+    assert e.rows == {
+        "params": {"gpu": 0, "ram": 0, "nvme": part * 2},
+        "gradients": {"gpu": 0, "ram": 0, "nvme": part * 2},
+        "optimizer states": {"gpu": 0, "ram": 0, "nvme": part * 12},
+    }
+    assert e.total("nvme") == part * 16 == 28_000_000_000
+
+
+def test_tiers_move_the_bytes_and_fp32_has_no_master_copy() -> None:
+    e = est.estimate(est.ModelShape(1001, largest_layer=100), dtype="fp32", world_size=2,
+                     offload_param="cpu", offload_optimizer="none")  # fmt: skip
+    assert e.rows == {
+        "params": {"gpu": 0, "ram": 501 * 4, "nvme": 0},  # the largest rank's padded share: ceil(1001 / 2)
+        "gradients": {"gpu": 501 * 4, "ram": 0, "nvme": 0},
+        "optimizer states": {"gpu": 501 * 8, "ram": 0, "nvme": 0},
+        "working set": {"gpu": 2 * 100 * 4, "ram": 0, "nvme": 0},
+    }
+    assert e.total("gpu") == 501 * 12 + 800
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"dtype": "int8"}, "dtype must be one of"),
+    ({"offload_param": "disk"}, "offload_param must be one of"),
+    ({"world_size": 0}, "world_size must be a positive integer"),
+])  # fmt: skip
+def test_bad_inputs_are_named(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        est.estimate(10, **kw)  # type: ignore[arg-type]
+
+
+def _tiny_llama(folder: Path) -> Path:
+    folder.mkdir()
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000, "tie_word_embeddings": False,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_local_config_is_counted_on_meta(tmp_path: Path) -> None:
+    folder = _tiny_llama(tmp_path / "llama")
+    shape = est.shape_from_config(folder / "config.json")
+    # embed and lm_head 2 × 1000 × 64; per layer q,k,v,o 4 × 64², gate/up/down 3 × 64 × 128, 2 norms; norm
+    assert shape.params == 2 * 64_000 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 == 210_240
+    assert shape.largest_layer == 64_000 and shape.name == "LlamaForCausalLM"
+    assert est.shape_from_config(folder) == shape
+
+
+def test_the_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _tiny_llama(tmp_path / "llama")
+    assert main(["estimate", "--model", str(folder), "--dtype", "fp32", "--offload-param", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("LlamaForCausalLM: 210.24K params (210,240), largest layer 64.00K\n")
+    rows = {line[:18].strip(): line[18:].split("  ") for line in text.splitlines()[4:9]}
+    assert text.splitlines()[3].split() == ["per", "rank", "GPU", "CPU", "RAM", "NVMe"]
+    assert [x.strip() for x in rows["params"] if x.strip()] == ["-", "821.25 KiB", "-"]
+    assert [x.strip() for x in rows["total"] if x.strip()] == ["500.00 KiB", "821.25 KiB", "2.41 MiB"]
+    assert "Model states only" in text
+
+
+def test_the_command_reports_a_folder_without_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["estimate", "--model", str(tmp_path)]) == 2
+    assert f"argument --model: '{tmp_path}' has no config.json" in capsys.readouterr().err
+
+
+def test_world_size_adds_the_whole_jobs_nvme(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7B", "--world-size", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "NVMe, all ranks" in text and "104.31 GiB" in text  # 4 × 1.75e9 × 16 B
+    assert "26.08 GiB" in text
