@@ -376,6 +376,15 @@ def test_default_config_keeps_everything_in_memory():
     assert trainer.optimizers[0].tier == "cpu"
 
 
+def test_the_strategy_is_registered_by_name():
+    ref, _ = _fit()
+    ours, trainer = _fit("zswap")
+    assert type(trainer.strategy) is ZswapStrategy
+    _assert_same_run(ours, ref, STEPS)
+    assert ours.net is not None and all(zswap.param_state(p) is not None for p in ours.net.parameters())
+    assert "zswap" in pl.strategies.StrategyRegistry.available_strategies()
+
+
 # -- evaluation and prediction ---------------------------------------------------------------------
 
 

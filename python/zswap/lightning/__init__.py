@@ -1,4 +1,5 @@
-"""zswap for Lightning 2.x: ``Trainer(strategy=zswap.lightning.ZswapStrategy(config))``.
+"""zswap for Lightning 2.x: ``Trainer(strategy=zswap.lightning.ZswapStrategy(config))``, or
+``Trainer(strategy="zswap")`` (the default config) once this module is imported.
 
 Needs the ``lightning`` package (``pip install 'zswap[lightning]'``). Modules: ``_strategy`` (the strategy:
 Lightning's hooks mapped onto ``Init`` / ``initialize`` / the Engine), ``_precision`` (backward, optimizer
@@ -10,7 +11,8 @@ of partitioned params).
 from __future__ import annotations
 
 try:
-    import lightning.pytorch  # noqa: F401
+    import lightning.pytorch
+    import lightning.pytorch.strategies
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "zswap.lightning needs the 'lightning' package (Lightning 2.x): pip install 'zswap[lightning]'"
@@ -19,5 +21,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ._precision import ZswapPrecision
 from ._strategy import ZswapStrategy
 from ._summary import ZswapSummary
+
+# Lightning discovers only its own strategies' names; a third-party one registers itself when imported.
+ZswapStrategy.register_strategies(lightning.pytorch.strategies.StrategyRegistry)
 
 __all__ = ["ZswapPrecision", "ZswapStrategy", "ZswapSummary"]

@@ -105,6 +105,16 @@ class ZswapStrategy(ProcessGroupStrategy):
 
     strategy_name = "zswap"
 
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's hook for a strategy's names: ``"zswap"`` builds ``ZswapStrategy()`` (the default
+        config: everything in memory; pass ``ZswapStrategy(config)`` to offload). Registered when
+        `zswap.lightning` is imported; a name already taken is left to its owner."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="zswap: params and optimizer states offloaded (defaults)"
+            )
+
     def __init__(
         self,
         config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
