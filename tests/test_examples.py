@@ -134,3 +134,30 @@ def test_hf_example_from_saved_weights(tmp_path):
     with torch.no_grad():
         expected = plain(input_ids=ids, labels=ids).loss.item()
     assert re.search(rf"^initial loss {re.escape(repr(expected))}$", out, re.M), (expected, out)
+
+
+README = EXAMPLES.parent / "README.md"
+
+
+def test_readme_quickstart_is_the_example_and_prints_what_the_readme_shows(tmp_path):
+    """The README's quickstart is `examples/quickstart.py` verbatim, and running it prints the README's
+    output block (the losses are plain PyTorch's, so they are the same on every machine with this torch)."""
+    readme = README.read_text()
+    script = (EXAMPLES / "quickstart.py").read_text()
+    assert f"```python\n{script}```" in readme
+    shown = readme.split("`python examples/quickstart.py` prints:\n\n```\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "TMPDIR": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "quickstart.py")], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == shown
+
+
+def test_readme_is_short_and_names_the_two_setup_commands():
+    readme = README.read_text()
+    assert len(readme) <= 15_000
+    assert "make demo" in readme and "make test" in readme
+    for link in re.findall(r"\]\((docs/[^)]+|benches/README\.md)\)", readme):
+        assert (README.parent / link).is_file(), link
