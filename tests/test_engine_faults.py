@@ -218,7 +218,7 @@ def test_freed_space_is_returned_to_the_file_system_and_reused(tmp_path: Path, b
         assert torch.equal(out, again)
 
 
-# -- 3. checksums (off by default: README, "Checksums", has the measured cost) -------------------------
+# -- 3. checksums (off by default: benches/README.md, "Checksums", has the measured cost) --------------------
 
 
 def test_checksums_catch_lost_writes_and_flipped_bytes(tmp_path: Path, backend: str) -> None:
