@@ -172,10 +172,15 @@ def test_export_names_a_file_given_as_the_checkpoint(
 ) -> None:
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"")
-    line = _usage_error(["export", str(f), str(tmp_path / "out")], capsys)
-    assert line.startswith(f"zswap export: error: argument ckpt_dir: '{f}' is not a directory ")
-    line = _usage_error(["export", str(tmp_path / "typo"), str(tmp_path / "out")], capsys)
-    assert line.startswith(f"zswap export: error: argument ckpt_dir: '{tmp_path / 'typo'}' does not exist ")
+    assert main(["export", str(f), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == (
+        "zswap export: error: [Errno 20] the checkpoint is not a directory (give the folder save_checkpoint "
+        f"wrote): '{f}' (--debug shows the traceback)\n"
+    )
+    assert main(["export", str(tmp_path / "typo"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zswap export: error: [Errno 2] checkpoint folder does not exist: ")
+    assert "is not a directory" not in err and not (tmp_path / "out").exists()
 
 
 def test_export_without_latest_names_the_tag_option(
@@ -183,11 +188,11 @@ def test_export_without_latest_names_the_tag_option(
 ) -> None:
     (tmp_path / "step2").mkdir()
     (tmp_path / "step4").mkdir()
-    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err == (
-        f"zswap export: error: argument --tag: '{tmp_path}' has no 'latest' file naming the checkpoint; "
-        "pass --tag to name one (tags there: step2, step4) (see zswap export --help)\n"
+        "zswap export: error: [Errno 2] no 'latest' file names the checkpoint to export; pass --tag to name "
+        f"one (tags there: step2, step4): '{tmp_path / 'latest'}' (--debug shows the traceback)\n"
     )
     assert "tag=" not in err
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import sys
 import tempfile
@@ -75,17 +76,6 @@ def _existing_directory(text: str) -> Path:
     if not path.is_dir():
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a directory" if path.exists() else f"{text!r} is not an existing directory"
-        )
-    return path
-
-
-def _checkpoint_dir(text: str) -> Path:
-    path = Path(text)
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a directory (give the folder save_checkpoint wrote)"
         )
     return path
 
@@ -199,14 +189,25 @@ def _env(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     # torch is needed for the tensor casts, torch.distributed is never started and no model is built.
-    from .checkpoint import export
+    from .checkpoint import CheckpointNotFoundError, export
     from .checkpoint.manifest import LATEST
 
-    if args.tag is None and not (args.ckpt_dir / LATEST).is_file():
-        tags = sorted(e.name for e in args.ckpt_dir.iterdir() if e.is_dir() and not e.name.startswith("."))
-        raise UsageError(
-            f"argument --tag: {str(args.ckpt_dir)!r} has no {LATEST!r} file naming the checkpoint; "
-            f"pass --tag to name one (tags there: {', '.join(tags) or 'none'})"
+    # What the checkpoint folder holds is found out while running (status 1, as every checkpoint that
+    # cannot be read), but said in the CLI's terms: a file is not a folder, --tag names a checkpoint.
+    ckpt: Path = args.ckpt_dir
+    if ckpt.exists() and not ckpt.is_dir():
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            "the checkpoint is not a directory (give the folder save_checkpoint wrote)",
+            str(ckpt),
+        )
+    if ckpt.is_dir() and args.tag is None and not (ckpt / LATEST).is_file():
+        tags = sorted(e.name for e in ckpt.iterdir() if e.is_dir() and not e.name.startswith("."))
+        raise CheckpointNotFoundError(
+            errno.ENOENT,
+            f"no {LATEST!r} file names the checkpoint to export; pass --tag to name one "
+            f"(tags there: {', '.join(tags) or 'none'})",
+            str(ckpt / LATEST),
         )
     dtype = None if args.dtype is None else getattr(__import__("torch"), args.dtype)
     out = export(args.ckpt_dir, args.out_dir, tag=args.tag, dtype=dtype, max_shard_size=args.max_shard_size)
@@ -300,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser(
         "export", parents=[common], help="checkpoint folder -> consolidated Hugging Face safetensors weights"
     )
-    x.add_argument("ckpt_dir", type=_checkpoint_dir, help="the folder given to engine.save_checkpoint")
+    x.add_argument("ckpt_dir", type=Path, help="the folder given to engine.save_checkpoint")
     x.add_argument("out_dir", type=Path, help="where model.safetensors (or shards + index) are written")
     x.add_argument("--tag", help="checkpoint tag (default: the one CKPT_DIR/latest names)")
     x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -920,6 +921,11 @@ def _size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
     reuse = z.stage3_max_reuse_distance
     if reuse is None:
         reuse = bucket
+    logging.getLogger(__name__).info(
+        "budgets: %d elements, %d streamed; live %d, prefetch bucket %d, reuse distance %d; persistent "
+        "below %d elements (%d kept gathered)", total, streamed, max_live, bucket, reuse, threshold,
+        total - streamed,
+    )  # fmt: skip
     return Sizing(total, threshold, total - streamed, chain, Budget(bucket, max_live, reuse), resident)
 
 

@@ -5,6 +5,7 @@ Torch knowledge stops here: the engine below sees an address, a byte count and a
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
@@ -40,6 +41,7 @@ class _WarnOnce:
 
 
 _warn_once = _WarnOnce()
+_log = logging.getLogger(__name__)
 
 
 def _normalize_paths(paths: PathArg | Sequence[PathArg]) -> list[str]:
@@ -115,6 +117,12 @@ class SwapEngine:
             lock_memory=bool(lock_memory),
         )
         self.info: dict[str, Any] = dict(self._engine.info())
+        _log.info(
+            "swap engine on %s: backend %s, direct I/O %s (alignment %d B), block %d KiB, queue depth %d, "
+            "%d thread(s), bounce buffers %d MiB", ", ".join(self.info["paths"]), self.info["backend"],
+            self.info["direct"], self.info["io_align"], self.info["block_size"] >> 10,
+            self.info["queue_depth"], self.info["threads"], self.info["bounce_bytes"] >> 20,
+        )  # fmt: skip
         for note in self.info["notes"]:
             _warn_once(note, stacklevel=2)
 

@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _stfile
+from ._progress import progress
 from .errors import ZswapError
 from .gather import Placement, no_torch_function
 from .params import NvmeStore, ParamState, Status, Store, local_slice, param_state, partition_numel, register
@@ -219,7 +220,7 @@ def write(
     stores: dict[int, Store] = {}
     ahead = _stfile.Readahead(_span(t, src, placement) for t, _, src in items)
     with contextlib.closing(ahead), _load_buffers(items, placement), no_torch_function(), torch.no_grad():
-        for i, (target, _, src) in enumerate(items):
+        for i, (target, _, src) in enumerate(progress(items, "loading weights", unit="tensor")):
             st = param_state(target.tensor)
             if st is not None:
                 fill(target.tensor, st, src)

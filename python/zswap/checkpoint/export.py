@@ -8,12 +8,14 @@ weights. Every block read is checksum-verified first.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from .._progress import progress
 from ._hf_layout import (
     CONFIG_FILES,
     METADATA,
@@ -73,7 +75,8 @@ def export(
         for shard, name in zip(shards, names, strict=True):
             w = StreamWriter(out / name, shard, METADATA)
             try:
-                for e in shard:  # shards need not follow key order (a tensor over the limit goes alone)
+                # shards need not follow key order (a tensor over the limit goes alone)
+                for e in progress(shard, f"exporting {name}", unit="tensor"):
                     kind, source = key_of[e.name]
                     if kind == "param":
                         _copy_param(reader, params[source], w, dtype)
@@ -89,6 +92,7 @@ def export(
         for n in configs:
             shutil.copyfile(folder / n, out / n)
         set_config_dtype(out, dtype)
+        logging.getLogger(__name__).info("exported %s to %s (%d file(s))", folder, out, len(names))
         return out
     finally:
         reader.close()

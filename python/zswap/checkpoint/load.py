@@ -11,6 +11,7 @@ partly loaded; it is raised.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._progress import progress
 from ..gather import no_torch_function
 from ..optim import OffloadedAdamW
 from ..optim._layout import needs_master
@@ -79,7 +81,9 @@ def load_checkpoint(
     try:
         agree(error, "load_checkpoint (validation)", group, world)
         assert plan is not None
-        return plan.apply()
+        client_state = plan.apply()
+        logging.getLogger(__name__).info("checkpoint loaded: %s (rank %d of %d)", folder, rank, world)
+        return client_state
     finally:
         if plan is not None:
             plan.reader.close()
@@ -209,7 +213,7 @@ class _Plan:
     def _load_params(self) -> None:
         queued: dict[int, Any] = {}
         queued_bytes = 0
-        for rec, pcs in self.params:
+        for rec, pcs in progress(self.params, "loading checkpoint", unit="param"):
             if rec.st is None:
                 part = torch.empty(rec.numel, dtype=rec.dtype)
                 self.reader.read(pcs, part)

@@ -9,6 +9,7 @@ peak RSS is therefore the largest partition or record, not the model.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._progress import progress
 from ..errors import ZswapError
 from ..optim import OffloadedAdamW
 from ..optim._layout import needs_master
@@ -89,6 +91,7 @@ def save_checkpoint(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    logging.getLogger(__name__).info("checkpoint saved: %s (rank %d of %d)", root / tag, rank, world)
     return root / tag
 
 
@@ -101,7 +104,7 @@ def _write_rank(
     entries += [Entry(name, b.dtype, tuple(b.shape)) for name, b in buffers]
     w = StreamWriter(tmp / file_name(rank, world, "params"), entries)
     try:
-        for r in records:
+        for r in progress(records, "saving checkpoint", unit="param"):
             w.write(local_partition(r.p, r.st))
         for _, b in buffers:
             w.write(b.detach().to("cpu").contiguous())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from .._dist import resolve_group
+from .._progress import progress
 from ..gather import no_torch_function
 from ..params import param_state
 from ._gather import full_copy
@@ -71,7 +73,8 @@ def save_weights(
     for shard, name in zip(shards, names, strict=True):
         w = StreamWriter(out / name, shard, METADATA) if rank == 0 else None
         try:
-            for e in shard:  # a tensor over the limit gets its own shard out of key order, as in HF
+            # a tensor over the limit gets its own shard out of key order, as in HF
+            for e in progress(shard, f"saving {name}", unit="tensor"):
                 k = key_of[e.name]
                 if k.kind == "param":
                     r = rec_of[k.source]
@@ -96,6 +99,7 @@ def save_weights(
             if gen is not None and getattr(model, "can_generate", lambda: False)():
                 gen.save_pretrained(out)
             set_config_dtype(out, dtype)
+        logging.getLogger(__name__).info("weights saved: %s (%d file(s))", out, len(names))
 
 
 def cast_dtype(dt: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
