@@ -97,3 +97,11 @@ def test_world_size_adds_the_whole_jobs_nvme(capsys: pytest.CaptureFixture[str])
     text = capsys.readouterr().out
     assert "NVMe, all ranks" in text and "104.31 GiB" in text  # 4 × 1.75e9 × 16 B
     assert "26.08 GiB" in text
+
+
+def test_largest_layer_with_a_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _tiny_llama(tmp_path / "llama")
+    assert main(["estimate", "--model", str(folder), "--largest-layer", "1M"]) == 2
+    assert "--largest-layer goes with --params" in capsys.readouterr().err
+    assert main(["estimate", "--params", "1M", "--largest-layer", "1K", "--dtype", "fp32"]) == 0
+    assert "working set" in capsys.readouterr().out

@@ -220,6 +220,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
     if (args.params is None) == (args.model is None):
         raise UsageError("give exactly one of --params (e.g. 7B) and --model (a config.json or model folder)")
+    if args.model is not None and args.largest_layer is not None:
+        raise UsageError("--largest-layer goes with --params; with --model the layers are counted")
     if args.model is not None:
         try:
             shape = estimate.shape_from_config(args.model)
