@@ -28,7 +28,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ class _State(threading.local):
 
 _STATE = _State()
 _INSTALLED: list[Any] = []  # the handles and the original clip_grad_norm_, once installed
+_BUILDING: list[Callable[[], bool]] = []  # `zswap.Init`'s "active on this thread" (it gathers on access)
 _LOCK = threading.Lock()
 
 STEP_MESSAGE = (
@@ -87,15 +88,18 @@ def engine_step() -> Iterator[None]:
         _STATE.depth -= 1
 
 
-def install() -> None:
-    """Install the three guards (idempotent)."""
+def install(building: Callable[[], bool] | None = None) -> None:
+    """Install the three guards (idempotent). ``building``: tells whether an Init is active on this thread
+    (`zswap.init` passes it: this module sits below it and does not import it)."""
     with _LOCK:
+        if building is not None and building not in _BUILDING:
+            _BUILDING.append(building)
         if _INSTALLED:
             return
         original = torch.nn.utils.clip_grad_norm_
         wrapped = _wrap_clip(original)
         torch.nn.utils.clip_grad_norm_ = wrapped
-        torch.nn.utils.clip_grad.clip_grad_norm_ = wrapped  # type: ignore[attr-defined]
+        torch.nn.utils.clip_grad.clip_grad_norm_ = wrapped
         _INSTALLED.extend(
             [
                 register_optimizer_step_pre_hook(_before_step),
@@ -139,9 +143,7 @@ def _before_forward(module: nn.Module, args: Any) -> None:
     ]
     if not idle:
         return
-    from .init import active  # init imports this module
-
-    if active():
+    if any(building() for building in _BUILDING):
         return  # Init's access mode gathers what the forward touches
     engines = list(_ENGINES)
     if all(any(not e.closed and e.runs(p) for e in engines) for p in idle):

@@ -364,7 +364,7 @@ class Init:
         self._frames: list[_Frame] = []
         if not enabled:
             return
-        _guards.install()  # a forward, step or clip the partitioned params cannot honour is refused
+        _guards.install(active)  # a forward, step or clip the partitioned params cannot honour is refused
         cfg = load_config(config)
         device = cfg.offload_param.device if remote_device is None else remote_device
         if device not in ("none", "cpu", "nvme"):
