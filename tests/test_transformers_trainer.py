@@ -290,3 +290,46 @@ def test_accelerate_loop_is_refused_at_the_first_step(tmp_path):
     finally:
         engine.close()
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_given_optimizer_no_clipping_and_evaluate(tmp_path):
+    """``optimizers=(SGD, None)`` is stepped by the engine as given; ``max_grad_norm=0`` still logs the true
+    norm and never clips; ``evaluate`` works before and after training, as the plain Trainer's."""
+    args = {"max_grad_norm": 0.0, "lr_scheduler_type": "constant", "warmup_steps": 0}
+    data = _data()
+    torch.manual_seed(0)
+    ref = _build()
+    plain = transformers.Trainer(
+        model=ref,
+        args=_args(tmp_path / "plain", **args),
+        train_dataset=data,
+        eval_dataset=data[:4],
+        optimizers=(torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9), None),
+    )
+    want_before = plain.evaluate()["eval_loss"]
+    plain.train()
+    want_after = plain.evaluate()["eval_loss"]
+
+    cfg = _config(tmp_path)
+    del cfg["optimizer"]
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    model = _zswap_model(cfg)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    trainer = zt.Trainer(
+        model=model,
+        args=_args(tmp_path / "z", **args),
+        train_dataset=data,
+        eval_dataset=data[:4],
+        optimizers=(sgd, None),
+        zswap_config=cfg,
+    )
+    assert trainer.engine.optimizer is sgd
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(want_before, rel=1e-6)
+    trainer.train()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(want_after, rel=RTOL)
+    got, want = _logged(trainer), _logged(plain)
+    for (loss, norm, _), (want_loss, want_norm, _) in zip(got, want, strict=True):
+        assert loss == pytest.approx(want_loss, rel=RTOL)
+        assert norm == pytest.approx(want_norm, rel=RTOL)
+    _assert_weights(_weights(model), {n: p.detach() for n, p in ref.named_parameters()})
+    trainer.close()
