@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import ConfigError
 from . import _keys as k
 
-READ = (
+SECTIONS = (
     "zero_optimization",
     "offload_param",
     "offload_optimizer",
@@ -29,9 +29,13 @@ READ = (
     "fp16",
     "gradient_clipping",
     *k.BATCH_KEYS,
-    *k.STAGE3_KNOBS,
 )
-"""Top-level keys zswap reads (DeepSpeed layout and the trimmed one)."""
+"""Top-level sections (and DeepSpeed's top-level settings) zswap reads: the targets of a near miss. The
+stage-3 knobs zswap also reads at top level are not among them: DeepSpeed's own spellings of those
+(``max_live_parameters`` …) belong inside ``zero_optimization``, and at top level are left alone."""
+
+READ = (*SECTIONS, *k.STAGE3_KNOBS)
+"""Every top-level key zswap reads (DeepSpeed layout and the trimmed one)."""
 
 DEEPSPEED = frozenset(
     {
@@ -59,7 +63,7 @@ def check(raw: Mapping[Any, Any]) -> None:
     for key in raw:
         if not isinstance(key, str) or key in READ or key in DEEPSPEED:
             continue
-        near = difflib.get_close_matches(key.lower(), READ, n=1, cutoff=CUTOFF)
+        near = difflib.get_close_matches(key.lower(), SECTIONS, n=1, cutoff=CUTOFF)
         if near:
             raise ConfigError(
                 f"unknown top-level key {key!r}: did you mean {near[0]!r}? zswap reads {near[0]!r} and would "
