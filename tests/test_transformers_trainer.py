@@ -333,3 +333,16 @@ def test_given_optimizer_no_clipping_and_evaluate(tmp_path):
         assert norm == pytest.approx(want_norm, rel=RTOL)
     _assert_weights(_weights(model), {n: p.detach() for n, p in ref.named_parameters()})
     trainer.close()
+
+
+def test_shape_dependent_optimizer_is_refused(tmp_path):
+    """Adafactor factors a matrix's second moment by rows and columns: over a flat partition it would
+    compute something else, silently. Refused, naming what works."""
+    cfg = _config(tmp_path)
+    del cfg["optimizer"]
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_zswap_model(cfg), args=_args(tmp_path / "o", optim="adafactor"), zswap_config=cfg)
+    assert str(info.value).startswith(
+        "the optimizer TrainingArguments.optim builds is Adafactor; zswap steps each param as its flat "
+        "partition, which only an element-wise optimizer (SGD, Adam, AdamW, "
+    )

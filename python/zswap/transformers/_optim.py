@@ -26,10 +26,39 @@ _REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
 """Switches that change what a step computes and that `OffloadedAdamW` does not have: must be off."""
 
 
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+)
+"""Optimizers whose update of an element depends on that element alone (and on per-step scalars): the
+engine shows each param to them as its flat partition, which changes nothing of what they compute."""
+
+
+def check_elementwise(optimizer: Any, where: str) -> None:
+    """Refuse an optimizer whose update depends on a param's shape (Adafactor's factored moments, Muon's
+    matrices …): stepped over flat partitions it would compute something else, and say nothing."""
+    if type(optimizer) not in ELEMENTWISE:
+        raise ConfigError(
+            f"{where} is {type(optimizer).__name__}; zswap steps each param as its flat partition, which "
+            "only an element-wise optimizer ("
+            + ", ".join(c.__name__ for c in ELEMENTWISE)
+            + ") computes the same over: use one of those, an Adam/AdamW optim, or add an 'optimizer' "
+            "section to zswap_config"
+        )
+
+
 def to_zswap(client: torch.optim.Optimizer, cfg: ZswapConfig) -> Any:
     """The optimizer the engine steps in place of the Trainer's ``client``."""
     conf = cfg.optimizer
     if conf is None and type(client) not in (torch.optim.Adam, torch.optim.AdamW):
+        check_elementwise(client, "the optimizer TrainingArguments.optim builds")
         return client
     name = type(client).__name__
     groups = []

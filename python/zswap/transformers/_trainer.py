@@ -40,7 +40,7 @@ from ..config import load_config
 from ..errors import ConfigError, ZswapError
 from ..runtime import Engine, initialize
 from . import _fill
-from ._optim import EngineStepper, to_zswap
+from ._optim import EngineStepper, check_elementwise, to_zswap
 
 ENGINE_KEYS_DROPPED = (
     "optimizer",
@@ -104,6 +104,8 @@ class Trainer(transformers.Trainer):
             client = super().create_optimizer(model)
             self.optimizer = None
         cfg = load_config(self.zswap_config)
+        if given is not None:
+            check_elementwise(given, "the optimizer passed in optimizers=")
         optimizer = given if given is not None else to_zswap(client, cfg)
         engine_cfg = {k: v for k, v in self.zswap_config.items() if k not in ENGINE_KEYS_DROPPED}
         # Clipping at infinity computes the global norm (logged as grad_norm) and never scales.
