@@ -203,6 +203,10 @@ def test_engine_calls_after_close_raise_engine_closed_error(tmp_path):
         engine.backward(torch.ones((), requires_grad=True))
     with _raises(zswap.EngineClosedError, CLOSED):
         engine.save_checkpoint(tmp_path / "ckpt")
+    with _raises(zswap.EngineClosedError, CLOSED):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    with _raises(zswap.EngineClosedError, CLOSED):
+        engine.get_lr()
 
 
 def test_ignored_keys_warning_once_through_zswap_deepspeed(tmp_path):

@@ -301,6 +301,7 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         """The learning rate of each of the optimizer's param groups."""
+        self._check_open()
         if self.optimizer is None:
             raise ZswapError(self._no_optimizer)
         return [float(group["lr"]) for group in self.optimizer.param_groups]
