@@ -346,3 +346,28 @@ def test_shape_dependent_optimizer_is_refused(tmp_path):
         "the optimizer TrainingArguments.optim builds is Adafactor; zswap steps each param as its flat "
         "partition, which only an element-wise optimizer (SGD, Adam, AdamW, "
     )
+
+
+def test_bf16_auto_needs_the_filled_config_at_init(tmp_path):
+    """``bf16.enabled: "auto"`` with ``bf16=True`` means bf16 params, which only Init can give: a model built
+    from the unfilled config (fp32) is refused; built under ``Init(fill_config(config, args))`` it is bf16
+    and trains."""
+    cfg = _config(tmp_path)
+    cfg["bf16"] = {"enabled": "auto"}
+    args = _args(tmp_path / "o", bf16=True, max_steps=1, gradient_accumulation_steps=1)
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_zswap_model(cfg), args=args, train_dataset=_data(), zswap_config=cfg)
+    assert str(info.value) == (
+        "zswap_config's bf16.enabled is true (given, or filled from the TrainingArguments) but the model's "
+        "params are torch.float32: Init decides the params' dtype, so build or load the model under "
+        "zswap.Init(zswap.transformers.fill_config(config, args))"
+    )
+    filled = zt.fill_config(cfg, args)
+    assert filled["bf16"] == {"enabled": True} and cfg["bf16"] == {"enabled": "auto"}
+    model = _zswap_model(filled)
+    assert {zswap.param_state(p).dtype for p in model.parameters()} == {torch.bfloat16}
+    trainer = zt.Trainer(model=model, args=args, train_dataset=_data(), zswap_config=cfg)
+    trainer.train()
+    (loss, norm, _), *_ = _logged(trainer)
+    assert torch.isfinite(torch.tensor([loss, norm])).all()
+    trainer.close()

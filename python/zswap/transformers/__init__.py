@@ -3,11 +3,11 @@
 Build or load the model under ``zswap.Init`` (it then never exists in full in memory), and hand it to this
 Trainer instead of ``transformers.Trainer``, with the same arguments and a zswap / DeepSpeed config::
 
-    cfg = "ds_config.json"                      # "auto" values are filled from the TrainingArguments
+    args = TrainingArguments(...)
+    cfg = zswap.transformers.fill_config("ds_config.json", args)   # "auto" values from the arguments
     with zswap.Init(cfg):
         model = AutoModelForCausalLM.from_pretrained(name)
-    trainer = zswap.transformers.Trainer(model=model, args=TrainingArguments(...), zswap_config=cfg,
-                                         train_dataset=ds)
+    trainer = zswap.transformers.Trainer(model=model, args=args, zswap_config=cfg, train_dataset=ds)
     trainer.train()                             # or train(resume_from_checkpoint=True)
     trainer.save_model("out")                   # plain from_pretrained("out") loads it
 
@@ -34,6 +34,8 @@ and leave the optimizer out of ``prepare`` (one process; zswap partitions across
 
 from __future__ import annotations
 
+from typing import Any
+
 try:
     import transformers
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -47,6 +49,17 @@ if not hasattr(transformers.Trainer, "_clip_grad_norm"):  # pragma: no cover - d
         f"{transformers.__version__}): pip install -U transformers"
     )
 
+from ._fill import process as _process
 from ._trainer import Trainer
 
-__all__ = ["Trainer"]
+
+def fill_config(config: Any, args: Any) -> dict[str, Any]:
+    """``config`` (a path, a mapping, a `zswap.ZswapConfig` or ``None``) as a new dict with its ``"auto"``
+    values filled from ``args`` (``TrainingArguments``), as `Trainer` fills it (the schedule's step counts
+    excepted: they are known at ``train``). Hand it to ``zswap.Init`` when the arguments decide something
+    Init needs — ``bf16.enabled: "auto"`` with ``bf16=True`` builds the params in bf16 — as transformers
+    hands its filled DeepSpeed config to ``zero.Init``. The caller's mapping is not modified."""
+    return _process(config, args)
+
+
+__all__ = ["Trainer", "fill_config"]

@@ -38,6 +38,7 @@ from .. import schedules
 from ..checkpoint import save_weights
 from ..config import load_config
 from ..errors import ConfigError, ZswapError
+from ..params import param_state
 from ..runtime import Engine, initialize
 from . import _fill
 from ._optim import EngineStepper, check_elementwise, to_zswap
@@ -85,7 +86,7 @@ class Trainer(transformers.Trainer):
         _refuse(args)
         self.zswap_config: dict[str, Any] = _fill.process(zswap_config, args)
         """The config with the arguments' values filled in (a private copy)."""
-        load_config(self.zswap_config)  # every check, before anything is built
+        _check_dtype(model, load_config(self.zswap_config))  # every check, before anything is built
         self.engine: Engine | None = None
         self._grad_norm: torch.Tensor | None = None
         super().__init__(model, args, *rest, **kwargs)
@@ -204,6 +205,23 @@ class Trainer(transformers.Trainer):
         """Close the engine (hooks removed, the optimizer state freed); the model keeps its params."""
         if self.engine is not None:
             self.engine.close()
+
+
+def _check_dtype(model: Any, cfg: Any) -> None:
+    """The dtype the filled config asks for (``bf16.enabled: "auto"`` and ``bf16=True``) is the params'
+    dtype only if ``Init`` saw it: the model was built before this Trainer, so say so rather than train in
+    another dtype than the config says."""
+    want = cfg.torch_dtype()
+    if want is None:
+        return
+    have = {st.dtype for p in model.parameters() if (st := param_state(p)) is not None}
+    if have and have != {want}:
+        section = "bf16" if want == torch.bfloat16 else "fp16"
+        raise ConfigError(
+            f"zswap_config's {section}.enabled is true (given, or filled from the TrainingArguments) but the "
+            f"model's params are {', '.join(sorted(str(d) for d in have))}: Init decides the params' dtype, "
+            "so build or load the model under zswap.Init(zswap.transformers.fill_config(config, args))"
+        )
 
 
 def _refuse(args: Any) -> None:
