@@ -17,7 +17,7 @@ would already catch for the same fault, so existing ``except`` blocks keep worki
     │   └── DirectIOUnavailable                       direct=True
     ├── SwapMemoryError (MemoryError)                 the kernel refused memory (ENOMEM)
     ├── ThreadStartError (RuntimeError)               an engine thread could not be started
-    ├── EngineClosedError (RuntimeError)              a SwapEngine used after close()
+    ├── EngineClosedError (RuntimeError)              a SwapEngine or Engine used after close()
     ├── GradientsNotKeptError (RuntimeError)          gradients the early step applied were not kept
     └── UnknownKeyError (KeyError)                    a key never written, or freed
     ZswapWarning (RuntimeWarning)                     a fallback was taken
@@ -150,7 +150,8 @@ class ThreadStartError(ZswapError, RuntimeError):
 
 
 class EngineClosedError(ZswapError, RuntimeError):
-    """An operation was attempted on a `SwapEngine` after `close()`."""
+    """An operation was attempted on a `SwapEngine`, or on a `zswap.Engine` (``step``, ``backward``,
+    ``zero_grad``, checkpoints), after its ``close()``."""
 
 
 class GradientsNotKeptError(ZswapError, RuntimeError):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _dist, _hf, memory, module_api
+from . import _dist, _guards, _hf, memory, module_api
 from ._access import AccessMode
 from .checkpoint import statedict
 from .config import load_config
@@ -226,6 +226,11 @@ class _InitContext:
 _CTX = _InitContext()
 
 
+def active() -> bool:
+    """Whether a `zswap.Init` is active on this thread (its access hook gathers what a call touches)."""
+    return _CTX.active
+
+
 def touched_bytes() -> int:
     """Bytes of params an active `Init` gathered for writes and has not written back yet (at most about
     `TOUCH_BUDGET_BYTES`; 0 outside Init)."""
@@ -359,6 +364,7 @@ class Init:
         self._frames: list[_Frame] = []
         if not enabled:
             return
+        _guards.install(active)  # a forward, step or clip the partitioned params cannot honour is refused
         cfg = load_config(config)
         device = cfg.offload_param.device if remote_device is None else remote_device
         if device not in ("none", "cpu", "nvme"):

@@ -18,11 +18,11 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from . import buffers, earlystep, grads, gradstore, memory, outputs, stepping
+from . import _guards, buffers, earlystep, grads, gradstore, memory, outputs, stepping
 from . import device as _device
 from . import init as _init
 from .config import ZswapConfig, load_config
-from .errors import ConfigError, ZswapError
+from .errors import ConfigError, EngineClosedError, ZswapError
 from .gather import Item, no_torch_function
 from .gradstore import store_of
 from .hooks import ModuleHooks, ModuleInfo
@@ -91,6 +91,7 @@ def build(
     ):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     dev = _device.resolve(device)
+    _refuse_meta(model)
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)
     return cls(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
@@ -187,6 +188,7 @@ class Engine:
             self._unwire()
             raise
         _ENGINES.add(self)
+        _guards.track(self)  # optimizer steps, clipping and forwards outside this engine are refused
         self._sched.read_ahead()  # the first pass's first reads, along the guess (counted from here on)
 
     # -- training ----------------------------------------------------------------------------------
@@ -204,6 +206,10 @@ class Engine:
         self._check_open()
         if self.optimizer is None:
             raise ZswapError(self._no_optimizer)
+        with _guards.engine_step():  # the optimizer may step (and clip) over the managed params here
+            self._step()
+
+    def _step(self) -> None:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             self._sched.read_ahead()  # nothing was written: the next forward's first reads start now
@@ -296,6 +302,7 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         """The learning rate of each of the optimizer's param groups."""
+        self._check_open()
         if self.optimizer is None:
             raise ZswapError(self._no_optimizer)
         return [float(group["lr"]) for group in self.optimizer.param_groups]
@@ -740,7 +747,11 @@ class Engine:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise ZswapError("this zswap Engine is closed")
+            raise EngineClosedError("this zswap Engine is closed: build a new one with zswap.initialize")
+
+    def runs(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the managed params this engine runs (or ran, once closed)."""
+        return id(p) in self._ids
 
     def _slot_for(self, p: torch.Tensor, st: ParamState) -> Slot:
         """The slot of a managed param the model uses without owning it (created on first use)."""
@@ -885,6 +896,20 @@ def _step_batch(
             for p, st in batch:
                 grads.clear_step_grad(p, st.dtype)
                 p.data = torch.empty(0, dtype=st.dtype, device=st.device)
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """A model built on the meta device has no values to offload or train: refuse it before anything is
+    partitioned (it would come back as meta tensors)."""
+    for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            st = param_state(t)
+            if (st.device.type if st is not None else t.device.type) == "meta":
+                raise ZswapError(
+                    f"{kind} {name!r} of the model is on the meta device (no values): build the model under "
+                    "zswap.Init(config) — or load it with from_pretrained under zswap.Init — instead of on "
+                    "the meta device, then call zswap.initialize"
+                )
 
 
 def _unique(params: Any) -> list[torch.Tensor]:

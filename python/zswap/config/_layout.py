@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from ..errors import ConfigError
 from . import _keys as k
+from . import _toplevel
 from . import _values as v
 
 
@@ -46,6 +47,7 @@ class Assembled:
 
 def assemble(raw: Mapping[Any, Any]) -> Assembled:
     """Collect zswap's sections from ``raw``; `ConfigError` for unknown keys, conflicts and misplacements."""
+    _toplevel.check(raw)  # a misspelled section would be ignored like any foreign key
     out = Assembled()
     zero = _section(raw, "zero_optimization", "zero_optimization")
     switches = _cpu_offload_switches(zero)

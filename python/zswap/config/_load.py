@@ -79,13 +79,15 @@ def _validate(raw: Mapping[Any, Any]) -> ZswapConfig:
             f"zswap's keys are never nested more than {MAX_DEPTH} levels"
         ) from None
     if assembled.skipped:
-        # Once per distinct set (the warnings registry drops repeats): a config is read by Init and again
-        # by initialize.
+        # Once per distinct set: a config is read by Init and again by initialize (and by zswap.deepspeed's
+        # wrappers of both), each from another line. The warnings registry drops a repeat only at the same
+        # location, so the warning is attributed to this line, not to the caller's; the message names the
+        # keys, which is what the reader needs.
         warnings.warn(
             "zswap ignores these DeepSpeed settings, which tune DeepSpeed's own machinery and change no "
             f"result: {', '.join(assembled.skipped)}",
             ZswapWarning,
-            stacklevel=4,
+            stacklevel=1,
         )
     return config
 

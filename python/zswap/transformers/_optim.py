@@ -1,0 +1,151 @@
+"""The optimizer the Hugging Face Trainer builds, as zswap steps it; and what the Trainer's loop steps.
+
+The Trainer builds its optimizer from the arguments (``optim``, ``learning_rate``, ``adam_*``), with two
+param groups: weight decay for most params, none for biases and norms (``get_decay_parameter_names``). A
+torch Adam / AdamW (or any optimizer when the zswap config has an ``optimizer`` section, which wins as under
+DeepSpeed) becomes an `OffloadedAdamW` over the same groups with the same hyperparameters, its state where
+the config's ``offload_optimizer`` puts it. Any other optimizer is used as given (its state in memory, in
+the shape of each param's partition).
+
+The Trainer's loop calls ``optimizer.step()`` once per accumulation window, after backward; `EngineStepper`
+is what it holds as its optimizer, and that call runs ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config import ZswapConfig
+from ..errors import ConfigError
+from ..optim import OffloadedAdamW
+
+_REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
+"""Switches that change what a step computes and that `OffloadedAdamW` does not have: must be off."""
+
+
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+)
+"""Optimizers whose update of an element depends on that element alone (and on per-step scalars): the
+engine shows each param to them as its flat partition, which changes nothing of what they compute."""
+
+
+def check_elementwise(optimizer: Any, where: str) -> None:
+    """Refuse an optimizer whose update depends on a param's shape (Adafactor's factored moments, Muon's
+    matrices …): stepped over flat partitions it would compute something else, and say nothing."""
+    if type(optimizer) not in ELEMENTWISE:
+        raise ConfigError(
+            f"{where} is {type(optimizer).__name__}; zswap steps each param as its flat partition, which "
+            "only an element-wise optimizer ("
+            + ", ".join(c.__name__ for c in ELEMENTWISE)
+            + ") computes the same over: use one of those, an Adam/AdamW optim, or add an 'optimizer' "
+            "section to zswap_config"
+        )
+
+
+def to_zswap(client: torch.optim.Optimizer, cfg: ZswapConfig) -> Any:
+    """The optimizer the engine steps in place of the Trainer's ``client``."""
+    conf = cfg.optimizer
+    if conf is None and type(client) not in (torch.optim.Adam, torch.optim.AdamW):
+        check_elementwise(client, "the optimizer TrainingArguments.optim builds")
+        return client
+    name = type(client).__name__
+    groups = []
+    for i, group in enumerate(client.param_groups):
+        for key in _REFUSED:
+            if group.get(key):
+                raise ConfigError(
+                    f"{name} param group {i}: {key}=True is not supported by zswap's offloaded AdamW; "
+                    f"use an optim without it or pass optimizers=(your_optimizer, None)"
+                )
+        if conf is not None:
+            decoupled = conf.decoupled_weight_decay
+        else:  # torch >= 2.6 keeps the flag in every group; before, AdamW alone decoupled
+            decoupled = bool(group.get("decoupled_weight_decay", type(client) is torch.optim.AdamW))
+        groups.append(
+            {
+                "params": list(group["params"]),
+                "lr": float(group["lr"]),
+                "betas": tuple(float(b) for b in group.get("betas", (0.9, 0.999))),
+                "eps": float(group.get("eps", 1e-8)),
+                "weight_decay": float(group.get("weight_decay", 0.0)),
+                "decoupled_weight_decay": decoupled,
+            }
+        )
+    lr, decay = float(client.param_groups[0]["lr"]), float(client.param_groups[0].get("weight_decay", 0.0))
+    return OffloadedAdamW.from_config(groups, cfg, lr=lr, weight_decay=decay)
+
+
+class EngineStepper(torch.optim.Optimizer):
+    """The Trainer's optimizer: ``step()`` is ``engine.step()`` (clipping, the update, zeroing the
+    gradients); param groups, state and state dicts are the engine's optimizer's.
+
+    ``Optimizer.__init__`` is not called (as Accelerate's own optimizer wrapper does not): it would hook
+    ``step`` with torch's global step hooks, which refuse a step over managed params outside the engine.
+    After each step `on_step` is called with the global gradient norm the engine saw."""
+
+    def __init__(self, engine: Any, on_step: Callable[[float | None], None]) -> None:
+        self.engine = engine
+        self._on_step = on_step
+
+    @property
+    def optimizer(self) -> Any:
+        return self.engine.optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.engine.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.engine.optimizer.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.engine.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.engine.optimizer.defaults = defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.engine.optimizer.state
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.step()
+        self._on_step(self.engine.last_grad_norm)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.optimizer.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"EngineStepper({self.engine.optimizer!r})"

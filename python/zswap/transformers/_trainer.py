@@ -1,0 +1,239 @@
+"""`Trainer`: the Hugging Face Trainer's hooks mapped onto a zswap engine.
+
+=====================================  =================================================================
+Trainer                                zswap
+=====================================  =================================================================
+``__init__``                           ``"auto"`` keys of ``zswap_config`` filled from the arguments
+                                       (`_fill`); the optimizer built as the Trainer builds it (param
+                                       groups, weight-decay exclusions), made an `OffloadedAdamW`; the
+                                       engine started: ``zswap.initialize(model, config, optimizer=…)``
+``create_scheduler``                   the Trainer's own schedule (``lr_scheduler_type``, warmup) over the
+                                       engine's optimizer; or the config's ``scheduler`` section
+                                       (`zswap.schedules`) with its step counts filled
+backward                               the Trainer's own (``loss.backward()``): gradients accumulate in
+                                       zswap's gradient store across the window as they would in ``.grad``
+``_clip_grad_norm``, ``optimizer.step``  ``engine.step()``: the global norm, clipping to
+                                       ``max_grad_norm``, the update; the logged ``grad_norm`` is that norm
+``save_model``                         `zswap.save_weights` (plain ``from_pretrained`` loads it)
+checkpoints (``save_strategy``)        ``engine.save_checkpoint`` into the checkpoint folder, plus the
+                                       Trainer's own files (state, schedule, RNG)
+``resume_from_checkpoint``             ``engine.load_checkpoint``: params, optimizer state, counters
+=====================================  =================================================================
+
+The engine steps once per accumulation window (its own ``gradient_accumulation_steps`` is 1): the Trainer
+decides the windows, scales the loss for them and calls ``optimizer.step()`` at their ends, exactly as it
+does without zswap, so the same arguments and seed give the same losses and weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from .. import schedules
+from ..checkpoint import save_weights
+from ..config import load_config
+from ..errors import ConfigError, ZswapError
+from ..params import param_state
+from ..runtime import Engine, initialize
+from . import _fill
+from ._optim import EngineStepper, check_elementwise, to_zswap
+
+ENGINE_KEYS_DROPPED = (
+    "optimizer",
+    "scheduler",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+)
+"""Keys the Trainer honours itself (checked against the arguments by `_fill`), kept from the engine so
+that it does not apply them a second time."""
+
+
+class Trainer(transformers.Trainer):
+    """A ``transformers.Trainer`` for a model built or loaded under ``zswap.Init``.
+
+    Args:
+        zswap_config: a zswap / DeepSpeed config (a path to a JSON file, a mapping, a `zswap.ZswapConfig`
+            or ``None``), in the layout Hugging Face's DeepSpeed integration takes: ``"auto"`` values are
+            filled from ``args`` as transformers fills a DeepSpeed config, and a value given explicitly
+            must agree with ``args`` (a `ConfigError` lists those that do not). The caller's mapping is
+            never modified.
+        everything else: as ``transformers.Trainer``. ``optimizers=(optimizer, scheduler)`` may pass a
+            torch optimizer over the model's params, stepped by the engine as given (its state in memory).
+
+    One process, one device: several ranks (``torchrun``) and ``n_gpu > 1`` are refused, as is ``fp16``
+    mixed precision (a gradient scaler cannot see zswap's gradients: build the model in fp16 under
+    ``Init`` with the config's ``fp16`` section instead). ``engine`` is the `zswap.Engine` (open from
+    construction on, so ``evaluate`` works before ``train``); ``close()`` closes it.
+    """
+
+    def __init__(
+        self, model: Any = None, args: Any = None, *rest: Any, zswap_config: Any = None, **kwargs: Any
+    ):
+        if model is None:
+            raise ZswapError(
+                "zswap.transformers.Trainer needs model= (built or loaded under zswap.Init); model_init is "
+                "not supported"
+            )
+        if args is None:
+            args = transformers.TrainingArguments(output_dir="trainer_output")
+        _refuse(args)
+        self.zswap_config: dict[str, Any] = _fill.process(zswap_config, args)
+        """The config with the arguments' values filled in (a private copy)."""
+        _check_dtype(model, load_config(self.zswap_config))  # every check, before anything is built
+        self.engine: Engine | None = None
+        self._grad_norm: torch.Tensor | None = None
+        super().__init__(model, args, *rest, **kwargs)
+        # zswap places params and buffers on the compute device itself; a model.to() from Accelerate would
+        # move the empty tensors standing for partitioned params. Inputs are moved by the Trainer.
+        self.accelerator.device_placement = False
+        self.create_optimizer()
+
+    # -- optimizer, engine, schedule ---------------------------------------------------------------------
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        if self.engine is not None:
+            return self.optimizer
+        given = self.optimizer
+        if given is None:
+            client = super().create_optimizer(model)
+            self.optimizer = None
+        cfg = load_config(self.zswap_config)
+        if given is not None:
+            check_elementwise(given, "the optimizer passed in optimizers=")
+        optimizer = given if given is not None else to_zswap(client, cfg)
+        engine_cfg = {k: v for k, v in self.zswap_config.items() if k not in ENGINE_KEYS_DROPPED}
+        # Clipping at infinity computes the global norm (logged as grad_norm) and never scales.
+        clip = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+        model_: Any = self.model
+        self.engine = initialize(
+            model_,
+            engine_cfg,
+            optimizer=optimizer,
+            max_grad_norm=clip if clip is not None else float("inf"),
+            device=self.args.device,
+        )
+        if given is None:
+            self.engine.adopt_optimizer()  # built here: closed with the engine
+        self.optimizer = EngineStepper(self.engine, self._stepped)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if self.lr_scheduler is None:
+            assert self.engine is not None  # started in __init__
+            filled = _fill.finalize(self.zswap_config, self.args, num_training_steps)
+            cfg = load_config(filled)
+            if cfg.scheduler is not None:
+                self.lr_scheduler = schedules.build(cfg.scheduler, self.engine.optimizer)  # type: ignore[assignment]
+                self._created_lr_scheduler = True
+            else:
+                super().create_scheduler(num_training_steps, optimizer=self.engine.optimizer)
+        return self.lr_scheduler
+
+    # -- the step ------------------------------------------------------------------------------------------
+
+    def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+        # Called before optimizer.step(); the engine takes the norm (and clips) inside that step. The
+        # tensor returned is what the Trainer logs later as grad_norm: `_stepped` fills it in.
+        self._grad_norm = torch.tensor(float("nan"))
+        return self._grad_norm
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        return self._clip_grad_norm(model) if grad_norm is None else grad_norm
+
+    def _stepped(self, norm: float | None) -> None:
+        if self._grad_norm is not None and norm is not None:
+            self._grad_norm.fill_(norm)
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        pass  # the engine computes on args.device; partitions stay on their offload tier
+
+    # -- saving and resuming -----------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Consolidated weights in the Hugging Face layout (`zswap.save_weights`, one param in memory at a
+        time; ``config.json`` included), plus the generation config, the processing class and the
+        arguments, as the Trainer saves them."""
+        out: str = str(self.args.output_dir if output_dir is None else output_dir)
+        os.makedirs(out, exist_ok=True)
+        model: Any = self.model
+        save_weights(model, out)
+        if self.args.should_save:
+            generation = getattr(self.model, "generation_config", None)
+            if generation is not None and getattr(self.model, "can_generate", lambda: False)():
+                generation.save_pretrained(out)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(out)
+            torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        assert self.engine is not None
+        self.engine.save_checkpoint(output_dir)  # params, optimizer state, counters: streamed
+        if self.args.should_save:
+            schedule: Any = self.lr_scheduler
+            torch.save(schedule.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        pass  # the weights come back with the engine checkpoint (`_load_optimizer_and_scheduler`)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        assert self.engine is not None
+        if not os.path.isfile(os.path.join(checkpoint, "latest")):
+            raise ZswapError(
+                f"{checkpoint} holds no zswap engine checkpoint (no 'latest' file): resume_from_checkpoint "
+                "takes a checkpoint folder this Trainer saved"
+            )
+        self.engine.load_checkpoint(checkpoint)
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(path):
+            schedule: Any = self.lr_scheduler
+            schedule.load_state_dict(torch.load(path, weights_only=True))
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the engine (hooks removed, the optimizer state freed); the model keeps its params."""
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _check_dtype(model: Any, cfg: Any) -> None:
+    """The dtype the filled config asks for (``bf16.enabled: "auto"`` and ``bf16=True``) is the params'
+    dtype only if ``Init`` saw it: the model was built before this Trainer, so say so rather than train in
+    another dtype than the config says."""
+    want = cfg.torch_dtype()
+    if want is None:
+        return
+    have = {st.dtype for p in model.parameters() if (st := param_state(p)) is not None}
+    if have and have != {want}:
+        section = "bf16" if want == torch.bfloat16 else "fp16"
+        raise ConfigError(
+            f"zswap_config's {section}.enabled is true (given, or filled from the TrainingArguments) but the "
+            f"model's params are {', '.join(sorted(str(d) for d in have))}: Init decides the params' dtype, "
+            "so build or load the model under zswap.Init(zswap.transformers.fill_config(config, args))"
+        )
+
+
+def _refuse(args: Any) -> None:
+    if args.fp16 or args.fp16_full_eval:
+        raise ConfigError(
+            "TrainingArguments(fp16=True) uses a gradient scaler that cannot see zswap's gradients: build "
+            "the model in fp16 under zswap.Init and set the config's 'fp16' section (the engine scales the "
+            "loss)"
+        )
+    if args.world_size > 1 or args.n_gpu > 1:
+        raise ZswapError(
+            f"zswap.transformers.Trainer runs one process on one device (world_size={args.world_size}, "
+            f"n_gpu={args.n_gpu}); for several ranks train with zswap.initialize and engine.step() (or "
+            "zswap.lightning.ZswapStrategy)"
+        )

@@ -1,0 +1,226 @@
+"""Nothing silent: each way of stepping, clipping, running or configuring that zswap cannot honour raises,
+naming the zswap way, instead of doing nothing.
+
+- a torch optimizer's ``step()`` (zswap's own included) over managed params outside ``engine.step()``;
+- ``torch.nn.utils.clip_grad_norm_`` over managed params (it would see no gradient and return 0);
+- a forward with no open engine (``initialize`` forgotten, or after ``close()``), which torch would fail
+  with ``'weight' must be 2-D``;
+- ``initialize`` of a model on the meta device;
+- a top-level config key that is a near miss of a section zswap reads;
+- any engine call after ``close()`` (`zswap.EngineClosedError`);
+- the ignored-keys warning, read by ``zswap.deepspeed``'s ``zero.Init`` and ``initialize``: once.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import zswap
+import zswap.deepspeed
+
+STEP = (
+    "{name}.step() over params zswap partitioned does nothing: their data and gradients live in zswap's "
+    "stores, which only engine.step() applies the optimizer to. Call engine.step() after backward (engine = "
+    "zswap.initialize(model, config, optimizer=...)), and let it clip (max_grad_norm= or the config's "
+    "'gradient_clipping'); with the Hugging Face Trainer use zswap.transformers.Trainer"
+)
+CLIP = (
+    "torch.nn.utils.clip_grad_norm_ over params zswap partitioned cannot see their gradients (they live in "
+    "zswap's gradient store, not in p.grad) and would return 0 without clipping: let engine.step() clip by "
+    "the global norm instead — zswap.initialize(..., max_grad_norm=...) or the config's "
+    "'gradient_clipping' — and read the norm from engine.last_grad_norm"
+)
+FORWARD = (
+    "Linear has params zswap partitioned that are not gathered, and no open zswap Engine runs them ({why}): "
+    "call engine = zswap.initialize(model, config) before running the model, or run it inside "
+    "`with zswap.GatheredParameters(model.parameters()):`"
+)
+CLOSED = "this zswap Engine is closed: build a new one with zswap.initialize"
+
+
+def _cfg(tmp_path) -> dict:
+    return {
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "stage3_param_persistence_threshold": 0,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+
+
+def _model(cfg) -> nn.Module:
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _snapshot(model) -> list[torch.Tensor]:
+    with zswap.GatheredParameters(list(model.parameters())):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _raises(exc_type, message):
+    return pytest.raises(exc_type, match=f"^{re.escape(message)}$")
+
+
+def test_optimizer_step_outside_engine_step_raises(tmp_path):
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    with zswap.initialize(model, cfg) as engine:
+        model(torch.randn(3, 4)).square().sum().backward()
+        before = _snapshot(model)
+        with _raises(zswap.ZswapError, STEP.format(name="OffloadedAdamW")):
+            engine.optimizer.step()
+        foreign = torch.optim.SGD(model.parameters(), lr=0.1)
+        with _raises(zswap.ZswapError, STEP.format(name="SGD")):
+            foreign.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model), strict=True))
+        engine.step()  # the zswap way: trains, with the same optimizer
+        assert all(not torch.equal(a, b) for a, b in zip(before, _snapshot(model), strict=True))
+
+
+def test_optimizers_over_plain_params_are_untouched(tmp_path):
+    """The guard only looks at zswap's params: a plain model's optimizer and clipping work as ever."""
+    cfg = _cfg(tmp_path)
+    _model(cfg)  # guards installed
+    plain = nn.Linear(3, 3)
+    plain(torch.randn(2, 3)).sum().backward()
+    want = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.parameters()]))
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)
+    assert float(norm) == pytest.approx(float(want), rel=1e-6)
+    before = plain.weight.detach().clone()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    assert not torch.equal(before, plain.weight)
+
+
+def test_clip_grad_norm_over_managed_params_raises(tmp_path):
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    with zswap.initialize(model, cfg, max_grad_norm=1e-3) as engine:
+        model(torch.randn(3, 4)).square().sum().backward()
+        with _raises(zswap.ZswapError, CLIP):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with _raises(zswap.ZswapError, CLIP):
+            torch.nn.utils.clip_grad.clip_grad_norm_(list(model.parameters()), 1.0)
+        engine.step()
+        assert engine.last_grad_norm is not None and engine.last_grad_norm > 1e-3  # the engine's clipping
+
+
+def test_forward_without_an_engine_raises(tmp_path):
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    x = torch.randn(3, 4)
+    with _raises(zswap.ZswapError, FORWARD.format(why="zswap.initialize was not called for them")):
+        model(x)
+    engine = zswap.initialize(model, cfg)
+    want = model(x).detach()
+    engine.close()
+    with _raises(zswap.ZswapError, FORWARD.format(why="its engine was closed")):
+        model(x)
+    with zswap.GatheredParameters(list(model.parameters())):  # the other way named in the message
+        assert torch.equal(model(x), want)
+
+
+def test_initialize_refuses_a_meta_model(tmp_path):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4))
+    with _raises(
+        zswap.ZswapError,
+        "param '0.weight' of the model is on the meta device (no values): build the model under "
+        "zswap.Init(config) — or load it with from_pretrained under zswap.Init — instead of on the meta "
+        "device, then call zswap.initialize",
+    ):
+        zswap.initialize(model, _cfg(tmp_path))
+    assert zswap.param_state(model[0].weight) is None  # refused before anything was partitioned
+
+
+@pytest.mark.parametrize(
+    ("key", "section"),
+    [
+        ("zero_optimisation", "zero_optimization"),
+        ("optimiser", "optimizer"),
+        ("bf_16", "bf16"),
+        ("FP16", "fp16"),
+        ("schedular", "scheduler"),
+        ("gradient_clip", "gradient_clipping"),
+        ("offload_params", "offload_param"),
+    ],
+)
+def test_top_level_near_miss_is_an_error(key, section):
+    with _raises(
+        zswap.ConfigError,
+        f"unknown top-level key {key!r}: did you mean {section!r}? zswap reads {section!r} and would ignore "
+        f"{key!r} (keys outside zswap's sections are left to DeepSpeed)",
+    ):
+        zswap.load_config({key: {}})
+
+
+def test_full_deepspeed_config_still_loads(tmp_path):
+    """A DeepSpeed / Hugging Face config keeps its many other top-level keys, some close to zswap's."""
+    cfg = {
+        **_cfg(tmp_path),
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_accumulation_dtype": "fp32",
+        "gradient_clipping": "auto",
+        "gradient_predivide_factor": 1.0,
+        "steps_per_print": 2000,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "communication_data_type": "fp32",
+        "prescale_gradients": False,
+        "activation_checkpointing": {"partition_activations": False},
+        "checkpoint": {"use_node_local_storage": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "amp": {"enabled": False},
+        "tensorboard": {"enabled": False},
+        "flops_profiler": {"enabled": False},
+        "comms_logger": {"enabled": False},
+    }
+    loaded = zswap.load_config(cfg)
+    assert loaded.offload_param.device == "nvme"
+
+
+def test_engine_calls_after_close_raise_engine_closed_error(tmp_path):
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    engine = zswap.initialize(model, cfg)
+    engine.close()
+    assert issubclass(zswap.EngineClosedError, zswap.ZswapError)
+    with _raises(zswap.EngineClosedError, CLOSED):
+        engine.step()
+    with _raises(zswap.EngineClosedError, CLOSED):
+        engine.zero_grad()
+    with _raises(zswap.EngineClosedError, CLOSED):
+        engine.backward(torch.ones((), requires_grad=True))
+    with _raises(zswap.EngineClosedError, CLOSED):
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with _raises(zswap.EngineClosedError, CLOSED):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    with _raises(zswap.EngineClosedError, CLOSED):
+        engine.get_lr()
+
+
+def test_ignored_keys_warning_once_through_zswap_deepspeed(tmp_path):
+    cfg = _cfg(tmp_path)
+    cfg["zero_optimization"]["overlap_comm"] = True
+    cfg["train_micro_batch_size_per_gpu"] = 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # what a user's script gets: repeats from one place shown once
+        with zswap.deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = nn.Linear(4, 4)
+        engine, *_ = zswap.deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        engine.close()
+    ignored = [str(w.message) for w in caught if issubclass(w.category, zswap.ZswapWarning)]
+    assert ignored == [
+        "zswap ignores these DeepSpeed settings, which tune DeepSpeed's own machinery and change no result: "
+        "zero_optimization.overlap_comm"
+    ]

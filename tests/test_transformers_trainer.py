@@ -1,0 +1,373 @@
+"""`zswap.transformers.Trainer` against the plain ``transformers.Trainer``: the same arguments and seed give
+the same losses, logged gradient norms and learning rates, and the same weights (rtol 1e-4), with a linear
+schedule with warmup, weight decay (biases and LayerNorms excluded), clipping that bites and gradient
+accumulation 2; `save_model` writes what plain ``from_pretrained`` loads; a run stopped at a checkpoint and
+resumed with ``resume_from_checkpoint=True`` ends with the weights of an uninterrupted run. An Accelerate
+loop over a zswap model is refused at its first step, naming ``engine.step()``."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zswap
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import zswap.transformers as zt  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
+
+RTOL, ATOL = 1e-4, 1e-6
+MAX_NORM = 0.05  # the tiny GPT-2's gradient norms are above 1: every step is clipped
+
+
+def _build() -> Any:
+    # Dropout off: the two runs must not depend on how many random numbers anything else draws.
+    config = transformers.GPT2Config(
+        vocab_size=128,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _data() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(16):
+        ids = torch.randint(0, 128, (12,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _args(out: Path, **extra: Any) -> Any:
+    kwargs: dict[str, Any] = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 4,
+        "learning_rate": 5e-3,
+        "weight_decay": 0.1,
+        "warmup_steps": 1,
+        "lr_scheduler_type": "linear",
+        "max_grad_norm": MAX_NORM,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "seed": 0,
+        "use_cpu": True,
+        "disable_tqdm": True,
+    }
+    kwargs.update(extra)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def _config(tmp_path: Path) -> dict[str, Any]:
+    """A Hugging Face-style DeepSpeed config: everything the arguments decide left "auto"."""
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "stage3_param_persistence_threshold": 0,
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "gradient_clipping": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "steps_per_print": 100,
+    }
+
+
+def _zswap_model(cfg: Any) -> Any:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            return _build()
+
+
+def _logged(trainer: Any) -> list[tuple[float, float, float]]:
+    return [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def _weights(model: Any) -> dict[str, torch.Tensor]:
+    with zswap.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[tuple[float, float, float]], dict]:
+    """The plain Trainer's logs and final weights."""
+    torch.manual_seed(0)
+    model = _build()
+    trainer = transformers.Trainer(
+        model=model, args=_args(tmp_path_factory.mktemp("plain")), train_dataset=_data()
+    )
+    trainer.train()
+    return _logged(trainer), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=RTOL, atol=ATOL), name
+
+
+def test_trains_like_the_plain_trainer(reference, tmp_path):
+    want_logs, want_weights = reference
+    cfg = _config(tmp_path)
+    given = copy.deepcopy(cfg)
+    model = _zswap_model(cfg)
+    trainer = zt.Trainer(model=model, args=_args(tmp_path / "out"), train_dataset=_data(), zswap_config=cfg)
+    assert cfg == given  # "auto" filled in a private copy
+    assert trainer.zswap_config["optimizer"]["params"] == {
+        "lr": 5e-3,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+    }
+    assert trainer.zswap_config["gradient_clipping"] == MAX_NORM
+    assert trainer.zswap_config["train_batch_size"] == 4
+    opt = trainer.engine.optimizer
+    assert isinstance(opt, zswap.optim.OffloadedAdamW) and opt.tier == "nvme"
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("bias") or ".ln_" in names[id(p)] for p in no_decay["params"])
+    assert not any(names[id(p)].endswith("bias") for p in decay["params"])
+    trainer.train()
+    got = _logged(trainer)
+    assert len(got) == len(want_logs) == 4
+    for (loss, norm, lr), (want_loss, want_norm, want_lr) in zip(got, want_logs, strict=True):
+        assert loss == pytest.approx(want_loss, rel=RTOL)
+        assert norm == pytest.approx(want_norm, rel=RTOL)  # the true global norm, before clipping
+        assert lr == pytest.approx(want_lr, rel=1e-12)
+    assert min(norm for _, norm, _ in got) > MAX_NORM  # clipping changed every step
+    assert [lr for _, _, lr in got][:2] == [0.0, 5e-3]  # warmup, then linear decay
+    _assert_weights(_weights(model), want_weights)
+    trainer.close()
+
+
+def test_save_model_loads_with_plain_from_pretrained(reference, tmp_path):
+    _, want_weights = reference
+    cfg = _config(tmp_path)
+    model = _zswap_model(cfg)
+    trainer = zt.Trainer(model=model, args=_args(tmp_path / "out"), train_dataset=_data(), zswap_config=cfg)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = {p.name for p in (tmp_path / "saved").iterdir()}
+    assert {"config.json", "model.safetensors", "training_args.bin"} <= saved
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved"))
+    got = dict(loaded.named_parameters())
+    mine = _weights(model)
+    for name, value in mine.items():
+        assert torch.equal(got[name].detach(), value), name
+    _assert_weights({n: p.detach() for n, p in got.items()}, want_weights)
+    trainer.close()
+
+
+class _StopAt(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def test_resume_from_checkpoint_is_exact(reference, tmp_path):
+    _, want_weights = reference
+    cfg = _config(tmp_path)
+    out = tmp_path / "run"
+    args = _args(out, save_strategy="steps", save_steps=2)
+    first = zt.Trainer(
+        model=_zswap_model(cfg), args=args, train_dataset=_data(), zswap_config=cfg, callbacks=[_StopAt(2)]
+    )
+    first.train()
+    first.close()
+    assert first.state.global_step == 2
+    ckpt = out / "checkpoint-2"
+    assert (ckpt / "latest").is_file() and (ckpt / "scheduler.pt").is_file()  # the engine checkpoint
+    model = _zswap_model(cfg)  # fresh weights: the checkpoint must bring back the trained ones
+    second = zt.Trainer(model=model, args=args, train_dataset=_data(), zswap_config=cfg)
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 4
+    _assert_weights(_weights(model), want_weights)
+    second.close()
+
+
+def test_config_file_and_config_section_schedule(tmp_path):
+    """A config file with a scheduler section: its "auto" step counts are filled at train time, and a value
+    that disagrees with the arguments is refused with every mismatch listed."""
+    import json
+
+    cfg = {
+        **_config(tmp_path),
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                       "total_num_steps": "auto", "warmup_type": "linear"},
+        },
+    }  # fmt: skip
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    trainer = zt.Trainer(
+        model=_zswap_model(cfg), args=_args(tmp_path / "out"), train_dataset=_data(), zswap_config=path
+    )
+    trainer.train()
+    assert isinstance(trainer.lr_scheduler, zswap.schedules.WarmupDecayLR)
+    # DeepSpeed's WarmupDecayLR, stepped once per optimizer step from iteration -1 (warmup_min_lr): warmup
+    # over at least 2 steps (warmup_num_steps, 1 here, is raised to 2), then down to 0 at step 4.
+    assert [lr for _, _, lr in _logged(trainer)] == pytest.approx([0.0, 0.0, 0.0025, 0.005], abs=1e-15)
+    assert trainer.lr_scheduler.total_num_steps == 4
+    trainer.close()
+
+    bad = {**_config(tmp_path), "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 8}
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_zswap_model(cfg), args=_args(tmp_path / "o2"), zswap_config=bad)
+    assert str(info.value) == (
+        "zswap_config disagrees with the TrainingArguments:\n"
+        "- train_micro_batch_size_per_gpu=8 vs TrainingArguments per_device_train_batch_size=2\n"
+        "- gradient_clipping=1.0 vs TrainingArguments max_grad_norm=0.05\n"
+        'set these keys to "auto" (filled from the arguments) or make the two agree'
+    )
+
+
+def test_fp16_arguments_are_refused(tmp_path):
+    with pytest.raises(
+        zswap.ConfigError, match=re.escape("TrainingArguments(fp16=True) uses a gradient scaler")
+    ):
+        zt.Trainer(model=_build(), args=_args(tmp_path, fp16=True), zswap_config=_config(tmp_path))
+
+
+def test_accelerate_loop_is_refused_at_the_first_step(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    cfg = _config(tmp_path)
+    cfg["optimizer"]["params"] = {"lr": 1e-3}
+    model = _zswap_model(cfg)
+    engine = zswap.initialize(model, cfg)
+    accelerator = Accelerator(cpu=True)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = accelerator.prepare(model, opt)
+        batch = _data()[0]
+        loss = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss
+        accelerator.backward(loss)
+        # Accelerate 1.x takes the norm of p.grad itself (no torch clip_grad_norm_ to refuse): None for every
+        # managed param, so 0 — the step that follows is what refuses.
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(zswap.ZswapError) as step:
+            opt.step()
+        assert str(step.value).startswith(
+            "AdamW.step() over params zswap partitioned does nothing: their data and gradients live in "
+            "zswap's stores, which only engine.step() applies the optimizer to."
+        )
+        before = _weights(model)
+        engine.step()  # the zswap way trains
+        after = _weights(model)
+        assert all(not torch.equal(before[n], after[n]) for n in before)
+    finally:
+        engine.close()
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_given_optimizer_no_clipping_and_evaluate(tmp_path):
+    """``optimizers=(SGD, None)`` is stepped by the engine as given; ``max_grad_norm=0`` still logs the true
+    norm and never clips; ``evaluate`` works before and after training, as the plain Trainer's."""
+    args = {"max_grad_norm": 0.0, "lr_scheduler_type": "constant", "warmup_steps": 0}
+    data = _data()
+    torch.manual_seed(0)
+    ref = _build()
+    plain = transformers.Trainer(
+        model=ref,
+        args=_args(tmp_path / "plain", **args),
+        train_dataset=data,
+        eval_dataset=data[:4],
+        optimizers=(torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9), None),
+    )
+    want_before = plain.evaluate()["eval_loss"]
+    plain.train()
+    want_after = plain.evaluate()["eval_loss"]
+
+    cfg = _config(tmp_path)
+    del cfg["optimizer"]
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    model = _zswap_model(cfg)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    trainer = zt.Trainer(
+        model=model,
+        args=_args(tmp_path / "z", **args),
+        train_dataset=data,
+        eval_dataset=data[:4],
+        optimizers=(sgd, None),
+        zswap_config=cfg,
+    )
+    assert trainer.engine.optimizer is sgd
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(want_before, rel=1e-6)
+    trainer.train()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(want_after, rel=RTOL)
+    got, want = _logged(trainer), _logged(plain)
+    for (loss, norm, _), (want_loss, want_norm, _) in zip(got, want, strict=True):
+        assert loss == pytest.approx(want_loss, rel=RTOL)
+        assert norm == pytest.approx(want_norm, rel=RTOL)
+    _assert_weights(_weights(model), {n: p.detach() for n, p in ref.named_parameters()})
+    trainer.close()
+
+
+def test_shape_dependent_optimizer_is_refused(tmp_path):
+    """Adafactor factors a matrix's second moment by rows and columns: over a flat partition it would
+    compute something else, silently. Refused, naming what works."""
+    cfg = _config(tmp_path)
+    del cfg["optimizer"]
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_zswap_model(cfg), args=_args(tmp_path / "o", optim="adafactor"), zswap_config=cfg)
+    assert str(info.value).startswith(
+        "the optimizer TrainingArguments.optim builds is Adafactor; zswap steps each param as its flat "
+        "partition, which only an element-wise optimizer (SGD, Adam, AdamW, "
+    )
+
+
+def test_bf16_auto_needs_the_filled_config_at_init(tmp_path):
+    """``bf16.enabled: "auto"`` with ``bf16=True`` means bf16 params, which only Init can give: a model built
+    from the unfilled config (fp32) is refused; built under ``Init(fill_config(config, args))`` it is bf16
+    and trains."""
+    cfg = _config(tmp_path)
+    cfg["bf16"] = {"enabled": "auto"}
+    args = _args(tmp_path / "o", bf16=True, max_steps=1, gradient_accumulation_steps=1)
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_zswap_model(cfg), args=args, train_dataset=_data(), zswap_config=cfg)
+    assert str(info.value) == (
+        "zswap_config's bf16.enabled is true (given, or filled from the TrainingArguments) but the model's "
+        "params are torch.float32: Init decides the params' dtype, so build or load the model under "
+        "zswap.Init(zswap.transformers.fill_config(config, args))"
+    )
+    filled = zt.fill_config(cfg, args)
+    assert filled["bf16"] == {"enabled": True} and cfg["bf16"] == {"enabled": "auto"}
+    model = _zswap_model(filled)
+    assert {zswap.param_state(p).dtype for p in model.parameters()} == {torch.bfloat16}
+    trainer = zt.Trainer(model=model, args=args, train_dataset=_data(), zswap_config=cfg)
+    trainer.train()
+    (loss, norm, _), *_ = _logged(trainer)
+    assert torch.isfinite(torch.tensor([loss, norm])).all()
+    trainer.close()
