@@ -45,7 +45,13 @@ impl Thp {
         }
     }
 
+    /// The policy for this process: the system's, or `Never` where the process has THP disabled
+    /// (`prctl(PR_SET_THP_DISABLE)`, inherited across fork and exec; some container runtimes set it).
     pub fn read() -> Thp {
+        // SAFETY: PR_GET_THP_DISABLE takes no pointers and only reports a flag of this process.
+        if unsafe { libc::prctl(libc::PR_GET_THP_DISABLE, 0, 0, 0, 0) } == 1 {
+            return Thp::Never;
+        }
         std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
             .map_or(Thp::Never, |s| Thp::parse(&s))
     }
