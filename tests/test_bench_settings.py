@@ -14,8 +14,8 @@ from zswap.cli import main
 from zswap.swap import SwapEngine
 
 NAMES = [
-    "block size", "queue depth", "worker rings", "engine buffers", "bounce buffers", "fresh read destinations",
-    "drive",
+    "block size", "queue depth", "worker rings", "engine buffers", "bounce buffers",
+    "fresh read destinations", "drive",
 ]  # fmt: skip
 
 
@@ -56,7 +56,8 @@ def test_bench_runs_with_the_engines_pick_and_prints_why(
     assert f"{depth_value}: {depth_why}" == info["queue_depth_reason"]
     assert settings["worker rings"] == [str(info["threads"]), bench.settings(info, False)["worker rings"][1]]
     assert settings["engine buffers"][0] == info["buffer_pages"]
-    assert settings["fresh read destinations"][0] == ("huge pages" if info["huge_destinations"] else "base pages")
+    pages = "huge pages" if info["huge_destinations"] else "base pages"
+    assert settings["fresh read destinations"][0] == pages
 
 
 def test_given_settings_are_reported_as_given(
