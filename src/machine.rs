@@ -195,38 +195,78 @@ pub fn plan_io(limits: Option<&QueueLimits>, page: usize) -> IoPlan {
     }
 }
 
-/// Whether advising a fresh read destination `MADV_HUGEPAGE` makes its first touch cheaper, measured
-/// once per process: faults in fresh mappings as huge pages and as base pages and compares the time.
+/// Whether a bounced read advises its fresh destination `MADV_HUGEPAGE`, and why; decided once per
+/// process.
 ///
 /// Usually a huge page costs one fault instead of 512. On a VM whose balloon reports free memory to
-/// the host (virtio-balloon free page reporting hands back free 2 MiB blocks), a huge page comes from
-/// such a block and its first touch makes the host fault every 4 KiB of it back in, while base pages
-/// come from fragments the host still backs: measured on the bench VM at 0.3 GB/s for huge pages
-/// against 1.0-1.7 GB/s for base pages (and 6-20 GB/s for huge pages recycled before the host took
-/// them back). The probe costs well under 1 ms where huge pages are cheap, about 80 ms where not.
-/// Every probe mapping stays mapped until all are timed, so none reuses memory another just freed.
-pub fn huge_destinations_pay() -> bool {
-    static ANSWER: OnceLock<bool> = OnceLock::new();
+/// the host (virtio-balloon free page reporting, feature bit 5, hands back free 2 MiB blocks), a huge
+/// page comes from such a block and its first touch makes the host fault every 4 KiB of it back in,
+/// while base pages mostly come from fragments the host still backs. Measured on the bench VM, reading
+/// 1 GiB into a fresh torch tensor: 0.2-0.65 GB/s (1.7-2.4 s CPU) advised, 0.9-1.5 GB/s (0.4 s)
+/// not; faulting in 1 GiB alone: 0.3 GB/s huge, 1.7 GB/s base. A small probe cannot see this (a few
+/// MiB find recycled blocks the host still backs), so the balloon feature decides; elsewhere a probe
+/// compares first-touch times.
+pub fn huge_destinations() -> (bool, &'static str) {
+    static ANSWER: OnceLock<(bool, &'static str)> = OnceLock::new();
     *ANSWER.get_or_init(|| {
         if !Thp::read().usable() {
-            return false;
+            return (false, "transparent huge pages are off");
         }
-        const PROBE: usize = 2 * HUGE_PAGE;
-        let mut maps = Vec::new();
-        // Total of two each, alternated. Huge-page first touch is bimodal where memory goes back to the
-        // host (4 MiB in 0.7 ms when the blocks were recycled, 35 ms when the host took them back),
-        // base pages steady (about 5 ms): the total weighs both outcomes as they come here.
-        let (mut huge, mut small) = (0.0, 0.0);
-        for _ in 0..2 {
-            huge += first_touch(PROBE, true, &mut maps);
-            small += first_touch(PROBE, false, &mut maps);
+        if balloon_reports_free_pages() {
+            return (
+                false,
+                "the VM's balloon reports free memory to the host (virtio-balloon free page \
+                 reporting): a fresh huge page is faulted back in 4 KiB at a time",
+            );
         }
-        for m in maps {
-            // SAFETY: unmapping a probe mapping made by `first_touch`, which nothing else refers to.
-            unsafe { libc::munmap(m.0, m.1) };
+        if huge_first_touch_pays() {
+            (
+                true,
+                "first touch measured at open: huge pages no slower than base pages",
+            )
+        } else {
+            (
+                false,
+                "first touch measured at open: huge pages slower than base pages",
+            )
         }
-        huge.is_finite() && huge <= small
     })
+}
+
+/// Whether a virtio balloon with free page reporting is bound here (its `features` file lists the
+/// device's feature bits as '0'/'1' characters, bit 0 first).
+fn balloon_reports_free_pages() -> bool {
+    let Ok(dir) = std::fs::read_dir("/sys/bus/virtio/drivers/virtio_balloon") else {
+        return false;
+    };
+    dir.flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("virtio"))
+        .any(|e| {
+            std::fs::read_to_string(e.path().join("features")).is_ok_and(|f| reports_free_pages(&f))
+        })
+}
+
+/// VIRTIO_BALLOON_F_REPORTING is feature bit 5 (linux/virtio_balloon.h, Linux 5.8).
+pub fn reports_free_pages(features: &str) -> bool {
+    features.trim().as_bytes().get(5) == Some(&b'1')
+}
+
+/// Faults in fresh mappings as huge pages and as base pages and compares the time. Every probe
+/// mapping stays mapped until all are timed, so none reuses memory another just freed.
+fn huge_first_touch_pays() -> bool {
+    const PROBE: usize = 2 * HUGE_PAGE;
+    let mut maps = Vec::new();
+    // Total of two each, alternated: either kind's first touch can be slowed by an unrelated stall.
+    let (mut huge, mut small) = (0.0, 0.0);
+    for _ in 0..2 {
+        huge += first_touch(PROBE, true, &mut maps);
+        small += first_touch(PROBE, false, &mut maps);
+    }
+    for m in maps {
+        // SAFETY: unmapping a probe mapping made by `first_touch`, which nothing else refers to.
+        unsafe { libc::munmap(m.0, m.1) };
+    }
+    huge.is_finite() && huge <= small
 }
 
 /// A probe mapping: address and length, unmapped by the caller.
@@ -340,6 +380,18 @@ mod tests {
         let p = plan_io(Some(&l), 4096);
         assert_eq!(p.queue_depth, 64);
         assert!(p.why_depth.contains("nr_requests"));
+    }
+
+    #[test]
+    fn balloon_reporting_is_feature_bit_5() {
+        // The bench VM's balloon: STATS_VQ, DEFLATE_ON_OOM, REPORTING.
+        assert!(reports_free_pages(
+            "0110010100000000000000000000000010000000\n"
+        ));
+        assert!(!reports_free_pages(
+            "0110000100000000000000000000000010000000"
+        ));
+        assert!(!reports_free_pages("0110"));
     }
 
     #[test]

@@ -57,7 +57,7 @@ def test_bench_runs_with_the_engines_pick_and_prints_why(
     assert settings["worker rings"] == [str(info["threads"]), bench.settings(info, False)["worker rings"][1]]
     assert settings["engine buffers"][0] == info["buffer_pages"]
     pages = "huge pages" if info["huge_destinations"] else "base pages"
-    assert settings["fresh read destinations"][0] == pages
+    assert settings["fresh read destinations"] == [pages, info["huge_destinations_reason"]]
 
 
 def test_given_settings_are_reported_as_given(
@@ -87,7 +87,8 @@ def test_settings_without_a_block_device() -> None:
     info: dict[str, object] = {
         "block_size_reason": "1024 KiB: no block device", "queue_depth_reason": "16: 16 MiB in flight",
         "threads": 2, "buffer_pages": "small", "bounce_pages": "small", "bounce_bytes": 16 << 20,
-        "fixed_buffers": False, "huge_destinations": False, "queue_limits": None,
+        "fixed_buffers": False, "huge_destinations": False, "huge_destinations_reason": "THP off",
+        "queue_limits": None,
     }  # fmt: skip
     s = bench.settings(info, threads_given=False)
     assert s["drive"][0] == "none"

@@ -308,9 +308,7 @@ def settings(info: dict[str, object], threads_given: bool) -> dict[str, tuple[st
         ),
         "fresh read destinations": (
             "huge pages" if info["huge_destinations"] else "base pages",
-            "first touch measured at open: faulting in huge pages was "
-            + ("no slower" if info["huge_destinations"] else "slower")
-            + " than base pages here",
+            str(info["huge_destinations_reason"]),
         ),
         "drive": (drive, drive_why),
     }

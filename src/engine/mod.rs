@@ -155,8 +155,9 @@ pub struct Resolved {
     pub why_depth: String,
     /// The drive's request limits (first path with a block device), when readable.
     pub limits: Option<QueueLimits>,
-    /// Whether a bounced read advises its destination `MADV_HUGEPAGE` (`machine::huge_destinations_pay`).
-    pub huge_destinations: bool,
+    /// Whether a bounced read advises its destination `MADV_HUGEPAGE`, and why
+    /// (`machine::huge_destinations`).
+    pub huge_destinations: (bool, &'static str),
     /// Fallbacks taken, one line each, for the caller to warn about.
     pub notes: Vec<String>,
 }
@@ -263,7 +264,7 @@ impl Engine {
             why_block,
             why_depth,
             limits,
-            huge_destinations: crate::machine::huge_destinations_pay(),
+            huge_destinations: crate::machine::huge_destinations(),
             notes,
         };
         Ok(Engine {
@@ -360,7 +361,7 @@ impl Engine {
             }
         };
         let jobs = self.jobs(Op::Read, dst, &target.layout, &target.checksums, &req);
-        if self.resolved.huge_destinations && jobs.iter().any(|j| j.bounce) {
+        if self.resolved.huge_destinations.0 && jobs.iter().any(|j| j.bounce) {
             // Caller's memory: let its untouched pages fault in as huge pages (see buffer.rs), where
             // that was measured to be cheaper here.
             crate::buffer::advise_huge_destination(dst as usize, len);

@@ -202,7 +202,8 @@ impl PyEngine {
         )?;
         d.set_item("block_size_reason", &r.why_block)?;
         d.set_item("queue_depth_reason", &r.why_depth)?;
-        d.set_item("huge_destinations", r.huge_destinations)?;
+        d.set_item("huge_destinations", r.huge_destinations.0)?;
+        d.set_item("huge_destinations_reason", r.huge_destinations.1)?;
         match &r.limits {
             Some(l) => {
                 let q = PyDict::new(py);
