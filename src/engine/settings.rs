@@ -4,7 +4,8 @@
 use super::EngineConfig;
 use crate::error::{Error, Result};
 
-/// Fills defaults and rejects unusable settings, naming the setting and the value.
+/// Rejects unusable settings the caller gave, naming the setting and the value (a block size or queue
+/// depth of 0 is "pick for the drive", filled by `pick` once the swap files are open).
 pub(super) fn validate(cfg: &mut EngineConfig) -> Result<()> {
     let bad = |m: String| Err(Error::InvalidArgument(m));
     if cfg.paths.is_empty() {
