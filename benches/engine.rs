@@ -37,47 +37,52 @@ fn engine_benches(c: &mut Criterion) {
 
     let heap = vec![7u8; PAYLOAD];
     let mut heap_out = vec![0u8; PAYLOAD];
+    // (0, 0) first: the engine's own pick for the drive (`machine::plan_io`), named by what it picked.
+    let mut settings = vec![(0, 0)];
+    for block_size in [256 << 10, 1 << 20, 4 << 20] {
+        settings.extend([4, 16, 64].map(|queue_depth| (block_size, queue_depth)));
+    }
     for backend in [Backend::IoUring, Backend::Psync] {
-        for block_size in [256 << 10, 1 << 20, 4 << 20] {
-            for queue_depth in [4, 16, 64] {
-                let cfg = EngineConfig {
-                    paths: vec![dir.clone()],
-                    block_size,
-                    queue_depth,
-                    backend,
-                    ..Default::default()
-                };
-                let Ok(e) = Engine::new(cfg) else { continue };
-                let buf = e.alloc(PAYLOAD).expect("engine buffer");
-                let id = format!("{backend:?}/bs={}K/qd={queue_depth}", block_size >> 10);
-                // SAFETY (all four): the source and destination live until each call's wait returns.
-                g.bench_function(BenchmarkId::new("write-engine-buffer", &id), |b| {
-                    b.iter(|| unsafe {
-                        e.write("k", buf.as_ptr(), PAYLOAD).unwrap().wait().unwrap()
-                    })
-                });
-                g.bench_function(BenchmarkId::new("read-engine-buffer", &id), |b| {
-                    b.iter(|| unsafe {
-                        e.read("k", buf.as_ptr(), PAYLOAD).unwrap().wait().unwrap()
-                    })
-                });
-                g.bench_function(BenchmarkId::new("write-heap", &id), |b| {
-                    b.iter(|| unsafe {
-                        e.write("h", heap.as_ptr(), PAYLOAD)
-                            .unwrap()
-                            .wait()
-                            .unwrap()
-                    })
-                });
-                g.bench_function(BenchmarkId::new("read-heap", &id), |b| {
-                    b.iter(|| unsafe {
-                        e.read("h", heap_out.as_mut_ptr(), PAYLOAD)
-                            .unwrap()
-                            .wait()
-                            .unwrap()
-                    })
-                });
-            }
+        for &(block_size, queue_depth) in &settings {
+            let cfg = EngineConfig {
+                paths: vec![dir.clone()],
+                block_size,
+                queue_depth,
+                backend,
+                ..Default::default()
+            };
+            let Ok(e) = Engine::new(cfg) else { continue };
+            let buf = e.alloc(PAYLOAD).expect("engine buffer");
+            let r = e.resolved();
+            let picked = if block_size == 0 { "auto/" } else { "" };
+            let id = format!(
+                "{backend:?}/{picked}bs={}K/qd={}",
+                r.block_size >> 10,
+                r.queue_depth
+            );
+            // SAFETY (all four): the source and destination live until each call's wait returns.
+            g.bench_function(BenchmarkId::new("write-engine-buffer", &id), |b| {
+                b.iter(|| unsafe { e.write("k", buf.as_ptr(), PAYLOAD).unwrap().wait().unwrap() })
+            });
+            g.bench_function(BenchmarkId::new("read-engine-buffer", &id), |b| {
+                b.iter(|| unsafe { e.read("k", buf.as_ptr(), PAYLOAD).unwrap().wait().unwrap() })
+            });
+            g.bench_function(BenchmarkId::new("write-heap", &id), |b| {
+                b.iter(|| unsafe {
+                    e.write("h", heap.as_ptr(), PAYLOAD)
+                        .unwrap()
+                        .wait()
+                        .unwrap()
+                })
+            });
+            g.bench_function(BenchmarkId::new("read-heap", &id), |b| {
+                b.iter(|| unsafe {
+                    e.read("h", heap_out.as_mut_ptr(), PAYLOAD)
+                        .unwrap()
+                        .wait()
+                        .unwrap()
+                })
+            });
         }
     }
     for block_size in [256 << 10, 1 << 20, 4 << 20] {

@@ -13,9 +13,10 @@
 
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
+use crate::machine::Thp;
 
 /// Size of a huge page on x86-64 and aarch64 (4 KiB base pages).
 pub const HUGE_PAGE: usize = 2 << 20;
@@ -98,7 +99,11 @@ impl AlignedBuf {
                 });
             }
             // SAFETY: `p` is a mapping of `map_len` bytes we own; madvise only changes paging policy.
-            if huge && unsafe { libc::madvise(p, map_len, libc::MADV_HUGEPAGE) } == 0 {
+            // The call succeeds even where THP is off, so the policy decides what is reported.
+            if huge
+                && unsafe { libc::madvise(p, map_len, libc::MADV_HUGEPAGE) } == 0
+                && thp().usable()
+            {
                 kind = PageKind::Thp;
             }
         }
@@ -218,9 +223,46 @@ pub fn advise_huge_destination(addr: usize, len: usize) {
 /// Best effort, for a read's destination in ordinary memory: faults its pages in now (on the ring
 /// thread, while the block's transfer is in flight) rather than in the copy out of the bounce buffer
 /// after it completes. Contents are not changed; failure (an old kernel) leaves the faults to the copy.
+///
+/// madvise takes a page-aligned start (EINVAL otherwise) and torch's allocator hands out 64-byte
+/// aligned memory, so the range is widened to whole pages: the pages at either end hold some of the
+/// destination's bytes, so they are mapped, and populating never changes a byte of them.
 pub fn prefault_destination(p: *mut u8, len: usize) {
     if len > 0 {
-        madvise_populate(p, len);
+        let (start, span) = page_span(p as usize, len, page_size());
+        madvise_populate(start as *mut u8, span);
+    }
+}
+
+/// The whole pages covering `[addr, addr + len)`: (first page's address, bytes).
+fn page_span(addr: usize, len: usize, page: usize) -> (usize, usize) {
+    let start = addr / page * page;
+    (start, round_up(addr + len, page) - start)
+}
+
+/// The THP policy, read once per process.
+fn thp() -> Thp {
+    static THP: OnceLock<Thp> = OnceLock::new();
+    *THP.get_or_init(Thp::read)
+}
+
+/// What pages a large `alloc` buffer gets when nothing runs short: reserved hugetlb pages when at
+/// least 64 MiB are free, else transparent huge pages when the policy allows, else base pages.
+pub fn buffer_kind() -> PageKind {
+    if crate::machine::hugetlb_free() >= 64 << 20 {
+        PageKind::HugeTlb
+    } else if thp().usable() {
+        PageKind::Thp
+    } else {
+        PageKind::Small
+    }
+}
+
+/// The page size that bounds one physically contiguous run of engine memory (for `plan_io`).
+pub fn buffer_page() -> usize {
+    match buffer_kind() {
+        PageKind::Small => page_size(),
+        _ => HUGE_PAGE,
     }
 }
 
@@ -315,6 +357,47 @@ mod tests {
         advise_huge_destination(b.as_ptr() as usize + 100, b.capacity() - 200);
         prefault_destination(b.as_ptr(), b.capacity());
         assert!(unsafe { b.as_slice() }.iter().all(|&x| x == 7));
+    }
+
+    #[test]
+    fn page_span_covers_unaligned_ranges() {
+        assert_eq!(page_span(4096, 4096, 4096), (4096, 4096));
+        assert_eq!(page_span(4096 + 64, 4096, 4096), (4096, 8192));
+        assert_eq!(page_span(64, 1, 4096), (0, 4096));
+        assert_eq!(page_span(8191, 2, 4096), (4096, 8192));
+    }
+
+    #[test]
+    fn prefaulting_an_unaligned_destination_populates_it() {
+        // Ordinary memory: the mapping is made without populating, as torch's allocator does.
+        let len = 64 * page_size();
+        // SAFETY: anonymous mapping, checked, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let resident = || {
+            let mut v = vec![0u8; len / page_size()];
+            // SAFETY: one byte per page of the mapping.
+            assert_eq!(unsafe { libc::mincore(p, len, v.as_mut_ptr()) }, 0);
+            v.iter().filter(|&&x| x & 1 == 1).count()
+        };
+        assert_eq!(resident(), 0);
+        // SAFETY: inside the mapping.
+        prefault_destination(unsafe { p.cast::<u8>().add(64) }, len - 128);
+        let probe_ok = madvise_populate(p.cast(), page_size());
+        if probe_ok {
+            assert_eq!(resident(), len / page_size());
+        }
+        // SAFETY: unmapping the mapping made above.
+        unsafe { libc::munmap(p, len) };
     }
 
     #[test]

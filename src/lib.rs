@@ -11,6 +11,7 @@ pub mod buffer;
 pub mod copy;
 pub mod engine;
 pub mod error;
+pub mod machine;
 pub mod memcheck;
 pub mod store;
 

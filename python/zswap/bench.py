@@ -15,6 +15,10 @@ kinds) and the ratio:
 Without fio the crate's bare io_uring loop (`baseline.rs`) is the baseline (one write and one read
 figure for every row). Every figure is the best of `repeat` passes; fio and the engine alternate pass by
 pass so a drifting disk moves both.
+
+Unless given, the block size and queue depth are the engine's own picks for the drive (its request
+limits in sysfs and the page size of engine memory), and fio runs with the same two; the table is
+preceded by the settings in force and why each has its value.
 """
 
 from __future__ import annotations
@@ -254,9 +258,60 @@ class BenchResult:
     baseline: list[Rate]
     #: "engine buffers" / "torch tensors" -> the four cases.
     rows: dict[str, list[Row]] = field(default_factory=dict)
+    #: Each setting in force -> (value, why), as printed above the table.
+    settings: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+
+_PAGES = {
+    "hugetlb": "reserved 2 MiB hugetlb pages: a block is one or two physically contiguous runs",
+    "thp": "2 MiB transparent huge pages (THP policy allows): a block is one or two contiguous runs",
+    "small": "base pages (THP off, no hugetlb pages reserved): a request carries max_segments pages",
+}
+
+
+def settings(info: dict[str, object], threads_given: bool) -> dict[str, tuple[str, str]]:
+    """The settings an engine runs with (its `info`) and why each has its value, in print order."""
+
+    def split(reason: object) -> tuple[str, str]:
+        value, _, why = str(reason).partition(": ")
+        return value, why
+
+    limits = info.get("queue_limits")
+    if isinstance(limits, dict):
+        drive = f"{limits['max_sectors_kb']} KiB × {limits['max_segments']}"
+        drive_why = (
+            f"max_sectors_kb × max_segments (sysfs queue/; nr_requests {limits['nr_requests']}): "
+            "a request's limits, which the block size follows"
+        )
+    else:
+        drive, drive_why = "none", "no block device under the path (tmpfs, overlayfs, network)"
+    threads = str(info["threads"])
+    return {
+        "block size": split(info["block_size_reason"]),
+        "queue depth": split(info["queue_depth_reason"]),
+        "worker rings": (
+            threads,
+            "given" if threads_given else "the engine's default: 2, at least one per path, at most the depth",
+        ),
+        "engine buffers": (
+            str(info["buffer_pages"]),
+            _PAGES.get(str(info["buffer_pages"]), "?"),
+        ),
+        "bounce buffers": (
+            f"{info['bounce_pages']}, {int(str(info['bounce_bytes'])) >> 20} MiB",
+            "registered with the ring (READ_FIXED / WRITE_FIXED)"
+            if info["fixed_buffers"]
+            else "not registered (the kernel refused): plain READ / WRITE",
+        ),
+        "fresh read destinations": (
+            "huge pages" if info["huge_destinations"] else "base pages",
+            str(info["huge_destinations_reason"]),
+        ),
+        "drive": (drive, drive_why),
+    }
 
 
 def _ratio(x: float, base: float) -> float | None:
@@ -267,8 +322,8 @@ def run(
     path: Path,
     size: int,
     *,
-    block_size: int = 1 << 20,
-    queue_depth: int = 16,
+    block_size: int | None = None,
+    queue_depth: int | None = None,
     backend: Backend = "auto",
     threads: int | None = None,
     repeat: int = 3,
@@ -287,10 +342,20 @@ def run(
         out.flush()
 
     size = max(4096, size // 4096 * 4096)
+    # What the engine picks for this drive (where not given); fio then runs with the same values.
+    with SwapEngine(
+        path, block_size=block_size, queue_depth=queue_depth, backend=backend, threads=threads
+    ) as e:
+        picked = dict(e.info)
+    block_size, queue_depth = int(picked["block_size"]), int(picked["queue_depth"])
     say(
         f"zswap bench: {size / 2**30:.2f} GiB in {path}, "
         f"block {block_size >> 10} KiB, queue depth {queue_depth}, best of {repeat}"
     )
+    chosen = settings(picked, threads is not None)
+    say("settings (fio runs with the same block size and queue depth):")
+    for name, (value, why) in chosen.items():
+        say(f"  {name:24}{value:>12}  {why}")
     kwargs: dict[str, object] = {
         "block_size": block_size, "queue_depth": queue_depth, "backend": backend, "threads": threads,
     }  # fmt: skip
@@ -331,8 +396,9 @@ def run(
         (raw,) = base
         fio = {"fresh write": (raw.fresh_write, 0.0), "rewrite": (raw.write, 0.0), "read": (raw.read, 0.0)}
     res = BenchResult(
-        str(path), size, block_size, queue_depth, str(info["backend"]), bool(info["direct"]), base
-    )
+        str(path), size, block_size, queue_depth, str(info["backend"]), bool(info["direct"]), base,
+        settings=chosen,
+    )  # fmt: skip
     for kind, figures in eng_best.items():
         rows = []
         for c in CASES:

@@ -155,9 +155,15 @@ def _tune(args: argparse.Namespace) -> int:
     best: tuple[float, int, int] = (0.0, 0, 0)
     with _work_dir(args.path) as d:
         print(f"zswap tune: {args.size / 2**20:.0f} MiB per pass in {d}")
+        with SwapEngine(d) as e:
+            pick = e.info
+        print(f"zswap's pick here (no aio block): block {pick['block_size_reason']}")
+        print(f"{'':24}queue depth {pick['queue_depth_reason']}")
+        block_sizes = args.block_sizes or sorted({256 << 10, 1 << 20, 4 << 20, pick["block_size"]})
+        depths = args.queue_depths or sorted({4, 16, 64, pick["queue_depth"]})
         print(f"{'block':>10}{'depth':>8}{'write GB/s':>13}{'read GB/s':>12}")
-        for bs in args.block_sizes:
-            for qd in args.queue_depths:
+        for bs in block_sizes:
+            for qd in depths:
                 with SwapEngine(d, block_size=bs, queue_depth=qd) as e:
                     r = bench.engine_rate(
                         e, e.empty(args.size // 4, torch.float32), args.repeat, "tune", lambda _: None
@@ -264,9 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--path", type=_directory, help="directory on the drive to test (default: a temp dir)")
     b.add_argument("--size", type=_size, default=1 << 30, help="bytes per pass, e.g. 1GiB (default)")
     b.add_argument(
-        "--block-size", type=_block_size, default=1 << 20, help="4KiB..64MiB, a power of two (default 1MiB)"
+        "--block-size", type=_block_size, help="4KiB..64MiB, a power of two (default: the engine's pick)"
     )
-    b.add_argument("--queue-depth", type=_int_between(1, 4096), default=16, help="1..4096 (default 16)")
+    b.add_argument("--queue-depth", type=_int_between(1, 4096), help="1..4096 (default: the engine's pick)")
     b.add_argument("--backend", choices=["auto", "io_uring", "psync"], default="auto")
     b.add_argument(
         "--threads", type=_int_between(1, 256), default=None, help="engine worker threads (default: auto)"
@@ -282,8 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--path", type=_directory)
     t.add_argument("--size", type=_size, default=256 << 20, help="bytes per pass (default 256MiB)")
-    t.add_argument("--block-sizes", type=_block_size, nargs="+", default=[256 << 10, 1 << 20, 4 << 20])
-    t.add_argument("--queue-depths", type=_int_between(1, 4096), nargs="+", default=[4, 16, 64])
+    t.add_argument(
+        "--block-sizes", type=_block_size, nargs="+", help="default: 256KiB 1MiB 4MiB and the engine's pick"
+    )
+    t.add_argument(
+        "--queue-depths", type=_int_between(1, 4096), nargs="+", help="default: 4 16 64 and the engine's pick"
+    )
     t.add_argument("--repeat", type=positive, default=2)
     t.set_defaults(func=_tune)
 

@@ -66,8 +66,10 @@ class SwapEngine:
 
     Args:
         paths: a directory, or a list of directories on different drives to stripe over.
-        block_size: bytes per transfer, a power of two from 4 KiB to 64 MiB (default 1 MiB).
-        queue_depth: transfers in flight across the engine (default 16).
+        block_size: bytes per transfer, a power of two from 4 KiB to 64 MiB (default: the largest
+            request the drive takes whole, from its sysfs limits, 64 KiB to 4 MiB; 1 MiB without a block
+            device). `info["block_size_reason"]` says why.
+        queue_depth: transfers in flight across the engine (default: 16 MiB in flight, at least 4).
         threads: io_uring rings (default 2, at least one per path); psync uses `queue_depth` threads.
         backend: "io_uring", "psync", or "auto" (io_uring, else psync with a `ZswapWarning`).
         direct: True for O_DIRECT, False for buffered, "auto" (direct, else buffered with a warning).

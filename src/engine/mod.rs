@@ -15,6 +15,7 @@ mod keys;
 mod psync;
 mod queue;
 mod request;
+mod settings;
 mod uring;
 mod workers;
 
@@ -31,7 +32,9 @@ pub use workers::PSYNC_MAX_THREADS;
 
 use crate::buffer::{AlignedBuf, BufferRegistry, PageKind};
 use crate::error::{Error, Feature, Op, Result};
+use crate::machine::{plan_io, QueueLimits};
 use crate::store::{Access, Layout, Store, SwapFile};
+use settings::{finish_validation, pick, validate};
 
 /// Which I/O backend moves the blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,9 +60,10 @@ pub struct EngineConfig {
     /// Swap directories; more than one stripes each key over all of them.
     pub paths: Vec<PathBuf>,
     /// Bytes per block: the unit of one transfer and of striping. A power of two, 4 KiB to 64 MiB.
-    /// Default 1 MiB.
+    /// Default 0: picked from the drive's request limits (`machine::plan_io`).
     pub block_size: usize,
-    /// Blocks in flight across the whole engine (fio's `iodepth` for one job). Default 16.
+    /// Blocks in flight across the whole engine (fio's `iodepth` for one job). Default 0: picked
+    /// with the block size (16 MiB in flight, at least 4 blocks).
     pub queue_depth: usize,
     /// Worker threads: io_uring rings (each with `queue_depth / threads` slots), or for psync the
     /// number of threads doing blocking calls is `queue_depth`. Default: 2 rings, at least one per path.
@@ -80,8 +84,8 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             paths: Vec::new(),
-            block_size: 1 << 20,
-            queue_depth: 16,
+            block_size: 0,
+            queue_depth: 0,
             threads: 0,
             backend: Backend::Auto,
             direct: DirectMode::Auto,
@@ -144,6 +148,16 @@ pub struct Resolved {
     pub fixed_buffers: bool,
     pub bounce_pages: PageKind,
     pub bounce_bytes: usize,
+    /// Pages `alloc` buffers of a huge page or more get where nothing runs short.
+    pub buffer_pages: PageKind,
+    /// Why the block size and queue depth are what they are (picked, or given).
+    pub why_block: String,
+    pub why_depth: String,
+    /// The drive's request limits (first path with a block device), when readable.
+    pub limits: Option<QueueLimits>,
+    /// Whether a bounced read advises its destination `MADV_HUGEPAGE`, and why
+    /// (`machine::huge_destinations`).
+    pub huge_destinations: (bool, &'static str),
     /// Fallbacks taken, one line each, for the caller to warn about.
     pub notes: Vec<String>,
 }
@@ -185,6 +199,13 @@ impl Engine {
             }
             files.push(f);
         }
+        let limits = files
+            .iter()
+            .filter_map(|f| crate::machine::queue_limits(f.raw_fd()))
+            .min_by_key(|l| l.max_sectors_kb);
+        let plan = plan_io(limits.as_ref(), crate::buffer::buffer_page());
+        let (why_block, why_depth) = pick(&mut cfg, &plan);
+        finish_validation(&mut cfg)?;
         let io_align = files.iter().map(SwapFile::io_align).max().unwrap_or(1);
         let mem_align = files.iter().map(SwapFile::mem_align).max().unwrap_or(1);
         let is_direct = files.iter().all(|f| matches!(f.access, Access::Direct(_)));
@@ -239,6 +260,11 @@ impl Engine {
             fixed_buffers: started.fixed_buffers,
             bounce_pages: started.bounce_pages,
             bounce_bytes: started.bounce_bytes,
+            buffer_pages: crate::buffer::buffer_kind(),
+            why_block,
+            why_depth,
+            limits,
+            huge_destinations: crate::machine::huge_destinations(),
             notes,
         };
         Ok(Engine {
@@ -335,8 +361,9 @@ impl Engine {
             }
         };
         let jobs = self.jobs(Op::Read, dst, &target.layout, &target.checksums, &req);
-        if jobs.iter().any(|j| j.bounce) {
-            // Caller's memory: let its untouched pages fault in as huge pages (see buffer.rs).
+        if self.resolved.huge_destinations.0 && jobs.iter().any(|j| j.bounce) {
+            // Caller's memory: let its untouched pages fault in as huge pages (see buffer.rs), where
+            // that was measured to be cheaper here.
             crate::buffer::advise_huge_destination(dst as usize, len);
         }
         self.send(&open, jobs);
@@ -561,44 +588,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn read_lock<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
     m.read().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Fills defaults and rejects unusable settings, naming the setting and the value.
-fn validate(cfg: &mut EngineConfig) -> Result<()> {
-    let bad = |m: String| Err(Error::InvalidArgument(m));
-    if cfg.paths.is_empty() {
-        return bad("at least one swap path is required".into());
-    }
-    let bs = cfg.block_size;
-    if !bs.is_power_of_two() || !(4096..=64 << 20).contains(&bs) {
-        return bad(format!(
-            "block_size must be a power of two from 4096 to 64 MiB, got {bs}"
-        ));
-    }
-    if !(1..=4096).contains(&cfg.queue_depth) {
-        return bad(format!(
-            "queue_depth must be from 1 to 4096, got {}",
-            cfg.queue_depth
-        ));
-    }
-    if cfg.threads == 0 {
-        cfg.threads = cfg.paths.len().max(2);
-    }
-    cfg.threads = cfg.threads.min(cfg.queue_depth);
-    if cfg.threads > 256 {
-        return bad(format!("threads must be at most 256, got {}", cfg.threads));
-    }
-    if let Some(b) = cfg.pinned_memory_budget {
-        if b < cfg.threads * bs {
-            return bad(format!(
-                "pinned_memory_budget {b} bytes is too small: the engine needs at least threads × block_size \
-                 = {} × {bs} = {} bytes of bounce buffers; raise the budget or lower block_size/threads",
-                cfg.threads,
-                cfg.threads * bs
-            ));
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -245,7 +245,42 @@ fn bad_settings_name_the_setting() {
             .unwrap_or_default()
     };
     assert!(cfg(&|c| c.block_size = 5000).contains("block_size"));
-    assert!(cfg(&|c| c.queue_depth = 0).contains("queue_depth"));
+    assert!(cfg(&|c| c.queue_depth = 5000).contains("queue_depth"));
     assert!(cfg(&|c| c.pinned_memory_budget = Some(4096)).contains("pinned_memory_budget"));
     assert!(cfg(&|c| c.paths = vec![d.path().join("missing")]).contains("No such file"));
+}
+
+#[test]
+fn default_settings_are_picked_and_explained() {
+    let d = tempfile::tempdir().unwrap();
+    let e = Engine::new(EngineConfig {
+        paths: vec![d.path().to_path_buf()],
+        ..Default::default()
+    })
+    .unwrap();
+    let r = e.resolved();
+    assert!(r.block_size.is_power_of_two());
+    assert!(r.queue_depth >= crate::machine::MIN_AUTO_DEPTH);
+    let want = crate::machine::plan_io(r.limits.as_ref(), crate::buffer::buffer_page());
+    assert_eq!(
+        (r.block_size, r.queue_depth),
+        (want.block_size, want.queue_depth)
+    );
+    assert_eq!(
+        (&r.why_block, &r.why_depth),
+        (&want.why_block, &want.why_depth)
+    );
+    // A given block size keeps the picked bytes in flight.
+    let e = Engine::new(EngineConfig {
+        paths: vec![d.path().to_path_buf()],
+        block_size: want.block_size / 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let r = e.resolved();
+    assert_eq!(r.why_block, format!("{} KiB: given", want.block_size >> 11));
+    assert_eq!(
+        r.queue_depth,
+        (want.queue_depth * 2).clamp(crate::machine::MIN_AUTO_DEPTH, 4096)
+    );
 }

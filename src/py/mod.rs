@@ -44,11 +44,19 @@ impl PyEngine {
         pinned_memory_budget: Option<usize>,
         lock_memory: bool,
     ) -> PyResult<Self> {
-        let d = EngineConfig::default();
+        // 0 is the engine's "pick from the drive"; a caller's 0 is an error, not a request for that.
+        if block_size == Some(0) {
+            let m = "block_size must be a power of two from 4096 to 64 MiB, got 0";
+            return Err(to_pyerr(py, Error::InvalidArgument(m.into())));
+        }
+        if queue_depth == Some(0) {
+            let m = "queue_depth must be from 1 to 4096, got 0";
+            return Err(to_pyerr(py, Error::InvalidArgument(m.into())));
+        }
         let cfg = EngineConfig {
             paths,
-            block_size: block_size.unwrap_or(d.block_size),
-            queue_depth: queue_depth.unwrap_or(d.queue_depth),
+            block_size: block_size.unwrap_or(0),
+            queue_depth: queue_depth.unwrap_or(0),
             threads: threads.unwrap_or(0),
             backend: match backend {
                 "auto" => Backend::Auto,
@@ -188,6 +196,25 @@ impl PyEngine {
             format!("{:?}", r.bounce_pages).to_lowercase(),
         )?;
         d.set_item("bounce_bytes", r.bounce_bytes)?;
+        d.set_item(
+            "buffer_pages",
+            format!("{:?}", r.buffer_pages).to_lowercase(),
+        )?;
+        d.set_item("block_size_reason", &r.why_block)?;
+        d.set_item("queue_depth_reason", &r.why_depth)?;
+        d.set_item("huge_destinations", r.huge_destinations.0)?;
+        d.set_item("huge_destinations_reason", r.huge_destinations.1)?;
+        match &r.limits {
+            Some(l) => {
+                let q = PyDict::new(py);
+                q.set_item("max_sectors_kb", l.max_sectors_kb)?;
+                q.set_item("max_segments", l.max_segments)?;
+                q.set_item("max_segment_size", l.max_segment_size)?;
+                q.set_item("nr_requests", l.nr_requests)?;
+                d.set_item("queue_limits", q)?;
+            }
+            None => d.set_item("queue_limits", py.None())?,
+        }
         d.set_item("checksum", self.inner.config().checksum)?;
         let paths: Vec<String> = self
             .inner
