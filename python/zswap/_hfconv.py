@@ -31,13 +31,15 @@ import copy
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import weights
 from .errors import ZswapError
 from .params import param_state
+
+if TYPE_CHECKING:
+    from . import weights  # names in annotations only: weights imports this module (it is above it)
 
 STREAMABLE_OPS = frozenset(
     {

@@ -25,10 +25,9 @@ from typing import Any
 
 from . import memory
 from .config import ZswapConfig
-from .earlystep import ENGINE_COPY
 from .errors import ConfigError
-from .gather import Item
-from .params import NvmeStore, _unused
+from .memory import ENGINE_COPY
+from .params import Item, NvmeStore, _unused
 
 
 def resident(items: list[Item], cfg: ZswapConfig, threshold: int) -> frozenset[int]:

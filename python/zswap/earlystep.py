@@ -83,6 +83,7 @@ from . import memory
 from .errors import GradientsNotKeptError, SwapIOError
 from .gather import no_torch_function
 from .gradstore import NOT_KEPT, RESTART, NvmeGrads, _Alive, _dead
+from .memory import ENGINE_COPY
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
@@ -706,10 +707,6 @@ class _Void(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-ENGINE_COPY = 1 << 20
-"""Bytes from which a param copy is an engine buffer (`zswap.memory` purpose "early_step")."""
 
 
 def _landed(handle: Any) -> bool:

@@ -23,12 +23,12 @@ import torch
 from . import _dist
 from .device import Copy, Device
 from .errors import ZswapError, ZswapWarning
-from .params import ParamState, Status, Store, local_slice, param_state, partition_numel, register
+from .params import Item, ParamState, Status, Store, local_slice, param_state, partition_numel, register
+from .runners import open_runners
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-Item = tuple[torch.Tensor, ParamState]
 no_torch_function = torch._C.DisableTorchFunction
 
 
@@ -249,12 +249,9 @@ def _cancel_prefetches(items: list[Item]) -> None:
     not gathered, so the block gathers them like any other; the engine fetches them again at their use."""
     if not items:
         return
-    from .runtime import _ENGINES
-
     for p, st in items:
-        for engine in list(_ENGINES):
-            sched: Any = getattr(engine, "_sched", None)
-            if not engine.closed and sched is not None and sched.yield_prefetch(p):
+        for runner in open_runners():
+            if runner.yield_prefetch(p):
                 break
         if st.status is Status.INFLIGHT:
             raise ZswapError(

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from .device import Alloc, Copy, Device, ReusePool, on_host
-from .gather import Item, no_torch_function
+from .gather import no_torch_function
 from .gradstore import LOW_PRECISION, MemoryGrads, NvmeGrads, store_of
-from .params import NvmeStore, ParamState, Status, param_state
+from .params import Item, NvmeStore, ParamState, Status, param_state
 
 
 class GradSink:

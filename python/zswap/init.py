@@ -39,6 +39,7 @@ from .config import load_config
 from .errors import ConfigError, NvmePathMissing, NvmePathNotADirectory, NvmePathNotWritable, ZswapError
 from .gather import Placement, fetch, manage, no_torch_function, offload
 from .params import MemoryStore, NvmeStore, ParamState, Status, param_state
+from .placing import PLACING
 
 # Data gathered by the access hook and not yet written back is bounded by this (one larger param may
 # exceed it alone): Hugging Face's init pass walks the whole model without a sync point of its own.
@@ -431,6 +432,13 @@ class Init:
             if not ctx.frames:
                 ctx.uninstall()
                 memory.trim()
+
+
+def _current_placement() -> Placement | None:
+    return _CTX.frames[-1].placement if _CTX.active else None
+
+
+PLACING.register(_current_placement, Init._at)
 
 
 def _open_engine(paths: Any, aio: Any) -> Any:

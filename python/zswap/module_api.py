@@ -41,6 +41,8 @@ from ._access import _ABSENT, _shape_answer, _unavailable
 from .errors import ZswapError
 from .gather import Placement, no_torch_function
 from .params import ParamState, Status, param_state
+from .placing import PLACING
+from .runners import runners_of
 
 _ATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _LOCAL = threading.local()
@@ -165,15 +167,11 @@ def _managed(modules: list[nn.Module]) -> list[tuple[str, torch.Tensor, ParamSta
 
 
 def _refuse_if_engine(params: list[torch.Tensor], what: str) -> None:
-    from .runtime import _ENGINES
-
-    ids = {id(p) for p in params}
-    for engine in list(_ENGINES):
-        if not engine.closed and ids & engine._ids:
-            raise ZswapError(
-                f"cannot {what} params an open zswap Engine runs (its optimizer state and buffers are laid "
-                "out for them as they are); engine.close() first, then zswap.initialize the model again"
-            )
+    if runners_of(params):
+        raise ZswapError(
+            f"cannot {what} params an open zswap Engine runs (its optimizer state and buffers are laid "
+            "out for them as they are); engine.close() first, then zswap.initialize the model again"
+        )
 
 
 # -- copy.deepcopy ---------------------------------------------------------------------------------
@@ -185,7 +183,7 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
     copies in ``memo``. Refused while an open Engine runs the params (its hooks on the modules would be
     copied with them, and gathered copies come and go under it)."""
     managed = [(n, p, st) for n, p, st in _managed(list(self.modules())) if id(p) not in memo]
-    if managed and _engines_of([p for _, p, _ in managed]):
+    if managed and runners_of([p for _, p, _ in managed]):
         raise ZswapError(
             f"copy.deepcopy of a {type(self).__name__} whose params an open zswap Engine runs: "
             "engine.close() first (or copy before zswap.initialize), then initialize each model"
@@ -295,19 +293,17 @@ def _resize_token_embeddings(self: Any, *args: Any, **kwargs: Any) -> Any:
     managed = [(p, st) for p in self.parameters() if (st := param_state(p)) is not None]
     if not managed:
         return plain(self, *args, **kwargs)
-    from .init import Init
-
     emb = self.get_input_embeddings()
     st = param_state(getattr(emb, "weight", None)) or managed[0][1]
     resized = [p for m in (emb, self.get_output_embeddings()) if m is not None for p in m.parameters()]
-    engines = _engines_of([p for p, _ in managed])
+    engines = runners_of([p for p, _ in managed])
     for engine in engines:
-        _check_resizable(engine, resized)
+        engine.check_resizable(resized)
     before = dict(self.named_parameters(remove_duplicate=False))
     with contextlib.ExitStack() as stack:
         for engine in engines:
-            stack.enter_context(engine._rewired())
-        stack.enter_context(Init._at(Placement(st.store, st.group, st.rank, st.world_size, None)))
+            stack.enter_context(engine.rewired())
+        stack.enter_context(PLACING.build_at(Placement(st.store, st.group, st.rank, st.world_size, None)))
         _LOCAL.resizing = True  # adjust_bias may re-partition the head's bias: the engine is unwired
         try:
             out = plain(self, *args, **kwargs)
@@ -320,7 +316,7 @@ def _resize_token_embeddings(self: Any, *args: Any, **kwargs: Any) -> Any:
             if (old := before.get(n)) is not None and old is not p
         }
         for engine in engines:
-            _swap_params(engine.optimizer, new)
+            engine.swap_params(new)
         return out
 
 
@@ -387,51 +383,6 @@ def _repartition(p: torch.Tensor, st: ParamState, change: Any) -> None:
         p.data = change(full)
         offload(p, st)
     st.store.wait_all()
-
-
-def _swap_params(opt: Any, new: dict[int, torch.Tensor]) -> None:
-    """Put ``new[id(old)]`` wherever ``opt`` lists ``old`` (none of them has state: `_check_resizable`)."""
-    if opt is None or not new:
-        return
-    for group in getattr(opt, "param_groups", ()):
-        group["params"] = [new.get(id(p), p) for p in group["params"]]
-    ours = getattr(opt, "_params", None)  # OffloadedAdamW's flat index of its params
-    if isinstance(ours, list):
-        ours[:] = [new.get(id(p), p) for p in ours]
-
-
-def _engines_of(params: list[torch.Tensor]) -> list[Any]:
-    from .runtime import _ENGINES
-
-    ids = {id(p) for p in params}
-    return [e for e in list(_ENGINES) if not e.closed and ids & e._ids]
-
-
-def _check_resizable(engine: Any, params: list[torch.Tensor]) -> None:
-    """Refuse (before anything changed) a resize the engine could not follow: a gradient is accumulated
-    (its partition has the old size), or the optimizer holds state for a resized param (moments laid
-    out for the old size: a plain torch optimizer's next step fails on the shape mismatch too)."""
-    from .gradstore import store_of
-
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    engine._grads.flush()
-    if any(store_of(st).has(st) for _, st in engine._items):
-        raise ZswapError(
-            "resize_token_embeddings while gradients are accumulated (a micro-step into an accumulation "
-            "window): call it after engine.step() at an accumulation boundary, or after engine.zero_grad()"
-        )
-    opt = engine.optimizer
-    placed = getattr(opt, "_placed", {})
-    state = getattr(opt, "state", {})
-    ours = getattr(opt, "_params", [])
-    for p in params:
-        held = any(ours[i] is p for i in placed) if placed else False
-        if held or state.get(p):
-            raise ZswapError(
-                f"resize_token_embeddings: the optimizer already holds state (moments laid out for the old "
-                f"size) for {names.get(id(p), 'a resized param')!r}; resize before the first optimizer step, "
-                "or engine.close(), resize, and zswap.initialize the model again with a new optimizer"
-            )
 
 
 class _RealShapes(TorchFunctionMode):

@@ -107,6 +107,10 @@ def local_slice(flat: torch.Tensor, rank: int, part_numel: int) -> torch.Tensor:
 _REGISTRY: dict[int, ParamState] = {}
 
 
+Item = tuple[torch.Tensor, "ParamState"]
+"""A managed param with its record, as the layers above pass them around."""
+
+
 def param_state(p: object) -> ParamState | None:
     """The `ParamState` of a param partitioned by zswap, or ``None`` for any other object."""
     return _REGISTRY.get(id(p)) if isinstance(p, torch.Tensor) else None

@@ -22,20 +22,21 @@ from . import device as _device
 from . import init as _init
 from .config import ZswapConfig, load_config
 from .errors import ConfigError, ZswapError
-from .gather import Item, no_torch_function
+from .gather import no_torch_function
 from .gradstore import store_of
 from .hooks import ModuleHooks, ModuleInfo
 from .init import Init
 from .optim import OffloadedAdamW
-from .params import NvmeStore, ParamState, managed_params, param_state
+from .params import Item, NvmeStore, ParamState, managed_params, param_state
 from .prefetch import Budget, Scheduler, Slot
+from .runners import RUNNERS, open_runners
 from .storage import WriteQueue, step_transaction, undo_arena_bytes
 
 # Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
 PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
 PREFETCH_MIN = 50_000_000  # [5e7]; at least two of the largest module's params
 
-_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()  # open engines: one per param at a time
+_ENGINES = RUNNERS  # open engines (one per param at a time): the registry the layers below ask
 
 
 def initialize(
@@ -613,6 +614,68 @@ class Engine:
         state = "closed" if self.closed else f"{len(self._items)} params, {self.sizing.total:,} elements"
         return f"<zswap.Engine {type(self.module).__name__}: {state}>"
 
+    # -- zswap.runners.Runner: what the layers below ask of an open engine ---------------------------
+
+    def runs(self, ids: set[int]) -> bool:
+        return bool(ids & self._ids)
+
+    def yield_prefetch(self, p: torch.Tensor) -> bool:
+        return bool(self._sched.yield_prefetch(p))
+
+    def drop_gathered(self) -> None:
+        self._sched.drop_all()
+
+    def mastered(self) -> set[int]:
+        opt: Any = self.optimizer
+        if opt is None or not getattr(opt, "sub_groups", ()):
+            return set()
+        return {
+            id(opt._params[seg.param]) for sg in opt.sub_groups for seg in sg.segments
+            if opt._params[seg.param].dtype != torch.float32
+        }  # fmt: skip
+
+    def check_resizable(self, params: list[torch.Tensor]) -> None:
+        """Refuse (before anything changed) a resize this engine could not follow: a gradient is
+        accumulated (its partition has the old size), or the optimizer holds state for a resized param
+        (moments laid out for the old size: a plain torch optimizer's next step fails on the shape
+        mismatch too)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self._grads.flush()
+        if any(store_of(st).has(st) for _, st in self._items):
+            raise ZswapError(
+                "resize_token_embeddings while gradients are accumulated (a micro-step into an "
+                "accumulation window): call it after engine.step() at an accumulation boundary, or after "
+                "engine.zero_grad()"
+            )
+        opt = self.optimizer
+        placed = getattr(opt, "_placed", {})
+        state = getattr(opt, "state", {})
+        ours = getattr(opt, "_params", [])
+        for p in params:
+            held = any(ours[i] is p for i in placed) if placed else False
+            if held or state.get(p):
+                raise ZswapError(
+                    "resize_token_embeddings: the optimizer already holds state (moments laid out for the "
+                    f"old size) for {names.get(id(p), 'a resized param')!r}; resize before the first "
+                    "optimizer step, or engine.close(), resize, and zswap.initialize the model again with a "
+                    "new optimizer"
+                )
+
+    def rewired(self) -> contextlib.AbstractContextManager[None]:
+        return self._rewired()
+
+    def swap_params(self, new: dict[int, torch.Tensor]) -> None:
+        """Put ``new[id(old)]`` wherever the optimizer lists ``old`` (none of them has state:
+        `check_resizable`)."""
+        opt = self.optimizer
+        if opt is None or not new:
+            return
+        for group in getattr(opt, "param_groups", ()):
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
+        ours = getattr(opt, "_params", None)  # OffloadedAdamW's flat index of its params
+        if isinstance(ours, list):
+            ours[:] = [new.get(id(p), p) for p in ours]
+
     # -- internals ---------------------------------------------------------------------------------
 
     def _wire(self) -> None:
@@ -622,8 +685,8 @@ class Engine:
         module, config = self.module, self.config
         items: list[Item] = list(managed_params(iter(_unique(module.parameters()))))
         ids: set[int] = {id(p) for p, _ in items}
-        for other in list(_ENGINES):
-            if other is not self and not other.closed and ids & other._ids:
+        for other in open_runners():
+            if other is not self and other.runs(ids):
                 raise ZswapError("these params are already run by another zswap Engine; close() it first")
         self._items, self._ids = items, ids
         self.sizing = _size(module, self._items, config)

@@ -36,6 +36,8 @@ from . import _stfile
 from .errors import ZswapError
 from .gather import Placement, no_torch_function
 from .params import NvmeStore, ParamState, Status, Store, local_slice, param_state, partition_numel, register
+from .placing import PLACING
+from .runners import open_runners, runners_of
 
 if TYPE_CHECKING:
     from .init import _Frame
@@ -272,15 +274,9 @@ def _span(target: Target, src: Source, placement: Placement | None) -> tuple[str
 def quiesce(params: list[torch.Tensor]) -> None:
     """Before params are overwritten: an open engine drops every copy it gathered or is prefetching (as its
     own step does), so none goes stale; it gathers them again at their next use."""
-    from .runtime import _ENGINES
-
     live = [p for p in params if (st := param_state(p)) is not None and st.status is not Status.NOT_AVAILABLE]
-    if not live:
-        return
-    ids = {id(p) for p in live}
-    for engine in list(_ENGINES):
-        if not engine.closed and ids & engine._ids:
-            engine._sched.drop_all()
+    for runner in runners_of(live) if live else ():
+        runner.drop_gathered()
 
 
 def fill(p: torch.Tensor, st: ParamState, src: Source) -> None:
@@ -398,16 +394,8 @@ def _queue_of(store: NvmeStore) -> Any:
 def check_optimizer(items: Iterable[tuple[Target, str, Source]]) -> None:
     """Refuse to change params whose float32 master copy an open engine's optimizer already holds: its next
     step would overwrite the loaded values with the stale master."""
-    from .runtime import _ENGINES
-
-    for engine in list(_ENGINES):
-        opt: Any = getattr(engine, "optimizer", None)
-        if engine.closed or opt is None or not getattr(opt, "sub_groups", ()):
-            continue
-        mastered = {
-            id(opt._params[seg.param]) for sg in opt.sub_groups for seg in sg.segments
-            if opt._params[seg.param].dtype != torch.float32
-        }  # fmt: skip
+    for runner in open_runners():
+        mastered = runner.mastered()
         for target, name, _ in items:
             if id(target.tensor) in mastered:
                 raise ZswapError(
@@ -466,10 +454,9 @@ def _hf_names(
 
 def _placement_of(model: nn.Module) -> Placement | None:
     """Where meta params of ``model`` go: the active Init's placement, else that of a managed param."""
-    from .init import _CTX
-
-    if _CTX.active:
-        return _CTX.frames[-1].placement
+    current = PLACING.current()
+    if current is not None:
+        return current
     for t in model.parameters():
         st = param_state(t)
         if st is not None:

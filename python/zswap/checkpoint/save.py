@@ -268,7 +268,7 @@ def _finish(
     reports: list[dict[str, Any]],
     save_latest: bool,
 ) -> None:
-    from .. import __version__
+    from .._zswap import __version__
 
     model = engine.module
     files = [f for rep in reports for f in rep["files"]]
