@@ -55,6 +55,7 @@ lint: setup
 	$(PYTHON) -m ruff format --check python tests benches
 	$(PYTHON) -m mypy
 	$(PYTHON) -m mypy.stubtest zswap._zswap
+	PYTHONPATH=python $(PYTHON) -c "from importlinter.cli import lint_imports_command as lint_imports; lint_imports()"
 
 fmt: $(PY_DEP)
 	$(CARGO) fmt

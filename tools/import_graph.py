@@ -5,7 +5,7 @@ function-level imports both count; imports under `if TYPE_CHECKING:` do not. `zs
 from a package counts as an edge to the module it names (a sub-module when one exists, else the
 package). Used by tests/test_layers.py and runnable by hand:
 
-    python tools/import_graph.py            # circles (strongly connected components) and the largest modules
+    python tools/import_graph.py    # circles, imports going up pyproject's layers, the largest modules
 """
 
 from __future__ import annotations
@@ -131,6 +131,38 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def layer_of(name: str, layers: list[list[str]]) -> int | None:
+    """Index of the layer (0: top) that ``name`` belongs to, or ``None`` if none lists it."""
+    for i, layer in enumerate(layers):
+        if any(name == m or name.startswith(m + ".") for m in layer):
+            return i
+    return None
+
+
+def upward(
+    edges: dict[str, set[str]], layers: list[list[str]], ignore: set[tuple[str, str]] = frozenset()
+) -> list[tuple[str, str]]:
+    """Imports from a module to one in a higher layer (``layers`` top first, as pyproject lists them)."""
+    out = []
+    for src in sorted(edges):
+        i = layer_of(src, layers)
+        for dst in sorted(edges[src]):
+            j = layer_of(dst, layers)
+            if i is not None and j is not None and j < i and (src, dst) not in ignore:
+                out.append((src, dst))
+    return out
+
+
+def contract(pyproject: Path = ROOT.parent.parent / "pyproject.toml") -> list[list[str]]:
+    """The layers of pyproject's import-linter contract, top first, each a list of sibling modules."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
+        import tomli as tomllib  # type: ignore[no-redef]
+    conf = tomllib.loads(pyproject.read_text())["tool"]["importlinter"]["contracts"][0]
+    return [[m.strip() for m in entry.replace("|", ":").split(":")] for entry in conf["layers"]]
+
+
 def sizes(root: Path = ROOT) -> list[tuple[int, str]]:
     found = ((len(p.read_text().splitlines()), n) for n, p in modules(root).items() if p.suffix == ".py")
     return sorted(found, reverse=True)
@@ -143,10 +175,14 @@ def main() -> int:
     print(f"{len(found)} import circle(s)")
     for comp in found:
         print(f"  {len(comp)}: {' '.join(comp)}")
+    wrong = upward(edges, contract())
+    print(f"{len(wrong)} upward import(s)")
+    for src, dst in wrong:
+        print(f"  {src} -> {dst}")
     print("largest modules:")
     for n, name in sizes()[:8]:
         print(f"  {n:5d} {name}")
-    return 1 if found else 0
+    return 1 if found or wrong else 0
 
 
 if __name__ == "__main__":

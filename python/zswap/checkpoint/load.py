@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..gather import no_torch_function
-from ..optim import OffloadedAdamW
-from ..optim._layout import needs_master
+from ..parts.gather import no_torch_function
+from ..step.optim import OffloadedAdamW
+from ..step.optim._layout import needs_master
 from ._collective import agree, group_of
 from ._reader import Piece, Reader
 from .errors import CheckpointCorruptError, CheckpointMismatchError
@@ -39,7 +39,7 @@ from .manifest import (
 )
 
 if TYPE_CHECKING:
-    from ..runtime import Engine
+    from ..train.runtime import Engine
 
 WRITE_BATCH_BYTES = 64 << 20
 """Partition writes queued to a store before waiting for them."""

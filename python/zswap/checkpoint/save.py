@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ZswapError
-from ..optim import OffloadedAdamW
-from ..optim._layout import needs_master
+from ..step.optim import OffloadedAdamW
+from ..step.optim._layout import needs_master
 from . import _atomic
 from ._collective import agree, all_gather, group_of
 from ._crc import BlockCrc
@@ -42,7 +42,7 @@ from .manifest import (
 )
 
 if TYPE_CHECKING:
-    from ..runtime import Engine
+    from ..train.runtime import Engine
 
 
 def save_checkpoint(
