@@ -33,7 +33,8 @@ from ..parts.params import Item, NvmeStore, ParamState, managed_params, param_st
 from ..parts.runners import RUNNERS, open_runners
 from ..step import earlystep, stepping
 from ..step.optim import OffloadedAdamW
-from ..store.storage import WriteQueue, step_transaction, undo_arena_bytes
+from ..store.queue import WriteQueue
+from ..store.storage import step_transaction, undo_arena_bytes
 
 # Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
 PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ... import memory
-from ...store.storage import Transaction, _Write, storage_for
+from ...store.queue import _Write
+from ...store.storage import Transaction, storage_for
 from ._layout import SubGroup
 
 if TYPE_CHECKING:
