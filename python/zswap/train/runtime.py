@@ -1,44 +1,37 @@
 """`zswap.initialize` and `Engine`: run and train a model whose params zswap partitioned and offloaded.
 
-`initialize` sizes the scheduling budgets from the model and the config, installs the module hooks
-(`zswap.hooks`), the gradient hooks (`zswap.grads`) and the prefetching scheduler (`zswap.prefetch`), and
-builds the optimizer. After it, ``model(x)`` and ``loss.backward()`` work as on a plain model.
+`initialize` builds an `Engine`, which lays itself over the model (`zswap.train.wiring`: budgets from
+`zswap.train.sizing`, module hooks, gradient hooks, the prefetching scheduler), builds or adopts the
+optimizer (`zswap.train.bridge`) and reports its counters (`zswap.train.stats`). After it, ``model(x)``
+and ``loss.backward()`` work as on a plain model. The old path ``zswap.runtime`` is this module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from torch import nn
 
 from .. import device as _device
 from .. import memory
-from ..build import init as _init
 from ..build.init import Init
 from ..config import ZswapConfig, load_config
 from ..errors import ConfigError, ZswapError
-from ..fetch import buffers, outputs
-from ..fetch.hooks import ModuleHooks, ModuleInfo
-from ..fetch.prefetch import Budget, Scheduler, Slot
+from ..fetch import outputs
+from ..fetch.prefetch import Slot
 from ..gradients import grads, gradstore
 from ..gradients.gradstore import store_of
-from ..parts.gather import no_torch_function
-from ..parts.params import Item, NvmeStore, ParamState, managed_params, param_state
-from ..parts.runners import RUNNERS, open_runners
+from ..parts.params import Item, ParamState, param_state
+from ..parts.runners import RUNNERS
 from ..step import earlystep, stepping
-from ..step.optim import OffloadedAdamW
-from ..store.queue import WriteQueue
-from ..store.storage import step_transaction, undo_arena_bytes
+from . import bridge, stats, wiring
 
-# Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
-PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
-PREFETCH_MIN = 50_000_000  # [5e7]; at least two of the largest module's params
+if TYPE_CHECKING:
+    from ..fetch.hooks import ModuleHooks
+    from ..fetch.prefetch import Scheduler
+    from .sizing import Sizing
 
 _ENGINES = RUNNERS  # open engines (one per param at a time): the registry the layers below ask
 
@@ -100,20 +93,6 @@ def build(
     return cls(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
 
 
-@dataclass(frozen=True)
-class Sizing:
-    """Element counts chosen for one engine (see `zswap.prefetch`)."""
-
-    total: int
-    persistence_threshold: int
-    persistent: int
-    largest_chain: int
-    """Most non-persistent elements one module's forward holds together with its ancestors'."""
-    budget: Budget
-    resident: frozenset[int] = frozenset()
-    """ids of the params ``offload_param.max_in_cpu`` keeps gathered (`zswap.buffers`)."""
-
-
 class Engine:
     """Runs ``module``'s forward and backward with its params streamed in; `step` applies the optimizer.
 
@@ -122,6 +101,15 @@ class Engine:
     param-based one over the model's params (``torch.optim.AdamW``, `zswap.optim.OffloadedAdamW`), which
     `step_partitions` shows each param's local partition. Also a context manager that calls `close` on exit.
     """
+
+    # Laid over the model by `zswap.train.wiring.wire` (again after a change of params' shapes).
+    sizing: Sizing
+    _homes: dict[int, Any]
+    _slots: dict[int, Slot]
+    _sched: Scheduler
+    _stores: dict[int, Any]
+    _hooks: ModuleHooks
+    _grads: grads.GradSink
 
     def __init__(
         self,
@@ -168,10 +156,12 @@ class Engine:
         self._grad_stores: list[gradstore.GradStore] = []
         self.optimizer: Any = None
         self._owns_optimizer = False
-        self._wire()
-        self._io_base = self._io_counters()
+        wiring.wire(self)
+        self._io_base = stats.io_counters(self)
         try:
-            self.optimizer, self._owns_optimizer, self._no_optimizer = _optimizer(module, config, optimizer)
+            self.optimizer, self._owns_optimizer, self._no_optimizer = bridge.build_optimizer(
+                module, config, optimizer
+            )
             self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
             self._fp16 = config.dtype == "fp16" or any(p.dtype == torch.float16 for p in module.parameters())
             self._fp16 = self._fp16 or any(st.dtype == torch.float16 for _, st in self._items)
@@ -184,11 +174,11 @@ class Engine:
             self.loss_scaler = stepping.loss_scaler(config, self._fp16)
             self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
             self._early = self._grads.early = earlystep.for_engine(self)
-            self._io_base = self._io_counters()  # now with the gradients' and the optimizer's engines
+            self._io_base = stats.io_counters(self)  # now with the gradients' and the optimizer's engines
         except BaseException:
             if self._owns_optimizer and hasattr(self.optimizer, "close"):
                 self.optimizer.close()
-            self._unwire()
+            wiring.unwire(self)
             raise
         _ENGINES.add(self)
         self._sched.read_ahead()  # the first pass's first reads, along the guess (counted from here on)
@@ -237,7 +227,7 @@ class Engine:
         else:
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
-            step_partitions(self.optimizer, self._items, others, chunk, scale)
+            bridge.step_partitions(self.optimizer, self._items, others, chunk, scale)
         self._finish_step(scale)
         self._sched.read_ahead()  # the next forward's first reads, of the values just written
 
@@ -417,131 +407,9 @@ class Engine:
         (``bytes_read``, ``bytes_written``), bytes gathered for compute, seconds compute waited for params
         (``fetch_wait_seconds``), fetches on demand and prefetch hits (``prefetch_hit_rate`` = hits /
         fetches), the peak of elements gathered, the budgets in force, and where the memory is: the
-        ``mem_*`` lines, in bytes (`_memory_stats`; README, "Where the memory goes"). Reads issued ahead
-        for the next pass are waited for first, so the byte counts include them."""
-        self._sched.settle_ahead()
-        c = self._sched.counters
-        io = self._io_counters()
-        fetches = c.demand_fetches + c.prefetch_hits
-        b = self.sizing.budget
-        out: dict[str, Any] = {
-            "bytes_read": io[0] - self._io_base[0],
-            "bytes_written": io[1] - self._io_base[1],
-            "bytes_fetched": c.bytes_fetched,
-            "fetch_wait_seconds": c.wait_seconds,
-            "fetches": fetches,
-            "demand_fetches": c.demand_fetches,
-            "prefetch_hits": c.prefetch_hits,
-            "prefetch_hit_rate": c.prefetch_hits / fetches if fetches else 0.0,
-            "prefetch_dropped": c.prefetch_dropped,
-            "prefetch_issued": c.prefetch_issued,
-            "peak_live_elements": c.peak_live,
-            "peak_live_lent_elements": c.peak_live_lent,
-            "iterations": c.iterations,
-            "traces_recorded": c.traces_recorded,
-            "off_trace": c.off_trace,
-            "budget_exceeded": c.budget_exceeded,
-            "guessed_iterations": c.guessed_iterations,
-            "read_ahead_issued": c.read_ahead_issued,
-            "read_ahead_used": c.read_ahead_used,
-            "read_ahead_dropped": c.read_ahead_dropped,
-            "grad_placeholders": self._grads.placeholders,
-            "max_live_elements": b.max_live,
-            "prefetch_bucket_elements": b.bucket,
-            "max_reuse_distance": b.reuse_distance,
-            "persistence_threshold": self.sizing.persistence_threshold,
-            "persistent_elements": self.sizing.persistent,
-            "model_elements": self.sizing.total,
-            "grad_stash_bytes": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
-        }
-        size = max((st.dtype.itemsize for _, st in self._items), default=4)
-        out.update(
-            _device.stats(self.compute_device, (b.max_live + self.sizing.persistent) * size, b.bucket * size)
-        )
-        out.update(self._memory_stats())
-        if reset:
-            memory.reset_peaks()
-            self._hooks.outputs.pool.reset_peak()
-            self.compute_device.reset_peak()
-            peak = self._sched.live
-            self._sched.counters = type(c)(peak_live=peak, peak_live_lent=peak + self._sched.lent())
-            self._grads.placeholders = 0
-            self._io_base = io
-        return out
-
-    def _memory_stats(self) -> dict[str, int]:
-        """The ``mem_*`` lines of `stats`, in bytes (README, "Where the memory goes").
-
-        Engine buffers by purpose (``mem_fetch_buffers``: gathered params and the pool kept for reuse, at
-        most ``mem_fetch_pool_limit`` pooled; ``mem_grad_buffers``: gradient partitions read for a step or
-        accumulated; ``mem_optimizer_ring``: the optimizer's sub-group ring; ``mem_early_step_buffers``:
-        purpose "early_step" (the early step's copies are fetch-pool buffers); ``mem_other_buffers``: any
-        other) add up to
-        ``mem_engine_buffers``, every engine buffer the process maps (`zswap.memory`); ``mem_peak_*`` are
-        their high-water marks since the last reset. Ordinary tensors zswap holds past their use are on
-        their own line, ``mem_early_step_tensors`` (the early step's gradients and smaller copies, waiting
-        for the rest of their optimizer record, or being written), with its ``mem_peak_``, and
-        ``mem_output_pool_idle``, the idle part of ``mem_output_pool``: the memory backward's large matmul
-        outputs are placed in on the CPU (`zswap.outputs`, emptied when the backward ends; its in-use part
-        is a gradient or activation counted where it is held — the early step's gradients in
-        ``mem_early_step_tensors`` — or autograd's own), with ``mem_peak_output_pool``;
-        ``mem_fetch_buffers`` is split by holder (`zswap.buffers.fetch_lines`). Beside them: the engines'
-        bounce buffers (``mem_bounce``), the source bytes writes in flight hold (``mem_write_queue``, at most
-        ``mem_write_queue_limit``; engine buffers among them are counted above too), the undo log's
-        arena (``mem_undo_arena``), glibc's heap (``mem_heap_*``) and the process's ``mem_rss``."""
-        live = memory.live()
-        peaks = memory.peaks()
-        held, held_peaks = memory.held(), memory.held_peaks()
-        out_pool = self._hooks.outputs.pool
-        storages: dict[int, Any] = {}
-        for st in self._stores.values():
-            if isinstance(st, NvmeStore):
-                storages[id(st.storage)] = st.storage
-        for gs in self._grad_stores:
-            if isinstance(gs, gradstore.NvmeGrads):
-                storages[id(gs.storage)] = gs.storage
-        opt_store = getattr(self.optimizer, "_store", None)
-        if opt_store is not None and hasattr(opt_store, "storage"):
-            storages[id(opt_store.storage)] = opt_store.storage
-        queues: list[WriteQueue] = [s.queue for s in storages.values()]
-        bounce = sum(
-            int(s.engine.info.get("bounce_bytes", 0))
-            for s in storages.values()
-            if not s.closed and isinstance(getattr(s.engine, "info", None), dict)
-        )
-        pools = [st.pool_bytes for st in self._stores.values() if isinstance(st, NvmeStore)]
-        return {
-            "mem_fetch_buffers": live["fetch"],
-            "mem_grad_buffers": live["grads"],
-            "mem_optimizer_ring": live["optimizer"],
-            "mem_early_step_buffers": live["early_step"],
-            "mem_other_buffers": live["other"],
-            "mem_engine_buffers": sum(live.values()),
-            "mem_peak_fetch_buffers": peaks["fetch"],
-            "mem_peak_grad_buffers": peaks["grads"],
-            "mem_peak_optimizer_ring": peaks["optimizer"],
-            "mem_peak_early_step_buffers": peaks["early_step"],
-            "mem_peak_other_buffers": peaks["other"],
-            "mem_peak_engine_buffers": peaks["total"],
-            "mem_early_step_tensors": held["early_step"],
-            "mem_peak_early_step_tensors": held_peaks["early_step"],
-            "mem_output_pool": out_pool.pooled,
-            "mem_output_pool_idle": out_pool.idle(),
-            "mem_peak_output_pool": out_pool.peak_pooled,
-            "mem_grad_stash": sum(getattr(gs, "stash_bytes", 0) for gs in self._grad_stores),
-            "mem_peak_grad_stash": sum(getattr(gs, "stash_peak", 0) for gs in self._grad_stores),
-            "mem_fetch_pool_limit": sum(pools),
-            "mem_persistent_params": buffers.persistent(self),
-            **buffers.fetch_lines(self),  # mem_fetch_buffers by holder: live, early step, seeds, idle, rest
-            "mem_bounce": bounce,
-            "mem_write_queue": sum(q.queued for q in queues),
-            "mem_write_queue_limit": sum(q.limit for q in queues),
-            "mem_undo_arena": undo_arena_bytes(),
-            "mem_init_touched": _init.touched_bytes(),
-            "mem_init_touched_limit": _init.TOUCH_BUDGET_BYTES,
-            **{f"mem_{k}": v for k, v in memory.heap().items()},
-            "mem_rss": memory.rss(),
-        }
+        ``mem_*`` lines, in bytes (`zswap.train.stats.memory_stats`; README, "Where the memory goes").
+        Reads issued ahead for the next pass are waited for first, so the byte counts include them."""
+        return stats.engine_stats(self, reset)
 
     # -- checkpoints (zswap.checkpoint) -------------------------------------------------------------
 
@@ -599,7 +467,7 @@ class Engine:
         try:
             if self._early is not None:
                 self._early.abort()
-            self._teardown()
+            wiring.teardown(self)
             grads.clear(self._items)
         finally:
             gradstore.detach(self._items, self._grad_stores)
@@ -666,7 +534,7 @@ class Engine:
                 )
 
     def rewired(self) -> contextlib.AbstractContextManager[None]:
-        return self._rewired()
+        return wiring.rewired(self)
 
     def swap_params(self, new: dict[int, torch.Tensor]) -> None:
         """Put ``new[id(old)]`` wherever the optimizer lists ``old`` (none of them has state:
@@ -682,128 +550,6 @@ class Engine:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _wire(self) -> None:
-        """Lay the engine over the module's managed params as they are now: sizing, placement on the
-        compute device, slots, scheduler, module and gradient hooks, gradient stores, persistent params
-        fetched. `_unwire` undoes it."""
-        module, config = self.module, self.config
-        items: list[Item] = list(managed_params(iter(_unique(module.parameters()))))
-        ids: set[int] = {id(p) for p, _ in items}
-        for other in open_runners():
-            if other is not self and other.runs(ids):
-                raise ZswapError("these params are already run by another zswap Engine; close() it first")
-        self._items, self._ids = items, ids
-        self.sizing = _size(module, self._items, config)
-        self._homes = _device.place(module, self._items, self.compute_device)
-        self._slots = {
-            id(p): Slot(p, st, st.numel <= self.sizing.persistence_threshold or id(p) in self.sizing.resident)
-            for p, st in self._items
-        }
-        self._sched = Scheduler(self._slots.values(), self.sizing.budget, self.compute_device)
-        self._sched.across_passes = self._across
-        infos = {
-            id(m): ModuleInfo(
-                i, name, [self._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
-            )
-            for i, (name, m) in enumerate(module.named_modules(remove_duplicate=True))
-        }
-        for info in infos.values():
-            info.ids.update(id(s.p) for s in info.slots)
-        self._sched.order = [(info.index, info.slots) for info in infos.values()]  # first-iteration guess
-        self._stores = {id(st.store): st.store for _, st in self._items}
-        pool = (self.sizing.budget.max_live + self.sizing.persistent) * max(
-            (st.dtype.itemsize for _, st in self._items), default=4
-        )
-        names = {id(p): name for name, p in module.named_parameters()}
-        pool = buffers.fetch_pool_bytes(self._items, config, names, pool)  # offload_param.buffer_count/size
-        for store in self._stores.values():
-            if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
-                store.pool_bytes = max(store.pool_bytes, pool)
-                if (
-                    not self.compute_device.passthrough
-                ):  # read buffers registered for one-hop DMA to the device
-                    store.host_alloc = self.compute_device.register_alloc(store.engine.empty)
-        if isinstance(self.compute_device, _device.CudaDevice | _device.StandInDevice):
-            self.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
-        self._hooks = ModuleHooks(module, infos, self._sched, self._slot_for)
-        self._hooks.outputs.enabled = self._reuse_outputs
-        self._grads = grads.GradSink(self._items, self.compute_device)
-        self._grad_stores = []
-        try:
-            self._grad_stores = gradstore.attach(self._items, config)
-            gradstore.size_stash(self._grad_stores, self._grad_stash)
-            # Weakly: each param's state holds its gradient store for as long as the param lives (its
-            # finalizer keeps the state), so a store holding this Engine kept the module and every buffer
-            # alive for good once the engine was dropped without `close`.
-            me = weakref.ref(self)
-            gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
-                self._grad_stores,
-                lambda: (
-                    (e := me()) is not None
-                    and (e.max_grad_norm is not None or getattr(e, "_check_finite", False))
-                ),
-            )
-            self._grads.land_in(
-                grads.landing_alloc(self.compute_device, self._grad_stores, self._stores.values()), pool
-            )
-            self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
-            # After the persistent params' fetches: a pool miss unpools idle buffers first, so theirs,
-            # made later, unpooled the prefilled ones (and pass 1 and its reads ahead made them anew).
-            self._sched.prefill()  # the first pass's read buffers, faulted in now, not under its reads
-        except BaseException:
-            self._unwire()
-            raise
-
-    def _unwire(self) -> None:
-        try:
-            self._teardown()
-        finally:
-            gradstore.detach(self._items, self._grad_stores)
-            self._grad_stores = []
-
-    @contextlib.contextmanager
-    def _rewired(self) -> Iterator[None]:
-        """Unwire, let the caller change the shapes of managed params (``resize_token_embeddings``,
-        `zswap.module_api`), wire again over them as they are then: budgets, hooks and gradient stores are
-        sized anew; the optimizer, schedule, loss scaler and counters are kept. The caller has made sure
-        no gradient is accumulated and no optimizer state exists for a param whose shape changes. If the
-        wiring fails the engine is closed."""
-        self._check_open()
-        self._grads.flush()
-        grads.wait(self._items)
-        counters = self._sched.counters
-        if self._early is not None:
-            self._early.abort()
-        self._unwire()
-        try:
-            yield
-        finally:
-            try:
-                self._wire()
-                self._early = self._grads.early = earlystep.for_engine(self)  # built over the new items
-            except BaseException:
-                self.closed = True
-                if self._owns_optimizer and hasattr(self.optimizer, "close"):
-                    self.optimizer.close()
-                self.optimizer = None
-                self._no_optimizer = "this zswap Engine is closed: wiring it after a change of params failed"
-                raise
-            self._sched.counters = counters
-
-    def _teardown(self) -> None:
-        try:
-            self._hooks.remove()
-            self._grads.remove()
-        finally:
-            self._sched.drop_all()
-            for store in self._stores.values():
-                if isinstance(store, NvmeStore):
-                    store.pool_bytes = 0
-                    store.host_alloc = None
-                    store.trim()
-            self.compute_device.close()  # every copy done, every host buffer unregistered
-            _device.unplace(self._items, self._homes)
-
     def _check_open(self) -> None:
         if self.closed:
             raise ZswapError("this zswap Engine is closed")
@@ -814,201 +560,3 @@ class Engine:
         if slot is None:
             slot = self._sched.slots[id(p)] = Slot(p, st, persistent=False)
         return slot
-
-    def _io_counters(self) -> tuple[int, int]:
-        read = written = 0
-        # Every engine the step touches, once: params (p/), gradients (g/), optimizer records (o/; its
-        # own nvme_path's engine too) and the undo log's spills (u/, on one of those).
-        stores = [*self._stores.values(), *getattr(self, "_grad_stores", ())]
-        stores.append(getattr(getattr(self, "optimizer", None), "_store", None))
-        engines = {id(e): e for e in (getattr(s, "engine", None) for s in stores) if e is not None}
-        for engine in engines.values():
-            if not getattr(engine, "closed", True):
-                s = engine.stats()
-                read, written = read + int(s["bytes_read"]), written + int(s["bytes_written"])
-        return read, written
-
-
-def step_partitions(
-    optimizer: Any, items: list[Item], others: Sequence[torch.Tensor], chunk: int, grad_scale: float = 1.0
-) -> None:
-    """Step a param-based optimizer on the local partitions of ``items``.
-
-    While it steps, each managed param with a gradient holds its partition as ``.data`` (1-D, so the
-    optimizer's state has the partition's shape, step after step) and its partition gradient as ``.grad``;
-    the updated partitions are then stored back. Params go through in chunks of about ``chunk`` elements,
-    one ``optimizer.step()`` each, so at most that much is loaded at once: optimizers skip params without a
-    gradient and count steps per param, so the result is that of one step over all of them. Unmanaged
-    params (``others``) step with the first chunk only. ``grad_scale`` (clipping) multiplies every gradient:
-    inside the kernel for an optimizer whose ``step`` takes ``grad_scale`` (`zswap.optim.OffloadedAdamW`),
-    else in place before the step, as ``clip_grad_norm_`` does.
-
-    All or nothing: the whole call is one `zswap.storage` step transaction. Partitions written back to
-    NVMe are staged copy-on-write and made live only once every one of them (and every optimizer record)
-    landed. When any I/O takes part, what the step changes in memory is saved to the transaction's undo
-    log before it changes: in-memory partitions and gradients, the unmanaged params and their gradients,
-    and — for an optimizer that does not keep its own (``transactional``) — each stepped param's
-    ``optimizer.state[p]`` (tensors by value, other entries by identity; a param without state loses the
-    state its failed first step created). So a failure leaves params, gradients and that state as they
-    were. Not covered: state an optimizer keeps outside ``optimizer.state[p]`` (LBFGS-style globals).
-    """
-    takes_scale = "grad_scale" in inspect.signature(optimizer.step).parameters
-    own_undo = bool(getattr(optimizer, "transactional", False))
-    with step_transaction() as txn:
-        for _, st in items:
-            if isinstance(st.store, NvmeStore):
-                txn.uses(st.store.storage)
-            gs = store_of(st)
-            if isinstance(gs, gradstore.NvmeGrads):
-                txn.uses(gs.storage)
-        with no_torch_function():
-            if txn.fallible:
-                for p in others:
-                    if p.grad is not None:
-                        txn.save(p.data)
-                        txn.save(p.grad)
-                        if not own_undo:
-                            _save_state(txn, optimizer, p)
-                grads_before = [(p, p.grad) for p in others]
-                txn.on_abort(lambda: _put_grads(grads_before))
-            if grad_scale != 1.0 and not takes_scale:
-                for p in others:
-                    if p.grad is not None:
-                        p.grad.mul_(grad_scale)
-        todo = [(p, st) for p, st in items if store_of(st).has(st)]
-        for i, batch in enumerate(grads.chunks(todo, chunk) or [[]]):  # one step even with no partitions
-            _step_batch(optimizer, batch, grad_scale, takes_scale, txn, own_undo)
-            if i == 0:
-                for p in others:
-                    p.grad = None
-
-
-def _put_grads(saved: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    for p, g in saved:
-        p.grad = g
-
-
-def _save_state(txn: Any, optimizer: Any, p: torch.Tensor) -> None:
-    """Save ``optimizer.state[p]`` so that an abort puts it back as it was (or drops it if it is new)."""
-    state = getattr(optimizer, "state", None)
-    if state is None:
-        return
-    if p not in state:
-        txn.on_abort(lambda: state.pop(p, None))
-        return
-    entry = state[p]
-    saved = dict(entry)
-    for v in saved.values():
-        if isinstance(v, torch.Tensor):
-            txn.save(v)
-
-    def restore() -> None:
-        entry.clear()
-        entry.update(saved)
-
-    txn.on_abort(restore)
-
-
-def _step_batch(
-    optimizer: Any, batch: list[Item], grad_scale: float, takes_scale: bool, txn: Any, own_undo: bool
-) -> None:
-    with no_torch_function():
-        loads: list[tuple[torch.Tensor, Any]] = []
-        try:
-            # Param and gradient partitions: reads issued together, waited together.
-            for _, st in batch:
-                loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
-                loads.append(store_of(st).load(st))
-            for _, handle in loads:
-                if handle is not None:
-                    handle.wait()
-            for i, (p, _) in enumerate(batch):
-                p.data = loads[2 * i][0]
-                p.grad = grads.step_grad(p, loads[2 * i + 1][0], isinstance(optimizer, OffloadedAdamW))
-                if loads[2 * i][1] is not None:  # read into a scratch buffer: free to change
-                    txn.scratch(p.data)
-                elif not own_undo:
-                    txn.save(p.data)  # the stored partition itself: changed in place
-                if loads[2 * i + 1][1] is not None:
-                    txn.scratch(p.grad)
-                elif grad_scale != 1.0 and not takes_scale:
-                    txn.save(p.grad)
-                if not own_undo and txn.fallible:
-                    _save_state(txn, optimizer, p)
-                if grad_scale != 1.0 and not takes_scale:
-                    p.grad.mul_(grad_scale)  # in place, as clip_grad_norm_ does
-            if takes_scale:
-                optimizer.step(grad_scale=grad_scale)
-            else:
-                optimizer.step()
-            for p, st in batch:
-                st.store.put(st.key, p.data)  # staged in the transaction (in place for memory stores)
-        finally:
-            for _, handle in loads:
-                if handle is not None:
-                    with contextlib.suppress(Exception):
-                        handle.wait()  # engine buffers must not be dropped under a running read
-            for p, st in batch:
-                grads.clear_step_grad(p, st.dtype)
-                p.data = torch.empty(0, dtype=st.dtype, device=st.device)
-
-
-def _unique(params: Any) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for p in params:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def _size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
-    z = cfg.zero
-    total = sum(st.numel for _, st in items)
-    threshold = z.stage3_param_persistence_threshold
-    if threshold is None:
-        threshold = min(PERSISTENCE_MAX, total // 1000)
-    resident = buffers.resident(items, cfg, threshold)  # offload_param.max_in_cpu
-    numel = {id(p): st.numel for p, st in items if st.numel > threshold and id(p) not in resident}
-    chain, where = _largest_chain(module, numel)
-    own = max(
-        (sum(numel.get(id(p), 0) for p in m.parameters(recurse=False)) for m in module.modules()), default=0
-    )
-    streamed = sum(numel.values())
-    bucket = z.stage3_prefetch_bucket_size
-    if bucket is None:
-        bucket = min(streamed, max(2 * own, PREFETCH_MIN))
-    max_live = z.stage3_max_live_parameters
-    if max_live is None:
-        max_live = min(streamed, chain + bucket)
-    elif max_live < chain:
-        raise ConfigError(
-            f"zero_optimization.stage3_max_live_parameters={max_live} is below the {chain} elements that "
-            f"module {where!r} and its parents hold during its forward; raise it to at least {chain}"
-        )
-    reuse = z.stage3_max_reuse_distance
-    if reuse is None:
-        reuse = bucket
-    return Sizing(total, threshold, total - streamed, chain, Budget(bucket, max_live, reuse), resident)
-
-
-def _largest_chain(module: nn.Module, numel: dict[int, int]) -> tuple[int, str]:
-    best = (0, "")
-
-    def walk(m: nn.Module, name: str, held: dict[int, int]) -> None:
-        nonlocal best
-        held = {**held, **{id(p): numel[id(p)] for p in m.parameters(recurse=False) if id(p) in numel}}
-        if sum(held.values()) > best[0]:
-            best = (sum(held.values()), name)
-        for child_name, child in m.named_children():
-            walk(child, f"{name}.{child_name}" if name else child_name, held)
-
-    walk(module, "", {})
-    return best
-
-
-def _optimizer(module: nn.Module, cfg: ZswapConfig, given: Any) -> tuple[Any, bool, str]:
-    """(optimizer, built here, why there is none)."""
-    if given is not None:
-        return given, False, ""
-    if cfg.optimizer is None:
-        return None, False, "no optimizer: pass optimizer= or add an 'optimizer' section to the config"
-    return OffloadedAdamW.from_config(list(module.parameters()), cfg), True, ""
