@@ -84,21 +84,17 @@ from ..errors import GradientsNotKeptError, SwapIOError
 from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, _Alive, _dead
 from ..memory import ENGINE_COPY
 from ..parts.gather import no_torch_function
-from ..parts.params import NvmeStore, ParamState, Status, param_state
+from ..parts.params import NvmeStore, ParamState, Status
 from ..store.storage import Transaction, _memcpy
+from . import early_commit, early_pipeline
+from .early_commit import _hyper, _wanted
+from .early_pipeline import _empty, _ps, _small
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
 
 CAP_EXTRA = 256 << 20
 """Bytes of param copies and gradients the early step may hold beyond the live-param budget."""
-
-
-def _hyper(opt: OffloadedAdamW) -> list[tuple[Any, ...]]:
-    return [
-        (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"], g["decoupled_weight_decay"])
-        for g in opt.param_groups
-    ]
 
 
 class EarlyStep:
@@ -397,108 +393,19 @@ class EarlyStep:
         self.order.append(sg.key)
 
     def _read_ahead(self) -> None:
-        """Read the records backward completes next into the ring's free slots, before their gradients
-        are: those of a record some of whose params have theirs, then the order the last backward completed
-        them in (`_order`). Waiting for a record's last gradient to read it left the disk idle while
-        backward computed and held backward while it read: 0.6–0.9 s of a 2 GiB step. At most all slots but
-        one are so taken, so a record that completes out of that order always finds one."""
-        room = self.records.ring_size - 1
-        while self.upcoming and len(self.early) < room:
-            sg = self.upcoming[0]
-            if sg.key in self.early or self.waiting.get(sg.key, 0) == 0:
-                self.upcoming.popleft()  # read, or complete (then `_ready` read it)
-                continue
-            while self.writes and not self.free and self.writes[0][1].done():
-                self._land_oldest()
-            if self.ring and not self.free:
-                return
-            self.upcoming.popleft()
-            self.early[sg.key] = self._start(sg)
-            self.read_ahead += 1
+        return early_pipeline.read_ahead(self)
 
     def _start(self, sg: SubGroup) -> tuple[SubGroup, torch.Tensor, torch.Tensor, Any]:
-        """Issue the read of ``sg``'s record into a free ring slot (waiting for one if none is)."""
-        store = self.records
-        if not self.free:
-            if not self.ring:
-                self.ring = list(store._buffers(max(s.record_numel for s in self.layout)))
-                self.free.extend(self.ring)
-                for buf in self.ring:
-                    self.txn.scratch(buf)
-            while not self.free:
-                if self.writes:
-                    self._land_oldest()
-                else:
-                    self._pump(keep=0)
-        buf = self.free.popleft()
-        rec = buf[: sg.record_numel]
-        name = store._name(sg)
-        self.versions[name] = store.ns._live.get(name)
-        handle = store.ns.read(name, rec, self.txn) if store.ns.has(name, self.txn) else None
-        if handle is None:
-            rec.zero_()
-        return sg, buf, rec, handle
+        return early_pipeline.start(self, sg)
 
     def _pump(self, keep: int) -> None:
-        """Update and write the complete records read so far: every one whose read has landed, and the
-        oldest ones while more than ``keep`` are left."""
-        while len(self.reads) > keep or (self.reads and _landed(self.reads[0][3])):
-            sg, buf, rec, handle = self.reads.popleft()
-            if handle is not None:
-                handle.wait()
-            steps = {s.param: self.steps[s.param] + 1 for s in sg.segments if s.param in self.ready}
-            grads = {i: self.ready[i][2] for i in steps}
-            targets = {i: self.ready[i][1] for i in steps}
-            self.opt._update(sg, rec, steps, grads, 1.0, self.txn, targets=targets)
-            store = self.records
-            self.writes.append((buf, store.ns.put(store._name(sg), rec, self.txn, held=0)))  # a ring slot
-            for i in steps:
-                self.left[i] -= 1
-                if self.left[i] == 0:
-                    st, copy, _, _ = self.ready[i]
-                    nbytes = copy.numel() * copy.element_size()
-                    # Bounded here (`write_ahead`), not by the storage's write queue: backward goes on while
-                    # a sub-group's worth of copies is written, and waits only past two of them.
-                    w = _ps(st).ns.put(st.key, copy, self.txn, held=0)
-                    self.holding.add(-nbytes)  # the gradient
-                    self.ready[i] = (st, _empty, _empty, self.ready[i][3])  # the write holds the copy
-                    if not self.keeping:
-                        self.dropped += 1  # that gradient is gone: no falling back from here on
-                    kept = self._seed(i, copy)
-                    small = 0 if kept else _small(copy)  # moved from ``holding`` to ``writing``
-                    self.copies.append((0 if kept else nbytes, small, w))
-                    self.copying += 0 if kept else nbytes
-                    self.writing.add(small)
+        return early_pipeline.pump(self, keep)
 
     def _seed(self, i: int, copy: torch.Tensor) -> bool:
-        """Keep ``copy`` (param ``i``'s updated partition) as a seed if the next pass would take it
-        (`seed_plan`), up to ``seed_numel`` elements; past that the oldest seeds go first. True if kept."""
-        nbytes = copy.numel() * copy.element_size()
-        p = self.opt._params[i]
-        self.held -= 2 * nbytes  # the gradient, and the copy: counted in ``copying`` until written
-        if id(p) in self.plan and copy.numel() <= self.seed_numel:
-            self.seeds.append((p, copy))
-            self.seeded += copy.numel()
-            self.held += nbytes
-        else:
-            self.holding.add(-_small(copy))
-            return False
-        while self.seeded > self.seed_numel:
-            _, old = self.seeds.popleft()
-            self.seeded -= old.numel()
-            self.held -= old.numel() * old.element_size()
-            self.holding.add(-_small(old))
-        return True
+        return early_pipeline.seed(self, i, copy)
 
     def _land_copies(self, limit: int) -> None:
-        """Settle the copies' writes that have landed, and the oldest ones while more than ``limit`` bytes
-        are in flight."""
-        while self.copies and (self.copying > limit or self.copies[0][2].done()):
-            nbytes, small, w = self.copies.popleft()
-            w.settle()
-            self.copying -= nbytes
-            self.writing.add(-small)
-            self.txn.check()
+        return early_pipeline.land_copies(self, limit)
 
     def pooled(self) -> int:
         """Bytes of the params' fetch pool it holds now: its param copies of `ENGINE_COPY` bytes or more,
@@ -529,129 +436,27 @@ class EarlyStep:
         return self.pooled() + self.in_flight()
 
     def _land_oldest(self) -> None:
-        buf, w = self.writes.popleft()
-        w.settle()
-        self.free.append(buf)
-        self.txn.check()
+        return early_pipeline.land_oldest(self)
 
     # -- step side -------------------------------------------------------------------------------------
 
     def commit(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
-        """Make the early step live if it is exactly the step `Engine.step` would take now (see the
-        module docstring); True if it did. Otherwise it is dropped and the caller steps as usual."""
-        if self.state != "running" or not self.ended:  # not begun, dropped, or its backward raised (then
-            self.abort()  # that backward's gradients went with it, applied ones included: nothing is lost)
-            self.check_kept(items)
-            return False
-        why = self._mismatch(items)
-        if why:
-            dropped, gs = self.dropped, self.gs
-            self.abort()
-            if dropped:
-                self.lost = why
-                _wanted(gs)
-                raise GradientsNotKeptError(
-                    f"engine.step(): {why}, but the early step already applied this step's gradients in "
-                    f"backward and did not keep them {NOT_KEPT}, so the ordinary step cannot run instead. "
-                    f"{RESTART}"
-                )
-            return False
-        txn, ready, steps, seeds, dropped = self.txn, self.ready, self.steps, list(self.seeds), self.dropped
-        gs = self.gs
-
-        def counters() -> None:
-            for i in ready:
-                self.opt._steps[i] = steps[i] + 1
-            self.opt.last_grad_norm = None
-
-        txn.on_commit(counters)
-        self._reset()
-        try:
-            txn.commit()
-        except Exception as exc:
-            self.aborts += 1  # commit aborted itself: nothing changed
-            if dropped:
-                self.lost = f"its writes failed ({exc})"
-                _wanted(gs)
-                raise GradientsNotKeptError(
-                    f"engine.step(): the early step's writes failed ({exc}) and it applied this step's "
-                    f"gradients in backward without keeping them {NOT_KEPT}, so the ordinary step cannot run "
-                    f"instead. {RESTART}"
-                ) from exc
-            return False
-        self.commits += 1
-        self._committed_seeds = seeds
-        return True
+        return early_commit.commit(self, items)
 
     def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
-        """(param, its updated partition, still valid) for the params the last `commit` made live whose
-        new value is still in memory; ``still_valid()`` is false once anything wrote the partition since
-        (a `GatheredParameters` write-back, a checkpoint load). `zswap.prefetch.Scheduler.seed` gathers
-        them from it when the next pass begins."""
-        seeds, self._committed_seeds = self._committed_seeds, []
-        out: list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]] = []
-        for p, copy in seeds:
-            st = param_state(p)
-            if st is not None:
-                ns = _ps(st).ns
-                out.append((p, copy, _unchanged(ns, st.key, ns._live.get(st.key))))
-        return out
+        return early_commit.take_seeds(self)
 
     def _mismatch(self, items: list[tuple[torch.Tensor, ParamState]]) -> str:
-        """Why the early step is not the step `Engine.step` would take now ("" if it is)."""
-        if not self.eligible():
-            return (
-                "the early step is no longer allowed for this step (engine.early_step, max_grad_norm, fp16 "
-                "loss scaling, gradient_accumulation_steps or the optimizer changed since backward)"
-            )
-        if self.reads or self.writes or self.early:
-            return "its transfers did not all settle in backward"
-        if _hyper(self.opt) != self.hyper:
-            return "a param group's lr, betas, eps or weight_decay changed between backward and step"
-        if tuple(self.opt._sub_groups) != self.layout or list(self.opt._steps) != self.steps:
-            return "the optimizer's sub-groups or step counters changed between backward and step"
-        if not self._same_grads(items):
-            return "the params with gradients are not those the early step updated"
-        if not self._same_versions():
-            return (
-                "a param partition or optimizer record was written between backward and step "
-                "(GatheredParameters with modifier_rank, a checkpoint load)"
-            )
-        return ""
+        return early_commit.mismatch(self, items)
 
     def check_kept(self, items: list[tuple[torch.Tensor, ParamState]]) -> None:
-        """Raise `GradientsNotKeptError` if any of ``items`` has a gradient an early step applied and did
-        not keep, and that early step was dropped (the ordinary step would need it)."""
-        lost = [
-            st.key for _, st in items if isinstance(st.grad_store, NvmeGrads) and st.grad_store.not_kept(st)
-        ]
-        if lost:
-            why = self.lost or "it was dropped"
-            for _, st in items:
-                _wanted(st.grad_store)
-            raise GradientsNotKeptError(
-                f"engine.step(): the gradients of {len(lost)} params (first {lost[0]}) were applied in "
-                f"backward by an early step that was not made live ({why}) and were not kept {NOT_KEPT}. "
-                f"{RESTART}"
-            )
+        return early_commit.check_kept(self, items)
 
     def _same_grads(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
-        with_grad = {
-            self.index.get(id(p)) for p, st in items if st.grad_store is not None and st.grad_store.has(st)
-        }
-        with_grad.discard(None)
-        return with_grad == set(self.ready) and all(self.left[i] == 0 for i in self.ready)
+        return early_commit.same_grads(self, items)
 
     def _same_versions(self) -> bool:
-        store = self.records
-        for name, physical in self.versions.items():
-            if store.ns._live.get(name) != physical or name in store.ns._pending:
-                return False
-        for st, _, _, physical in self.ready.values():
-            ns = _ps(st).ns
-            if ns._live.get(st.key) != physical or st.key in ns._pending:
-                return False
-        return True
+        return early_commit.same_versions(self)
 
     def abort(self) -> None:
         """Drop the early step in progress (its staged writes are freed). Idempotent."""
@@ -666,39 +471,7 @@ class EarlyStep:
         self._reset()
 
     def _reset(self) -> None:
-        self.holding.clear()
-        self.writing.clear()
-        self.state = "idle"
-        self.task = -1
-        self.gs = None
-        self.txn = None
-        self.hyper = []
-        self.layout = ()
-        self.steps = []
-        self.by_param = {}
-        self.waiting = {}
-        self.left = {}
-        self.ready = {}
-        self.versions = {}
-        self.keeping = True
-        self.dropped = 0
-        self.plan = frozenset()
-        self.held = 0
-        self.seeds = deque()
-        self.seeded = 0
-        self.ring = []
-        self.free = deque()
-        self.reads = deque()
-        self.early = {}
-        self.upcoming = deque()
-        self.order = []
-        self.writes = deque()
-        self.copies = deque()
-        self.copying = 0
-        self.write_ahead = 0
-
-
-_empty = torch.empty(0)
+        return early_commit.reset(self)
 
 
 class _Void(Exception):
@@ -709,36 +482,10 @@ class _Void(Exception):
         self.error = error
 
 
-def _landed(handle: Any) -> bool:
-    return handle is None or bool(handle.done())
-
-
-def _small(copy: torch.Tensor) -> int:
-    """Bytes of a param copy that is an ordinary tensor (under `ENGINE_COPY`), else 0."""
-    nbytes = copy.numel() * copy.element_size()
-    return nbytes if nbytes < ENGINE_COPY else 0
-
-
 def _as_tensors(copy: torch.Tensor) -> int:
     """Bytes one ready param holds as ordinary tensors: its gradient, and its copy under `ENGINE_COPY`
     (the copy's share is let go when it is written and not kept as a seed, or when its seed goes)."""
     return copy.numel() * copy.element_size() + _small(copy)
-
-
-def _wanted(gs: object) -> None:
-    """A `GradientsNotKeptError` is raised for gradients of ``gs``: ``keep_applied_grads = "auto"`` keeps
-    them from the next backward on (`zswap.gradstore.RESTART` says so)."""
-    if isinstance(gs, NvmeGrads):
-        gs.wanted = True
-
-
-def _unchanged(ns: Any, key: str, physical: str | None) -> Callable[[], bool]:
-    """Whether ``key``'s stored value is still ``physical`` (nothing wrote it since)."""
-    return lambda: physical is not None and ns._live.get(key) == physical and key not in ns._pending
-
-
-def _ps(st: ParamState) -> NvmeStore:
-    return cast(NvmeStore, st.store)  # for_engine: every managed param is on NVMe
 
 
 def for_engine(engine: Any) -> EarlyStep | None:
