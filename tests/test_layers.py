@@ -79,3 +79,13 @@ def test_an_old_import_path_is_the_moved_module_itself(old, new):
     import importlib
 
     assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_no_module_over_600_lines():
+    over = [(n, name) for n, name in graph.sizes() if n > MAX_LINES]
+    assert over == [], "split these modules along their jobs (docs/architecture.md)"
+
+
+def test_the_size_check_counts_lines(tmp_path):
+    root = _package(tmp_path, {"big.py": "x = 1\n" * (MAX_LINES + 1), "small.py": "x = 1\n"})
+    assert graph.sizes(root)[0] == (MAX_LINES + 1, "pkg.big")
