@@ -39,14 +39,14 @@ from .manifest import (
 )
 
 if TYPE_CHECKING:
-    from ..train.runtime import Engine
+    from ._training import TrainingState
 
 WRITE_BATCH_BYTES = 64 << 20
 """Partition writes queued to a store before waiting for them."""
 
 
 def load_checkpoint(
-    engine: Engine,
+    engine: TrainingState,
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     *,
@@ -88,7 +88,7 @@ def load_checkpoint(
 class _Plan:
     def __init__(
         self,
-        engine: Engine,
+        engine: TrainingState,
         records: list[ParamRecord],
         folder: Path,
         rank: int,

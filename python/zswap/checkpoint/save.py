@@ -42,11 +42,11 @@ from .manifest import (
 )
 
 if TYPE_CHECKING:
-    from ..train.runtime import Engine
+    from ._training import TrainingState
 
 
 def save_checkpoint(
-    engine: Engine,
+    engine: TrainingState,
     save_dir: str | os.PathLike[str],
     tag: str | None = None,
     client_state: Any = None,
@@ -93,7 +93,7 @@ def save_checkpoint(
 
 
 def _write_rank(
-    engine: Engine, records: list[ParamRecord], tmp: Path, rank: int, world: int, client_state: Any
+    engine: TrainingState, records: list[ParamRecord], tmp: Path, rank: int, world: int, client_state: Any
 ) -> dict[str, Any]:
     files: list[FileInfo] = []
     buffers = persistent_buffers(engine.module) if rank == 0 else []
@@ -259,7 +259,7 @@ def _file_info(path: Path) -> FileInfo:
 
 
 def _finish(
-    engine: Engine,
+    engine: TrainingState,
     records: list[ParamRecord],
     tmp: Path,
     root: Path,
