@@ -46,7 +46,7 @@ def commit(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
 
     def counters() -> None:
         for i in ready:
-            es.opt._steps[i] = steps[i] + 1
+            es.opt.records.set_step(i, steps[i] + 1)
         es.opt.last_grad_norm = None
 
     txn.on_commit(counters)
@@ -95,7 +95,7 @@ def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str
         return "its transfers did not all settle in backward"
     if _hyper(es.opt) != es.hyper:
         return "a param group's lr, betas, eps or weight_decay changed between backward and step"
-    if tuple(es.opt._sub_groups) != es.layout or list(es.opt._steps) != es.steps:
+    if tuple(es.opt.records.sub_groups) != es.layout or list(es.opt.records.steps) != es.steps:
         return "the optimizer's sub-groups or step counters changed between backward and step"
     if not es._same_grads(items):
         return "the params with gradients are not those the early step updated"

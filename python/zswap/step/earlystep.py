@@ -165,8 +165,8 @@ class EarlyStep:
         """Why the last early step was dropped after it had let go of gradients it did not keep (those
         gradients are gone until `Engine.zero_grad`); "" when none were lost."""
         self._committed_seeds: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.records = cast(RecordStore, optimizer._store)  # for_engine: on NVMe
-        self.index = {id(p): i for i, p in enumerate(optimizer._params)}
+        self.records = cast(RecordStore, optimizer.records.store)  # for_engine: on NVMe
+        self.index = {id(p): i for i, p in enumerate(optimizer.records.params)}
         self.commits = 0
         """Steps made live by `commit` (for tests and benchmarks)."""
         self.aborts = 0
@@ -251,7 +251,7 @@ class EarlyStep:
         if self.state != "running":
             return False
         i = self.index.get(id(p))
-        if i is None or i not in self.opt._placed:
+        if i is None or not self.opt.records.placed(i):
             return False  # not stepped by this optimizer, or no record yet: the ordinary step will say
         if i in self.ready or st.status is not Status.AVAILABLE or st.world_size != 1:
             why = "a second gradient for one param" if i in self.ready else "a param not gathered"
@@ -327,12 +327,12 @@ class EarlyStep:
         self.keeping = bool(self.keep())
         self.lost = ""
         self.plan = self.seed_plan() if self.seed_numel > 0 else frozenset()
-        self.index = {id(p): i for i, p in enumerate(self.opt._params)}
+        self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         self.txn.uses(self.records.storage)
         self.hyper = _hyper(self.opt)
-        self.layout = tuple(self.opt._sub_groups)
-        self.steps = list(self.opt._steps)
+        self.layout = tuple(self.opt.records.sub_groups)
+        self.steps = list(self.opt.records.steps)
         self.by_param = {}
         self.waiting = {}
         for sg in self.layout:
@@ -344,7 +344,7 @@ class EarlyStep:
         keys = {sg.key: sg for sg in self.layout}
         self.upcoming = deque(keys[k] for k in self._order if k in keys)
         self.order = []
-        itemsize = max((p.element_size() for p in self.opt._params), default=4)
+        itemsize = max((p.element_size() for p in self.opt.records.params), default=4)
         self.write_ahead = 2 * max((sg.numel for sg in self.layout), default=0) * itemsize
 
     def _end_backward(self, alive: object = None) -> None:

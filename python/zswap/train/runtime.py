@@ -501,9 +501,10 @@ class Engine:
         opt: Any = self.optimizer
         if opt is None or not getattr(opt, "sub_groups", ()):
             return set()
+        params = opt.records.params  # an OffloadedAdamW (`zswap.optim._records`)
         return {
-            id(opt._params[seg.param]) for sg in opt.sub_groups for seg in sg.segments
-            if opt._params[seg.param].dtype != torch.float32
+            id(params[seg.param]) for sg in opt.sub_groups for seg in sg.segments
+            if params[seg.param].dtype != torch.float32
         }  # fmt: skip
 
     def check_resizable(self, params: list[torch.Tensor]) -> None:

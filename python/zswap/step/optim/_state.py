@@ -24,10 +24,10 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 def gather_state(opt: OffloadedAdamW) -> dict[int, dict[str, torch.Tensor]]:
     """``{param index: {"step", "exp_avg", "exp_avg_sq"[, "master"]}}`` for every param with state."""
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, step in enumerate(opt._steps):
+    for i, step in enumerate(opt.records.steps):
         if step == 0:
             continue
-        p = opt._params[i]
+        p = opt.records.params[i]
         st = {"step": torch.tensor(float(step), dtype=torch.float32)}
         shape = p.shape if param_state(p) is None else torch.Size([opt.state_numel(i)])
         for name in (*_MOMENTS, "master") if needs_master(p) else _MOMENTS:
@@ -43,7 +43,7 @@ def gather_state(opt: OffloadedAdamW) -> dict[int, dict[str, torch.Tensor]]:
                 if src is not None:
                     st[name].view(-1)[seg.start : seg.stop].copy_(src)
 
-    opt._store.stream(_touching(opt, state.keys()), take, write=False)
+    opt.records.store.stream(_touching(opt, state.keys()), take, write=False)
     return state
 
 
@@ -72,9 +72,9 @@ def scatter_state(opt: OffloadedAdamW, state_dict: dict[str, Any]) -> None:
         if saved_id not in ids:
             raise ValueError(f"loaded state dict has state for param id {saved_id!r}, which no group lists")
         i = ids[saved_id]
-        loaded[i] = _check_entry(i, opt._params[i], opt.state_numel(i), st)
+        loaded[i] = _check_entry(i, opt.records.params[i], opt.state_numel(i), st)
 
-    opt._place(sorted(loaded))
+    opt.records.place(sorted(loaded))
 
     def put(sg: SubGroup, record: torch.Tensor) -> None:
         for seg, (exp_avg, exp_avg_sq, master) in sg.slices(record):
@@ -87,10 +87,10 @@ def scatter_state(opt: OffloadedAdamW, state_dict: dict[str, Any]) -> None:
             if master is not None:
                 master.copy_(st["master"][seg.start : seg.stop])
 
-    opt._store.stream(_touching(opt, loaded.keys()), put)  # all records or none (one transaction)
+    opt.records.store.stream(_touching(opt, loaded.keys()), put)  # all records or none (one transaction)
     for ours, theirs in zip(opt.param_groups, saved_groups, strict=True):
         ours.update({k: v for k, v in theirs.items() if k != "params"})
-    opt._steps = [loaded[i][0] if i in loaded else 0 for i in range(len(opt._params))]
+    opt.records.reset_steps([loaded[i][0] if i in loaded else 0 for i in range(len(opt.records.params))])
 
 
 def _check_entry(
@@ -124,4 +124,4 @@ def _check_entry(
 def _touching(opt: OffloadedAdamW, params: Any) -> list[SubGroup]:
     """The sub-groups holding any of `params`, in walk order."""
     wanted = set(params)
-    return [sg for sg in opt._sub_groups if any(s.param in wanted for s in sg.segments)]
+    return [sg for sg in opt.records.sub_groups if any(s.param in wanted for s in sg.segments)]

@@ -27,6 +27,7 @@ from ...store.storage import Transaction, step_transaction
 from ._build import PathArg, Pipeline, check_hyper, config_kwargs, make_store
 from ._kernel import cpu_adam_step
 from ._layout import SubGroup, cut, default_sub_group_size
+from ._records import Records
 from ._state import gather_state, scatter_state
 from ._store import NvmeStore
 
@@ -106,6 +107,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._sub_groups: list[SubGroup] = []
         self._placed: dict[int, int] = {}  # param index -> its numel, once it has a place in the sub-groups
         self._steps: list[int] = [0] * len(self._params)
+        self.records = Records(self)
+        """Its records as the early step and checkpoint state use them (`zswap.optim._records`)."""
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
