@@ -105,6 +105,8 @@ class ModuleHooks:
         infos: dict[int, ModuleInfo],
         sched: Scheduler,
         slot_for: Callable[[torch.Tensor, ParamState], Slot],
+        *,
+        reuse_outputs: bool = False,
     ) -> None:
         self.root = root
         self.infos = infos
@@ -118,7 +120,7 @@ class ModuleHooks:
         self._bw_calls: list[_Call] = []
         self._closed = False
         self._bw_expected = False
-        self.outputs = BackwardOutputs()
+        self.outputs = BackwardOutputs(enabled=reuse_outputs)
         """Where the backward matmuls of hooked modules put their outputs on the CPU (`zswap.outputs`)."""
         self._handles: list[Any] = []
         for module in root.modules():

@@ -169,9 +169,9 @@ class _PooledMatmuls(TorchDispatchMode):
 class BackwardOutputs:
     """One engine's pool and the node hooks that route its modules' backward matmuls into it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, enabled: bool = False) -> None:
         self.pool = OutputPool()
-        self.enabled = False
+        self.enabled = enabled
         """Whether modules' backward nodes get the hooks (`zswap.Engine.reuse_backward_outputs`)."""
         self._mode = _PooledMatmuls(self.pool)
         self._closed = False

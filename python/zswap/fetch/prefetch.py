@@ -55,7 +55,15 @@ __all__ = ["Ahead", "Budget", "Counters", "Scheduler", "Slot", "Step", "StepKey"
 
 
 class Scheduler(BetweenPasses):
-    def __init__(self, slots: Iterable[Slot], budget: Budget, device: Device | None = None) -> None:
+    def __init__(
+        self,
+        slots: Iterable[Slot],
+        budget: Budget,
+        device: Device | None = None,
+        *,
+        across_passes: bool = True,
+        order: Sequence[tuple[int, Sequence[Slot]]] = (),
+    ) -> None:
         self.slots = {id(s.p): s for s in slots}
         self.budget = budget
         self.device = device
@@ -73,12 +81,12 @@ class Scheduler(BetweenPasses):
         self._prefetched_numel = 0
         self._retained: dict[int, Slot] = {}
         self._shared: set[int] = set()  # ids of the slots `_kept_for_backward` keeps for a later use
-        self.order: list[tuple[int, Sequence[Slot]]] = []
+        self.order: list[tuple[int, Sequence[Slot]]] = list(order)
         """The static guess: (module index, the list of its params) in registration order. The lists are
         read at each guess, so params found in use later (`zswap.hooks`) are in the next one."""
         self._rebuild_backward = False
         self._seeds: list[tuple[Slot, torch.Tensor, Callable[[], bool]]] = []
-        self.across_passes = True
+        self.across_passes = across_passes
         """Read the next pass's first params ahead when a pass ends (`read_ahead`)."""
         self._ahead_reads: dict[int, Ahead] = {}  # issue order
         self.lent: Callable[[], int] = _none

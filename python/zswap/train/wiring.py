@@ -42,8 +42,6 @@ def wire(engine: Engine) -> None:
         id(p): Slot(p, st, st.numel <= engine.sizing.persistence_threshold or id(p) in engine.sizing.resident)
         for p, st in engine._items
     }
-    engine._sched = Scheduler(engine._slots.values(), engine.sizing.budget, engine.compute_device)
-    engine._sched.across_passes = engine._across
     infos = {
         id(m): ModuleInfo(
             i, name, [engine._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
@@ -52,7 +50,13 @@ def wire(engine: Engine) -> None:
     }
     for info in infos.values():
         info.ids.update(id(s.p) for s in info.slots)
-    engine._sched.order = [(info.index, info.slots) for info in infos.values()]  # first-iteration guess
+    engine._sched = Scheduler(
+        engine._slots.values(),
+        engine.sizing.budget,
+        engine.compute_device,
+        across_passes=engine._across,
+        order=[(info.index, info.slots) for info in infos.values()],  # the first iteration's guess
+    )
     engine._stores = {id(st.store): st.store for _, st in engine._items}
     pool = (engine.sizing.budget.max_live + engine.sizing.persistent) * max(
         (st.dtype.itemsize for _, st in engine._items), default=4
@@ -62,12 +66,14 @@ def wire(engine: Engine) -> None:
     for store in engine._stores.values():
         if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
             store.pool_bytes = max(store.pool_bytes, pool)
-            if not engine.compute_device.passthrough:  # read buffers registered for one-hop DMA to the device
+            # Read buffers registered for one-hop DMA to the device.
+            if not engine.compute_device.passthrough:
                 store.host_alloc = engine.compute_device.register_alloc(store.engine.empty)
     if isinstance(engine.compute_device, _device.CudaDevice | _device.StandInDevice):
         engine.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
-    engine._hooks = ModuleHooks(module, infos, engine._sched, engine._slot_for)
-    engine._hooks.outputs.enabled = engine._reuse_outputs
+    engine._hooks = ModuleHooks(
+        module, infos, engine._sched, engine._slot_for, reuse_outputs=engine._reuse_outputs
+    )
     engine._grads = grads.GradSink(engine._items, engine.compute_device)
     engine._grad_stores = []
     try:
