@@ -26,6 +26,7 @@ from ..gradients.gradstore import store_of
 from ..parts.params import Item, ParamState, param_state
 from ..parts.runners import RUNNERS
 from ..step import earlystep, stepping
+from ..step.optim._records import Records
 from . import bridge, stats, wiring
 
 if TYPE_CHECKING:
@@ -498,12 +499,12 @@ class Engine:
         self._sched.drop_all()
 
     def mastered(self) -> set[int]:
-        opt: Any = self.optimizer
-        if opt is None or not getattr(opt, "sub_groups", ()):
+        records = _records(self.optimizer)
+        if records is None:
             return set()
-        params = opt.records.params  # an OffloadedAdamW (`zswap.optim._records`)
+        params = records.params
         return {
-            id(params[seg.param]) for sg in opt.sub_groups for seg in sg.segments
+            id(params[seg.param]) for sg in records.sub_groups for seg in sg.segments
             if params[seg.param].dtype != torch.float32
         }  # fmt: skip
 
@@ -521,11 +522,12 @@ class Engine:
                 "engine.zero_grad()"
             )
         opt = self.optimizer
-        placed = getattr(opt, "_placed", {})
+        records = _records(opt)
         state = getattr(opt, "state", {})
-        ours = getattr(opt, "_params", [])
         for p in params:
-            held = any(ours[i] is p for i in placed) if placed else False
+            held = records is not None and any(
+                q is p and records.placed(i) for i, q in enumerate(records.params)
+            )
             if held or state.get(p):
                 raise ZswapError(
                     "resize_token_embeddings: the optimizer already holds state (moments laid out for the "
@@ -545,9 +547,9 @@ class Engine:
             return
         for group in getattr(opt, "param_groups", ()):
             group["params"] = [new.get(id(p), p) for p in group["params"]]
-        ours = getattr(opt, "_params", None)  # OffloadedAdamW's flat index of its params
-        if isinstance(ours, list):
-            ours[:] = [new.get(id(p), p) for p in ours]
+        records = _records(opt)  # OffloadedAdamW's flat index of its params
+        if records is not None:
+            records.params[:] = [new.get(id(p), p) for p in records.params]
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -561,3 +563,9 @@ class Engine:
         if slot is None:
             slot = self._sched.slots[id(p)] = Slot(p, st, persistent=False)
         return slot
+
+
+def _records(opt: Any) -> Records | None:
+    """An `OffloadedAdamW`'s records (`zswap.optim._records`); ``None`` for any other optimizer."""
+    records = getattr(opt, "records", None)
+    return records if isinstance(records, Records) else None
