@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +40,7 @@ import torch
 from ..errors import ZswapError
 
 if TYPE_CHECKING:
-    from .init import _InitContext
+    from .init import _Frame, _InitContext
 
 _PARAMS = ["model", "state_dict", "checkpoint_files", "load_config"]
 
@@ -221,7 +223,7 @@ def load_into_partitions(
     frame = ctx.frames[-1]
     _cast_on_load(plan, frame.placement.dtype)
     weights.check_optimizer(plan.items)
-    weights.write(plan.items, frame.build_placement, weights.frame_hook(frame))
+    weights.write(plan.items, frame.build_placement, _frame_hook(frame))
     for target, _, _ in plan.items:
         target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers: no re-init
     model._weight_conversions = resolved.used
@@ -269,3 +271,9 @@ def _apply_dtype_plan(targets: dict[str, Any], load_config: Any) -> None:
         m = alt.search(key)
         if m is not None and target.tensor.is_floating_point():
             target.dtype = dtype_plan[by_group[str(m.lastgroup)]]
+
+
+def _frame_hook(frame: _Frame) -> Callable[[torch.Tensor], None]:
+    """``on_new`` for `zswap.weights.write` under an Init frame: the frame casts what it created at its
+    exit."""
+    return lambda p: frame.created.append(weakref.ref(p))

@@ -33,51 +33,8 @@ from torch.autograd import Variable
 
 from .. import memory
 from ..errors import ConfigError, GradientsNotKeptError
-from ..parts.params import NvmeStore, ParamState
+from ..parts.params import GradStore, NvmeStore, ParamState
 from ..store.storage import Transaction, open_dir, storage_for
-
-
-class GradStore:
-    """One backend for partition gradients, keyed by `ParamState`."""
-
-    wanted = False
-    """Whether its gradients were needed between a backward and the step: read by `zswap.full_grad`, or
-    added to by a second backward. ``Engine.keep_applied_grads = "auto"`` keeps the gradients the early
-    step applies from then on."""
-
-    def add(self, st: ParamState, part: torch.Tensor) -> None:
-        """Accumulate one backward's local partition (the store may keep ``part``: callers hand it over)."""
-        raise NotImplementedError
-
-    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
-        """`add`, accumulating in float32: a float16/bfloat16 ``part`` (it crossed from the compute device in
-        its own dtype) is added to a float32 partition gradient, so the sum of several backwards is rounded
-        once per add in float32 rather than in the low precision. As with `add` the store may keep ``part``
-        (a pooled landing buffer counts as in use while anything references it). Other dtypes: `add`."""
-        raise NotImplementedError
-
-    def has(self, st: ParamState) -> bool:
-        raise NotImplementedError
-
-    def norm(self, st: ParamState) -> torch.Tensor | None:
-        """The float32 L2 norm of the partition gradient, if the store computed it when it stored it
-        (``torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)``: what `zswap.grads.global_scale` would
-        compute after `load`, the same bits); ``None``: load it."""
-        return None
-
-    def load(self, st: ParamState) -> tuple[torch.Tensor, Any]:
-        """(the partition gradient, or a buffer being filled with it; a handle to ``wait()`` on, or None).
-        The tensor may be modified in place (clipping) but is not stored back."""
-        raise NotImplementedError
-
-    def clear(self, sts: Iterable[ParamState]) -> None:
-        raise NotImplementedError
-
-    def wait_all(self) -> None:
-        """Every gradient written; raises the first write error."""
-
-    def close(self) -> None:
-        pass
 
 
 class MemoryGrads(GradStore):

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -47,9 +46,6 @@ from ..parts.params import (
 )
 from ..parts.placing import PLACING
 from ..parts.runners import open_runners, runners_of
-
-if TYPE_CHECKING:
-    from ..build.init import _Frame
 
 # While loading, writes queued to NVMe are bounded tighter than during Init: sources are read at disk speed,
 # so a deep queue only adds to the peak memory of the load, not to its speed.
@@ -471,8 +467,3 @@ def _placement_of(model: nn.Module) -> Placement | None:
         if st is not None:
             return Placement(st.store, st.group, st.rank, st.world_size, None)
     return None
-
-
-def frame_hook(frame: _Frame) -> Callable[[torch.Tensor], None]:
-    """``on_new`` for `write` under an Init frame: the frame casts what it created at its exit."""
-    return lambda p: frame.created.append(weakref.ref(p))

@@ -12,17 +12,25 @@ work (run under `no_torch_function`), are never intercepted.
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .params import ParamState, Status, param_state
 
-if TYPE_CHECKING:
-    from ..build.init import _InitContext
-
 _ABSENT = object()
+
+
+class _Context(Protocol):
+    """What the access mode asks of Init's context (`zswap.init._InitContext`)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def adopt(self, p: torch.Tensor) -> None: ...
+
+    def touch(self, items: list[tuple[torch.Tensor, ParamState]]) -> None: ...
 
 
 def _getsets(*names: str) -> frozenset[Any]:
@@ -103,7 +111,7 @@ def _shape_answer(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], st: 
 class AccessMode(TorchFunctionMode):
     """Gathers a managed, not-gathered param before any torch call that reads or writes its data."""
 
-    def __init__(self, ctx: _InitContext) -> None:
+    def __init__(self, ctx: _Context) -> None:
         super().__init__()
         self._ctx = ctx
 
