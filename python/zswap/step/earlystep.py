@@ -1,9 +1,9 @@
 """The early step: `OffloadedAdamW` updates run inside backward, as each record's gradients are complete, and
 are made live by `Engine.step` — or dropped, and the step runs as usual.
 
-Why: with params, gradients and AdamW states on NVMe, a step as `zswap.runtime.step_partitions` runs it reads
-every param partition, its gradient and its record, and writes the record and the partition back; the
-gradient was written by backward a moment before. In backward the param is still gathered in memory and
+Why: with params, gradients and AdamW states on NVMe, a step as `zswap.train.bridge.step_partitions` runs
+it reads every param partition, its gradient and its record, and writes the record and the partition back;
+the gradient was written by backward a moment before. In backward the param is still gathered in memory and
 its gradient is there too, so updating then saves reading both back (2 × the model of the 10 × a step
 moves; see benches/README.md, "Bytes per step").
 

@@ -66,7 +66,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     transactional = True
     """Its step saves what it changes in memory to the step transaction's undo log itself (so
-    `zswap.runtime.step_partitions` need not)."""
+    `zswap.train.bridge.step_partitions` need not)."""
 
     def __init__(
         self,
