@@ -51,15 +51,17 @@ test-python: $(PY_DEP)
 lint: setup
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets --features python -- -D warnings
-	$(PYTHON) -m ruff check python tests benches
-	$(PYTHON) -m ruff format --check python tests benches
+	$(PYTHON) -m ruff check python tests benches tools
+	$(PYTHON) -m ruff format --check python tests benches tools
 	$(PYTHON) -m mypy
 	$(PYTHON) -m mypy.stubtest zswap._zswap
+	# lint-imports: the layers contract in pyproject.toml ([tool.importlinter]); run on this tree's source
+	PYTHONPATH=python $(PYTHON) -c "from importlinter.cli import lint_imports_command as lint_imports; lint_imports()"
 
 fmt: $(PY_DEP)
 	$(CARGO) fmt
-	$(PYTHON) -m ruff format python tests benches
-	$(PYTHON) -m ruff check --fix python tests benches
+	$(PYTHON) -m ruff format python tests benches tools
+	$(PYTHON) -m ruff check --fix python tests benches tools
 
 ## Benchmarks (not run in CI): Criterion for the engine, then the Python-level scripts.
 bench: setup bench-rust bench-python

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ZswapConfig, load_config
 from .errors import ZswapWarning
-from .optim._layout import default_sub_group_size
+from .step.optim._layout import default_sub_group_size
 
 DEFAULT_SIZE = 768 << 20
 """Bytes of fp32 params of the default model."""

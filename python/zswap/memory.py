@@ -54,6 +54,10 @@ PURPOSES = ("fetch", "grads", "optimizer", "early_step", "other")
 HOLDERS = ("early_step",)
 """Who keeps ordinary torch tensors (not engine buffers) past their own use, as counted by `Holding`."""
 
+ENGINE_COPY = 1 << 20
+"""Bytes from which the early step's param copy is an engine buffer (purpose "early_step"); smaller ones
+are ordinary tensors."""
+
 MMAP_THRESHOLD = 256 << 10
 """Bytes from which glibc maps (and on free unmaps) an allocation by itself, once `bound_heap` ran."""
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..gather import fetch, no_torch_function, release
-from ..params import ParamState, Status
+from ..parts.gather import fetch, no_torch_function, release
+from ..parts.params import ParamState, Status
 
 
 def full_copy(p: torch.Tensor, st: ParamState) -> torch.Tensor:

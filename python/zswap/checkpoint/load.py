@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._progress import progress
-from ..gather import no_torch_function
-from ..optim import OffloadedAdamW
-from ..optim._layout import needs_master
+from ..parts.gather import no_torch_function
+from ..step.optim import OffloadedAdamW
+from ..step.optim._layout import needs_master
 from ._collective import agree, group_of
 from ._reader import Piece, Reader
 from .errors import CheckpointCorruptError, CheckpointMismatchError
@@ -41,14 +41,14 @@ from .manifest import (
 )
 
 if TYPE_CHECKING:
-    from ..runtime import Engine
+    from ._training import TrainingState
 
 WRITE_BATCH_BYTES = 64 << 20
 """Partition writes queued to a store before waiting for them."""
 
 
 def load_checkpoint(
-    engine: Engine,
+    engine: TrainingState,
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     *,
@@ -92,7 +92,7 @@ def load_checkpoint(
 class _Plan:
     def __init__(
         self,
-        engine: Engine,
+        engine: TrainingState,
         records: list[ParamRecord],
         folder: Path,
         rank: int,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..params import ParamState, param_state
+from ..parts.params import ParamState, param_state
 from ._atomic import LATEST, TMP_PREFIX
 from .errors import (
     CheckpointArgumentError,

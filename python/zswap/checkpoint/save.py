@@ -20,8 +20,8 @@ import torch
 
 from .._progress import progress
 from ..errors import ZswapError
-from ..optim import OffloadedAdamW
-from ..optim._layout import needs_master
+from ..step.optim import OffloadedAdamW
+from ..step.optim._layout import needs_master
 from . import _atomic
 from ._collective import agree, all_gather, group_of
 from ._crc import BlockCrc
@@ -44,11 +44,11 @@ from .manifest import (
 )
 
 if TYPE_CHECKING:
-    from ..runtime import Engine
+    from ._training import TrainingState
 
 
 def save_checkpoint(
-    engine: Engine,
+    engine: TrainingState,
     save_dir: str | os.PathLike[str],
     tag: str | None = None,
     client_state: Any = None,
@@ -96,7 +96,7 @@ def save_checkpoint(
 
 
 def _write_rank(
-    engine: Engine, records: list[ParamRecord], tmp: Path, rank: int, world: int, client_state: Any
+    engine: TrainingState, records: list[ParamRecord], tmp: Path, rank: int, world: int, client_state: Any
 ) -> dict[str, Any]:
     files: list[FileInfo] = []
     buffers = persistent_buffers(engine.module) if rank == 0 else []
@@ -262,7 +262,7 @@ def _file_info(path: Path) -> FileInfo:
 
 
 def _finish(
-    engine: Engine,
+    engine: TrainingState,
     records: list[ParamRecord],
     tmp: Path,
     root: Path,
@@ -271,7 +271,7 @@ def _finish(
     reports: list[dict[str, Any]],
     save_latest: bool,
 ) -> None:
-    from .. import __version__
+    from .._zswap import __version__
 
     model = engine.module
     files = [f for rep in reports for f in rep["files"]]

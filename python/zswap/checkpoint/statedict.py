@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from ..params import Status, param_state
+from ..parts.params import Status, param_state
 from ._gather import full_copy
 
 _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()

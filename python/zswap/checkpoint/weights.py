@@ -12,8 +12,8 @@ from torch import nn
 
 from .._dist import resolve_group
 from .._progress import progress
-from ..gather import no_torch_function
-from ..params import param_state
+from ..parts.gather import no_torch_function
+from ..parts.params import param_state
 from ._gather import full_copy
 from ._hf_layout import (
     METADATA,

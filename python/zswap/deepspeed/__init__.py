@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import runtime
+from ..build.init import Init
 from ..config import load_config
-from ..init import Init
-from ..optim import OffloadedAdamW
-from ..params import param_state
+from ..parts.params import param_state
+from ..step.optim import OffloadedAdamW
+from ..train import runtime
 from . import zero
 from ._args import refuse, resolve_config
 from ._data import training_dataloader

@@ -9,9 +9,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .. import runtime
 from ..checkpoint._atomic import LATEST
 from ..errors import ZswapWarning
+from ..train import runtime
 from ._args import refuse
 
 
@@ -101,7 +101,7 @@ class DeepSpeedEngine(runtime.Engine):
         return self.last_grad_norm
 
     def _world(self) -> int:
-        from .. import stepping
+        from ..step import stepping
 
         return stepping.world_size(self._items)
 

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import gather, init
+from ..build import init
 from ..errors import ZswapError, ZswapWarning
+from ..parts import gather
 from ._args import refuse
 
 _UNSET: Any = object()

@@ -20,7 +20,7 @@ import torch
 
 from ..config import ZswapConfig
 from ..errors import ConfigError
-from ..optim import OffloadedAdamW
+from ..step.optim import OffloadedAdamW
 
 _IMPLEMENTATION_ONLY = ("foreach", "fused")
 """torch implementation switches: no effect on the values zswap's kernel computes."""

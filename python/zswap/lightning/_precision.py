@@ -25,7 +25,7 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from ..runtime import Engine
+    from ..train.runtime import Engine
 
 TruePrecision = Literal["32-true", "bf16-true", "16-true"]
 DTYPES: dict[str, torch.dtype] = {

@@ -45,12 +45,12 @@ from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
+from ..build.init import Init
 from ..config import ZswapConfig, load_config
 from ..device import resolve as resolve_device
 from ..errors import ConfigError, ZswapError
-from ..init import Init
-from ..optim import OffloadedAdamW
-from ..runtime import Engine, initialize
+from ..step.optim import OffloadedAdamW
+from ..train.runtime import Engine, initialize
 from ._optim import is_convertible, rebind_schedulers, to_offloaded
 from ._parallel import ProcessGroupStrategy
 from ._precision import DTYPES, VALUE_CLIPPING, ZswapPrecision

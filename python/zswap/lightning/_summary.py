@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelSummary as SummaryCallback
 from lightning.pytorch.utilities.model_summary import LayerSummary, ModelSummary
 
-from ..params import param_state
+from ..parts.params import param_state
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

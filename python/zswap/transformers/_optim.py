@@ -20,7 +20,7 @@ import torch
 
 from ..config import ZswapConfig
 from ..errors import ConfigError
-from ..optim import OffloadedAdamW
+from ..step.optim import OffloadedAdamW
 
 _REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
 """Switches that change what a step computes and that `OffloadedAdamW` does not have: must be off."""

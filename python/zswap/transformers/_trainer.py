@@ -34,12 +34,12 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
-from .. import schedules
 from ..checkpoint import save_weights
 from ..config import load_config
 from ..errors import ConfigError, ZswapError
-from ..params import param_state
-from ..runtime import Engine, initialize
+from ..parts.params import param_state
+from ..step import schedules
+from ..train.runtime import Engine, initialize
 from . import _fill
 from ._optim import EngineStepper, check_elementwise, to_zswap
 

@@ -1,0 +1,336 @@
+"""The hooks that gather params around each module's forward and backward, without changing the graph.
+
+Forward: a pre-hook on every module acquires its params (direct ones, plus any it was seen using that
+belong to another module) through the `Scheduler`; a post-hook (``always_call``, so also when forward
+raises) releases them. While any hooked forward runs, a torch-function mode watches the params reaching
+torch calls: a managed param a module uses without owning it (a parent reading a child's weight, an
+attribute shared outside the module tree) is fetched on the spot and from then on counted as that module's.
+
+Backward: autograd keeps the param *object* among a node's saved tensors, so gathering its data again before
+the node runs is enough. A node that saves a *view* of a param instead (``F.linear`` saves ``weight.t()``)
+would keep the gathered memory alive until backward; while a hooked forward runs, saved-tensor hooks keep
+such a view as (param, layout) and rebuild it from the param's data when the node runs.
+
+When a module's forward under grad mode ends, a hook goes on each output tensor
+(fires right before the first of the module's backward nodes: *pre-backward*, acquires the params again)
+and on each non-param input (fires right before the node that produced it, after all of the module's nodes:
+*post-backward*, releases them). The CPU autograd engine runs ready nodes in decreasing creation order, so
+every node a module created has run by then. A module whose inputs need no grad (token ids) releases at
+the end of the backward, from a callback queued on the graph task. Nothing is inserted into the graph, so
+gradients are summed in the same order as in a plain model. On the CPU the nodes between a call's outputs
+and inputs also get the hooks that compute their large matmul outputs into reused memory
+(`zswap.outputs`).
+
+Activation checkpointing: ``use_reentrant=True`` re-runs the forward inside backward — the forward hooks
+fetch and release as usual and the re-run registers its own backward hooks for the inner backward;
+``use_reentrant=False`` keeps detached aliases of what the re-run saved, which hold the gathered data
+until its nodes ran. Tied params are one param object in two modules: each use acquires it, and its
+gradient is taken once, after autograd summed every use (`zswap.grads`).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from ..parts._access import _ABSENT, _META_GETSETS, _META_METHODS, _shape_answer
+from ..parts.gather import no_torch_function
+from ..parts.params import ParamState, Status, param_state
+from .outputs import BackwardOutputs
+from .prefetch import Scheduler, Slot
+
+
+@dataclass(eq=False)
+class ModuleInfo:
+    index: int
+    name: str
+    slots: list[Slot]
+    """Params its forward uses: its own (``recurse=False``), then any found in use while it ran."""
+    ids: set[int] = field(default_factory=set)
+
+    def add(self, slot: Slot) -> None:
+        if id(slot.p) not in self.ids:
+            self.ids.add(id(slot.p))
+            self.slots.append(slot)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One run of a module's forward, and later of its backward."""
+
+    info: ModuleInfo
+    held: list[Slot] = field(default_factory=list)
+    bw_held: list[Slot] | None = None
+    task: int = -1
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+@dataclass(frozen=True, eq=False)
+class _ParamView:
+    """A saved view of a managed param, kept as its layout instead of its (gathered) memory."""
+
+    param: torch.Tensor
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _raised(output: Any) -> bool:
+    """Whether an ``always_call`` post-hook runs because the forward raised (torch calls it from its
+    ``except`` block, with no output)."""
+    return output is None and sys.exc_info()[1] is not None
+
+
+def _graph_task() -> int:
+    """Id of the backward graph task running on this thread, -1 outside backward."""
+    return int(torch._C._current_graph_task_id())
+
+
+class ModuleHooks:
+    """Installs the forward and backward hooks on every module of ``root``; ``remove()`` takes them off."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        infos: dict[int, ModuleInfo],
+        sched: Scheduler,
+        slot_for: Callable[[torch.Tensor, ParamState], Slot],
+        *,
+        reuse_outputs: bool = False,
+    ) -> None:
+        self.root = root
+        self.infos = infos
+        self.sched = sched
+        self._slot_for = slot_for
+        self._stack: list[_Call] = []
+        self._mode = _ForwardAccess(self)
+        self._mode_on = False
+        self._saved_hooks_on = False
+        self._tasks: set[int] = set()
+        self._bw_calls: list[_Call] = []
+        self._closed = False
+        self._bw_expected = False
+        self.outputs = BackwardOutputs(enabled=reuse_outputs)
+        """Where the backward matmuls of hooked modules put their outputs on the CPU (`zswap.outputs`)."""
+        self._handles: list[Any] = []
+        for module in root.modules():
+            info = infos[id(module)]
+            self._handles.append(
+                module.register_forward_pre_hook(functools.partial(self._pre, info), with_kwargs=True)
+            )
+            self._handles.append(
+                module.register_forward_hook(
+                    functools.partial(self._post, info), with_kwargs=True, always_call=True
+                )
+            )
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._closed = True
+        self.outputs.close()
+        self._reset()
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def _pre(self, info: ModuleInfo, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if module is self.root and self._stack:
+            self._reset()  # a forward interrupted by a BaseException never ran its post-hooks
+        if not self._stack:
+            if _graph_task() < 0:
+                self._backward_done(-1)  # releases what saved tensors unpacked outside backward held
+                self.sched.begin(self._kind(), grad=torch.is_grad_enabled())
+                self._bw_expected = False
+            self._mode.__enter__()
+            self._mode_on = True
+            self._push_saved_hooks()
+        call = _Call(info)
+        self._stack.append(call)
+        call.held = self.sched.acquire(("F", info.index), info.slots)
+
+    def _post(self, info: ModuleInfo, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self._stack or self._stack[-1].info is not info:
+            return  # its pre-hook failed before the call was pushed
+        call = self._stack.pop()
+        try:
+            self.sched.release(call.held)
+            if (
+                output is not None
+                and torch.is_grad_enabled()
+                and any(not s.persistent for s in call.info.slots)
+            ):
+                self._hook_backward(call, args, kwargs, output)
+        finally:
+            if not self._stack:
+                self._exit_mode()
+                if (not self._bw_expected or _raised(output)) and _graph_task() < 0:
+                    self.sched.end()  # no backward can follow: release at once, prefetches included
+                    if not _raised(output):
+                        self.sched.read_ahead()  # the next pass's first reads (prefetch.py, "Across passes")
+
+    def _kind(self) -> Hashable:
+        return torch.is_grad_enabled(), self.root.training
+
+    def _exit_mode(self) -> None:
+        if self._saved_hooks_on:
+            self._saved_hooks_on = False
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        if self._mode_on:
+            self._mode_on = False
+            self._mode.__exit__(None, None, None)
+
+    def _push_saved_hooks(self) -> None:
+        # Only where no other saved-tensor hooks are active: theirs take precedence (a checkpoint's
+        # recomputation collects what it saves through its own hooks; on top of them ours would hide
+        # everything from it).
+        autograd = torch._C._autograd
+        if not torch.is_grad_enabled() or autograd._top_saved_tensors_default_hooks(False) is not None:
+            return
+        try:
+            autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        except RuntimeError:  # saved-tensor hooks are disabled here (inside a functorch transform, say)
+            return
+        self._saved_hooks_on = True
+
+    @staticmethod
+    def _pack(t: torch.Tensor) -> Any:
+        base = t._base
+        if base is None or param_state(base) is None:
+            return t
+        return _ParamView(base, t.size(), t.stride(), int(t.storage_offset() - base.storage_offset()))
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _ParamView):
+            return x
+        p = x.param
+        st = param_state(p)
+        if st is not None and st.status is not Status.AVAILABLE:
+            self._hold_until_task_end([self._slot_for(p, st)])  # safety net: its module did not hold it
+        with no_torch_function():
+            return p.detach().as_strided(x.size, x.stride, p.storage_offset() + x.offset)
+
+    def on_access(self, found: list[tuple[torch.Tensor, ParamState]]) -> None:
+        """A torch call inside the running forward reached managed params its module does not hold."""
+        call = self._stack[-1]
+        slots = [self._slot_for(p, st) for p, st in found]
+        for s in slots:
+            call.info.add(s)
+        call.held.extend(self.sched.acquire(("F", call.info.index), slots))
+
+    # -- backward ----------------------------------------------------------------------------------
+
+    def _hook_backward(self, call: _Call, args: Any, kwargs: Any, output: Any) -> None:
+        outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not outs:
+            return
+        self._bw_expected = True
+        pre = functools.partial(self._bw_pre, call)
+        post = functools.partial(self._bw_post, call)
+        out_ids = {id(t) for t in outs}
+        for t in outs:
+            t.register_hook(pre)  # dies with the graph
+        ins = []
+        for t in tree_leaves((args, kwargs)):
+            # Leaves (a param passed in, an input that requires grad) are skipped: their hook would fire
+            # at their AccumulateGrad, which may run before the module's own params' ones, and would stay
+            # on a tensor that outlives the graph. Such a call releases at the end of the graph task.
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in out_ids:
+                t.register_hook(post)
+                ins.append(t)
+        self.outputs.instrument(outs, ins)
+
+    def _bw_pre(self, call: _Call, grad: torch.Tensor) -> None:
+        if call.bw_held is not None or self._closed:
+            return  # another output of the same call; or hooks left on a graph built before close()
+        call.task = self._watch_task()
+        call.bw_held = self.sched.acquire(("B", call.info.index), call.info.slots)
+        self._bw_calls.append(call)
+
+    def _watch_task(self) -> int:
+        """The running graph task, with a callback queued for its end (-1 outside backward: what is held
+        then is released when the next forward begins)."""
+        task = _graph_task()
+        if task >= 0 and task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self._backward_done, task)
+            )
+        return task
+
+    def _hold_until_task_end(self, slots: list[Slot]) -> None:
+        call = _Call(ModuleInfo(-1, "", slots), task=self._watch_task())
+        call.bw_held = self.sched.acquire(("B", -1), slots)
+        self._bw_calls.append(call)
+
+    def _bw_post(self, call: _Call, grad: torch.Tensor) -> None:
+        if call.bw_held is not None:
+            held, call.bw_held = call.bw_held, None
+            self.sched.release(held)
+
+    def _backward_done(self, task: int) -> None:
+        self._tasks.discard(task)
+        if not self._tasks:
+            task = -2  # the outermost backward ended (or a forward begins): nothing is held any more
+        ended = [c for c in self._bw_calls if c.task == task or task == -2]
+        self._bw_calls = [c for c in self._bw_calls if c not in ended]
+        for call in ended:
+            self._bw_post(call, None)  # type: ignore[arg-type]
+        if task == -2:
+            self.sched.end()
+            self.outputs.end()
+
+    def _reset(self) -> None:
+        for call in self._stack:
+            self.sched.release(call.held)
+            call.held = []
+        self._stack.clear()
+        self._exit_mode()
+
+
+class _ForwardAccess(TorchFunctionMode):
+    """Active while a hooked forward runs: hands `ModuleHooks.on_access` the managed params a torch call
+    uses that the running module does not hold. Shape and metadata queries need no data and pass."""
+
+    def __init__(self, hooks: ModuleHooks) -> None:
+        super().__init__()
+        self._hooks = hooks
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _META_METHODS or getattr(func, "__self__", None) in _META_GETSETS:
+            return func(*args, **kwargs)
+        stack = self._hooks._stack
+        if stack:
+            if args and (st := param_state(args[0])) is not None:
+                answer = _shape_answer(func, args, kwargs, st)
+                if answer is not _ABSENT:
+                    return answer
+            found = _foreign(args, kwargs, stack[-1].info.ids)
+            if found:
+                self._hooks.on_access(found)
+        return func(*args, **kwargs)
+
+
+def _foreign(args: tuple[Any, ...], kwargs: dict[str, Any], own: set[int]) -> list[tuple[torch.Tensor, Any]]:
+    """Managed params among the arguments (and inside list/tuple arguments) that are not in ``own`` or not
+    gathered."""
+    found: dict[int, tuple[torch.Tensor, Any]] = {}
+    for x in (*args, *kwargs.values()):
+        for y in x if isinstance(x, (list, tuple)) else (x,):
+            st = param_state(y) if isinstance(y, torch.Tensor) else None
+            if st is not None and (id(y) not in own or st.status is not Status.AVAILABLE):
+                found[id(y)] = (y, st)
+    return list(found.values())

@@ -1,0 +1,465 @@
+"""Where the partition gradients of managed params live between backward and `Engine.step`.
+
+`MemoryGrads` keeps each one as ``ParamState.grad`` (CPU memory; the param's device for tier "none").
+`NvmeGrads` keeps them in a `SwapEngine` (the params' own, or one on ``offload_optimizer.nvme_path``) and is
+used when the config puts the optimizer on NVMe, so a model larger than memory can train. A param's store is
+``ParamState.grad_store`` (``None``: memory), set by `zswap.initialize` (`attach`) and reset on close.
+
+NVMe writes never stall backward: a param's first gradient of a step is written asynchronously (the source
+stays alive in the storage's bounded write queue); a later backward before the step reads the partition
+back, adds in place (the op `MemoryGrads` uses, so values are the same) and writes it again. Each
+backward's writes commit together at its end or not at all (`NvmeGrads`).
+
+A step's first gradients are kept in memory instead, up to ``NvmeGrads.stash_cap`` bytes (the *stash*; the
+Engine sizes it, `size_stash`): the step then reads them from memory. Gradients past the cap are written as
+above.
+
+Gradients `zswap.earlystep` applies in backward are, by default (``Engine.keep_applied_grads`` false), not
+stored at all: the early step holds each one until its optimizer records are updated and then lets it go;
+the store only notes that the param has a gradient (`NvmeGrads.applied`: `has` is true, so `Engine.step`
+sees the same params with gradients). `load` of such a gradient (`full_grad`), and `add` onto it (a second
+backward), raise `GradientsNotKeptError`: its value is gone, and the optimizer records do not give it back
+(``m' = β₁m + (1-β₁)g`` rounds). With ``keep_applied_grads`` they are stored as any other gradient.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from .. import memory
+from ..errors import ConfigError, GradientsNotKeptError
+from ..parts.params import GradStore, NvmeStore, ParamState
+from ..store.storage import Transaction, open_dir, storage_for
+
+
+class MemoryGrads(GradStore):
+    def add(self, st: ParamState, part: torch.Tensor) -> None:
+        if st.tier != "none" and part.device.type != "cpu":
+            part = part.to("cpu")
+        if st.grad is None:
+            # Autograd hands the gradient over (``p.grad`` was cleared), so the first one is kept as is.
+            st.grad = part if part.is_contiguous() else part.contiguous()
+        else:
+            st.grad.add_(part)
+
+    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+        if part.dtype not in LOW_PRECISION:
+            self.add(st, part if part.is_contiguous() else part.contiguous())
+            return
+        if st.grad is None:
+            home = "cpu" if st.tier != "none" else part.device
+            st.grad = part.to(home, torch.float32, copy=True)  # exact: every low-precision value is a float32
+        else:
+            st.grad.add_(part)  # float32 += float32(part): computed and rounded in float32
+
+    def has(self, st: ParamState) -> bool:
+        return st.grad is not None
+
+    def load(self, st: ParamState) -> tuple[torch.Tensor, None]:
+        if st.grad is None:
+            raise KeyError(st.key)
+        return st.grad, None
+
+    def clear(self, sts: Iterable[ParamState]) -> None:
+        for st in sts:
+            st.grad = None
+
+
+class _Alive:
+    __slots__ = ("__weakref__",)
+
+
+def _dead() -> None:
+    return None
+
+
+MEMORY = MemoryGrads()
+NOT_KEPT = '(engine.keep_applied_grads is False, or "auto", the default, before they were first needed)'
+"""Why applied gradients were let go, as the `GradientsNotKeptError` messages say it."""
+RESTART = (
+    "Params and optimizer states are as before this step: call engine.zero_grad() and run backward again. "
+    'With engine.keep_applied_grads = "auto" (the default) applied gradients are kept from the next backward '
+    "on, after this error; set engine.keep_applied_grads = True to keep them always (written or kept in "
+    "memory), so that this falls back to the ordinary step"
+)
+"""How to go on after a `GradientsNotKeptError`; every raise of one also marks its gradients wanted, so
+that ``"auto"`` keeps them from the next backward on."""
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def store_of(st: ParamState) -> GradStore:
+    return MEMORY if st.grad_store is None else st.grad_store
+
+
+class NvmeGrads(GradStore):
+    """Partition gradients in a namespace (``g/<n>``) of a `zswap.storage.Storage`.
+
+    Each backward's writes form one transaction (its *generation*), committed when the backward ends (an
+    autograd final callback; outside a backward, at the next read): if any write failed, none of that
+    backward's gradients count — every partition keeps what the earlier backwards accumulated — and
+    ``loss.backward()`` raises the `SwapIOError`, naming the key. A backward that raised for any other
+    reason (a failed param read) before its end counts for nothing either. Run the backward again once
+    space is freed. An error that could not be raised there (gradients added outside a backward) is kept
+    and raised by `wait_all`, `has`, `load` and `clear` (so by `Engine.step`, `full_grad` and
+    `zero_grad`) until `clear`.
+    """
+
+    def __init__(self, engine: Any, *, owns_engine: bool = False) -> None:
+        self.storage = storage_for(engine)
+        self.owns_engine = owns_engine  # closing the namespace closes an engine zswap opened
+        self.ns = self.storage.namespace("g")
+        self._meta: dict[str, tuple[int, torch.dtype]] = {}  # committed: name -> (numel, dtype)
+        self._gen: Transaction | None = None
+        self._gen_task = -1  # the autograd graph task that opened it (-1: none)
+        self._gen_alive: Callable[[], object] = _dead  # while that task runs (`_generation`)
+        self._gen_meta: dict[str, tuple[int, torch.dtype]] = {}
+        self._error: BaseException | None = None
+        self._reported = False
+        self.stash_cap = 0
+        """Bytes of partition gradients kept in memory rather than written (see the module docstring)."""
+        self._stash: dict[str, torch.Tensor] = {}  # committed, in memory: name -> gradient
+        self._gen_stash: dict[str, torch.Tensor] = {}  # the open generation's
+        self.stash_bytes = 0
+        """Bytes the stash holds now (committed and open generation)."""
+        self.stash_peak = 0
+        """Most bytes it held at once since the store was made."""
+        self.norms_wanted: Callable[[], bool] = lambda: False
+        """Whether the next step needs the gradients' norm (clipping, the fp16 check): then each stored
+        value's norm is computed as it is stored, while in memory, and the step reads no gradient for it."""
+        self._norms: dict[str, torch.Tensor] = {}
+        self._gen_norms: dict[str, torch.Tensor] = {}
+        self._applied: set[str] = set()  # committed names whose gradient the early step applied, unkept
+        self._gen_applied: set[str] = set()  # the open generation's
+
+    @property
+    def engine(self) -> Any:
+        return self.storage.engine
+
+    @staticmethod
+    def key(st: ParamState) -> str:
+        return f"{id(st):x}"  # unique: the zswap Engine holds each st
+
+    def physical(self, st: ParamState) -> str | None:
+        """The engine key holding ``st``'s committed gradient (None: none)."""
+        return self.ns._live.get(self.key(st))
+
+    def applied(self, st: ParamState, numel: int, dtype: torch.dtype) -> None:
+        """Note that this backward gave ``st`` its first gradient, which `zswap.earlystep` applies and does
+        not keep (see the module docstring); `unapply` takes the note back."""
+        gen = self._generation()
+        if gen._error is not None:
+            return
+        key = self.key(st)
+        self._gen_meta[key] = (numel, dtype)
+        self._gen_applied.add(key)
+
+    def unapply(self, st: ParamState) -> None:
+        """Undo `applied` (the early step gave up in backward and hands the gradient to `add` instead)."""
+        key = self.key(st)
+        if key in self._gen_applied:
+            self._gen_applied.discard(key)
+            self._gen_meta.pop(key, None)
+        elif key in self._applied:  # this backward's generation already committed (its end came first)
+            self._applied.discard(key)
+            self._meta.pop(key, None)
+
+    def not_kept(self, st: ParamState) -> bool:
+        """Whether ``st``'s committed gradient was applied by the early step and not kept."""
+        self._commit()
+        return self.key(st) in self._applied
+
+    def add(self, st: ParamState, part: torch.Tensor) -> None:
+        if self._error is not None:
+            return  # gradients are lost until `clear`; `wait_all` (every step) raises the error
+        key = self.key(st)
+        if key in self._applied or key in self._gen_applied:
+            self.wanted = True
+            raise GradientsNotKeptError(
+                f"a second gradient for param {st.key} before engine.step(): its gradient from an earlier "
+                f"backward was applied to the optimizer by the early step and not kept {NOT_KEPT}, so "
+                f"nothing can be added to it. {RESTART}"
+            )
+        gen = self._generation()
+        if gen._error is not None:
+            return  # this backward already failed: its end raises
+        part = part.to("cpu") if part.device.type != "cpu" else part
+        meta = self._gen_meta.get(key) or self._meta.get(key)
+        kept = self._gen_stash.get(key)
+        if kept is not None:  # a second gradient in one backward: this generation's own, added in place
+            kept.add_(part)
+            self._note_norm(key, kept)
+            return
+        old = self._stash.get(key)
+        if old is not None and self._stash_room(old):  # accumulation onto a kept gradient: kept again
+            acc = old.clone()  # the earlier value stays as it is until this backward commits
+            acc.add_(part)
+            self._gen_meta[key] = (acc.numel(), acc.dtype)
+            self._gen_stash[key] = acc
+            self._stash_grow(acc.nbytes)
+            self._note_norm(key, acc)
+            return
+        if meta is not None:  # gradient accumulation: read, add, write back
+            with memory.purpose("grads"):
+                acc = self.engine.empty((meta[0],), meta[1])  # page-aligned: read without a bounce copy
+            if not self._read(key, acc, gen):
+                return
+            acc.add_(part)
+            part = acc
+        elif not part.is_contiguous():
+            part = part.contiguous()
+        self._gen_meta[key] = (part.numel(), part.dtype)
+        self._note_norm(key, part)
+        if meta is None and self._stash_room(part):
+            if part.untyped_storage().nbytes() > part.nbytes:
+                part = part.clone()  # a view of a larger buffer: keep only its own bytes alive
+            self._gen_stash[key] = part  # a first gradient: kept in memory, never written (module docstring)
+            self._stash_grow(part.nbytes)
+            return
+        self.ns.put(key, part, gen)
+
+    def _note_norm(self, key: str, value: torch.Tensor) -> None:
+        if self.norms_wanted():
+            self._gen_norms[key] = torch.linalg.vector_norm(value, 2.0, dtype=torch.float32)
+        else:
+            self._gen_norms.pop(key, None)
+
+    def _stash_room(self, part: torch.Tensor) -> bool:
+        return self.stash_bytes + part.nbytes <= self.stash_cap
+
+    def _stash_grow(self, n: int) -> None:
+        self.stash_bytes += n
+        self.stash_peak = max(self.stash_peak, self.stash_bytes)
+
+    def _read(self, key: str, out: torch.Tensor, gen: Transaction) -> bool:
+        """Fill ``out`` with ``key``'s gradient so far (from the stash or the storage); False (and the
+        generation failed) if the read failed."""
+        kept = self._stash.get(key)
+        if kept is not None:
+            out.copy_(kept)
+            return True
+        try:
+            self.ns.read(key, out, gen).wait()
+        except Exception as exc:
+            gen._error = gen._error or exc
+            return False
+        return True
+
+    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+        """A partition's first gradient of a step is written in its own dtype (its float32 value is the
+        same, at half the bytes); accumulating into it reads it back, widens it to float32 and writes the
+        float32 sum. `load` then returns float32 or the one low-precision gradient, the same values."""
+        key = self.key(st)
+        meta = self._gen_meta.get(key) or self._meta.get(key)
+        if part.dtype not in LOW_PRECISION or meta is None or self._error is not None:
+            self.add(st, part)  # kept in the write queue until written: its landing buffer stays in use
+            return
+        gen = self._generation()
+        if gen._error is not None:
+            return
+        stored = self._gen_stash.pop(key, None)  # this generation's own first gradient: summed and written
+        if stored is not None:
+            self.stash_bytes -= stored.nbytes
+        else:
+            stored = self.engine.empty((meta[0],), meta[1])
+            if not self._read(key, stored, gen):
+                return
+        acc = stored if meta[1] == torch.float32 else self.engine.empty((meta[0],), torch.float32)
+        if acc is not stored:
+            acc.copy_(stored)
+        acc.add_(part.to("cpu") if part.device.type != "cpu" else part)
+        self._gen_meta[key] = (acc.numel(), torch.float32)
+        self._gen_norms.pop(key, None)
+        self.ns.put(key, acc, gen)
+
+    def _generation(self) -> Transaction:
+        task = torch._C._current_graph_task_id()
+        if self._gen is not None and self._gen_task not in (-1, task):
+            if self._gen_alive() is not None:
+                return self._gen  # a backward inside the one that opened it (reentrant checkpointing)
+            self._drop_unfinished()
+        if self._gen is None:
+            self._gen = Transaction()
+            self._gen_task = task
+            if task != -1:  # inside a backward: commit when it ends
+                # Autograd holds the callback, and ``alive`` with it, until it drops the graph task (at
+                # its end, or when it raised): while ``alive`` lives, another task's gradients are of a
+                # backward run inside this one and belong to this generation.
+                alive = _Alive()
+                self._gen_alive = weakref.ref(alive)
+                Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
+        return self._gen
+
+    def _drop_gen_stash(self) -> None:
+        self.stash_bytes -= sum(t.nbytes for t in self._gen_stash.values())
+        self._gen_stash = {}
+
+    def _drop_unfinished(self) -> None:
+        """Abort the generation of a backward that raised before its end (its error went to the caller
+        of that backward): none of its gradients count."""
+        gen, self._gen, self._gen_meta, self._gen_norms = self._gen, None, {}, {}
+        self._gen_applied = set()
+        self._drop_gen_stash()
+        if gen is not None:
+            gen.abort()
+
+    def _end_backward(self, alive: object = None) -> None:
+        err = self._commit()
+        if err is not None:
+            # Raised from loss.backward(): that backward counted for nothing and the store is as before
+            # it, so nothing is kept — the next backward runs as if the failed one never had.
+            if self._error is err:
+                self._error, self._reported = None, False
+            raise err
+
+    def _commit(self) -> BaseException | None:
+        """Commit the open generation; keep and return its error (then it counted for nothing)."""
+        if self._gen is not None and self._gen_task not in (-1, torch._C._current_graph_task_id()):
+            if self._gen_alive() is not None:
+                return None  # asked inside a backward run within the generation's: its end commits it
+            self._drop_unfinished()  # its backward never reached its end
+        gen, self._gen = self._gen, None
+        if gen is None:
+            return None
+        meta, self._gen_meta = self._gen_meta, {}
+        kept, self._gen_stash = self._gen_stash, {}
+        norms, self._gen_norms = self._gen_norms, {}
+        applied, self._gen_applied = self._gen_applied, set()
+        try:
+            gen.commit()
+        except Exception as exc:
+            self.stash_bytes -= sum(t.nbytes for t in kept.values())
+            if self._error is None:
+                self._error, self._reported = exc, False
+            return exc
+        for key in meta:  # the new value (kept again, or written) replaces what the stash had
+            old = self._stash.pop(key, None)
+            if old is not None:
+                self.stash_bytes -= old.nbytes
+            self._norms.pop(key, None)
+            self._applied.discard(key)
+        self._applied |= applied
+        self._stash.update(kept)
+        self._norms.update(norms)
+        self._meta.update(meta)
+        return None
+
+    def has(self, st: ParamState) -> bool:
+        self._commit()
+        self._check()
+        return self.key(st) in self._meta
+
+    def norm(self, st: ParamState) -> torch.Tensor | None:
+        self._commit()
+        self._check()
+        return self._norms.get(self.key(st))
+
+    def load(self, st: ParamState) -> tuple[torch.Tensor, Any]:
+        self._commit()
+        self._check()
+        key = self.key(st)
+        if key in self._applied:
+            self.wanted = True
+            raise GradientsNotKeptError(
+                f"the gradient of param {st.key} was applied to the optimizer in backward by the early step "
+                f"and not kept {NOT_KEPT}: it cannot be read before engine.step(). Set "
+                "engine.keep_applied_grads = True before backward to read gradients between backward and "
+                'step (with "auto", the default, they are kept from the next backward on, after this error)'
+            )
+        numel, dtype = self._meta[key]
+        kept = self._stash.get(key)
+        if kept is not None:
+            return kept, None  # as `MemoryGrads.load`: the kept tensor itself
+        with memory.purpose("grads"):
+            buf = self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
+        return buf, self.ns.read(key, buf)
+
+    def clear(self, sts: Iterable[ParamState]) -> None:
+        self._commit()
+        for st in sts:
+            key = self.key(st)
+            self._norms.pop(key, None)
+            self._applied.discard(key)
+            if self._meta.pop(key, None) is not None:
+                kept = self._stash.pop(key, None)
+                if kept is not None:
+                    self.stash_bytes -= kept.nbytes
+                self.ns.free(key)
+        if not self._meta:
+            err, reported = self._error, self._reported
+            self._error, self._reported = None, False
+            if err is not None and not reported:
+                raise err
+
+    def wait_all(self) -> None:
+        self._commit()
+        self._check()
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.abort()
+            self._gen = None
+        self._drop_gen_stash()
+        self._stash.clear()
+        self._norms.clear()
+        self._applied.clear()
+        self._gen_applied.clear()
+        self.stash_bytes = 0
+        self.ns.close()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+
+
+def attach(items: Iterable[tuple[torch.Tensor, ParamState]], cfg: Any) -> list[GradStore]:
+    """Point each param's ``grad_store`` where the config wants its gradients: NVMe when
+    ``offload_optimizer.device`` is "nvme" (the param store's engine when that is NVMe, else one new engine
+    on ``offload_optimizer.nvme_path``), else memory. Returns the NVMe stores, to `detach` later."""
+    out: dict[int, NvmeGrads] = {}
+    off = cfg.offload_optimizer
+    if off.device != "nvme":
+        return []
+    for _, st in items:
+        if isinstance(st.store, NvmeStore):
+            gs = out.get(id(st.store.storage)) or out.setdefault(
+                id(st.store.storage), NvmeGrads(st.store.storage)
+            )
+        else:
+            gs = out.get(0) or out.setdefault(0, _own(cfg))
+        st.grad_store = gs
+    return list(out.values())
+
+
+def want_norms(stores: Iterable[GradStore], wanted: Callable[[], bool]) -> None:
+    """Have each NVMe gradient store compute norms as it stores while ``wanted()`` (`NvmeGrads`)."""
+    for gs in stores:
+        if isinstance(gs, NvmeGrads):
+            gs.norms_wanted = wanted
+
+
+def size_stash(stores: Iterable[GradStore], nbytes: int) -> None:
+    """Let each NVMe gradient store keep up to ``nbytes`` of gradients in memory (`NvmeGrads.stash_cap`)."""
+    for gs in stores:
+        if isinstance(gs, NvmeGrads):
+            gs.stash_cap = nbytes
+
+
+def _own(cfg: Any) -> NvmeGrads:
+    paths = cfg.offload_optimizer.nvme_path
+    if not paths:
+        raise ConfigError("offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'")
+    return NvmeGrads(open_dir(list(paths), cfg.aio), owns_engine=True)  # shared by path with the others
+
+
+def detach(items: Iterable[tuple[torch.Tensor, ParamState]], stores: Iterable[GradStore]) -> None:
+    """Undo `attach` (gradients should be cleared first); closes engines built for gradients."""
+    for _, st in items:
+        st.grad_store = None
+    for gs in stores:
+        gs.close()

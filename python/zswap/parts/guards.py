@@ -1,0 +1,153 @@
+"""Ways of training a zswap model that cannot work are refused where they happen, not left to do nothing.
+
+A param zswap partitioned holds an empty tensor as ``.data`` and keeps its gradient in zswap's gradient store,
+not in ``.grad``. So three ordinary moves would silently do nothing on it:
+
+- ``optimizer.step()`` of any torch optimizer over such params (zswap's own `OffloadedAdamW` called outside
+  `Engine.step` included): it sees no gradient and changes nothing. A global optimizer step pre-hook
+  (``torch.optim.optimizer.register_optimizer_step_pre_hook``) raises instead, unless the step runs inside
+  `Engine.step` (`engine_step`), which shows the optimizer each partition and its gradient.
+- ``torch.nn.utils.clip_grad_norm_`` over them: it sees no gradient and returns 0. The function is wrapped
+  (module attribute, so callers that look it up at call time — Accelerate, Lightning, transformers — get the
+  wrapper); with managed params among those it is given it raises, naming the engine's clipping. Inside
+  `Engine.step` the original runs untouched.
+- a forward with no open engine (``initialize`` forgotten, or after ``engine.close()``): torch would fail
+  deep in a kernel with ``'weight' must be 2-D``. A global module forward pre-hook raises a `ZswapError`
+  naming `zswap.initialize` and `zswap.GatheredParameters` for a module whose own params are partitioned,
+  not gathered, and run by no open engine (and no `zswap.Init` is active: it gathers on access).
+
+All three are installed by `install`, called when the first `zswap.Init` is entered or the first `Engine`
+is built, so a process that never uses zswap pays nothing (a global module hook takes every module call off
+torch's fast path). Each check looks at the given params only and lets anything zswap does not manage
+through unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..errors import ZswapError
+from .params import Status, param_state
+
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Engines built so far (`track`); a closed one runs no param."""
+
+
+class _State(threading.local):
+    """Per thread: how many `Engine.step` calls are running (an optimizer may be stepped in them)."""
+
+    depth = 0
+
+
+_STATE = _State()
+_INSTALLED: list[Any] = []  # the handles and the original clip_grad_norm_, once installed
+_BUILDING: list[Callable[[], bool]] = []  # `zswap.Init`'s "active on this thread" (it gathers on access)
+_LOCK = threading.Lock()
+
+STEP_MESSAGE = (
+    "{what} over params zswap partitioned does nothing: their data and gradients live in zswap's stores, "
+    "which only engine.step() applies the optimizer to. Call engine.step() after backward (engine = "
+    "zswap.initialize(model, config, optimizer=...)), and let it clip (max_grad_norm= or the config's "
+    "'gradient_clipping'); with the Hugging Face Trainer use zswap.transformers.Trainer"
+)
+CLIP_MESSAGE = (
+    "torch.nn.utils.clip_grad_norm_ over params zswap partitioned cannot see their gradients (they live in "
+    "zswap's gradient store, not in p.grad) and would return 0 without clipping: let engine.step() clip by "
+    "the global norm instead — zswap.initialize(..., max_grad_norm=...) or the config's "
+    "'gradient_clipping' — and read the norm from engine.last_grad_norm"
+)
+FORWARD_MESSAGE = (
+    "{module} has params zswap partitioned that are not gathered, and no open zswap Engine runs them "
+    "({why}): call engine = zswap.initialize(model, config) before running the model, or run it inside "
+    "`with zswap.GatheredParameters(model.parameters()):`"
+)
+
+
+def track(engine: Any) -> None:
+    """Note an engine (anything with ``closed`` and ``runs(p)``: whether it ran or runs param ``p``)."""
+    install()
+    _ENGINES.add(engine)
+
+
+@contextlib.contextmanager
+def engine_step() -> Iterator[None]:
+    """Marks `Engine.step` running on this thread: optimizers may step and clip over managed params."""
+    _STATE.depth += 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+
+
+def install(building: Callable[[], bool] | None = None) -> None:
+    """Install the three guards (idempotent). ``building``: tells whether an Init is active on this thread
+    (`zswap.init` passes it: this module sits below it and does not import it)."""
+    with _LOCK:
+        if building is not None and building not in _BUILDING:
+            _BUILDING.append(building)
+        if _INSTALLED:
+            return
+        original = torch.nn.utils.clip_grad_norm_
+        wrapped = _wrap_clip(original)
+        torch.nn.utils.clip_grad_norm_ = wrapped
+        torch.nn.utils.clip_grad.clip_grad_norm_ = wrapped
+        _INSTALLED.extend(
+            [
+                register_optimizer_step_pre_hook(_before_step),
+                nn.modules.module.register_module_forward_pre_hook(_before_forward),
+                original,
+            ]
+        )
+
+
+def _managed(params: Iterable[Any]) -> bool:
+    return any(param_state(p) is not None for p in params)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _STATE.depth:
+        return
+    if _managed(p for group in optimizer.param_groups for p in group["params"]):
+        raise ZswapError(STEP_MESSAGE.format(what=f"{type(optimizer).__name__}.step()"))
+
+
+def _wrap_clip(original: Any) -> Any:
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if _STATE.depth:
+            return original(parameters, *args, **kwargs)
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        params = list(parameters)
+        if _managed(params):
+            raise ZswapError(CLIP_MESSAGE)
+        return original(params, *args, **kwargs)
+
+    return clip_grad_norm_
+
+
+def _before_forward(module: nn.Module, args: Any) -> None:
+    idle = [
+        p
+        for p in module._parameters.values()
+        if (st := param_state(p)) is not None and st.status is not Status.AVAILABLE
+    ]
+    if not idle:
+        return
+    if any(building() for building in _BUILDING):
+        return  # Init's access mode gathers what the forward touches
+    engines = list(_ENGINES)
+    if all(any(not e.closed and e.runs(p) for e in engines) for p in idle):
+        return
+    closed = any(e.closed and e.runs(p) for e in engines for p in idle)
+    why = "its engine was closed" if closed else "zswap.initialize was not called for them"
+    raise ZswapError(FORWARD_MESSAGE.format(module=type(module).__name__, why=why))

@@ -1,0 +1,373 @@
+"""One record per managed parameter, the registry that finds it, and the partition math.
+
+A managed param keeps only its local partition (1/world of its flattened, padded elements) in a store: CPU
+memory, its own device (``remote_device="none"``), or the swap engine. While it is not gathered, ``p.data``
+is an empty tensor of the right dtype on the param's device; `param_state` gives its real shape.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import sys
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from .. import memory
+from ..device import _storage_uses
+from ..errors import ZswapError
+from ..store import storage as _storage
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Tier = Literal["cpu", "nvme", "none"]
+
+
+class Status(enum.Enum):
+    """Where a managed param's full data is."""
+
+    AVAILABLE = "available"
+    """``p.data`` is the full tensor."""
+    NOT_AVAILABLE = "not_available"
+    """``p.data`` is empty; the data is partitioned in the store (and across ranks)."""
+    INFLIGHT = "inflight"
+    """A gather has started and not finished."""
+
+
+class GradStore:
+    """One backend for partition gradients, keyed by `ParamState`: the interface, declared here (a record
+    holds its store); the backends are `zswap.gradstore`'s."""
+
+    wanted = False
+    """Whether its gradients were needed between a backward and the step: read by `zswap.full_grad`, or
+    added to by a second backward. ``Engine.keep_applied_grads = "auto"`` keeps the gradients the early
+    step applies from then on."""
+
+    def add(self, st: ParamState, part: torch.Tensor) -> None:
+        """Accumulate one backward's local partition (the store may keep ``part``: callers hand it over)."""
+        raise NotImplementedError
+
+    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+        """`add`, accumulating in float32: a float16/bfloat16 ``part`` (it crossed from the compute device in
+        its own dtype) is added to a float32 partition gradient, so the sum of several backwards is rounded
+        once per add in float32 rather than in the low precision. As with `add` the store may keep ``part``
+        (a pooled landing buffer counts as in use while anything references it). Other dtypes: `add`."""
+        raise NotImplementedError
+
+    def has(self, st: ParamState) -> bool:
+        raise NotImplementedError
+
+    def norm(self, st: ParamState) -> torch.Tensor | None:
+        """The float32 L2 norm of the partition gradient, if the store computed it when it stored it
+        (``torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)``: what `zswap.grads.global_scale` would
+        compute after `load`, the same bits); ``None``: load it."""
+        return None
+
+    def load(self, st: ParamState) -> tuple[torch.Tensor, Any]:
+        """(the partition gradient, or a buffer being filled with it; a handle to ``wait()`` on, or None).
+        The tensor may be modified in place (clipping) but is not stored back."""
+        raise NotImplementedError
+
+    def clear(self, sts: Iterable[ParamState]) -> None:
+        raise NotImplementedError
+
+    def wait_all(self) -> None:
+        """Every gradient written; raises the first write error."""
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class ParamState:
+    """Everything zswap knows about one param; found with `param_state`.
+
+    ``tier`` is where the local partition lives: ``"cpu"`` (CPU memory, pinned when asked and possible),
+    ``"nvme"`` (the swap engine), or ``"none"`` (``remote_device="none"``: partitioned across ranks only,
+    the partition stays on the device the param was built on).
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    status: Status
+    tier: Tier
+    partition_numel: int
+    rank: int = field(repr=False)
+    world_size: int = field(repr=False)
+    group: ProcessGroup | None = field(repr=False)
+    device: torch.device = field(repr=False)
+    """Device the full data is gathered to (the one the param was built on)."""
+    store: Store = field(repr=False)
+    key: str = field(repr=False)
+    touched: bool = field(default=False, repr=False)
+    """Gathered by `zswap.Init`'s access hook: re-partitioned (written back) at its next sync point."""
+    gathered_by: object | None = field(default=None, repr=False)
+    """The `GatheredParameters` block holding it gathered, if any."""
+    grad: torch.Tensor | None = field(default=None, repr=False)
+    """This rank's partition of the accumulated gradient (1-D, ``partition_numel`` elements, on the CPU —
+    on the param's device for tier "none"), filled by `zswap.initialize`'s backward hooks; ``None`` when
+    there is none, or when it lives on NVMe (``grad_store``). An optimizer reads (and clears) it;
+    `zswap.full_grad` gathers the whole."""
+    grad_store: GradStore | None = field(default=None, repr=False)
+    """Where the partition gradient lives when not in ``grad`` (`zswap.gradstore.NvmeGrads`); ``None``:
+    in memory. Set by `zswap.initialize` while its engine is open."""
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def bounds(self) -> tuple[int, int]:
+        """[start, end) of this rank's slice of the flattened param (end may lie in the padding)."""
+        start = self.rank * self.partition_numel
+        return start, start + self.partition_numel
+
+
+def partition_numel(numel: int, world_size: int) -> int:
+    """Elements each rank keeps: ``numel`` padded up to a multiple of ``world_size``, divided by it."""
+    return -(-numel // world_size)
+
+
+def local_slice(flat: torch.Tensor, rank: int, part_numel: int) -> torch.Tensor:
+    """This rank's ``part_numel`` elements of ``flat``, zero-filled past its end; a view when possible."""
+    start = rank * part_numel
+    end = min(start + part_numel, flat.numel())
+    if end - start == part_numel:
+        return flat[start:end]
+    out = flat.new_zeros(part_numel)
+    if end > start:
+        out[: end - start] = flat[start:end]
+    return out
+
+
+# id(param) -> state. One entry per live managed param, removed by a weakref finaliser when the param dies,
+# which also frees its partition in the store.
+_REGISTRY: dict[int, ParamState] = {}
+
+
+Item = tuple[torch.Tensor, "ParamState"]
+"""A managed param with its record, as the layers above pass them around."""
+
+
+def param_state(p: object) -> ParamState | None:
+    """The `ParamState` of a param partitioned by zswap, or ``None`` for any other object."""
+    return _REGISTRY.get(id(p)) if isinstance(p, torch.Tensor) else None
+
+
+def register(p: torch.Tensor, state: ParamState) -> None:
+    if id(p) in _REGISTRY:
+        raise ZswapError(f"param of shape {tuple(state.shape)} is already managed by zswap")
+    _REGISTRY[id(p)] = state
+    fin = weakref.finalize(p, _forget, id(p), state)
+    fin.atexit = False  # at interpreter exit the stores go away whole
+
+
+def _forget(pid: int, state: ParamState) -> None:
+    if _REGISTRY.get(pid) is state:
+        del _REGISTRY[pid]
+    state.store.free(state.key)
+
+
+def managed_params(params: Iterator[torch.Tensor]) -> Iterator[tuple[torch.Tensor, ParamState]]:
+    for p in params:
+        st = _REGISTRY.get(id(p))
+        if st is not None:
+            yield p, st
+
+
+class Store:
+    """Keeps local partitions by key. Subclasses: `MemoryStore` and `NvmeStore`."""
+
+    tier: Tier
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+
+    def new_key(self) -> str:
+        return f"p{next(self._ids)}"
+
+    def put(self, key: str, part: torch.Tensor) -> None:
+        """Store ``part`` (1-D, contiguous; the store may keep it, so callers hand over ownership)."""
+        raise NotImplementedError
+
+    def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """(the partition, or a buffer being filled with it; a handle to ``wait()`` on, or ``None``)."""
+        raise NotImplementedError
+
+    def free(self, key: str) -> None:
+        raise NotImplementedError
+
+    def wait_all(self) -> None:
+        """Wait for every queued write; raise the first error after all have finished."""
+
+
+class MemoryStore(Store):
+    """Partitions in memory: on the CPU (tier "cpu", pinned when asked and CUDA is there), or left on
+    the device the param was built on (tier "none")."""
+
+    def __init__(self, tier: Literal["cpu", "none"], pin_memory: bool) -> None:
+        super().__init__()
+        self.tier = tier
+        # Pinning needs a CUDA runtime; without one there is nothing to pin for.
+        self.pin = pin_memory and tier == "cpu" and torch.cuda.is_available()
+        self._parts: dict[str, torch.Tensor] = {}
+
+    def put(self, key: str, part: torch.Tensor) -> None:
+        if self.tier == "cpu" and part.device.type != "cpu":
+            part = part.to("cpu", non_blocking=False)
+        old = self._parts.get(key)
+        if old is not None and old.data_ptr() == part.data_ptr() and old.numel() == part.numel():
+            return  # gathered zero-copy: the partition was written in place
+        if self.pin and not part.is_pinned():
+            if old is not None and old.shape == part.shape and old.dtype == part.dtype:
+                old.copy_(part)
+                return
+            part = part.pin_memory()
+        elif part.untyped_storage().nbytes() != part.nbytes:
+            part = part.clone()  # a view would keep the whole gathered tensor alive
+        self._parts[key] = part
+
+    def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+        return self._parts[key], None
+
+    def free(self, key: str) -> None:
+        self._parts.pop(key, None)
+
+
+def _unused(buf: torch.Tensor, uses: int) -> bool:
+    """Whether a pooled buffer is free again: no one holds it but the pool (references: the pool's entry,
+    the caller's loop variable, this parameter, getrefcount's argument) and no tensor views its memory
+    (``uses``: its storage's use count when made)."""
+    return sys.getrefcount(buf) == 4 and _storage_uses(buf) == uses
+
+
+class NvmeStore(Store):
+    """Partitions in a namespace (``p/<n>``) of the swap directory's one `zswap.storage.Storage`: writes
+    are queued, not awaited (bounded by the storage's write queue), and copy-on-write — a failed write
+    leaves the previous value readable. Inside a step transaction (`zswap.storage.step_transaction`) a
+    `put` is staged in it. ``engine``: a `SwapEngine` (or a `Storage`) to keep the partitions in."""
+
+    tier: Tier = "nvme"
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.storage = _storage.storage_for(engine)
+        self.ns = self.storage.namespace("p")
+        weakref.finalize(self, self.ns.close).atexit = False
+        self.pool_bytes = 0
+        """Bytes of load buffers kept for reuse (0: none). `zswap.initialize` sets it to its live budget
+        while it runs: fetched params then land in memory already mapped, instead of faulting in (and
+        zeroing) fresh pages on every fetch."""
+        self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        self._pooled = 0
+        self._peak_in_use = 0
+        self.host_alloc: Any = None
+        """``alloc(shape, dtype)`` for load buffers instead of ``engine.empty`` (``None``: that): a GPU
+        `zswap.initialize` sets one that registers each buffer with CUDA (`zswap.device`)."""
+
+    @property
+    def engine(self) -> Any:
+        return self.storage.engine
+
+    def physical(self, key: str) -> str | None:
+        """The engine key holding ``key``'s current value (None: none)."""
+        return self.ns.physical(key, _storage.current())
+
+    def version(self, key: str) -> str | None:
+        """The stored version a read of ``key`` would see now; None while a write of it is unsettled
+        (`zswap.storage.Namespace.version`: never waits or raises)."""
+        return self.ns.version(key, _storage.current())
+
+    def put(self, key: str, part: torch.Tensor) -> None:
+        self.ns.put(key, part, _storage.current())
+
+    def load(self, key: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        buf = self._buffer(numel, dtype)  # page-aligned: read without a bounce copy
+        return buf, self.ns.read(key, buf, _storage.current())
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pooled buffer nothing uses any more (no tensor shares its memory, no one holds it), else a new
+        one, pooled while the pool is under `pool_bytes`."""
+        pool = self._pool.get((numel, dtype))
+        if pool:
+            for buf, uses in pool:
+                if _unused(buf, uses):
+                    return buf
+        nbytes = numel * dtype.itemsize
+        # A miss maps a new buffer, but idle pooled memory must not add to the process's peak: the pool
+        # maps at most the most bytes it ever had in use at once (`_peak_in_use`), so it first unmaps idle
+        # buffers (of other sizes: the mix in use shifts) past that. Below its peak an idle buffer stays
+        # for the sizes that follow — with an unmap on every miss, about 40 % of the fetches and copies
+        # of a 2 GiB model's step mapped, zeroed and unmapped a new buffer (benches/README.md, "Step time").
+        limit = min(self.pool_bytes, self._note_use(nbytes))
+        if self._pooled + nbytes > limit:
+            self._evict(self._pooled + nbytes - limit)
+        buf = self._allocate(numel, dtype)
+        uses = _storage_uses(buf)
+        if uses < 0:  # no way to tell when a buffer is free again: no pooling
+            return buf
+        if self._pooled + nbytes <= self.pool_bytes:
+            self._pool.setdefault((numel, dtype), []).append((buf, uses))
+            self._pooled += nbytes
+        return buf
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with memory.purpose("fetch"):
+            return (self.host_alloc or self.engine.empty)((numel,), dtype)
+
+    def prefill(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A new pooled load buffer, its pages already faulted in (engine buffers are populated when
+        made; the caller holds it until it has taken all it wants, so each call makes a new one);
+        ``None`` once the pool has no room for it."""
+        if self._pooled + numel * dtype.itemsize > self.pool_bytes:
+            return None
+        self._note_use(numel * dtype.itemsize)
+        buf = self._allocate(numel, dtype)
+        uses = _storage_uses(buf)
+        if uses < 0:
+            return None
+        self._pool.setdefault((numel, dtype), []).append((buf, uses))
+        self._pooled += numel * dtype.itemsize
+        return buf
+
+    def _note_use(self, nbytes: int) -> int:
+        """`_peak_in_use` once a new buffer of ``nbytes`` is in use too (pooled ones in use, and it)."""
+        self._peak_in_use = max(self._peak_in_use, self._pooled - self._idle() + nbytes)
+        return self._peak_in_use
+
+    def _idle(self) -> int:
+        """Bytes of pooled buffers nothing uses now."""
+        idle = 0
+        for (numel, dtype), pool in self._pool.items():
+            for buf, uses in pool:
+                if _unused(buf, uses):
+                    idle += numel * dtype.itemsize
+        return idle
+
+    def _evict(self, nbytes: int) -> None:
+        """Unpool free buffers (of other sizes: the mix a model needs shifts) until ``nbytes`` are gone."""
+        for (numel, dtype), pool in self._pool.items():
+            keep = []
+            for buf, uses in pool:
+                if nbytes > 0 and _unused(buf, uses):
+                    nbytes -= numel * dtype.itemsize
+                    self._pooled -= numel * dtype.itemsize
+                else:
+                    keep.append((buf, uses))
+            pool[:] = keep
+
+    def trim(self) -> None:
+        """Forget the pooled buffers (those still in use are freed by their last user)."""
+        self._pool.clear()
+        self._pooled = 0
+        self._peak_in_use = 0
+
+    def free(self, key: str) -> None:
+        self.ns.free(key)
+
+    def wait_all(self) -> None:
+        self.ns.wait()

@@ -1,0 +1,149 @@
+"""The early step's per-record pipeline: records read into the optimizer's ring (ahead of their last
+gradient where a slot is free), updated by the AdamW kernel once complete, written back with the param
+copies, and the copies kept as seeds for the next pass or let go once written (see `zswap.earlystep`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from ..memory import ENGINE_COPY
+from ..parts.params import NvmeStore, ParamState
+from .optim._layout import SubGroup
+
+if TYPE_CHECKING:
+    from .earlystep import EarlyStep
+
+
+def read_ahead(es: EarlyStep) -> None:
+    """Read the records backward completes next into the ring's free slots, before their gradients
+    are: those of a record some of whose params have theirs, then the order the last backward completed
+    them in (`_order`). Waiting for a record's last gradient to read it left the disk idle while
+    backward computed and held backward while it read: 0.6–0.9 s of a 2 GiB step. At most all slots but
+    one are so taken, so a record that completes out of that order always finds one."""
+    room = es.records.ring_size - 1
+    while es.upcoming and len(es.early) < room:
+        sg = es.upcoming[0]
+        if sg.key in es.early or es.waiting.get(sg.key, 0) == 0:
+            es.upcoming.popleft()  # read, or complete (then `_ready` read it)
+            continue
+        while es.writes and not es.free and es.writes[0][1].done():
+            es._land_oldest()
+        if es.ring and not es.free:
+            return
+        es.upcoming.popleft()
+        es.early[sg.key] = es._start(sg)
+        es.read_ahead += 1
+
+
+def start(es: EarlyStep, sg: SubGroup) -> tuple[SubGroup, torch.Tensor, torch.Tensor, Any]:
+    """Issue the read of ``sg``'s record into a free ring slot (waiting for one if none is)."""
+    store = es.records
+    if not es.free:
+        if not es.ring:
+            es.ring = list(store._buffers(max(s.record_numel for s in es.layout)))
+            es.free.extend(es.ring)
+            for buf in es.ring:
+                es.txn.scratch(buf)
+        while not es.free:
+            if es.writes:
+                es._land_oldest()
+            else:
+                es._pump(keep=0)
+    buf = es.free.popleft()
+    rec = buf[: sg.record_numel]
+    name = store._name(sg)
+    es.versions[name] = store.ns._live.get(name)
+    handle = store.ns.read(name, rec, es.txn) if store.ns.has(name, es.txn) else None
+    if handle is None:
+        rec.zero_()
+    return sg, buf, rec, handle
+
+
+def pump(es: EarlyStep, keep: int) -> None:
+    """Update and write the complete records read so far: every one whose read has landed, and the
+    oldest ones while more than ``keep`` are left."""
+    while len(es.reads) > keep or (es.reads and _landed(es.reads[0][3])):
+        sg, buf, rec, handle = es.reads.popleft()
+        if handle is not None:
+            handle.wait()
+        steps = {s.param: es.steps[s.param] + 1 for s in sg.segments if s.param in es.ready}
+        grads = {i: es.ready[i][2] for i in steps}
+        targets = {i: es.ready[i][1] for i in steps}
+        es.opt.records.update(sg, rec, steps, grads, 1.0, es.txn, targets=targets)
+        store = es.records
+        es.writes.append((buf, store.ns.put(store._name(sg), rec, es.txn, held=0)))  # a ring slot
+        for i in steps:
+            es.left[i] -= 1
+            if es.left[i] == 0:
+                st, copy, _, _ = es.ready[i]
+                nbytes = copy.numel() * copy.element_size()
+                # Bounded here (`write_ahead`), not by the storage's write queue: backward goes on while
+                # a sub-group's worth of copies is written, and waits only past two of them.
+                w = _ps(st).ns.put(st.key, copy, es.txn, held=0)
+                es.holding.add(-nbytes)  # the gradient
+                es.ready[i] = (st, _empty, _empty, es.ready[i][3])  # the write holds the copy
+                if not es.keeping:
+                    es.dropped += 1  # that gradient is gone: no falling back from here on
+                kept = es._seed(i, copy)
+                small = 0 if kept else _small(copy)  # moved from ``holding`` to ``writing``
+                es.copies.append((0 if kept else nbytes, small, w))
+                es.copying += 0 if kept else nbytes
+                es.writing.add(small)
+
+
+def seed(es: EarlyStep, i: int, copy: torch.Tensor) -> bool:
+    """Keep ``copy`` (param ``i``'s updated partition) as a seed if the next pass would take it
+    (`seed_plan`), up to ``seed_numel`` elements; past that the oldest seeds go first. True if kept."""
+    nbytes = copy.numel() * copy.element_size()
+    p = es.opt.records.params[i]
+    es.held -= 2 * nbytes  # the gradient, and the copy: counted in ``copying`` until written
+    if id(p) in es.plan and copy.numel() <= es.seed_numel:
+        es.seeds.append((p, copy))
+        es.seeded += copy.numel()
+        es.held += nbytes
+    else:
+        es.holding.add(-_small(copy))
+        return False
+    while es.seeded > es.seed_numel:
+        _, old = es.seeds.popleft()
+        es.seeded -= old.numel()
+        es.held -= old.numel() * old.element_size()
+        es.holding.add(-_small(old))
+    return True
+
+
+def land_copies(es: EarlyStep, limit: int) -> None:
+    """Settle the copies' writes that have landed, and the oldest ones while more than ``limit`` bytes
+    are in flight."""
+    while es.copies and (es.copying > limit or es.copies[0][2].done()):
+        nbytes, small, w = es.copies.popleft()
+        w.settle()
+        es.copying -= nbytes
+        es.writing.add(-small)
+        es.txn.check()
+
+
+def land_oldest(es: EarlyStep) -> None:
+    buf, w = es.writes.popleft()
+    w.settle()
+    es.free.append(buf)
+    es.txn.check()
+
+
+_empty = torch.empty(0)
+
+
+def _landed(handle: Any) -> bool:
+    return handle is None or bool(handle.done())
+
+
+def _small(copy: torch.Tensor) -> int:
+    """Bytes of a param copy that is an ordinary tensor (under `ENGINE_COPY`), else 0."""
+    nbytes = copy.numel() * copy.element_size()
+    return nbytes if nbytes < ENGINE_COPY else 0
+
+
+def _ps(st: ParamState) -> NvmeStore:
+    return cast(NvmeStore, st.store)  # for_engine: every managed param is on NVMe

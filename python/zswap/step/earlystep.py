@@ -1,0 +1,534 @@
+"""The early step: `OffloadedAdamW` updates run inside backward, as each record's gradients are complete, and
+are made live by `Engine.step` — or dropped, and the step runs as usual.
+
+Why: with params, gradients and AdamW states on NVMe, a step as `zswap.train.bridge.step_partitions` runs
+it reads every param partition, its gradient and its record, and writes the record and the partition back;
+the gradient was written by backward a moment before. In backward the param is still gathered in memory and
+its gradient is there too, so updating then saves reading both back (2 × the model of the 10 × a step
+moves; see benches/README.md, "Bytes per step").
+
+What it keeps:
+
+- **Results.** The same kernel runs on the same bytes (the gathered param is the partition, world size 1;
+  the gradient is the one the store writes), with the same hyper-parameters and step counts, so params and
+  records are bitwise those of the ordinary step. It runs only when that step would apply the gradients
+  as they are: no clipping, no fp16 check or loss scale, no accumulation (``gradient_accumulation_steps``
+  1, and a record is taken only when the gradient store was empty before this backward), one rank, the
+  CPU as compute device, every managed param on NVMe with its gradient, an `OffloadedAdamW` on NVMe whose
+  records already exist (from the second step on).
+- **Gradients it applies are not stored** (``Engine.keep_applied_grads`` false, the default): the GradSink
+  hands each partition gradient to `on_grad` first; one it takes is held until its records are updated,
+  then let go — never written (1 × the model of writes per step) nor kept — and the store only notes that
+  the param has one (`NvmeGrads.applied`). Nothing the early step wrote is visible until `Engine.step`
+  commits it, so params and records are as before whatever happens; but with the gradients gone there is
+  no ordinary step to fall back to once one was let go. So: the early step giving up in backward *before*
+  it let go of any (a gradient of another backward inside this one, a param not gathered, the memory cap,
+  a failed transfer) hands the gradients it holds to their store, and the ordinary step runs; *after*, that
+  backward raises (`GradientsNotKeptError`, or the `SwapIOError` of the failed transfer) and counts for
+  nothing (its gradient generation is dropped). Between backward and step, whatever would have dropped
+  the early step — a second backward, a change of hyper-parameters, step counters, sub-groups or
+  settings (clipping turned on), a partition or record written (a `GatheredParameters` write-back, a
+  checkpoint load), a failed commit — raises `GradientsNotKeptError` from that backward or from
+  `Engine.step`, which changes nothing; `full_grad` of such a param raises it too. Until
+  `Engine.zero_grad` (the next step calls it) the lost gradients make every `Engine.step` raise
+  (`check_kept`). ``keep_applied_grads = True``: gradients are stored as any other (in memory up to the
+  stash, written past it: `zswap.gradstore`), and each of those cases drops the early step and takes
+  the ordinary step, as before; a kept gradient the commit consumed is dropped unwritten.
+- **Seeds.** The updated copies of the params the next pass would start gathered (`Scheduler.seed_plan`,
+  asked when backward begins: the run of the recorded pass's first forward steps that fits in the live
+  budget with the step after it; the last ones backward completes) are kept past their write, and only
+  those, so none is held for most of backward; after a commit `Engine.step` hands them to
+  `zswap.prefetch.Scheduler.seed`, so the next forward's first modules start gathered, with no read —
+  each only if nothing wrote its partition in between. ``seed_numel`` (the live budget; 0: none) caps
+  them.
+- **All or nothing.** Records and partitions are written copy-on-write into one `zswap.storage`
+  transaction of its own; in-memory state never changes (the kernel updates a copy of the gathered param).
+  `Engine.step` commits it only if nothing it depended on moved since: the set of params with gradients,
+  the hyper-parameters of each param group, the step counters, the sub-group layout, the stored versions
+  of every partition and record it read; and only if every write landed. Otherwise (or after any failure
+  inside backward: a record read, the memory cap, a second gradient for a param) it is aborted — its
+  staged versions freed — and the ordinary step runs (or, where it let go of gradients it did not keep,
+  the call raises: above), so a fault costs bytes or a retried backward, never a result.
+- **Memory.** Param copies and gradients wait for the rest of their record (a record spans params
+  backward completes at different times; a tied embedding completes last); past `cap` bytes held the early
+  step gives up. The record buffers are the optimizer's own ring (idle in backward); every read and write
+  using them has settled when backward ends. The updated copies' writes are bounded by the early step
+  itself, not by the storage's write queue: up to two sub-groups' params (``write_ahead``) in flight before
+  backward waits for the oldest, counted against `cap` until they land. Copies of 1 MiB and more are
+  buffers of the param stores' fetch pools, which `for_engine` widens by `cap` so that they are reused
+  from step to step (a pool miss maps, faults in and zeroes a new buffer, then unmaps it); while waiting
+  for their record, kept as seeds, or being written (until the write settles) they count in the
+  scheduler's live budget (`lent` = `pooled` + `in_flight`, `zswap.prefetch.Scheduler.lent`), so the
+  prefetcher holds that much less. Copies under 1 MiB are ordinary tensors: on `holding` while they wait,
+  on `writing` while written, so `zswap.Engine.stats` has every byte the early step keeps on one line.
+- **Reads ahead.** A record is read before its last gradient comes, into a free slot of the ring: one some
+  of whose params have their gradients, then the next ones in the order the last backward completed them
+  (`_read_ahead`; all slots but one, so a record completing out of that order always finds one). Read
+  once its gradients were all in, the disk idled while backward computed and backward waited while it
+  read. A record read ahead that no gradient came for is let go at backward's end (a read more, no change).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch.autograd import Variable
+
+from .. import memory
+from ..errors import GradientsNotKeptError, SwapIOError
+from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, _Alive, _dead
+from ..memory import ENGINE_COPY
+from ..parts.gather import no_torch_function
+from ..parts.params import NvmeStore, ParamState, Status
+from ..store.storage import Transaction, _memcpy
+from . import early_commit, early_pipeline
+from .early_commit import _hyper, _wanted
+from .early_pipeline import _empty, _ps, _small
+from .optim import OffloadedAdamW
+from .optim._layout import SubGroup
+from .optim._store import NvmeStore as RecordStore
+
+CAP_EXTRA = 256 << 20
+"""Bytes of param copies and gradients the early step may hold beyond the live-param budget."""
+
+
+class EarlyStep:
+    """Runs the optimizer update of each record in backward (see the module docstring). ``eligible()``:
+    whether the engine's current settings let the ordinary step apply the gradients unscaled."""
+
+    state: str
+    task: int
+    held: int
+    seeds: deque[tuple[torch.Tensor, torch.Tensor]]
+    seeded: int
+    keeping: bool
+    dropped: int
+    """Gradients of this backward applied and let go without being stored (``keeping`` false)."""
+    plan: frozenset[int]
+    gs: NvmeGrads | None
+    txn: Any
+    hyper: list[tuple[Any, ...]]
+    layout: tuple[SubGroup, ...]
+    steps: list[int]
+    by_param: dict[int, list[SubGroup]]
+    waiting: dict[str, int]
+    left: dict[int, int]
+    ready: dict[int, tuple[ParamState, torch.Tensor, torch.Tensor, str | None]]
+    versions: dict[str, str | None]
+    ring: list[torch.Tensor]
+    free: deque[torch.Tensor]
+    reads: deque[tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
+    """Records of complete sub-groups, read or being read, in the order they are updated."""
+    early: dict[str, tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
+    """Records read ahead for sub-groups still waiting for gradients (`_read_ahead`)."""
+    upcoming: deque[SubGroup]
+    """Sub-groups to read ahead, next first."""
+    order: list[str]
+    """Sub-group keys in the order this backward completed them."""
+    writes: deque[tuple[torch.Tensor, Any]]
+    copies: deque[tuple[int, int, Any]]
+    write_ahead: int
+    """Bytes of copies' writes in flight before backward waits for the oldest: two sub-groups' params."""
+    copying: int
+    """Bytes of updated param copies whose writes are in flight (`copies`: bytes, of them under
+    `ENGINE_COPY`, write; a seed's are 0, it stays in ``held``), counted with ``held`` against `cap` until
+    they land. Those under `ENGINE_COPY` are ordinary tensors, on `writing`; the others are fetch-pool
+    buffers, lent to the scheduler while their write is unsettled (`in_flight`, `lent`)."""
+
+    def __init__(
+        self,
+        optimizer: OffloadedAdamW,
+        eligible: Callable[[], bool],
+        cap: int,
+        seed_numel: int = 0,
+        seed_plan: Callable[[], frozenset[int]] = frozenset,
+        keep: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.opt = optimizer
+        self.eligible = eligible
+        self.cap = cap
+        self.seed_numel = seed_numel
+        """Elements of updated params kept in memory for the next forward at most (0: none); see
+        `take_seeds`."""
+        self.seed_plan = seed_plan
+        """ids of the params the next pass would take as seeds (`zswap.prefetch.Scheduler.seed_plan`):
+        only their copies are kept, so nothing is held for a seed that would be trimmed later."""
+        self.keep = keep
+        """Whether the gradients it applies are stored too (``Engine.keep_applied_grads``), read once per
+        backward at its first gradient."""
+        self.lost = ""
+        """Why the last early step was dropped after it had let go of gradients it did not keep (those
+        gradients are gone until `Engine.zero_grad`); "" when none were lost."""
+        self._committed_seeds: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.records = cast(RecordStore, optimizer.records.store)  # for_engine: on NVMe
+        self.index = {id(p): i for i, p in enumerate(optimizer.records.params)}
+        self.commits = 0
+        """Steps made live by `commit` (for tests and benchmarks)."""
+        self.aborts = 0
+        """Early steps begun and dropped."""
+        self.read_ahead = self.read_late = self.read_unused = 0
+        """Records read before their last gradient (`_read_ahead`), at it, and read ahead for nothing
+        (no param of theirs got a gradient)."""
+        self._order: list[str] = []
+        """The order the last backward that reached its end completed its records in: the next one's guess."""
+        self.holding = memory.Holding("early_step")  # gradients and small copies held (`_as_tensors`)
+        self.writing = memory.Holding("early_step")  # small copies whose writes are in flight (`copies`)
+        self._outer: Callable[[], object] = _dead  # the backward in progress, while it runs (`_begin`)
+        self.ended = True
+        """Whether that backward reached its end (its final callback ran)."""
+        self._reset()
+
+    # -- backward side ---------------------------------------------------------------------------------
+
+    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> bool:
+        """A param's gradient for this backward is complete. True: it is placed (held by the early step,
+        and stored too where gradients are kept); False: the caller stores it (``store.add``)."""
+        task = int(torch._C._current_graph_task_id())
+        try:
+            try:
+                return self._on_grad(p, st, part, task)
+            except (_Void, GradientsNotKeptError):
+                raise
+            except Exception as exc:
+                # An early step never breaks a backward it can fall back from: the ordinary step runs.
+                self._give_up(task, f"it failed in backward ({exc})", exc)
+                return False
+        except _Void as void:
+            raise void.error from void.error.__cause__  # no falling back: this backward counts for nothing
+        except BaseException:
+            self.abort()
+            raise
+
+    def _give_up(
+        self,
+        task: int,
+        why: str,
+        exc: BaseException | None = None,
+        also: tuple[ParamState, torch.Tensor] | None = None,
+    ) -> None:
+        """Drop what this backward did (freeing it now) and do nothing more until the next backward. The
+        gradients it holds (and ``also``, one it took but does not hold yet) go to their store: the
+        ordinary step needs them. If it already let go of one it did not keep there is no falling back:
+        raises `_Void` with the error this backward raises (it then counts for nothing)."""
+        gs, dropped, keeping = self.gs, self.dropped, self.keeping
+        held = [(st, g) for st, _, g, _ in self.ready.values() if g is not _empty]
+        if also is not None:
+            held.append(also)
+        self.abort()
+        self.state, self.task = "off", task
+        if dropped:
+            if isinstance(exc, SwapIOError):  # as any failed transfer of backward: run it again
+                raise _Void(exc)
+            _wanted(gs)
+            error = GradientsNotKeptError(
+                f"the early step had to stop in this backward ({why}) after it had applied gradients it did "
+                f"not keep {NOT_KEPT}, so it cannot fall back to the ordinary step: this backward counts for "
+                f"nothing. {RESTART}"
+            )
+            error.__cause__ = exc
+            raise _Void(error)
+        if gs is not None and not keeping:
+            for st, g in held:  # still in memory: stored now, as they would have been
+                gs.unapply(st)
+                gs.add(st, g)
+
+    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> bool:
+        if self.state != "idle" and task != self.task:
+            if self._outer() is not None:  # that backward still runs: this one runs inside it (reentrant
+                if self.state == "running":  # activation checkpointing): no early step in it
+                    self._give_up(self.task, "a backward ran inside it (reentrant activation checkpointing)")
+                return False
+            if self.state == "running" and self.dropped and self.ended:
+                self._second_backward(task)
+            self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
+        if self.state == "idle":
+            self._begin(st, task)
+        if self.state != "running":
+            return False
+        i = self.index.get(id(p))
+        if i is None or not self.opt.records.placed(i):
+            return False  # not stepped by this optimizer, or no record yet: the ordinary step will say
+        if i in self.ready or st.status is not Status.AVAILABLE or st.world_size != 1:
+            why = "a second gradient for one param" if i in self.ready else "a param not gathered"
+            self._give_up(task, why)
+            return False
+        gs = cast(NvmeGrads, self.gs)
+        if self.keeping:
+            gs.add(st, part)
+        else:
+            gs.applied(st, part.numel(), part.dtype)  # placed: `_give_up` hands it back from here on
+        try:
+            self._take(i, p, st, part, task)
+        except _Void:
+            raise
+        except Exception as exc:
+            also = None if i in self.ready or self.keeping else (st, part)
+            self._give_up(task, f"it failed in backward ({exc})", exc, also)
+        return True
+
+    def _second_backward(self, task: int) -> None:
+        """A gradient of another backward while an early step whose gradients were let go waits for
+        `Engine.step`: nothing can be accumulated onto them."""
+        _wanted(self.gs)
+        self.abort()
+        self.lost = "a second backward ran before engine.step()"
+        self.state, self.task = "off", task
+        raise GradientsNotKeptError(
+            "a second backward before engine.step(): the early step applied the first one's gradients to the "
+            f"optimizer in backward and did not keep them {NOT_KEPT}, so this backward cannot accumulate "
+            f"onto them (use gradient_accumulation_steps to accumulate). The early step is dropped. {RESTART}"
+        )
+
+    def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
+        data = p.data.reshape(-1)
+        copy = self._alloc(st, data)
+        with no_torch_function():
+            _memcpy(copy, data)  # one thread: a torch copy here wakes its pool against the kernel's
+        self.txn.scratch(copy)
+        self.ready[i] = (st, copy, part.reshape(-1), _ps(st).ns._live.get(st.key))
+        self.held += 2 * copy.numel() * copy.element_size()
+        self.holding.add(_as_tensors(copy))
+        self._land_copies(self.write_ahead)
+        if self.held + self.copying > self.cap:
+            self._give_up(
+                task, f"it held more than its cap of {self.cap} bytes of param copies and gradients"
+            )
+            return
+        for sg in self.by_param.get(i, ()):
+            self.waiting[sg.key] -= 1
+            if self.waiting[sg.key] == 0:
+                self._ready(sg)
+            elif sg.key not in self.early:
+                self.upcoming.appendleft(sg)  # its other params come next: read it before the planned ones
+        self._pump(keep=1)
+        self._read_ahead()
+
+    def _begin(self, st: ParamState, task: int) -> None:
+        gs = st.grad_store
+        if task == -1:
+            return  # a gradient added outside a backward
+        # The callback holds ``alive`` until autograd drops it with its graph task: at the end of this
+        # backward, or when it raised. While it is held, a gradient of another task is of a backward run
+        # inside this one, not of the next.
+        alive = _Alive()
+        self._outer, self.ended = weakref.ref(alive), False
+        Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
+        if isinstance(gs, NvmeGrads) and gs._meta:
+            gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on
+        if not isinstance(gs, NvmeGrads) or gs._meta or not self.eligible():
+            self.state, self.task = "off", task  # accumulating onto earlier gradients, or not allowed now
+            return
+        self.task, self.gs, self.state = task, gs, "running"
+        self.keeping = bool(self.keep())
+        self.lost = ""
+        self.plan = self.seed_plan() if self.seed_numel > 0 else frozenset()
+        self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
+        self.txn = Transaction()
+        self.txn.uses(self.records.storage)
+        self.hyper = _hyper(self.opt)
+        self.layout = tuple(self.opt.records.sub_groups)
+        self.steps = list(self.opt.records.steps)
+        self.by_param = {}
+        self.waiting = {}
+        for sg in self.layout:
+            self.waiting[sg.key] = len({s.param for s in sg.segments})
+            for s in sg.segments:
+                if sg not in self.by_param.setdefault(s.param, []):
+                    self.by_param[s.param].append(sg)
+        self.left = {i: len(sgs) for i, sgs in self.by_param.items()}
+        keys = {sg.key: sg for sg in self.layout}
+        self.upcoming = deque(keys[k] for k in self._order if k in keys)
+        self.order = []
+        itemsize = max((p.element_size() for p in self.opt.records.params), default=4)
+        self.write_ahead = 2 * max((sg.numel for sg in self.layout), default=0) * itemsize
+
+    def _end_backward(self, alive: object = None) -> None:
+        self._outer, self.ended = _dead, True
+        if self.state != "running":
+            return
+        try:
+            for sg in self.layout:  # records whose other params got no gradient in this backward
+                if self.waiting[sg.key] > 0 and any(s.param in self.ready for s in sg.segments):
+                    self.waiting[sg.key] = 0
+                    self._ready(sg)
+            for sg, buf, _, handle in self.early.values():  # read ahead, but no param of it got a gradient
+                if handle is not None:
+                    handle.wait()
+                self.versions.pop(self.records._name(sg))
+                self.free.append(buf)
+                self.read_unused += 1
+            self.early = {}
+            self._pump(keep=0)
+            while self.writes:
+                self._land_oldest()
+            self._land_copies(0)
+            self._order = self.order
+        except Exception as exc:
+            try:
+                self._give_up(self.task, f"it failed at the end of backward ({exc})", exc)
+            except _Void as void:
+                raise void.error from void.error.__cause__
+
+    def _alloc(self, st: ParamState, like: torch.Tensor) -> torch.Tensor:
+        if like.numel() * like.element_size() >= ENGINE_COPY:  # page-aligned: written without a bounce copy
+            # From the param store's fetch pool: a buffer a released param gave back (backward lets go of
+            # one of the same shape at about every gradient), so copies and seeds take the memory of the
+            # gathered params they replace rather than adding to it; free again once written, or once
+            # the seed it became is released.
+            return _ps(st)._buffer(like.numel(), like.dtype)
+        return torch.empty(like.numel(), dtype=like.dtype)
+
+    def _ready(self, sg: SubGroup) -> None:
+        """Every param of ``sg`` with a gradient has it: its record is updated once read."""
+        entry = self.early.pop(sg.key, None)
+        if entry is None:
+            self.read_late += 1
+            entry = self._start(sg)
+        self.reads.append(entry)
+        self.order.append(sg.key)
+
+    def _read_ahead(self) -> None:
+        return early_pipeline.read_ahead(self)
+
+    def _start(self, sg: SubGroup) -> tuple[SubGroup, torch.Tensor, torch.Tensor, Any]:
+        return early_pipeline.start(self, sg)
+
+    def _pump(self, keep: int) -> None:
+        return early_pipeline.pump(self, keep)
+
+    def _seed(self, i: int, copy: torch.Tensor) -> bool:
+        return early_pipeline.seed(self, i, copy)
+
+    def _land_copies(self, limit: int) -> None:
+        return early_pipeline.land_copies(self, limit)
+
+    def pooled(self) -> int:
+        """Bytes of the params' fetch pool it holds now: its param copies of `ENGINE_COPY` bytes or more,
+        waiting for their record or kept as seeds (the rest of `held` is ordinary tensors, `holding`).
+        `zswap.prefetch.Scheduler.lent` counts them against the live budget."""
+        return self.held - self.holding.nbytes
+
+    def in_flight(self) -> int:
+        """Bytes of its param copies of `ENGINE_COPY` bytes or more (fetch-pool buffers) whose writes have
+        not settled: the write still holds them. A write another one's push settled (`zswap.storage`'s
+        queue settles landed writes at its head) let go of its copy already, so it is not counted."""
+        return sum(n - small for n, small, w in self.copies if not w.settled)
+
+    def settle(self) -> None:
+        """Land the copies being written now (`in_flight` becomes 0), for the scheduler when its live
+        budget is full (`zswap.prefetch.Scheduler.settle_lent`). A failed write is not raised here, in the
+        scheduler's call: the transaction keeps it, and the next landing, backward's end or the commit
+        reports it as any failed write of the early step."""
+        if self.txn is None:
+            return
+        with contextlib.suppress(Exception):
+            self._land_copies(0)
+
+    def lent(self) -> int:
+        """Bytes of the params' fetch pool it holds now: `pooled` (copies waiting for their record, seeds)
+        and `in_flight` (copies being written). `zswap.prefetch.Scheduler.lent` counts them against the
+        live budget, so gathered params, reads in flight and these never exceed it together."""
+        return self.pooled() + self.in_flight()
+
+    def _land_oldest(self) -> None:
+        return early_pipeline.land_oldest(self)
+
+    # -- step side -------------------------------------------------------------------------------------
+
+    def commit(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
+        return early_commit.commit(self, items)
+
+    def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+        return early_commit.take_seeds(self)
+
+    def _mismatch(self, items: list[tuple[torch.Tensor, ParamState]]) -> str:
+        return early_commit.mismatch(self, items)
+
+    def check_kept(self, items: list[tuple[torch.Tensor, ParamState]]) -> None:
+        return early_commit.check_kept(self, items)
+
+    def _same_grads(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
+        return early_commit.same_grads(self, items)
+
+    def _same_versions(self) -> bool:
+        return early_commit.same_versions(self)
+
+    def abort(self) -> None:
+        """Drop the early step in progress (its staged writes are freed). Idempotent."""
+        txn = self.txn
+        if txn is not None:
+            self.aborts += 1
+            for _, _, _, handle in [*self.reads, *self.early.values()]:
+                if handle is not None:
+                    with contextlib.suppress(Exception):
+                        handle.wait()
+            txn.abort()
+        self._reset()
+
+    def _reset(self) -> None:
+        return early_commit.reset(self)
+
+
+class _Void(Exception):
+    """`EarlyStep._give_up` could not fall back: ``error`` is what this backward raises."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _as_tensors(copy: torch.Tensor) -> int:
+    """Bytes one ready param holds as ordinary tensors: its gradient, and its copy under `ENGINE_COPY`
+    (the copy's share is let go when it is written and not kept as a seed, or when its seed goes)."""
+    return copy.numel() * copy.element_size() + _small(copy)
+
+
+def for_engine(engine: Any) -> EarlyStep | None:
+    """The early step for a `zswap.Engine` whose setup allows one (see the module docstring), else None."""
+    opt = engine.optimizer
+    if not isinstance(opt, OffloadedAdamW) or opt.tier != "nvme" or not engine.compute_device.passthrough:
+        return None
+    if not engine._items or any(
+        not isinstance(st.store, NvmeStore) or not isinstance(st.grad_store, NvmeGrads) or st.world_size != 1
+        for _, st in engine._items
+    ):
+        return None
+    ids = engine._ids
+
+    def eligible() -> bool:
+        return (
+            engine.early_step
+            and engine.max_grad_norm is None
+            and opt.max_grad_norm is None
+            and not engine._fp16
+            and engine.loss_scaler is None
+            and engine._gas == 1
+            and engine.optimizer is opt
+            and not any(p.requires_grad for p in engine.module.parameters() if id(p) not in ids)
+        )
+
+    size = max(st.dtype.itemsize for _, st in engine._items)
+    early = EarlyStep(
+        opt,
+        eligible,
+        (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
+        seed_numel=engine.sizing.budget.max_live,  # `Scheduler.seed_plan` keeps them within it with the
+        seed_plan=engine._sched.seed_plan,  # next pass's first read (benches/README.md, "Bytes per step")
+        keep=engine._keeps_applied_grads,
+    )
+    # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they
+    # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and
+    # zeroed, then unmapped: at 2 GiB that was 1.2 s of a 10 s step (benches/README.md, "Bytes per step").
+    for store in {id(st.store): st.store for _, st in engine._items}.values():
+        store.pool_bytes += early.cap
+    # While held (waiting for their record, kept as seeds, or being written) those copies count in the
+    # scheduler's live budget, in elements as the pool is sized (weakly: the scheduler outlives no engine).
+    ref = weakref.ref(early)
+    engine._sched.lent = lambda: (e.lent() // size) if (e := ref()) is not None else 0
+    engine._sched.settle_lent = lambda: e.settle() if (e := ref()) is not None else None
+    return early

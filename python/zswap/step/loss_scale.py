@@ -1,0 +1,125 @@
+"""fp16 loss scaling, with DeepSpeed's rules (its ``fp16`` config section).
+
+`Engine.backward` multiplies the loss by `LossScaler.loss_scale` before autograd runs, so small fp16
+gradients do not flush to zero; `Engine.step` divides the gradients by it again (inside the Adam kernel,
+together with clipping) and skips the step when any rank's gradients are not finite. `LossScaler.update`
+then moves the scale:
+
+- static (``loss_scale`` > 0): the scale never changes; an overflowing step is still skipped.
+- dynamic (``loss_scale`` 0): it starts at ``2**initial_scale_power``. An overflow first uses up the
+  ``hysteresis`` (overflows tolerated before lowering); once at 1, each overflow halves the scale, never
+  below ``min_loss_scale``; an overflow with the scale already at that floor raises `LossScaleError`.
+  After ``loss_scale_window`` steps in a row without overflow the scale doubles and the hysteresis is
+  refilled; with ``consecutive_hysteresis`` the hysteresis is refilled after every clean step.
+
+These are the rules of DeepSpeed's ``DynamicLossScaler`` (``deepspeed/runtime/fp16/loss_scaler.py``),
+counting steps exactly as it does, so a run that overflows at the same steps sees the same scales.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config.models import FP16Config
+from ..errors import ZswapError
+
+SCALE_FACTOR = 2.0
+"""Factor the dynamic scale is lowered and raised by (DeepSpeed's, fixed)."""
+
+
+class LossScaleError(ZswapError, FloatingPointError):
+    """The gradients overflowed with the dynamic loss scale already at ``min_loss_scale``."""
+
+
+class LossScaler:
+    """The loss scale of one engine and its dynamic-scaling state (see the module docstring).
+
+    ``state_dict()`` / ``load_state_dict()`` hold everything `update` reads, so a resumed run continues
+    the same scale sequence."""
+
+    def __init__(
+        self,
+        scale: float,
+        *,
+        dynamic: bool,
+        scale_window: int = 1000,
+        min_scale: float = 1.0,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+    ) -> None:
+        if not scale > 0:
+            raise ValueError(f"the loss scale must be positive, got {scale!r}")
+        self.loss_scale = float(scale)
+        """The factor `Engine.backward` multiplies the loss by."""
+        self.dynamic = dynamic
+        self.scale_window = scale_window
+        self.min_scale = float(min_scale)
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.cur_hysteresis = hysteresis
+        """Overflows still tolerated before the scale is lowered."""
+        self.cur_iter = 0
+        """Updates so far (one per optimizer step, skipped or not)."""
+        self.last_overflow_iter = -1
+
+    @classmethod
+    def from_config(cls, fp16: FP16Config) -> LossScaler:
+        """The scaler an ``fp16`` section describes: static when ``loss_scale`` > 0, else dynamic."""
+        if not fp16.dynamic():
+            return cls(fp16.loss_scale, dynamic=False)
+        return cls(
+            2.0**fp16.initial_scale_power,
+            dynamic=True,
+            scale_window=fp16.loss_scale_window,
+            min_scale=fp16.min_loss_scale,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+        )
+
+    def update(self, overflow: bool) -> None:
+        """Account for one optimizer step; ``overflow``: its gradients were not finite (it was skipped)."""
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.cur_hysteresis > 1:
+                self.cur_hysteresis -= 1
+            elif self.loss_scale == self.min_scale:
+                raise LossScaleError(
+                    f"fp16 gradients overflowed with the loss scale already at fp16.min_loss_scale "
+                    f"({self.min_scale:g}); training cannot continue at this scale"
+                )
+            else:
+                self.loss_scale = max(self.loss_scale / SCALE_FACTOR, self.min_scale)
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.hysteresis
+            clean = self.cur_iter - self.last_overflow_iter - 1  # clean steps before this one
+            if clean > 0 and clean % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.hysteresis
+                self.loss_scale *= SCALE_FACTOR
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_scale": self.loss_scale,
+            "dynamic": self.dynamic,
+            "cur_hysteresis": self.cur_hysteresis,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`'s values; the settings (window, floor, hysteresis) stay this scaler's."""
+        if bool(state["dynamic"]) != self.dynamic:
+            kind = "dynamic" if state["dynamic"] else "static"
+            raise ValueError(f"the saved loss scaler is {kind}, this config's is not")
+        self.loss_scale = float(state["loss_scale"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+        self.cur_iter = int(state["cur_iter"])
+        self.last_overflow_iter = int(state["last_overflow_iter"])
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return f"<zswap.LossScaler {kind} scale={self.loss_scale:g}>"

@@ -1,0 +1,113 @@
+"""`cpu_adam_step`: the Rust Adam/AdamW kernel over validated CPU tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _zswap
+
+_PARAM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense CPU tensor, got layout {t.layout} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    return t
+
+
+def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} must be {names}; got {t.dtype}")
+
+
+def cpu_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    master: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    grad_scale: float = 1.0,
+) -> None:
+    """One Adam/AdamW step over one tensor, in place, in a single multithreaded SIMD pass.
+
+    Args:
+        param: the model param (float32, bfloat16 or float16); receives the updated master, rounded to
+            nearest-even in its dtype.
+        grad: its gradient, same shape, float32, bfloat16 or float16 (up-cast exactly).
+        master: float32 master weights with as many elements as `param`, or ``None`` when `param` is
+            float32 and is its own master.
+        exp_avg, exp_avg_sq: float32 moments with as many elements as `param`.
+        step: the number of this step, counting from 1 (bias correction).
+        lr, beta1, beta2, eps, weight_decay: as in `torch.optim.AdamW`.
+        decoupled: AdamW's decoupled decay (``p *= 1 - lr*wd``) when true, Adam's L2 term
+            (``g += wd*p``) when false.
+        grad_scale: the gradient is multiplied by this first (clipping or loss-scale removal).
+
+    Every tensor must be a contiguous CPU tensor, none sharing memory with another. The arithmetic
+    follows `torch.optim.AdamW`'s single-tensor path op for op; results agree with it to about an ulp.
+    Runs without the GIL, on rayon's thread pool (one thread per core; ``RAYON_NUM_THREADS`` overrides).
+    Right after a parallel torch op, torch's OpenMP workers spin-wait on the same cores for a few
+    milliseconds; ``OMP_WAIT_POLICY=PASSIVE`` in the environment avoids sharing the cores with them.
+    """
+    param = _tensor("param", param)
+    grad = _tensor("grad", grad)
+    exp_avg = _tensor("exp_avg", exp_avg)
+    exp_avg_sq = _tensor("exp_avg_sq", exp_avg_sq)
+    floats = tuple(_PARAM_DTYPES)
+    _dtype("param", param, floats)
+    _dtype("grad", grad, floats)
+    _dtype("exp_avg", exp_avg, (torch.float32,))
+    _dtype("exp_avg_sq", exp_avg_sq, (torch.float32,))
+    if master is None:
+        if param.dtype != torch.float32:
+            raise ValueError(f"a {param.dtype} param needs a float32 master (master=None is for float32)")
+    else:
+        master = _tensor("master", master)
+        _dtype("master", master, (torch.float32,))
+    if grad.shape != param.shape:
+        raise ValueError(f"grad shape {tuple(grad.shape)} differs from param shape {tuple(param.shape)}")
+    n = param.numel()
+    for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t is not None and t.numel() != n:
+            raise ValueError(f"{name} has {t.numel()} elements but param has {n}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the step being taken), got {step!r}")
+    _zswap.cpu_adam_step(
+        n,
+        param.data_ptr(),
+        _PARAM_DTYPES[param.dtype],
+        grad.data_ptr(),
+        _PARAM_DTYPES[grad.dtype],
+        None if master is None else master.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        step=step,
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        decoupled=bool(decoupled),
+        grad_scale=float(grad_scale),
+    )
+    # Written behind autograd's back: bump the version counter as an in-place torch op would, so that a
+    # graph which saved the param still notices the change.
+    torch.autograd.graph.increment_version(param)
+
+
+def kernel_isa() -> str:
+    """The instruction set `cpu_adam_step` uses on this CPU: "avx512", "avx2" or "portable"."""
+    return _zswap.cpu_adam_isa()

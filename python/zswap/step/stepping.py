@@ -1,0 +1,76 @@
+"""What `zswap.Engine` adds around the optimizer step, with DeepSpeed's semantics: gradient accumulation,
+the learning-rate schedule and fp16 loss scaling.
+
+Gradient accumulation (``gradient_accumulation_steps``, GAS): every `Engine.step` call is one micro-step;
+only every GAS-th one (an *accumulation boundary*, `Engine.is_gradient_accumulation_boundary`) applies the
+optimizer and the schedule and clears the gradients. `Engine.backward` divides the loss by GAS before
+autograd runs, so the accumulated gradient is the mean over the micro-batches. A plain ``loss.backward()``
+is not divided (as under DeepSpeed): with GAS > 1 it accumulates the *sum* — divide the loss yourself or
+use `Engine.backward`.
+
+fp16 loss scaling (`zswap.loss_scale`): `Engine.backward` multiplies the loss by the current scale, and
+the step divides the gradients by it again — only for an accumulation window whose backward passes went
+through `Engine.backward`; gradients from a plain ``loss.backward()`` are taken as unscaled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..config import ZswapConfig
+from ..errors import ConfigError
+from . import schedules
+from .loss_scale import LossScaler
+
+
+def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
+    """The engine's schedule: ``given`` (a scheduler, or a callable taking the optimizer and returning
+    one, as DeepSpeed allows), else the config's ``scheduler`` section, else ``None``."""
+    if given is not None:
+        if cfg.scheduler is not None:
+            raise ConfigError(
+                f"the config has a scheduler section ({cfg.scheduler.type}) and lr_scheduler= was passed "
+                "too; keep one of them"
+            )
+        if callable(given) and not hasattr(given, "step"):
+            if optimizer is None:
+                raise ConfigError("lr_scheduler= is a callable that takes the optimizer, but there is none")
+            return given(optimizer)
+        return given
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ConfigError(
+            f"the config's scheduler ({cfg.scheduler.type}) needs an optimizer: pass optimizer= or add an "
+            "'optimizer' section"
+        )
+    return schedules.build(cfg.scheduler, optimizer)
+
+
+def loss_scaler(cfg: ZswapConfig, fp16: bool) -> LossScaler | None:
+    """The loss scaler of an fp16 run (from the ``fp16`` section), ``None`` otherwise."""
+    return LossScaler.from_config(cfg.fp16) if fp16 else None
+
+
+def world_size(items: Any) -> int:
+    """Ranks the params are partitioned over (the data-parallel world of the batch arithmetic)."""
+    return max((st.world_size for _, st in items), default=1)
+
+
+def cast_half(value: Any) -> Any:
+    """``value`` with every floating-point tensor in it (nested in lists, tuples, dicts) cast to fp16:
+    ``fp16.auto_cast``."""
+    if isinstance(value, torch.Tensor):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return (
+            type(value)(*map(cast_half, value)) if hasattr(value, "_fields") else tuple(map(cast_half, value))
+        )
+    if isinstance(value, list):
+        return [cast_half(v) for v in value]
+    if isinstance(value, Mapping):
+        return type(value)({k: cast_half(v) for k, v in value.items()})  # type: ignore[call-arg]
+    return value

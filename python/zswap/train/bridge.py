@@ -1,0 +1,154 @@
+"""The optimizer bridge: building the optimizer an `Engine` steps (zswap's `OffloadedAdamW` from the config,
+or the user's), and stepping an ordinary torch optimizer over partitions (`step_partitions`), one
+transaction per step so a failure leaves params and states as they were."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ZswapConfig
+from ..gradients import grads, gradstore
+from ..gradients.gradstore import store_of
+from ..parts.gather import no_torch_function
+from ..parts.params import Item, NvmeStore
+from ..step.optim import OffloadedAdamW
+from ..store.storage import step_transaction
+
+
+def step_partitions(
+    optimizer: Any, items: list[Item], others: Sequence[torch.Tensor], chunk: int, grad_scale: float = 1.0
+) -> None:
+    """Step a param-based optimizer on the local partitions of ``items``.
+
+    While it steps, each managed param with a gradient holds its partition as ``.data`` (1-D, so the
+    optimizer's state has the partition's shape, step after step) and its partition gradient as ``.grad``;
+    the updated partitions are then stored back. Params go through in chunks of about ``chunk`` elements,
+    one ``optimizer.step()`` each, so at most that much is loaded at once: optimizers skip params without a
+    gradient and count steps per param, so the result is that of one step over all of them. Unmanaged
+    params (``others``) step with the first chunk only. ``grad_scale`` (clipping) multiplies every gradient:
+    inside the kernel for an optimizer whose ``step`` takes ``grad_scale`` (`zswap.optim.OffloadedAdamW`),
+    else in place before the step, as ``clip_grad_norm_`` does.
+
+    All or nothing: the whole call is one `zswap.storage` step transaction. Partitions written back to
+    NVMe are staged copy-on-write and made live only once every one of them (and every optimizer record)
+    landed. When any I/O takes part, what the step changes in memory is saved to the transaction's undo
+    log before it changes: in-memory partitions and gradients, the unmanaged params and their gradients,
+    and — for an optimizer that does not keep its own (``transactional``) — each stepped param's
+    ``optimizer.state[p]`` (tensors by value, other entries by identity; a param without state loses the
+    state its failed first step created). So a failure leaves params, gradients and that state as they
+    were. Not covered: state an optimizer keeps outside ``optimizer.state[p]`` (LBFGS-style globals).
+    """
+    takes_scale = "grad_scale" in inspect.signature(optimizer.step).parameters
+    own_undo = bool(getattr(optimizer, "transactional", False))
+    with step_transaction() as txn:
+        for _, st in items:
+            if isinstance(st.store, NvmeStore):
+                txn.uses(st.store.storage)
+            gs = store_of(st)
+            if isinstance(gs, gradstore.NvmeGrads):
+                txn.uses(gs.storage)
+        with no_torch_function():
+            if txn.fallible:
+                for p in others:
+                    if p.grad is not None:
+                        txn.save(p.data)
+                        txn.save(p.grad)
+                        if not own_undo:
+                            _save_state(txn, optimizer, p)
+                grads_before = [(p, p.grad) for p in others]
+                txn.on_abort(lambda: _put_grads(grads_before))
+            if grad_scale != 1.0 and not takes_scale:
+                for p in others:
+                    if p.grad is not None:
+                        p.grad.mul_(grad_scale)
+        todo = [(p, st) for p, st in items if store_of(st).has(st)]
+        for i, batch in enumerate(grads.chunks(todo, chunk) or [[]]):  # one step even with no partitions
+            _step_batch(optimizer, batch, grad_scale, takes_scale, txn, own_undo)
+            if i == 0:
+                for p in others:
+                    p.grad = None
+
+
+def _put_grads(saved: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    for p, g in saved:
+        p.grad = g
+
+
+def _save_state(txn: Any, optimizer: Any, p: torch.Tensor) -> None:
+    """Save ``optimizer.state[p]`` so that an abort puts it back as it was (or drops it if it is new)."""
+    state = getattr(optimizer, "state", None)
+    if state is None:
+        return
+    if p not in state:
+        txn.on_abort(lambda: state.pop(p, None))
+        return
+    entry = state[p]
+    saved = dict(entry)
+    for v in saved.values():
+        if isinstance(v, torch.Tensor):
+            txn.save(v)
+
+    def restore() -> None:
+        entry.clear()
+        entry.update(saved)
+
+    txn.on_abort(restore)
+
+
+def _step_batch(
+    optimizer: Any, batch: list[Item], grad_scale: float, takes_scale: bool, txn: Any, own_undo: bool
+) -> None:
+    with no_torch_function():
+        loads: list[tuple[torch.Tensor, Any]] = []
+        try:
+            # Param and gradient partitions: reads issued together, waited together.
+            for _, st in batch:
+                loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
+                loads.append(store_of(st).load(st))
+            for _, handle in loads:
+                if handle is not None:
+                    handle.wait()
+            for i, (p, _) in enumerate(batch):
+                p.data = loads[2 * i][0]
+                p.grad = grads.step_grad(p, loads[2 * i + 1][0], isinstance(optimizer, OffloadedAdamW))
+                if loads[2 * i][1] is not None:  # read into a scratch buffer: free to change
+                    txn.scratch(p.data)
+                elif not own_undo:
+                    txn.save(p.data)  # the stored partition itself: changed in place
+                if loads[2 * i + 1][1] is not None:
+                    txn.scratch(p.grad)
+                elif grad_scale != 1.0 and not takes_scale:
+                    txn.save(p.grad)
+                if not own_undo and txn.fallible:
+                    _save_state(txn, optimizer, p)
+                if grad_scale != 1.0 and not takes_scale:
+                    p.grad.mul_(grad_scale)  # in place, as clip_grad_norm_ does
+            if takes_scale:
+                optimizer.step(grad_scale=grad_scale)
+            else:
+                optimizer.step()
+            for p, st in batch:
+                st.store.put(st.key, p.data)  # staged in the transaction (in place for memory stores)
+        finally:
+            for _, handle in loads:
+                if handle is not None:
+                    with contextlib.suppress(Exception):
+                        handle.wait()  # engine buffers must not be dropped under a running read
+            for p, st in batch:
+                grads.clear_step_grad(p, st.dtype)
+                p.data = torch.empty(0, dtype=st.dtype, device=st.device)
+
+
+def build_optimizer(module: nn.Module, cfg: ZswapConfig, given: Any) -> tuple[Any, bool, str]:
+    """(optimizer, built here, why there is none)."""
+    if given is not None:
+        return given, False, ""
+    if cfg.optimizer is None:
+        return None, False, "no optimizer: pass optimizer= or add an 'optimizer' section to the config"
+    return OffloadedAdamW.from_config(list(module.parameters()), cfg), True, ""

@@ -1,0 +1,94 @@
+"""Budget sizing: how many elements stay gathered, are prefetched and are reused, from the model and the
+config (``stage3_*`` keys, with zswap's defaults where the config leaves a knob to it)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ZswapConfig
+from ..errors import ConfigError
+from ..fetch import buffers
+from ..fetch.prefetch import Budget
+from ..parts.params import Item
+
+# Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
+PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
+
+
+PREFETCH_MIN = 50_000_000  # [5e7]; at least two of the largest module's params
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Element counts chosen for one engine (see `zswap.prefetch`)."""
+
+    total: int
+    persistence_threshold: int
+    persistent: int
+    largest_chain: int
+    """Most non-persistent elements one module's forward holds together with its ancestors'."""
+    budget: Budget
+    resident: frozenset[int] = frozenset()
+    """ids of the params ``offload_param.max_in_cpu`` keeps gathered (`zswap.buffers`)."""
+
+
+def unique(params: Any) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
+    z = cfg.zero
+    total = sum(st.numel for _, st in items)
+    threshold = z.stage3_param_persistence_threshold
+    if threshold is None:
+        threshold = min(PERSISTENCE_MAX, total // 1000)
+    resident = buffers.resident(items, cfg, threshold)  # offload_param.max_in_cpu
+    numel = {id(p): st.numel for p, st in items if st.numel > threshold and id(p) not in resident}
+    chain, where = _largest_chain(module, numel)
+    own = max(
+        (sum(numel.get(id(p), 0) for p in m.parameters(recurse=False)) for m in module.modules()), default=0
+    )
+    streamed = sum(numel.values())
+    bucket = z.stage3_prefetch_bucket_size
+    if bucket is None:
+        bucket = min(streamed, max(2 * own, PREFETCH_MIN))
+    max_live = z.stage3_max_live_parameters
+    if max_live is None:
+        max_live = min(streamed, chain + bucket)
+    elif max_live < chain:
+        raise ConfigError(
+            f"zero_optimization.stage3_max_live_parameters={max_live} is below the {chain} elements that "
+            f"module {where!r} and its parents hold during its forward; raise it to at least {chain}"
+        )
+    reuse = z.stage3_max_reuse_distance
+    if reuse is None:
+        reuse = bucket
+    logging.getLogger(__name__).info(
+        "budgets: %d elements, %d streamed; live %d, prefetch bucket %d, reuse distance %d; persistent "
+        "below %d elements (%d kept gathered)", total, streamed, max_live, bucket, reuse, threshold,
+        total - streamed,
+    )  # fmt: skip
+    return Sizing(total, threshold, total - streamed, chain, Budget(bucket, max_live, reuse), resident)
+
+
+def _largest_chain(module: nn.Module, numel: dict[int, int]) -> tuple[int, str]:
+    best = (0, "")
+
+    def walk(m: nn.Module, name: str, held: dict[int, int]) -> None:
+        nonlocal best
+        held = {**held, **{id(p): numel[id(p)] for p in m.parameters(recurse=False) if id(p) in numel}}
+        if sum(held.values()) > best[0]:
+            best = (sum(held.values()), name)
+        for child_name, child in m.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name, held)
+
+    walk(module, "", {})
+    return best

@@ -1,0 +1,155 @@
+"""Laying an `Engine` over a model's managed params and taking it off again: sizing, placement on the
+compute device, slots and scheduler, module and gradient hooks, gradient stores, the fetch pool's
+allowance (`wire`); `unwire` undoes it, `rewired` does both around a change of params' shapes."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from .. import device as _device
+from ..errors import ZswapError
+from ..fetch import buffers
+from ..fetch.hooks import ModuleHooks, ModuleInfo
+from ..fetch.prefetch import Scheduler, Slot
+from ..gradients import grads, gradstore
+from ..parts.params import Item, NvmeStore, managed_params
+from ..parts.runners import open_runners
+from ..step import earlystep
+
+if TYPE_CHECKING:
+    from .runtime import Engine
+
+from .sizing import size, unique
+
+
+def wire(engine: Engine) -> None:
+    """Lay the engine over the module's managed params as they are now: sizing, placement on the
+    compute device, slots, scheduler, module and gradient hooks, gradient stores, persistent params
+    fetched. `_unwire` undoes it."""
+    module, config = engine.module, engine.config
+    items: list[Item] = list(managed_params(iter(unique(module.parameters()))))
+    ids: set[int] = {id(p) for p, _ in items}
+    for other in open_runners():
+        if other is not engine and other.runs(ids):
+            raise ZswapError("these params are already run by another zswap Engine; close() it first")
+    engine._items, engine._ids = items, ids
+    engine.sizing = size(module, engine._items, config)
+    engine._homes = _device.place(module, engine._items, engine.compute_device)
+    engine._slots = {
+        id(p): Slot(p, st, st.numel <= engine.sizing.persistence_threshold or id(p) in engine.sizing.resident)
+        for p, st in engine._items
+    }
+    infos = {
+        id(m): ModuleInfo(
+            i, name, [engine._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
+        )
+        for i, (name, m) in enumerate(module.named_modules(remove_duplicate=True))
+    }
+    for info in infos.values():
+        info.ids.update(id(s.p) for s in info.slots)
+    engine._sched = Scheduler(
+        engine._slots.values(),
+        engine.sizing.budget,
+        engine.compute_device,
+        across_passes=engine._across,
+        order=[(info.index, info.slots) for info in infos.values()],  # the first iteration's guess
+    )
+    engine._stores = {id(st.store): st.store for _, st in engine._items}
+    pool = (engine.sizing.budget.max_live + engine.sizing.persistent) * max(
+        (st.dtype.itemsize for _, st in engine._items), default=4
+    )
+    names = {id(p): name for name, p in module.named_parameters()}
+    pool = buffers.fetch_pool_bytes(engine._items, config, names, pool)  # offload_param.buffer_count/size
+    for store in engine._stores.values():
+        if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
+            store.pool_bytes = max(store.pool_bytes, pool)
+            # Read buffers registered for one-hop DMA to the device.
+            if not engine.compute_device.passthrough:
+                store.host_alloc = engine.compute_device.register_alloc(store.engine.empty)
+    if isinstance(engine.compute_device, _device.CudaDevice | _device.StandInDevice):
+        engine.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
+    engine._hooks = ModuleHooks(
+        module, infos, engine._sched, engine._slot_for, reuse_outputs=engine._reuse_outputs
+    )
+    engine._grads = grads.GradSink(engine._items, engine.compute_device)
+    engine._grad_stores = []
+    try:
+        engine._grad_stores = gradstore.attach(engine._items, config)
+        gradstore.size_stash(engine._grad_stores, engine._grad_stash)
+        # Weakly: each param's state holds its gradient store for as long as the param lives (its
+        # finalizer keeps the state), so a store holding this Engine kept the module and every buffer
+        # alive for good once the engine was dropped without `close`.
+        me = weakref.ref(engine)
+        gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
+            engine._grad_stores,
+            lambda: (
+                (e := me()) is not None
+                and (e.max_grad_norm is not None or getattr(e, "_check_finite", False))
+            ),
+        )
+        engine._grads.land_in(
+            grads.landing_alloc(engine.compute_device, engine._grad_stores, engine._stores.values()), pool
+        )
+        engine._sched.fetch_persistent([s for s in engine._slots.values() if s.persistent])
+        # After the persistent params' fetches: a pool miss unpools idle buffers first, so theirs,
+        # made later, unpooled the prefilled ones (and pass 1 and its reads ahead made them anew).
+        engine._sched.prefill()  # the first pass's read buffers, faulted in now, not under its reads
+    except BaseException:
+        unwire(engine)
+        raise
+
+
+def unwire(engine: Engine) -> None:
+    try:
+        teardown(engine)
+    finally:
+        gradstore.detach(engine._items, engine._grad_stores)
+        engine._grad_stores = []
+
+
+@contextlib.contextmanager
+def rewired(engine: Engine) -> Iterator[None]:
+    """Unwire, let the caller change the shapes of managed params (``resize_token_embeddings``,
+    `zswap.module_api`), wire again over them as they are then: budgets, hooks and gradient stores are
+    sized anew; the optimizer, schedule, loss scaler and counters are kept. The caller has made sure
+    no gradient is accumulated and no optimizer state exists for a param whose shape changes. If the
+    wiring fails the engine is closed."""
+    engine._check_open()
+    engine._grads.flush()
+    grads.wait(engine._items)
+    counters = engine._sched.counters
+    if engine._early is not None:
+        engine._early.abort()
+    unwire(engine)
+    try:
+        yield
+    finally:
+        try:
+            wire(engine)
+            engine._early = engine._grads.early = earlystep.for_engine(engine)  # built over the new items
+        except BaseException:
+            engine.closed = True
+            if engine._owns_optimizer and hasattr(engine.optimizer, "close"):
+                engine.optimizer.close()
+            engine.optimizer = None
+            engine._no_optimizer = "this zswap Engine is closed: wiring it after a change of params failed"
+            raise
+        engine._sched.counters = counters
+
+
+def teardown(engine: Engine) -> None:
+    try:
+        engine._hooks.remove()
+        engine._grads.remove()
+    finally:
+        engine._sched.drop_all()
+        for store in engine._stores.values():
+            if isinstance(store, NvmeStore):
+                store.pool_bytes = 0
+                store.host_alloc = None
+                store.trim()
+        engine.compute_device.close()  # every copy done, every host buffer unregistered
+        _device.unplace(engine._items, engine._homes)
