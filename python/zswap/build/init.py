@@ -36,8 +36,8 @@ from .. import _dist, memory
 from ..checkpoint import statedict
 from ..config import load_config
 from ..errors import ConfigError, NvmePathMissing, NvmePathNotADirectory, NvmePathNotWritable, ZswapError
-from ..parts._access import AccessMode
 from ..parts import guards as _guards
+from ..parts._access import AccessMode
 from ..parts.gather import Placement, fetch, manage, no_torch_function, offload
 from ..parts.params import MemoryStore, NvmeStore, ParamState, Status, param_state
 from ..parts.placing import PLACING

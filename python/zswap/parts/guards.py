@@ -73,7 +73,8 @@ FORWARD_MESSAGE = (
 
 
 def track(engine: Any) -> None:
-    """Note an engine (anything with ``closed`` and ``runs(p)``: whether it ran or runs param ``p``)."""
+    """Note an engine: anything with ``closed`` and the `Runner` method ``runs(ids)`` (whether it ran or
+    runs any of those params)."""
     install()
     _ENGINES.add(engine)
 
@@ -146,8 +147,8 @@ def _before_forward(module: nn.Module, args: Any) -> None:
     if any(building() for building in _BUILDING):
         return  # Init's access mode gathers what the forward touches
     engines = list(_ENGINES)
-    if all(any(not e.closed and e.runs(p) for e in engines) for p in idle):
+    if all(any(not e.closed and e.runs({id(p)}) for e in engines) for p in idle):
         return
-    closed = any(e.closed and e.runs(p) for e in engines for p in idle)
+    closed = any(e.closed and e.runs({id(p)}) for e in engines for p in idle)
     why = "its engine was closed" if closed else "zswap.initialize was not called for them"
     raise ZswapError(FORWARD_MESSAGE.format(module=type(module).__name__, why=why))

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from ..parts import guards as _guards
 from .. import device as _device
 from .. import memory
 from ..build.init import Init
@@ -24,6 +23,7 @@ from ..fetch import outputs
 from ..fetch.prefetch import Slot
 from ..gradients import grads, gradstore
 from ..gradients.gradstore import store_of
+from ..parts import guards as _guards
 from ..parts.params import Item, ParamState, param_state
 from ..parts.runners import RUNNERS
 from ..step import earlystep, stepping
@@ -564,10 +564,6 @@ class Engine:
     def _check_open(self) -> None:
         if self.closed:
             raise EngineClosedError("this zswap Engine is closed: build a new one with zswap.initialize")
-
-    def runs(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is one of the managed params this engine runs (or ran, once closed)."""
-        return id(p) in self._ids
 
     def _slot_for(self, p: torch.Tensor, st: ParamState) -> Slot:
         """The slot of a managed param the model uses without owning it (created on first use)."""
