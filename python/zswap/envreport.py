@@ -333,11 +333,16 @@ def _block_dir(path: Path) -> tuple[Path | None, str | None]:
     return real, None
 
 
+NO_LIMITS = (
+    "no request-size limits to report; zswap uses 1 MiB blocks × 16 unless the aio section says otherwise"
+)
+
+
 def check_block_device(path: Path) -> Check:
     disk, why = _block_dir(path)
     if disk is None:
         return Check(
-            False, "n/a", "no request-size limits to report; zswap uses its block_size as configured", why,
+            False, "n/a", NO_LIMITS, why,
             {"device": None, "max_segments": None, "max_sectors_kb": None, "max_hw_sectors_kb": None,
              "logical_block_size": None, "rotational": None},
         )  # fmt: skip
@@ -349,12 +354,11 @@ def check_block_device(path: Path) -> Check:
         "logical_block_size": _read_int(q / "logical_block_size"), "rotational": _read_int(q / "rotational"),
     }  # fmt: skip
     small = min(x for x in (sectors, (seg or 0) * 4) if x) if (seg or sectors) else None
-    block_kb = DEFAULT_BLOCK_SIZE >> 10
     action = (
-        f"a {block_kb} KiB block is {-(-block_kb // sectors)} request(s) of ≤ {sectors} KiB from huge-page "
-        f"buffers; from 4 KiB pages ≤ {small} KiB each (why engine buffers are huge-page backed)"
+        f"zswap sizes its blocks from these limits: up to {sectors} KiB per request from huge-page buffers, "
+        f"≤ {small} KiB from 4 KiB pages (`zswap bench` prints the block size and queue depth it picks, why)"
         if sectors
-        else "the kernel reports no max_sectors_kb; zswap uses its block_size as configured"
+        else NO_LIMITS
     )
     return Check(True, f"{disk.name}: max_segments {seg}, max_sectors_kb {sectors}", action, details=details)
 
