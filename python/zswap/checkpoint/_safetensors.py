@@ -258,7 +258,10 @@ def _pwrite_all(fd: int, mem: Any, nbytes: int, offset: int, path: str) -> None:
     view = memoryview(mem)[:nbytes]
     try:
         while view:
-            done = os.pwrite(fd, view, offset)
+            try:
+                done = os.pwrite(fd, view, offset)
+            except OSError as e:  # ENOSPC, EIO: say which file
+                raise OSError(e.errno, f"{e.strerror} (writing at offset {offset})", path) from None
             if done == 0:
                 raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset}", path)
             view, offset = view[done:], offset + done
