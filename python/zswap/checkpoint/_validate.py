@@ -160,6 +160,7 @@ def check_structure(m: Any, path: object, dtype_of: Any) -> None:
     _field(m, "tag", "str", path, "")
     params = _field(m, "params", list, path, "")
     names: set[str] = set()
+    spelled: dict[str, set[str]] = {}  # param -> the state_dict keys it can be saved under
     total = 0
     for i, p in enumerate(params):
         where = f"params[{i}]."
@@ -170,6 +171,7 @@ def check_structure(m: Any, path: object, dtype_of: Any) -> None:
         aliases = _field(p, "aliases", list, path, where)
         if not all(isinstance(a, str) for a in aliases):
             refuse(path, f"field {where}'aliases' of {name!r} is {aliases!r}, not a list of strings")
+        spelled[name] = {name, *aliases}
         shape = _shape(_field(p, "shape", list, path, where), path, f"{where}'shape' of {name!r}")
         dtype = _field(p, "dtype", "str", path, where)
         try:
@@ -214,9 +216,14 @@ def check_structure(m: Any, path: object, dtype_of: Any) -> None:
             or not all(isinstance(x, str) for x in w)
             or w[1] not in ("param", "buffer")
             or w[2] not in (names if w[1] == "param" else bnames)
+            or (w[1] == "param" and w[0] not in spelled[w[2]])  # a param's key is its name or an alias
             or w[0] in keys
         ):
-            refuse(path, f"field 'weights'[{i}] is {w!r}, not a new [key, 'param'|'buffer', saved name]")
+            refuse(
+                path,
+                f"field 'weights'[{i}] is {w!r}, not a new [key, 'param'|'buffer', saved name] (a param's "
+                "key being its name or one of its aliases)",
+            )
         keys.add(w[0])
     _check_files(m, path, world)
     _check_optimizer(m.get("optimizer", ...), path, world, names)
