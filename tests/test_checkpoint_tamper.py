@@ -164,12 +164,14 @@ def test_state_pt_is_loaded_weights_only_and_its_refusal_named(ckpt, tmp_path):
     state = root / TAG / STATE
     state.write_bytes(pickle.dumps({"rng": _RunsCode()}))
     _reseal_file(root, STATE)  # checksums that match: only the restricted unpickler stands in the way
-    _fails_cleanly(
-        config,
-        lambda e: e.load_checkpoint(root),
-        CheckpointCorruptError,
-        r"state\.pt: refused by torch\.load\(weights_only=True\)",
-    )
+    refused_by_both(root, config, r"state\.pt: refused by torch\.load\(weights_only=True\)", tmp_path)
+
+
+def test_a_state_pt_that_is_not_a_state_is_refused_by_both(ckpt, tmp_path):
+    root, config = ckpt
+    torch.save([1, 2, 3], root / TAG / STATE)
+    _reseal_file(root, STATE)
+    refused_by_both(root, config, r"state\.pt: holds a list, not a dict", tmp_path)
 
 
 def test_a_bad_rng_state_is_refused_before_anything_is_written(ckpt):

@@ -5,6 +5,7 @@ on a scratch generator — before a load writes anything."""
 
 from __future__ import annotations
 
+import io
 import random
 from pathlib import Path
 from typing import Any, NoReturn, cast
@@ -57,8 +58,25 @@ def set_rng_state(rng: dict[str, Any]) -> None:
         np.random.set_state(_numpy_state(rng["numpy"]))
 
 
+def unpickle(data: bytes, path: Path) -> Any:
+    """``state.pt``'s content (``data``, its checksum verified) through ``torch.load(weights_only=True)``:
+    tensors and plain containers only, so no pickle can run code; a refusal names the file."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # the restricted unpickler refuses any global it does not allow
+        lines = str(e).strip().splitlines()
+        raise CheckpointCorruptError(
+            f"{path}: refused by torch.load(weights_only=True) ({type(e).__name__}: "
+            f"{lines[-1] if lines else ''}): it holds objects other than tensors and plain containers"
+        ) from None
+
+
 def _refuse(path: Path, why: str) -> NoReturn:
     raise CheckpointCorruptError(f"{path}: {why}")
+
+
+NO_NEEDS: dict[str, Any] = {"rng": False, "optimizer": None}
+"""What `check_state` checks of a state an export only vets (its RNG and optimizer are not restored)."""
 
 
 def check_state(state: Any, path: Path, needs: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from ._hf_layout import (
 )
 from ._reader import Reader
 from ._safetensors import Entry, StreamWriter
+from ._state import NO_NEEDS, check_state, unpickle
 from .errors import CheckpointArgumentError
 from .manifest import dtype_of, file_name, read_manifest, resolve
 from .weights import cast_dtype
@@ -65,6 +66,9 @@ def export(
         configs = [n for n in CONFIG_FILES if n in reader.infos]
         reader.need_all()  # every file, as whole as a load reads it: what a load refuses, export refuses
         reader.verify()
+        for name in sorted(reader.whole):  # as a load unpickles them: what it refuses, export refuses
+            if name.endswith(".state.pt"):
+                check_state(unpickle(reader.whole[name], folder / name), folder / name, NO_NEEDS)
         out = Path(out_dir)
         if _inside(out, folder):
             raise CheckpointArgumentError(

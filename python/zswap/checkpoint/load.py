@@ -11,7 +11,6 @@ partly loaded; it is raised.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from ..optim import OffloadedAdamW
 from ..optim._layout import needs_master
 from ._collective import agree, group_of
 from ._reader import Piece, Reader
-from ._state import check_state, set_rng_state
+from ._state import check_state, set_rng_state, unpickle
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import (
     STATE_KINDS,
@@ -129,14 +128,7 @@ class _Plan:
         if not self.full:
             return
         path = self.reader.folder / self.state_file
-        try:
-            state = torch.load(io.BytesIO(self.reader.whole[self.state_file]), weights_only=True)
-        except Exception as e:  # the restricted unpickler refuses any global it does not allow
-            first = str(e).strip().splitlines()
-            raise CheckpointCorruptError(
-                f"{path}: refused by torch.load(weights_only=True) ({type(e).__name__}: "
-                f"{first[-1] if first else ''}): it holds objects other than tensors and plain containers"
-            ) from None
+        state = unpickle(self.reader.whole[self.state_file], path)
         self.state = check_state(state, path, self._state_needs())
 
     def _state_needs(self) -> dict[str, Any]:
