@@ -82,6 +82,20 @@ class _Write:
         return self.settled or bool(self.handle.done())
 
 
+AwaitHook = Callable[[str], None]
+_AWAIT_HOOK: list[AwaitHook] = []
+"""Test seam: `await_point` calls these (tests raise KeyboardInterrupt from one to inject an interrupt at
+every point where a step waits, instead of relying on timing)."""
+
+
+def await_point(where: str) -> None:
+    """Mark a point where the caller is about to wait for I/O (``"write"``: a queued write; ``"read"``: a
+    read of a stored name; ``"commit"``: a transaction about to make its writes live). Nothing happens
+    unless a test installed a hook."""
+    for hook in _AWAIT_HOOK:
+        hook(where)
+
+
 class WriteQueue:
     """The bounded queue of a storage's writes, oldest first."""
 
@@ -99,19 +113,28 @@ class WriteQueue:
             self.settle(self._writes[0])
 
     def settle(self, w: _Write) -> None:
-        """Wait for ``w`` (and nothing else); record its outcome and tell its owner. Idempotent."""
+        """Wait for ``w`` (and nothing else); record its outcome and tell its owner. Idempotent.
+
+        ``w`` counts as settled only once its wait returned: a KeyboardInterrupt (any BaseException)
+        during the wait leaves it queued and unsettled, so the next `push`, `settle` or `drain` waits for
+        it again (marking it first made `push` spin forever on a settled head that was never removed)."""
         if w.settled:
+            self._remove(w)
             return
-        w.settled = True
+        await_point("write")
         try:
             w.handle.wait()
         except Exception as exc:
             w.error = exc
+        w.settled = True
+        self._remove(w)
+        w.handle = None  # the source tensor may go
+        w.on_done(w)
+
+    def _remove(self, w: _Write) -> None:
         with contextlib.suppress(ValueError):
             self._writes.remove(w)  # usually the head: O(1)
             self.queued -= w.held
-        w.handle = None  # the source tensor may go
-        w.on_done(w)
 
     def drain(self) -> None:
         while self._writes:
@@ -221,6 +244,7 @@ class _Read:
         return bool(self.handle.done())
 
     def wait(self) -> None:
+        await_point("read")
         try:
             self.handle.wait()
         except SwapIOError as exc:
@@ -479,12 +503,14 @@ class Transaction:
     # -- ending --------------------------------------------------------------------------------------
 
     def commit(self) -> None:
-        """Wait for every staged write; if all landed, make them live at once, else `abort` and raise."""
+        """Wait for every staged write; if all landed, make them live at once, else `abort` and raise.
+        An exception while waiting (a KeyboardInterrupt included) aborts: the step is all or nothing."""
         self._check_open()
-        for w in self._writes:
-            w.settle()
         try:
+            for w in self._writes:
+                w.settle()
             self.undo.settle()
+            await_point("commit")
         except BaseException:
             self.abort()
             raise
@@ -504,8 +530,15 @@ class Transaction:
         if self.state != "open":
             return
         self.state = "aborted"
+        # Every write must have landed before its version is freed and the undo log restored, even if an
+        # interrupt arrives meanwhile: it is held back and raised once the state is whole again.
+        held: BaseException | None = None
         for w in self._writes:
-            w.settle()
+            while not w.settled:
+                try:
+                    w.settle()
+                except BaseException as exc:  # an interrupt: wait for this write again
+                    held = held or exc
         for ns, w in self._staged.values():
             ns.storage.free_quiet(w.physical)
         try:
@@ -513,6 +546,8 @@ class Transaction:
         finally:
             for fn in reversed(self._on_abort):
                 fn()
+        if held is not None:
+            raise held
 
     def _check_open(self) -> None:
         if self.state != "open":
