@@ -16,8 +16,9 @@ loads a file it refuses:
   the one before ended (no gap, no overlap), the last ends at the end of the file (no trailing bytes).
 
 Stricter than the package, on purpose: a name given twice (it keeps the last one silently), a tensor
-entry written as a JSON array (serde accepts a struct as a sequence), and dtypes torch has no tensor for
-(``F4``, ``F6_*``) are refused. Every refusal is a `SafetensorsError` naming the file and the tensor or
+entry written as a JSON array (serde accepts a struct as a sequence), and dtypes outside `DTYPES` (``F4``,
+``F6_*``, which torch has no tensor for; ``C64``, ``F8_E8M0``, which no weights loader of zswap casts) are
+refused. Every refusal is a `SafetensorsError` naming the file and the tensor or
 field.
 """
 
@@ -58,12 +59,9 @@ DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F32": torch.float32,
     "F64": torch.float64,
-    "C64": torch.complex64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-if hasattr(torch, "float8_e8m0fnu"):
-    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 @dataclass(frozen=True)
