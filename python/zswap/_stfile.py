@@ -7,7 +7,8 @@ exactly the bytes of its partition with ``pread`` into the destination buffer: n
 read, and no page of the file is mapped into the process (page-cache pages read by ``pread`` are not counted
 in its RSS, pages of a mapping are).
 
-`parse_header` is zswap's one safetensors header parser (`zswap.checkpoint` reads its files with it too).
+`parse_header` is zswap's one safetensors header parser (`zswap._stheader`: as strict as the ``safetensors``
+package; `zswap.checkpoint` reads its files with it too), and only regular files are opened.
 `resolve` turns a path — one ``.safetensors`` file, a sharded index (``*.safetensors.index.json``, the
 ``weight_map`` layout `save_pretrained` writes), or a folder holding either — into ``name -> TensorEntry``.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,32 +25,15 @@ from pathlib import Path
 
 import torch
 
-from .errors import ZswapError
+from ._fileerrors import (
+    CheckpointArgumentError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+)
+from ._stheader import DTYPES, MAX_HEADER_BYTES, open_regular, parse
 
-# Header size cap: safetensors itself refuses headers over 100 MB.
-MAX_HEADER_BYTES = 100_000_000
-
-DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-class CheckpointError(ZswapError, ValueError):
-    """A checkpoint file or index is malformed, or a path holds no checkpoint."""
+__all__ = ["DTYPES", "MAX_HEADER_BYTES", "CheckpointError", "TensorEntry", "parse_header", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +46,8 @@ class TensorEntry:
     shape: torch.Size
     offset: int
     """Absolute byte offset of element 0 in the file."""
+    ident: tuple[int, int, int, int] | None = None
+    """(device, inode, size, mtime) of the file when its header was parsed: `read_range` refuses another."""
 
     @property
     def numel(self) -> int:
@@ -79,72 +64,43 @@ class TensorEntry:
 
 
 def read_header(path: str) -> dict[str, TensorEntry]:
-    """The tensors of one safetensors file, checked against the file's size (no tensor data is read)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    """The tensors of one safetensors file, its header validated (`zswap._stheader`); no data is read."""
+    fd = open_regular(path)
     try:
-        return parse_header(fd, os.fstat(fd).st_size, path, CheckpointError)[0]
+        return parse_header(fd, os.fstat(fd).st_size, path)[0]
     finally:
         os.close(fd)
 
 
-def parse_header(
-    fd: int, size: int, path: str, error: type[Exception]
-) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
+def parse_header(fd: int, size: int, path: str) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
     """(tensors, ``__metadata__``, byte offset of the data) of the safetensors file open as ``fd`` (``size``
-    bytes), every entry checked: a known dtype, ``data_offsets`` spanning exactly its shape's bytes, inside
-    the file. The one header parser of zswap (weights loading and `zswap.checkpoint` both use it); problems
-    raise ``error`` naming ``path`` (and the tensor)."""
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        raise error(f"{path}: truncated or not a safetensors file ({size} bytes, no header)")
-    (n,) = struct.unpack("<Q", head)
-    if n > MAX_HEADER_BYTES or 8 + n > size:
-        raise error(f"{path}: truncated or not safetensors: header length {n} does not fit {size} bytes")
-    raw = os.pread(fd, n, 8)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise error(f"{path}: header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise error(f"{path}: __metadata__ is not a JSON object")
-    base = 8 + n
-    out: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = torch.Size(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise error(f"{path}: tensor {name!r} has a malformed entry {info!r} ({e!r})") from None
-        what = f"tensor {name!r} ({info['dtype']} {list(shape)}) has data_offsets [{begin}, {end}]"
-        if end - begin != shape.numel() * dtype.itemsize or begin < 0:
-            raise error(f"{path}: {what} that do not match its size")
-        if base + end > size:
-            raise error(f"{path}: truncated: {what} that lie past the end of the file ({size} bytes)")
-        out[name] = TensorEntry(name, path, dtype, shape, base + begin)
-    return out, meta, base
+    bytes), validated as strictly as the ``safetensors`` package does (`zswap._stheader.parse`); a refusal
+    is a `SafetensorsError` naming ``path`` and the tensor."""
+    h = parse(fd, size, path)
+    ident = _ident(fd)
+    entries = {
+        name: TensorEntry(name, path, dt, shape, at, ident) for name, (dt, shape, at) in h.tensors.items()
+    }
+    return entries, h.metadata, h.data_start
 
 
 def resolve(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
     """``name -> TensorEntry`` of the checkpoint at ``path`` (a file, an index, or a folder of them)."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(2, "no checkpoint at this path", str(p))
+        raise CheckpointNotFoundError(2, "no checkpoint at this path", str(p))
     if p.is_dir():
         indexes = sorted(p.glob("*.safetensors.index.json"))
         files = sorted(p.glob("*.safetensors"))
         if len(indexes) > 1:
-            raise CheckpointError(
+            raise CheckpointArgumentError(
                 f"{p}: several index files ({', '.join(i.name for i in indexes)}); pass one"
             )
         if indexes:
             return _from_index(indexes[0])
         if not files:
-            raise CheckpointError(
-                f"{p}: no *.safetensors file and no *.safetensors.index.json in this folder"
+            raise CheckpointNotFoundError(
+                2, "no *.safetensors file and no *.safetensors.index.json in this folder", str(p)
             )
         return merge([str(f) for f in files])
     if p.name.endswith(".json"):
@@ -152,24 +108,45 @@ def resolve(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
     return merge([str(p)])
 
 
+MAX_INDEX_BYTES = 100_000_000
+"""An index this long is not one (transformers' largest are a few MB)."""
+
+
 def _from_index(index: Path) -> dict[str, TensorEntry]:
+    fd = open_regular(str(index))
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        raw = os.read(fd, MAX_INDEX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        if len(raw) > MAX_INDEX_BYTES:
+            raise ValueError(f"over {MAX_INDEX_BYTES} bytes")
+        doc = json.loads(raw.decode("utf-8"))
+        weight_map = doc["weight_map"] if isinstance(doc, dict) else None
         if not isinstance(weight_map, Mapping):
             raise TypeError("weight_map is not an object")
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CheckpointError(
+        bad = next((f for f in weight_map.values() if not isinstance(f, str)), None)
+        if bad is not None:
+            raise TypeError(f"weight_map names a file as {bad!r}")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointCorruptError(
             f"{index}: not a safetensors index (a JSON object with 'weight_map'): {e}"
         ) from None
+    for name, file in weight_map.items():
+        # As transformers: a shard is a file name next to the index, never a path out of its folder.
+        if not file or os.path.isabs(file) or ".." in Path(file).parts or "\0" in file:
+            raise CheckpointCorruptError(
+                f"{index}: {name!r} is mapped to {file!r}, which is not a file in the index's folder"
+            )
     shards = sorted({str(index.parent / f) for f in weight_map.values()})
     for shard in shards:
         if not os.path.exists(shard):
-            raise FileNotFoundError(2, f"shard named by {index.name} is missing", shard)
+            raise CheckpointNotFoundError(2, f"shard named by {index.name} is missing", shard)
     entries = merge(shards)
     for name, file in weight_map.items():
         found = entries.get(name)
         if found is None or found.path != str(index.parent / file):
-            raise CheckpointError(f"{index}: {name!r} is mapped to {file!r}, which does not hold it")
+            raise CheckpointCorruptError(f"{index}: {name!r} is mapped to {file!r}, which does not hold it")
     return entries
 
 
@@ -179,14 +156,15 @@ def merge(paths: list[str]) -> dict[str, TensorEntry]:
     for path in paths:
         for name, entry in read_header(path).items():
             if name in out:
-                raise CheckpointError(f"tensor {name!r} is in both {out[name].path} and {path}")
+                raise CheckpointCorruptError(f"tensor {name!r} is in both {out[name].path} and {path}")
             out[name] = entry
     return out
 
 
 def read_range(entry: TensorEntry, start: int, out: torch.Tensor) -> None:
     """Fill ``out`` (1-D, contiguous, CPU, ``entry.dtype``) with elements ``[start, start + out.numel())``
-    of the flattened tensor, reading exactly those bytes."""
+    of the flattened tensor, reading exactly those bytes, from the file whose header gave ``entry`` (a
+    file replaced or resized since is refused)."""
     count = out.numel()
     if count == 0:
         return
@@ -196,18 +174,28 @@ def read_range(entry: TensorEntry, start: int, out: torch.Tensor) -> None:
         raise ValueError(f"{entry.name!r}: elements [{start}, {start + count}) outside its {entry.numel}")
     view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
     offset = entry.offset + start * entry.dtype.itemsize
-    fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = open_regular(entry.path)
     try:
+        if entry.ident and _ident(fd) != entry.ident:
+            raise CheckpointCorruptError(
+                f"{entry.path}: the file was replaced or changed after its header was read "
+                f"(reading {entry.name!r})"
+            )
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:
-                raise CheckpointError(
+                raise CheckpointCorruptError(
                     f"{entry.path}: unexpected end of file reading {entry.name!r} at byte {offset + done}"
                 )
             done += n
     finally:
         os.close(fd)
+
+
+def _ident(fd: int) -> tuple[int, int, int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 READAHEAD_BYTES = 512 << 20
@@ -292,9 +280,12 @@ class Readahead:
                 path, offset, length = r
                 try:
                     if path not in fds:
-                        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                        fd = open_regular(path)
                         fds[path] = fd, advice_bytes(fd)
-                except OSError:  # a hint only: the loader's own read reports what is wrong with the file
+                except (
+                    OSError,
+                    CheckpointError,
+                ):  # a hint only: the loader's own read reports what is wrong with the file
                     advised += length
                     continue
                 fd, step = fds[path]

@@ -2,8 +2,14 @@
 folder fsynced, renamed into place, and ``latest`` replaced last (temp file + rename), so a crash at any
 point leaves either the previous state or the new one, never a half-written tag under its name.
 
-Names starting with ``.`` are never tags: a killed save leaves at most a ``.tmp-*`` folder, which the next
-save into the same folder removes.
+Names starting with ``.`` are never tags. Every temp name a save makes ends with its owner record,
+``.<pid>.<boot>.<host>`` (boot: the first 8 hex digits of the kernel's boot id; host: of a hash of the host
+name), set in the same ``mkdir``/``open`` that creates it, so no moment exists where another process could
+see the folder without its owner. A save removes its own temp folder, and the temp leftovers of savers that
+are provably dead: same host and boot with no such process, or same host and an earlier boot. Anything else
+(a live process, another host sharing the folder over NFS, a name without an owner record) is left alone,
+so several processes may save different tags into one folder at once. ``latest`` is replaced by a rename:
+a reader sees the old tag or the new one, never a partial line, and the save that renames last wins.
 """
 
 from __future__ import annotations
@@ -11,10 +17,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
+import hashlib
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
+
+from ..errors import SwapIOError
 
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -29,17 +40,64 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().replace("-", "")[:8] or "0"
+    except OSError:
+        return "0"
+
+
+def _host() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def owner_suffix() -> str:
+    """``.<pid>.<boot>.<host>``: who made a temp name (see the module doc)."""
+    return f".{os.getpid()}.{_boot_id()}.{_host()}"
+
+
+def temp_name(what: str) -> str:
+    """A new temp name for ``what`` (a tag, cut to 64 characters: the temp name must fit NAME_MAX where the
+    tag does), unique, with the owner record."""
+    return f"{TMP_PREFIX}{what[:64]}-{uuid.uuid4().hex[:12]}{owner_suffix()}"
+
+
 def new_temp_dir(save_dir: Path, tag: str) -> Path:
-    tmp = save_dir / f"{TMP_PREFIX}{tag}-{uuid.uuid4().hex[:12]}"
+    tmp = save_dir / temp_name(tag)
     tmp.mkdir()
     return tmp
 
 
+def is_stale(name: str) -> bool:
+    """Whether the temp name ``name`` was made by a saver that can no longer be running."""
+    parts = name.rsplit(".", 3)
+    if len(parts) != 4 or not parts[1].isdigit():
+        return False  # no owner record: cannot tell, leave it
+    _, pid, boot, host = parts
+    if host != _host():
+        return False  # another machine sharing the folder: its processes cannot be checked from here
+    if boot != _boot_id():
+        return True  # made before this machine last booted
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False  # exists (someone else's), or not a pid at all
+    return False
+
+
 def remove_stale(save_dir: Path) -> None:
-    """Remove the temp folders of saves that were killed (one saver per folder at a time)."""
+    """Remove the temp folders and files of saves whose process is gone (see the module doc)."""
     for entry in save_dir.iterdir():
-        if entry.name.startswith(TMP_PREFIX) and entry.is_dir():
+        if not entry.name.startswith(TMP_PREFIX) or not is_stale(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -50,7 +108,7 @@ def commit(tmp: Path, final: Path) -> None:
     fsync_path(tmp)
     if final.exists():
         if not _exchange(tmp, final):
-            aside = final.with_name(f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
+            aside = final.with_name(temp_name(f"old-{final.name}"))
             os.rename(final, aside)
             os.rename(tmp, final)
             tmp = aside
@@ -61,16 +119,45 @@ def commit(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
-def write_latest(save_dir: Path, tag: str) -> None:
-    tmp = save_dir / f"{TMP_PREFIX}{LATEST}-{uuid.uuid4().hex[:12]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+def write_file(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, fsynced. A failure (a full disk) is a
+    `SwapIOError` naming the path, and leaves no file behind."""
     try:
-        os.write(fd, f"{tag}\n".encode())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise io_error(e, path, "cannot create") from None
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
-    finally:
+    except OSError as e:
         os.close(fd)
-    os.replace(tmp, save_dir / LATEST)
-    fsync_path(save_dir)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise io_error(e, path, "cannot write") from None
+    os.close(fd)
+
+
+def io_error(e: OSError, path: object, what: str) -> SwapIOError:
+    """``e`` as a `SwapIOError` naming ``path`` (kept as is when it already is one)."""
+    if isinstance(e, SwapIOError):
+        return e
+    where = str(e.filename or path)
+    return SwapIOError(e.errno or errno.EIO, f"{what} {where}: {e.strerror or e}", where)
+
+
+def write_latest(save_dir: Path, tag: str) -> None:
+    """Point ``save_dir/latest`` at ``tag``: a temp file renamed over it (see the module doc)."""
+    tmp = save_dir / temp_name(LATEST)
+    write_file(tmp, f"{tag}\n".encode())
+    try:
+        os.replace(tmp, save_dir / LATEST)
+        fsync_path(save_dir)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise io_error(e, save_dir / LATEST, "cannot replace") from None
 
 
 def _exchange(a: Path, b: Path) -> bool:

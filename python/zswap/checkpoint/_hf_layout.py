@@ -10,7 +10,9 @@ metadata ``{"format": "pt"}``; ``config.json`` next to them for a `PreTrainedMod
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._atomic import fsync_path, io_error, temp_name, write_file
 from ._safetensors import Entry
 
 WEIGHTS = "model.safetensors"
@@ -117,7 +120,7 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def write_index(out_dir: Path, shards: list[list[Entry]], names: list[str], total_parameters: int) -> None:
+def write_index(staged: Staged, shards: list[list[Entry]], names: list[str], total_parameters: int) -> None:
     if len(shards) == 1:
         return
     index: dict[str, Any] = {
@@ -127,16 +130,49 @@ def write_index(out_dir: Path, shards: list[list[Entry]], names: list[str], tota
         },
         "weight_map": {e.name: name for s, name in zip(shards, names, strict=True) for e in s},
     }
-    (out_dir / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_file(staged.path(INDEX), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
 
 
-def clear_old_weights(out_dir: Path) -> None:
-    """Remove weight files of an earlier save that this one would not overwrite (as save_pretrained)."""
-    for f in out_dir.iterdir():
-        if f.is_file() and (
-            f.name in (WEIGHTS, INDEX) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f.name)
-        ):
-            f.unlink()
+def _is_weights(name: str) -> bool:
+    return name in (WEIGHTS, INDEX) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
+
+
+class Staged:
+    """The files of one weights save, written under temp names in ``out_dir`` and renamed into place only
+    once all are complete and fsynced (`commit`): a full disk or a crash leaves the previous weights whole
+    under their names, never a partial file. Weight files of an earlier save that this one does not
+    replace are removed after the renames, as ``save_pretrained`` removes them."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out = out_dir
+        self._files: list[tuple[Path, Path]] = []
+
+    def path(self, name: str) -> Path:
+        tmp = self.out / temp_name(name)
+        self._files.append((tmp, self.out / name))
+        return tmp
+
+    def commit(self) -> None:
+        try:
+            for tmp, _ in self._files:
+                fsync_path(tmp)
+            for tmp, final in self._files:
+                os.replace(tmp, final)
+        except OSError as e:
+            self.abort()
+            raise io_error(e, self.out, "cannot write weights into") from None
+        kept = {final.name for _, final in self._files}
+        for f in self.out.iterdir():
+            if _is_weights(f.name) and f.name not in kept and f.is_file():
+                f.unlink()
+        fsync_path(self.out)
+        self._files = []
+
+    def abort(self) -> None:
+        for tmp, _ in self._files:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        self._files = []
 
 
 def set_config_dtype(out_dir: Path, dtype: torch.dtype | None) -> None:

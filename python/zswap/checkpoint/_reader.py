@@ -15,7 +15,8 @@ import torch
 
 from ._crc import crc32c
 from ._safetensors import TensorFile
-from .errors import CheckpointCorruptError
+from ._validate import read_bytes
+from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .manifest import dtype_of, file_name
 
 
@@ -39,6 +40,8 @@ class Reader:
         self._files: dict[str, TensorFile] = {}
         self._needed: dict[str, set[int]] = {}
         self._whole: set[str] = set()
+        self.whole: dict[str, bytes] = {}
+        """The bytes of each file `need_whole` named, once `verify` checked them."""
 
     def file(self, name: str) -> TensorFile:
         f = self._files.get(name)
@@ -102,6 +105,17 @@ class Reader:
             raise CheckpointCorruptError(f"{self.folder / 'manifest.json'}: lists no file {name!r}")
         self._whole.add(name)
 
+    def need_all(self) -> None:
+        """Every file of the manifest checked whole by `verify` (what an export does: it must refuse
+        whatever a load would)."""
+        for name in self.infos:
+            if name.endswith(".safetensors"):
+                f = self.file(name)
+                bb = int(self.infos[name]["block_bytes"])
+                self._needed.setdefault(name, set()).update(range(-(-f.size // bb)))
+            else:
+                self.need_whole(name)
+
     def verify(self) -> None:
         for name, blocks in sorted(self._needed.items()):
             f, info = self.file(name), self.infos[name]
@@ -119,9 +133,10 @@ class Reader:
         for name in sorted(self._whole):
             path, info = self.folder / name, self.infos[name]
             try:
-                data = path.read_bytes()
-            except FileNotFoundError:
+                data = read_bytes(str(path), info["bytes"])
+            except CheckpointNotFoundError:
                 raise CheckpointCorruptError(f"{path}: listed in the manifest but missing") from None
+            self.whole[name] = data
             if len(data) != info["bytes"]:
                 raise CheckpointCorruptError(f"{path}: {len(data)} bytes, the manifest says {info['bytes']}")
             if crc32c(data) != info["crc32c"]:

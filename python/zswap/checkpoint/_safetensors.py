@@ -26,6 +26,7 @@ import torch
 
 from .. import _stfile
 from .._stfile import parse_header
+from .._stheader import open_regular
 from ._crc import BlockCrc, crc32c
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 
@@ -257,7 +258,10 @@ def _pwrite_all(fd: int, mem: Any, nbytes: int, offset: int, path: str) -> None:
     view = memoryview(mem)[:nbytes]
     try:
         while view:
-            done = os.pwrite(fd, view, offset)
+            try:
+                done = os.pwrite(fd, view, offset)
+            except OSError as e:  # ENOSPC, EIO: say which file
+                raise OSError(e.errno, f"{e.strerror} (writing at offset {offset})", path) from None
             if done == 0:
                 raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset}", path)
             view, offset = view[done:], offset + done
@@ -353,21 +357,26 @@ class TensorFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         try:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            self._fd = open_regular(self.path)
+        except CheckpointNotFoundError:
             raise CheckpointNotFoundError(2, "checkpoint file does not exist", self.path) from None
+        except OSError as e:
+            raise CheckpointCorruptError(f"{self.path}: cannot be opened ({e.strerror})") from None
         self._direct_fd = -1
         try:
             self.size = os.fstat(self._fd).st_size
             self.entries, self.metadata, self.data_start = self._parse()
             with contextlib.suppress(OSError, AttributeError):  # O_DIRECT refused: buffered reads
-                self._direct_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+                # /proc/self/fd/N reopens the inode already checked, not whatever the path names now.
+                self._direct_fd = os.open(
+                    f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT
+                )
         except BaseException:
             self.close()
             raise
 
     def _parse(self) -> tuple[dict[str, Stored], dict[str, str], int]:
-        found, meta, start = parse_header(self._fd, self.size, self.path, CheckpointCorruptError)
+        found, meta, start = parse_header(self._fd, self.size, self.path)
         entries = {
             name: Stored(e.dtype, tuple(e.shape), e.offset, e.offset + e.numel * e.dtype.itemsize)
             for name, e in found.items()

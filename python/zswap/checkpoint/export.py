@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from .._progress import progress
+from ._atomic import write_file
 from ._hf_layout import (
     CONFIG_FILES,
     METADATA,
-    clear_old_weights,
+    Staged,
     parse_size,
     plan_shards,
     set_config_dtype,
@@ -28,6 +28,8 @@ from ._hf_layout import (
 )
 from ._reader import Reader
 from ._safetensors import Entry, StreamWriter
+from ._state import NO_NEEDS, check_state, unpickle
+from .errors import CheckpointArgumentError
 from .manifest import dtype_of, file_name, read_manifest, resolve
 from .weights import cast_dtype
 
@@ -48,6 +50,7 @@ def export(
     folder, _ = resolve(ckpt_dir, tag)
     m = read_manifest(folder)
     reader = Reader(folder, m)
+    staged: Staged | None = None
     try:
         params = {p["name"]: p for p in m["params"]}
         buffers = {b["name"]: b for b in m["buffers"]}
@@ -63,17 +66,24 @@ def export(
             else:
                 reader.need_entry(rank0, source)
         configs = [n for n in CONFIG_FILES if n in reader.infos]
-        for n in configs:
-            reader.need_whole(n)
+        reader.need_all()  # every file, as whole as a load reads it: what a load refuses, export refuses
         reader.verify()
+        for name in sorted(reader.whole):  # as a load unpickles them: what it refuses, export refuses
+            if name.endswith(".state.pt"):
+                check_state(unpickle(reader.whole[name], folder / name), folder / name, NO_NEEDS)
         out = Path(out_dir)
+        if _inside(out, folder):
+            raise CheckpointArgumentError(
+                f"zswap export: the output folder {out} is inside the checkpoint folder {folder}; "
+                "writing there would change the checkpoint"
+            )
         out.mkdir(parents=True, exist_ok=True)
-        clear_old_weights(out)
+        staged = Staged(out)
         shards = plan_shards(entries, limit)
         names = shard_names(len(shards))
         key_of = {key: (kind, source) for key, kind, source in m["weights"]}
         for shard, name in zip(shards, names, strict=True):
-            w = StreamWriter(out / name, shard, METADATA)
+            w = StreamWriter(staged.path(name), shard, METADATA)
             try:
                 # shards need not follow key order (a tensor over the limit goes alone)
                 for e in progress(shard, f"exporting {name}", unit="tensor"):
@@ -88,13 +98,16 @@ def export(
                 w.close()
             finally:
                 w.abort()
-        write_index(out, shards, names, int(m["total_parameters"]))
-        for n in configs:
-            shutil.copyfile(folder / n, out / n)
+        write_index(staged, shards, names, int(m["total_parameters"]))
+        for n in configs:  # the bytes `verify` checked, not the file again
+            write_file(staged.path(n), reader.whole[n])
+        staged.commit()
         set_config_dtype(out, dtype)
         logging.getLogger(__name__).info("exported %s to %s (%d file(s))", folder, out, len(names))
         return out
     finally:
+        if staged is not None:
+            staged.abort()
         reader.close()
 
 
@@ -110,6 +123,12 @@ def _copy_param(reader: Reader, spec: dict, w: StreamWriter, dtype: torch.dtype 
         reader.read(reader.pieces(spec, "params", pos, n), piece)
         w.write(piece.to(cast_dtype(dt, dtype)))
         pos += n
+
+
+def _inside(out: Path, folder: Path) -> bool:
+    """Whether ``out`` is ``folder`` or lies under it (symlinks resolved; ``out`` need not exist)."""
+    a, b = out.resolve(), folder.resolve()
+    return a == b or b in a.parents
 
 
 def _numel(shape: list[int]) -> int:

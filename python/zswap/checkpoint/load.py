@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from ..step.optim import OffloadedAdamW
 from ..step.optim._layout import needs_master
 from ._collective import agree, group_of
 from ._reader import Piece, Reader
+from ._state import check_state, set_rng_state, unpickle
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import (
     STATE_KINDS,
@@ -76,6 +76,7 @@ def load_checkpoint(
             scheduler=load_lr_scheduler_states,
         )
         plan.reader.verify()
+        plan.load_state()
     except Exception as e:
         error = e
     try:
@@ -123,6 +124,23 @@ class _Plan:
         self.optim: Any = None
         if optimizer and engine.optimizer is not None:
             self.optim = self._plan_optimizer(folder)
+        self.state: dict[str, Any] | None = None
+
+    def load_state(self) -> None:
+        """Unpickle ``state.pt`` (checksum verified) with ``weights_only=True`` and check what the load
+        will use of it, before anything is written."""
+        if not self.full:
+            return
+        path = self.reader.folder / self.state_file
+        state = unpickle(self.reader.whole[self.state_file], path)
+        self.state = check_state(state, path, self._state_needs())
+
+    def _state_needs(self) -> dict[str, Any]:
+        opt = self.engine.optimizer
+        return {
+            "rng": self.rank < self.reader.world,
+            "optimizer": None if self.optim is None else (self.optim[0], len(opt.param_groups)),
+        }
 
     def _plan_buffers(self, folder: Path) -> list[tuple[torch.Tensor, str]]:
         live = persistent_buffers(self.engine.module)
@@ -200,9 +218,7 @@ class _Plan:
                     name, 0, tmp.view(-1)
                 )
                 b.copy_(tmp)
-            state = None
-            if self.full:
-                state = torch.load(self.reader.folder / self.state_file, weights_only=False)
+            state = self.state
             if self.optim is not None:
                 self._load_optimizer(state)
         if state is None:
@@ -303,14 +319,3 @@ def _window(pieces: list[Piece], start: int, count: int) -> list[Piece]:
         if lo < hi:
             out.append(Piece(pc.file, pc.entry, pc.elem_start + lo - pc.out_start, lo - start, hi - lo))
     return out
-
-
-def set_rng_state(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    if rng.get("numpy") is not None:
-        import numpy as np
-
-        np.random.set_state(rng["numpy"])

@@ -17,7 +17,6 @@ rank of any new world size reads the slice it needs from the files that hold it.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch import nn
 
 from ..parts.params import ParamState, param_state
 from ._atomic import LATEST, TMP_PREFIX
+from ._validate import check_checksum, check_structure, read_bytes, read_json
 from .errors import (
     CheckpointArgumentError,
     CheckpointCorruptError,
@@ -36,8 +36,13 @@ from .errors import (
 )
 
 FORMAT = "zswap-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the manifest carries its own checksum and ``state.pt`` loads with ``weights_only=True`` (the numpy
+RNG state is saved as a tensor). Version 1 checkpoints are refused with a message saying so: without the
+checksum an edited manifest could not be told from a good one, and their ``state.pt`` needs a full pickle
+load (arbitrary code) for numpy's RNG state."""
 MANIFEST = "manifest.json"
+NAME_MAX = 255  # bytes in one path component: Linux's NAME_MAX, on every file system it mounts
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
 
 
@@ -138,6 +143,11 @@ def check_tag(tag: object) -> str:
         raise CheckpointArgumentError(
             f"checkpoint tag must be a folder name other than {LATEST!r}, got {tag!r}"
         )
+    if len(os.fsencode(tag)) > NAME_MAX:
+        raise CheckpointArgumentError(
+            f"checkpoint tag of {len(os.fsencode(tag))} bytes: a folder name holds at most {NAME_MAX} "
+            f"({tag[:40]!r}...)"
+        )
     if tag.startswith("."):
         raise CheckpointArgumentError(
             f"checkpoint tag {tag!r} must not start with '.' (zswap's temp folders do)"
@@ -171,14 +181,7 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, st
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointNotFoundError(2, "checkpoint folder does not exist", str(root))
-    if tag is None:
-        latest = root / LATEST
-        if not latest.is_file():
-            raise CheckpointNotFoundError(
-                2, f"no {LATEST!r} file in the checkpoint folder (pass tag= to name one)", str(latest)
-            )
-        tag = latest.read_text().strip()
-    check_tag(tag)
+    tag = read_latest(root) if tag is None else check_tag(tag)
     folder = root / tag
     if not folder.is_dir():
         tags = sorted(e.name for e in root.iterdir() if e.is_dir() and not e.name.startswith(TMP_PREFIX[0]))
@@ -187,24 +190,42 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, st
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of tag folder ``folder``, its checksum and every field checked (`_validate`)."""
     path = folder / MANIFEST
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(2, "checkpoint manifest does not exist", str(path)) from None
-    try:
-        m = json.loads(text)
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{path}: not valid JSON ({e})") from None
+    if not path.exists():
+        raise CheckpointNotFoundError(2, "checkpoint manifest does not exist", str(path))
+    m = read_json(str(path))
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointCorruptError(f"{path}: not a zswap checkpoint manifest")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise CheckpointCorruptError(
-            f"{path}: format version {m.get('format_version')!r}; this zswap reads {FORMAT_VERSION}"
+        raise CheckpointCorruptError(f"{path}: not a zswap checkpoint manifest (field 'format')")
+    version = m.get("format_version")
+    if version != FORMAT_VERSION:
+        hint = (
+            " (written before checkpoints carried a checksum: load it with the zswap that wrote it, "
+            "without a world size change, and save it again)"
+            if version == 1
+            else ""
         )
-    for p in m["params"]:
-        dtype_of(p["dtype"])
+        raise CheckpointCorruptError(
+            f"{path}: field 'format_version' is {version!r}; this zswap reads {FORMAT_VERSION}{hint}"
+        )
+    check_checksum(m, path)
+    check_structure(m, path, dtype_of)
     return m
+
+
+def read_latest(root: Path) -> str:
+    """The tag ``root/latest`` names (a regular file of one line)."""
+    latest = root / LATEST
+    if not latest.exists():
+        raise CheckpointNotFoundError(
+            2, f"no {LATEST!r} file in the checkpoint folder (pass tag= to name one)", str(latest)
+        )
+    raw = read_bytes(str(latest), 4096)
+    try:
+        tag = raw.decode("utf-8").strip()
+        return check_tag(tag)
+    except (UnicodeDecodeError, CheckpointArgumentError):
+        raise CheckpointCorruptError(f"{latest}: does not name a checkpoint tag ({raw[:80]!r})") from None
 
 
 def check_model(manifest: dict[str, Any], records: list[ParamRecord], folder: Path) -> None:

@@ -9,9 +9,11 @@ peak RSS is therefore the largest partition or record, not the model.
 
 from __future__ import annotations
 
+import errno
+import io
+import json
 import logging
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,9 @@ from ._crc import BlockCrc
 from ._gather import local_partition
 from ._hf_layout import CONFIG_FILES, weight_keys
 from ._safetensors import BLOCK_BYTES, Entry, FileInfo, StreamWriter
+from ._state import rng_state
+from ._validate import CHECKSUM, canonical_checksum
+from .errors import CheckpointArgumentError
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -69,13 +74,15 @@ def save_checkpoint(
             _atomic.remove_stale(root)
             tmp_name = _atomic.new_temp_dir(root, tag).name
         except OSError as e:
-            error = e
+            error = _os_error(e, root)
     agree(error, "save_checkpoint (creating the temp folder)", group, world)
     tmp = root / all_gather(tmp_name, group, world)[0]
     try:
         error, report = None, None
         try:
             report = _write_rank(engine, records, tmp, rank, world, client_state)
+        except OSError as e:
+            error = _os_error(e, tmp)
         except Exception as e:
             error = e
         agree(error, "save_checkpoint", group, world)
@@ -84,6 +91,8 @@ def save_checkpoint(
         if rank == 0:
             try:
                 _finish(engine, records, tmp, root, tag, world, reports, save_latest)
+            except OSError as e:
+                error = _os_error(e, root / tag)
             except Exception as e:
                 error = e
         agree(error, "save_checkpoint (commit)", group, world)
@@ -93,6 +102,16 @@ def save_checkpoint(
         raise
     logging.getLogger(__name__).info("checkpoint saved: %s (rank %d of %d)", root / tag, rank, world)
     return root / tag
+
+
+def _os_error(e: OSError, path: Path) -> Exception:
+    """A failed file operation of a save as zswap's error naming the path: a name too long for the file
+    system is the caller's `CheckpointArgumentError`, anything else (a full disk) a `SwapIOError`."""
+    if e.errno == errno.ENAMETOOLONG:
+        return CheckpointArgumentError(
+            f"save_checkpoint: {e.filename or path}: name too long for its file system"
+        )
+    return _atomic.io_error(e, path, "save_checkpoint: cannot write")
 
 
 def _write_rank(
@@ -127,7 +146,9 @@ def _write_rank(
         **extra,
     }
     path = tmp / file_name(rank, world, "state")
-    torch.save(state, path)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    _atomic.write_file(path, buf.getvalue())
     files.append(_file_info(path))
     return {"files": [f.to_json() for f in files], "optimizer": optim}
 
@@ -232,24 +253,6 @@ def _state_of(obj: Any) -> Any:
     return None if obj is None else obj.state_dict()
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "cuda": None,
-        "numpy": None,
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with torch here
-        pass
-    else:
-        state["numpy"] = np.random.get_state()
-    return state
-
-
 def _file_info(path: Path) -> FileInfo:
     """Size and CRCs of a small finished file, read back in blocks; fsynced."""
     crc = BlockCrc(BLOCK_BYTES)
@@ -303,10 +306,8 @@ def _finish(
         "total_parameters": sum(r.numel for r in records),
         "files": files,
     }
-    path = tmp / MANIFEST
-    import json
-
-    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    manifest[CHECKSUM] = {"crc32c": canonical_checksum(manifest)}
+    _atomic.write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     _atomic.commit(tmp, root / tag)
     if save_latest:
         _atomic.write_latest(root, tag)

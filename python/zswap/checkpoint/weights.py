@@ -17,7 +17,8 @@ from ..parts.params import param_state
 from ._gather import full_copy
 from ._hf_layout import (
     METADATA,
-    clear_old_weights,
+    Key,
+    Staged,
     parse_size,
     plan_shards,
     set_config_dtype,
@@ -26,7 +27,7 @@ from ._hf_layout import (
     write_index,
 )
 from ._safetensors import Entry, StreamWriter
-from .manifest import describe, persistent_buffers
+from .manifest import ParamRecord, describe, persistent_buffers
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -66,12 +67,41 @@ def save_weights(
     shards = plan_shards(entries, limit)
     names = shard_names(len(shards))
     out = Path(save_dir)
+    staged = None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        clear_old_weights(out)
+        staged = Staged(out)
+    try:
+        _write_shards(shards, names, keys, rec_of, buf_of, dtype, staged)
+        if staged is not None:
+            write_index(staged, shards, names, sum(r.numel for r in records))
+            staged.commit()
+    finally:
+        if staged is not None:
+            staged.abort()
+    if rank == 0:
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(out)
+            gen = getattr(model, "generation_config", None)
+            if gen is not None and getattr(model, "can_generate", lambda: False)():
+                gen.save_pretrained(out)
+            set_config_dtype(out, dtype)
+        logging.getLogger(__name__).info("weights saved: %s (%d file(s))", out, len(names))
+
+
+def _write_shards(
+    shards: list[list[Entry]],
+    names: list[str],
+    keys: list[Key],
+    rec_of: dict[str, ParamRecord],
+    buf_of: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    staged: Staged | None,
+) -> None:
     key_of = {k.key: k for k in keys}
     for shard, name in zip(shards, names, strict=True):
-        w = StreamWriter(out / name, shard, METADATA) if rank == 0 else None
+        w = StreamWriter(staged.path(name), shard, METADATA) if staged is not None else None
         try:
             # a tensor over the limit gets its own shard out of key order, as in HF
             for e in progress(shard, f"saving {name}", unit="tensor"):
@@ -90,16 +120,6 @@ def save_weights(
         finally:
             if w is not None:
                 w.abort()
-    if rank == 0:
-        write_index(out, shards, names, sum(r.numel for r in records))
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(out)
-            gen = getattr(model, "generation_config", None)
-            if gen is not None and getattr(model, "can_generate", lambda: False)():
-                gen.save_pretrained(out)
-            set_config_dtype(out, dtype)
-        logging.getLogger(__name__).info("weights saved: %s (%d file(s))", out, len(names))
 
 
 def cast_dtype(dt: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:

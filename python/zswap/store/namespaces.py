@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import SwapIOError, UnknownKeyError, ZswapError
-from .queue import _Write
+from .queue import _Write, await_point
 
 if TYPE_CHECKING:
     from .storage import Storage, Transaction
@@ -49,6 +49,7 @@ class _Read:
         return bool(self.handle.done())
 
     def wait(self) -> None:
+        await_point("read")
         try:
             self.handle.wait()
         except SwapIOError as exc:

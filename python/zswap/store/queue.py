@@ -40,6 +40,20 @@ class _Write:
         return self.settled or bool(self.handle.done())
 
 
+AwaitHook = Callable[[str], None]
+_AWAIT_HOOK: list[AwaitHook] = []
+"""Test seam: `await_point` calls these (tests raise KeyboardInterrupt from one to inject an interrupt at
+every point where a step waits, instead of relying on timing)."""
+
+
+def await_point(where: str) -> None:
+    """Mark a point where the caller is about to wait for I/O (``"write"``: a queued write; ``"read"``: a
+    read of a stored name; ``"commit"``: a transaction about to make its writes live). Nothing happens
+    unless a test installed a hook."""
+    for hook in _AWAIT_HOOK:
+        hook(where)
+
+
 class WriteQueue:
     """The bounded queue of a storage's writes, oldest first."""
 
@@ -57,19 +71,28 @@ class WriteQueue:
             self.settle(self._writes[0])
 
     def settle(self, w: _Write) -> None:
-        """Wait for ``w`` (and nothing else); record its outcome and tell its owner. Idempotent."""
+        """Wait for ``w`` (and nothing else); record its outcome and tell its owner. Idempotent.
+
+        ``w`` counts as settled only once its wait returned: a KeyboardInterrupt (any BaseException)
+        during the wait leaves it queued and unsettled, so the next `push`, `settle` or `drain` waits for
+        it again (marking it first made `push` spin forever on a settled head that was never removed)."""
         if w.settled:
+            self._remove(w)
             return
-        w.settled = True
+        await_point("write")
         try:
             w.handle.wait()
         except Exception as exc:
             w.error = exc
+        w.settled = True
+        self._remove(w)
+        w.handle = None  # the source tensor may go
+        w.on_done(w)
+
+    def _remove(self, w: _Write) -> None:
         with contextlib.suppress(ValueError):
             self._writes.remove(w)  # usually the head: O(1)
             self.queued -= w.held
-        w.handle = None  # the source tensor may go
-        w.on_done(w)
 
     def drain(self) -> None:
         while self._writes:

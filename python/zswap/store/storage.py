@@ -35,7 +35,7 @@ import torch
 
 from ..errors import ZswapError
 from .namespaces import Namespace, _named
-from .queue import WriteQueue, _Write
+from .queue import WriteQueue, _Write, await_point
 
 INFLIGHT_WRITE_BYTES = 64 << 20
 """Source bytes of queued writes a storage holds at most before `put` waits for the oldest: four times the
@@ -198,12 +198,14 @@ class Transaction:
     # -- ending --------------------------------------------------------------------------------------
 
     def commit(self) -> None:
-        """Wait for every staged write; if all landed, make them live at once, else `abort` and raise."""
+        """Wait for every staged write; if all landed, make them live at once, else `abort` and raise.
+        An exception while waiting (a KeyboardInterrupt included) aborts: the step is all or nothing."""
         self._check_open()
-        for w in self._writes:
-            w.settle()
         try:
+            for w in self._writes:
+                w.settle()
             self.undo.settle()
+            await_point("commit")
         except BaseException:
             self.abort()
             raise
@@ -223,8 +225,15 @@ class Transaction:
         if self.state != "open":
             return
         self.state = "aborted"
+        # Every write must have landed before its version is freed and the undo log restored, even if an
+        # interrupt arrives meanwhile: it is held back and raised once the state is whole again.
+        held: BaseException | None = None
         for w in self._writes:
-            w.settle()
+            while not w.settled:
+                try:
+                    w.settle()
+                except BaseException as exc:  # an interrupt: wait for this write again
+                    held = held or exc
         for ns, w in self._staged.values():
             ns.storage.free_quiet(w.physical)
         try:
@@ -232,6 +241,8 @@ class Transaction:
         finally:
             for fn in reversed(self._on_abort):
                 fn()
+        if held is not None:
+            raise held
 
     def _check_open(self) -> None:
         if self.state != "open":

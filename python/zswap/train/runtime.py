@@ -240,14 +240,17 @@ class Engine:
         self._sched.read_ahead()  # the next forward's first reads, of the values just written
 
     def _finish_step(self, scale: float | None) -> None:
-        self.zero_grad()
-        self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
+        # The counters, loss scale and schedule move first, with no I/O (no await point) between them and
+        # the commit of the weights: an interrupt during the I/O below cannot leave the weights stepped
+        # and the counters not.
         self.global_steps += 1
         self.micro_steps += 1
         if self.loss_scaler is not None:
             self.loss_scaler.update(scale is None)
         if scale is not None and self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self.zero_grad()
+        self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
         memory.trim()  # the step's freed tensors back to the kernel before the next forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
