@@ -194,3 +194,97 @@ def test_keyboard_interrupt_at_every_await_point_of_a_step_leaves_the_engine_usa
         pytest.fail("a step after an interrupt hung (the write queue spun, or a wait never returned)")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "interrupted at each of" in done.stdout and "step interrupted at each of" in done.stdout
+
+
+# -- real SIGINTs (os.kill to this process: Python raises KeyboardInterrupt between two bytecodes) ----------
+
+
+def _sigint() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_ctrl_c_while_a_commit_makes_its_names_live_is_raised_after_all_of_them(tmp_path, monkeypatch):
+    from zswap.store.namespaces import Namespace
+
+    st = storage.open_dir(tmp_path)
+    ns = st.namespace("p")
+    names = ["a", "b", "c"]
+    for name in names:
+        ns.put(name, torch.zeros(256))
+    ns.wait()
+    replace = Namespace.replace
+    sent: list[str] = []
+
+    def replace_then_interrupt(self: Namespace, name: str, physical: str) -> None:
+        replace(self, name, physical)
+        if not sent:  # Ctrl-C right after the first name went live
+            sent.append(name)
+            _sigint()
+
+    monkeypatch.setattr(Namespace, "replace", replace_then_interrupt)
+    with no_hang(30), pytest.raises(KeyboardInterrupt), storage.step_transaction() as txn:
+        for name in names:
+            txn.put(ns, name, torch.ones(256))
+    monkeypatch.undo()
+    assert sent and txn.state == "committed"
+    out = torch.empty(256)
+    for name in names:  # all of them live, not only the first
+        ns.read(name, out).wait()
+        assert torch.equal(out, torch.ones(256)), name
+    ns.close()
+
+
+def _step_with(config: dict[str, Any], on_point: Any) -> tuple[int, int, bool]:
+    """One step with ``on_point`` as the await hook: (global_steps moved by, how many weights changed (of
+    the model's 6), interrupted); then the engine must step on."""
+    m, engine = build(config)
+    with engine:
+        train(m, engine, 1)
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(5))
+        m(x).square().mean().backward()
+        before, steps = _snapshot(m), engine.global_steps
+        interrupted = False
+        with no_hang(60), hook(on_point):
+            try:
+                engine.step()
+            except KeyboardInterrupt:
+                interrupted = True
+        after = _snapshot(m)
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        moved = engine.global_steps - steps
+        engine.zero_grad()
+        train(m, engine, 1)  # and the engine steps on
+        assert len(before) == 6
+        return moved, len(changed), interrupted
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early-step", "ordinary-step"])
+def test_one_ctrl_c_during_a_step_lets_it_finish_then_raises(tmp_path, early):
+    config = cfg(tmp_path, "nvme", "nvme")
+    sent: list[str] = []
+
+    def interrupt_once(at: str) -> None:
+        if not sent:
+            sent.append(at)
+            _sigint()
+
+    if not early:
+        config = {**config, "gradient_clipping": 1e-6}  # clipping that bites: the ordinary step
+    moved, changed, interrupted = _step_with(config, interrupt_once)
+    assert sent and interrupted
+    assert (moved, changed) == (1, 6)  # the whole step, then the interrupt
+
+
+def test_a_second_ctrl_c_aborts_the_step_and_changes_nothing(tmp_path):
+    config = {**cfg(tmp_path, "nvme", "nvme"), "gradient_clipping": 1e-6}
+    sent: list[str] = []
+
+    def interrupt_twice(at: str) -> None:
+        if not sent:
+            sent.append(at)
+            _sigint()
+            _sigint()  # impatient: the step aborts at once
+
+    moved, changed, interrupted = _step_with(config, interrupt_twice)
+    assert sent and interrupted
+    assert (moved, changed) == (0, 0)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._interrupts import deferred
 from ..errors import ZswapError
 from .namespaces import Namespace, _named
 from .queue import WriteQueue, _Write, await_point
@@ -213,12 +214,13 @@ class Transaction:
             err = self._error
             self.abort()
             raise err
-        for ns, w in self._staged.values():
-            ns.replace(w.name, w.physical)
-        self.state = "committed"
-        self.undo.discard()
-        for fn in self._on_commit:
-            fn()
+        with deferred(critical=True):  # live all at once: no interrupt between two names or the counters
+            for ns, w in self._staged.values():
+                ns.replace(w.name, w.physical)
+            self.state = "committed"
+            self.undo.discard()
+            for fn in self._on_commit:
+                fn()
 
     def abort(self) -> None:
         """Drop every staged write and restore the undo log. Idempotent."""

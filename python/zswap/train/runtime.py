@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import device as _device
 from .. import memory
+from .._interrupts import deferred
 from ..build.init import Init
 from ..config import ZswapConfig, load_config
 from ..errors import ConfigError, EngineClosedError, ZswapError
@@ -29,6 +30,7 @@ from ..parts.runners import RUNNERS
 from ..step import earlystep, stepping
 from ..step.optim._records import Records
 from . import bridge, stats, wiring
+from .sizing import refuse_meta
 
 if TYPE_CHECKING:
     from ..fetch.hooks import ModuleHooks
@@ -90,7 +92,7 @@ def build(
     ):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     dev = _device.resolve(device)
-    _refuse_meta(model)
+    refuse_meta(model)
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)
     return cls(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
@@ -202,7 +204,9 @@ class Engine:
         self._check_open()
         if self.optimizer is None:
             raise ZswapError(self._no_optimizer)
-        with _guards.engine_step():  # the optimizer may step (and clip) over the managed params here
+        # The optimizer may step (and clip) over the managed params here; a first Ctrl-C waits for the
+        # step to finish or abort (`zswap._interrupts`), so it never lands between weights and counters.
+        with _guards.engine_step(), deferred():
             self._step()
 
     def _step(self) -> None:
@@ -225,8 +229,8 @@ class Engine:
         scale, self.last_grad_norm = grads.global_scale(
             self._items, others, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
         )
-        if scale is None:
-            self.skipped_steps += 1
+        if scale is None:  # not finite: the step is skipped (counted in _finish_step)
+            pass
         elif getattr(self.optimizer, "steps_partitions", False):
             if scale != 1.0:  # clipping or an fp16 loss scale: it must apply the factor, never drop it
                 self.optimizer.step(grad_scale=scale)
@@ -241,8 +245,9 @@ class Engine:
 
     def _finish_step(self, scale: float | None) -> None:
         # The counters, loss scale and schedule move first, with no I/O (no await point) between them and
-        # the commit of the weights: an interrupt during the I/O below cannot leave the weights stepped
-        # and the counters not.
+        # the commit of the weights; `step` holds a Ctrl-C back until they have moved.
+        if scale is None:
+            self.skipped_steps += 1
         self.global_steps += 1
         self.micro_steps += 1
         if self.loss_scaler is not None:
@@ -574,20 +579,6 @@ class Engine:
         if slot is None:
             slot = self._sched.slots[id(p)] = Slot(p, st, persistent=False)
         return slot
-
-
-def _refuse_meta(model: nn.Module) -> None:
-    """A model built on the meta device has no values to offload or train: refuse it before anything is
-    partitioned (it would come back as meta tensors)."""
-    for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            st = param_state(t)
-            if (st.device.type if st is not None else t.device.type) == "meta":
-                raise ZswapError(
-                    f"{kind} {name!r} of the model is on the meta device (no values): build the model under "
-                    "zswap.Init(config) — or load it with from_pretrained under zswap.Init — instead of on "
-                    "the meta device, then call zswap.initialize"
-                )
 
 
 def _records(opt: Any) -> Records | None:

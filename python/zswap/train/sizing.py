@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from ..config import ZswapConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, ZswapError
 from ..fetch import buffers
 from ..fetch.prefetch import Budget
-from ..parts.params import Item
+from ..parts.params import Item, param_state
 
 # Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
 PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
@@ -92,3 +92,17 @@ def _largest_chain(module: nn.Module, numel: dict[int, int]) -> tuple[int, str]:
 
     walk(module, "", {})
     return best
+
+
+def refuse_meta(model: nn.Module) -> None:
+    """A model built on the meta device has no values to offload or train: refuse it before anything is
+    partitioned (it would come back as meta tensors)."""
+    for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            st = param_state(t)
+            if (st.device.type if st is not None else t.device.type) == "meta":
+                raise ZswapError(
+                    f"{kind} {name!r} of the model is on the meta device (no values): build the model under "
+                    "zswap.Init(config) — or load it with from_pretrained under zswap.Init — instead of on "
+                    "the meta device, then call zswap.initialize"
+                )
