@@ -229,3 +229,19 @@ def test_export_of_the_good_checkpoint_still_works(ckpt, tmp_path):
     root, _ = ckpt
     out = export(root, tmp_path / "hf")
     assert (out / "model.safetensors").is_file()
+
+
+class Opaque:
+    """Any object of a class: load_checkpoint unpickles with weights_only=True and cannot build it."""
+
+
+def test_a_client_state_load_would_refuse_is_refused_at_save_and_nothing_is_written(tmp_path):
+    m, engine = build(cfg(tmp_path, "nvme", "nvme"))
+    with engine:
+        train(m, engine, 1)
+        with pytest.raises(CheckpointArgumentError, match=r"client_state .* cannot read back"):
+            engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3, "obj": Opaque()})
+        with pytest.raises(CheckpointArgumentError, match=r"client_state .* cannot read back"):
+            engine.save_checkpoint(tmp_path / "ckpt", client_state={"fn": lambda: 0})  # not even picklable
+        assert [p.name for p in (tmp_path / "ckpt").iterdir()] == []  # no tag, no latest, no temp folder
+        engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3, "name": "run"})  # plain: fine

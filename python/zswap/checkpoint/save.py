@@ -146,11 +146,27 @@ def _write_rank(
         **extra,
     }
     path = tmp / file_name(rank, world, "state")
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    _atomic.write_file(path, buf.getvalue())
+    _atomic.write_file(path, _pickled(state))
     files.append(_file_info(path))
     return {"files": [f.to_json() for f in files], "optimizer": optim}
+
+
+def _pickled(state: dict[str, Any]) -> bytes:
+    """``state.pt``'s bytes. A save that `load_checkpoint` would refuse is refused now, before anything is
+    written: the state is read back with ``weights_only=True`` (tensors and plain containers), as a load
+    reads it."""
+    buf = io.BytesIO()
+    try:
+        torch.save(state, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        lines = str(e).strip().splitlines()
+        raise CheckpointArgumentError(
+            "save_checkpoint: client_state (or the lr scheduler's / loss scaler's state_dict) holds objects "
+            "other than tensors, numbers, strings and plain containers, which load_checkpoint cannot read "
+            f"back safely ({type(e).__name__}: {lines[-1] if lines else ''})"
+        ) from None
+    return buf.getvalue()
 
 
 def _names(opt: Any, records: list[ParamRecord]) -> list[list[str]]:
