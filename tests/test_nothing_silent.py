@@ -140,6 +140,21 @@ def test_initialize_refuses_a_meta_model(tmp_path):
     assert zswap.param_state(model[0].weight) is None  # refused before anything was partitioned
 
 
+def test_initialize_refuses_a_shape_dependent_optimizer(tmp_path):
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    with _raises(
+        zswap.ConfigError,
+        "optimizer= is Adafactor, whose update depends on each param's shape; zswap steps every param as its "
+        "flat partition, so it would compute something else: use an element-wise optimizer (Adam/AdamW, "
+        "SGD, RMSprop, …) or add an 'optimizer' section to the config",
+    ):
+        zswap.initialize(model, cfg, optimizer=torch.optim.Adafactor(model.parameters()))
+    zswap.initialize(
+        model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    ).close()  # element-wise
+
+
 @pytest.mark.parametrize(
     ("key", "section"),
     [

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ZswapConfig
+from ..errors import ConfigError
 from ..gradients import grads, gradstore
 from ..gradients.gradstore import store_of
 from ..parts.gather import no_torch_function
@@ -145,9 +146,24 @@ def _step_batch(
                 p.data = torch.empty(0, dtype=st.dtype, device=st.device)
 
 
+SHAPE_DEPENDENT = frozenset(
+    {"Adafactor", "LBFGS", "SparseAdam", "Muon", "Shampoo", "DistributedShampoo", "SOAP"}
+)
+"""Optimizers (by class name: torch's, transformers', and common third-party ones) whose update of a param
+depends on its shape or its whole tensor (factored moments, matrix preconditioners, line searches): the
+engine steps each param as its flat partition, so they would compute something else, and say nothing."""
+
+
 def build_optimizer(module: nn.Module, cfg: ZswapConfig, given: Any) -> tuple[Any, bool, str]:
     """(optimizer, built here, why there is none)."""
     if given is not None:
+        name = type(given).__name__
+        if name in SHAPE_DEPENDENT:
+            raise ConfigError(
+                f"optimizer= is {name}, whose update depends on each param's shape; zswap steps every "
+                "param as its flat partition, so it would compute something else: use an element-wise "
+                "optimizer (Adam/AdamW, SGD, RMSprop, …) or add an 'optimizer' section to the config"
+            )
         return given, False, ""
     if cfg.optimizer is None:
         return None, False, "no optimizer: pass optimizer= or add an 'optimizer' section to the config"
