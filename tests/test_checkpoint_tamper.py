@@ -219,10 +219,12 @@ def test_latest_naming_no_tag_is_corrupt(ckpt):
 def test_export_refuses_an_output_inside_the_checkpoint_before_writing(ckpt):
     root, _ = ckpt
     before = sorted(p.name for p in (root / TAG).iterdir())
-    for out in (root / TAG, root / TAG / "hf"):
+    tags = sorted(p.name for p in root.iterdir())
+    for out in (root / TAG, root / TAG / "hf", root, root / "hf"):  # the tag folder, and save_dir too
         with pytest.raises(CheckpointArgumentError, match="inside the checkpoint folder"):
             export(root, out)
     assert sorted(p.name for p in (root / TAG).iterdir()) == before
+    assert sorted(p.name for p in root.iterdir()) == tags  # no new "tag" beside the real ones
 
 
 def test_export_of_the_good_checkpoint_still_works(ckpt, tmp_path):

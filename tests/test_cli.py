@@ -240,3 +240,29 @@ def test_estimate_needs_exactly_one_source(capsys: pytest.CaptureFixture[str]) -
     )
     line = _usage_error(["estimate", "--params", "7X"], capsys)
     assert line.startswith("zswap estimate: error: argument --params: '7X' is not a parameter count")
+
+
+def test_export_into_the_checkpoint_is_a_usage_error_and_writes_nothing(tmp_path, capsys):
+    import torch
+    from torch import nn
+
+    import zswap
+
+    cfg = {
+        "zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    with zswap.Init(cfg):
+        m = nn.Linear(4, 2)
+    with zswap.initialize(m, cfg) as engine:
+        m(torch.randn(2, 4)).sum().backward()
+        engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "ckpt" / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("zswap export: error: the output folder ") and "is inside the checkpoint folder" in err
+    )
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before

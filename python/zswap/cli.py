@@ -195,7 +195,7 @@ def _env(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     # torch is needed for the tensor casts, torch.distributed is never started and no model is built.
-    from .checkpoint import CheckpointNotFoundError, export
+    from .checkpoint import CheckpointArgumentError, CheckpointNotFoundError, export
     from .checkpoint.manifest import LATEST
 
     # What the checkpoint folder holds is found out while running (status 1, as every checkpoint that
@@ -216,7 +216,12 @@ def _export(args: argparse.Namespace) -> int:
             str(ckpt / LATEST),
         )
     dtype = None if args.dtype is None else getattr(__import__("torch"), args.dtype)
-    out = export(args.ckpt_dir, args.out_dir, tag=args.tag, dtype=dtype, max_shard_size=args.max_shard_size)
+    try:
+        out = export(
+            args.ckpt_dir, args.out_dir, tag=args.tag, dtype=dtype, max_shard_size=args.max_shard_size
+        )
+    except CheckpointArgumentError as e:  # OUT_DIR inside the checkpoint, a --tag no folder can have
+        raise UsageError(str(e).removeprefix("zswap export: ")) from e
     print(f"zswap export: weights written to {out}")
     return 0
 

@@ -72,11 +72,12 @@ def export(
             if name.endswith(".state.pt"):
                 check_state(unpickle(reader.whole[name], folder / name), folder / name, NO_NEEDS)
         out = Path(out_dir)
-        if _inside(out, folder):
-            raise CheckpointArgumentError(
-                f"zswap export: the output folder {out} is inside the checkpoint folder {folder}; "
-                "writing there would change the checkpoint"
-            )
+        for inner in (folder, Path(ckpt_dir)):  # the tag folder, and the save_dir holding every tag
+            if _inside(out, inner):
+                raise CheckpointArgumentError(
+                    f"zswap export: the output folder {out} is inside the checkpoint folder {inner}; "
+                    "writing there would change the checkpoint"
+                )
         out.mkdir(parents=True, exist_ok=True)
         staged = Staged(out)
         shards = plan_shards(entries, limit)
