@@ -17,7 +17,9 @@ backward                               the Trainer's own (``loss.backward()``): 
 ``save_model``                         `zswap.save_weights` (plain ``from_pretrained`` loads it)
 checkpoints (``save_strategy``)        ``engine.save_checkpoint`` into the checkpoint folder, plus the
                                        Trainer's own files (state, schedule, RNG)
-``resume_from_checkpoint``             ``engine.load_checkpoint``: params, optimizer state, counters
+``resume_from_checkpoint``             ``engine.load_checkpoint``: params, optimizer state, counters; a
+                                       ``save_only_model`` checkpoint: its weights through
+                                       ``load_state_dict``, the optimizer afresh (as the plain Trainer)
 =====================================  =================================================================
 
 The engine steps once per accumulation window (its own ``gradient_accumulation_steps`` is 1): the Trainer
@@ -33,10 +35,11 @@ from typing import Any
 import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ..checkpoint import save_weights
 from ..config import load_config
-from ..errors import ConfigError, ZswapError
+from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..parts.params import param_state
 from ..step import schedules
 from ..train.runtime import Engine, initialize
@@ -53,6 +56,13 @@ ENGINE_KEYS_DROPPED = (
 )
 """Keys the Trainer honours itself (checked against the arguments by `_fill`), kept from the engine so
 that it does not apply them a second time."""
+
+
+_WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+
+
+def _has_engine_checkpoint(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "latest"))
 
 
 class Trainer(transformers.Trainer):
@@ -182,17 +192,21 @@ class Trainer(transformers.Trainer):
             torch.save(schedule.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        pass  # the weights come back with the engine checkpoint (`_load_optimizer_and_scheduler`)
+        if _has_engine_checkpoint(resume_from_checkpoint):
+            return  # the weights come back with the engine checkpoint (`_load_optimizer_and_scheduler`)
+        if not any(os.path.isfile(os.path.join(resume_from_checkpoint, n)) for n in _WEIGHT_FILES):
+            raise ZswapError(
+                f"{resume_from_checkpoint} holds neither a zswap engine checkpoint (no 'latest' file) nor "
+                "model weights: resume_from_checkpoint takes a checkpoint folder this Trainer saved"
+            )
+        # save_only_model=True: weights alone, read through load_state_dict into the partitioned params;
+        # the optimizer and schedule start afresh, as the plain Trainer does with such a checkpoint.
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
+        if checkpoint is None or not _has_engine_checkpoint(checkpoint):
+            return  # no checkpoint, or weights alone (`_load_from_checkpoint`)
         assert self.engine is not None
-        if not os.path.isfile(os.path.join(checkpoint, "latest")):
-            raise ZswapError(
-                f"{checkpoint} holds no zswap engine checkpoint (no 'latest' file): resume_from_checkpoint "
-                "takes a checkpoint folder this Trainer saved"
-            )
         self.engine.load_checkpoint(checkpoint)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(path):
@@ -202,9 +216,29 @@ class Trainer(transformers.Trainer):
     # -- lifetime ------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the engine (hooks removed, the optimizer state freed); the model keeps its params."""
+        """Close the engine (hooks removed, the optimizer state freed); the model keeps its params. The
+        Trainer cannot train, evaluate or predict after it (`EngineClosedError`)."""
         if self.engine is not None:
             self.engine.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.engine is not None and self.engine.closed:
+            raise EngineClosedError(
+                f"{what}() after close(): this zswap.transformers.Trainer's engine is closed; build a new "
+                "zswap.transformers.Trainer over the model"
+            )
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("train")
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("predict")
+        return super().predict(*args, **kwargs)
 
 
 def _check_dtype(model: Any, cfg: Any) -> None:
