@@ -1,9 +1,10 @@
 """`zswap.transformers.Trainer` on real Hugging Face architectures against the plain ``transformers.Trainer``
 (same arguments and seed): a Llama with tied embeddings built with ``AutoModelForCausalLM.from_config`` and
 loaded with ``from_pretrained`` under ``Init``, a DistilBERT classifier evaluated every 2 steps under a
-cosine schedule, a T5 whose ``save_model`` output plain ``from_pretrained`` loads with the plain Trainer's
-weights; a ``save_only_model`` checkpoint resumes as the plain Trainer resumes it (weights, a fresh
-optimizer); a closed Trainer refuses to train or evaluate."""
+cosine schedule, a Llama with gradient checkpointing and ``bf16=True`` (autocast), one fed ragged rows with
+an extra column through ``DataCollatorForLanguageModeling``, a T5 whose ``save_model`` output plain
+``from_pretrained`` loads with the plain Trainer's weights; a ``save_only_model`` checkpoint resumes as the
+plain Trainer resumes it (weights, a fresh optimizer); a closed Trainer refuses to train or evaluate."""
 
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ def _t5() -> Any:
     return transformers.T5ForConditionalGeneration(config)
 
 
+def _collator() -> Any:
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", unk_token="t1")
+    return transformers.DataCollatorForLanguageModeling(tokenizer=fast, mlm=False)
+
+
 def _data(kind: str, n: int = 16, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -64,6 +74,8 @@ def _data(kind: str, n: int = 16, seed: int = 1) -> list[dict[str, torch.Tensor]
         ids = torch.randint(3, V, (12,), generator=g)
         if kind == "cls":
             out.append({"input_ids": ids, "labels": torch.randint(0, 3, (), generator=g)})
+        elif kind == "raw":  # ragged, with a column the model does not take: for the collator to pad / drop
+            out.append({"input_ids": ids[: 12 - 2 * (len(out) % 2)], "text": "unused"})
         elif kind == "s2s":
             out.append({"input_ids": ids, "labels": torch.randint(3, V, (6,), generator=g)})
         else:
@@ -144,6 +156,10 @@ CASES: dict[str, tuple[Callable[[], Any], str, dict[str, Any]]] = {
         {"lr_scheduler_type": "cosine", "warmup_steps": 2, "eval_strategy": "steps", "eval_steps": 2},
     ),
     "t5-save-model": (_t5, "s2s", {"max_grad_norm": 0.5}),
+    # bf16=True with no bf16 section: the params stay float32 and the forward runs under autocast, as in
+    # the plain Trainer (a bf16 section instead makes Init build bf16 params: not the plain Trainer's run)
+    "llama-checkpointing-bf16-autocast": (_llama, "lm", {"gradient_checkpointing": True, "bf16": True}),
+    "llama-lm-collator-remove-columns": (_llama, "raw", {}),
 }  # fmt: skip
 
 
@@ -158,8 +174,13 @@ def test_trains_like_the_plain_trainer(case, tmp_path):
         make: Callable[[], Any] = lambda: type(plain_model).from_pretrained(tmp_path / "src")  # noqa: E731
     else:
         make = build
+    more = {"data_collator": _collator()} if kind == "raw" else {}
     plain = transformers.Trainer(
-        model=plain_model, args=_args(tmp_path / "p", **extra), train_dataset=train, eval_dataset=evals
+        model=plain_model,
+        args=_args(tmp_path / "p", **extra),
+        train_dataset=train,
+        eval_dataset=evals,
+        **more,
     )
     plain.train()
 
@@ -171,6 +192,7 @@ def test_trains_like_the_plain_trainer(case, tmp_path):
         train_dataset=train,
         eval_dataset=evals,
         zswap_config=cfg,
+        **more,
     )
     trainer.train()
     _assert_same(_history(trainer), _history(plain))
