@@ -264,3 +264,19 @@ def test_a_closed_trainer_refuses_to_train_evaluate_or_predict(tmp_path):
             zswap.EngineClosedError, match=r"after close\(\).*build a new zswap.transformers.Trainer"
         ):
             call()
+
+
+def test_a_second_trainer_over_a_model_an_open_one_runs_names_close(tmp_path):
+    cfg = _config(tmp_path)
+    model = _under_init(cfg, _llama)
+    first = zt.Trainer(model=model, args=_args(tmp_path / "z"), train_dataset=_data("lm"), zswap_config=cfg)
+    with pytest.raises(
+        zswap.ZswapError, match=r"earlier zswap.transformers.Trainer .*call that trainer's close\(\)"
+    ):
+        zt.Trainer(model=model, args=_args(tmp_path / "z"), zswap_config=cfg)
+    first.close()
+    second = zt.Trainer(
+        model=model, args=_args(tmp_path / "z"), eval_dataset=_data("lm", 4), zswap_config=cfg
+    )
+    assert second.evaluate()["eval_loss"] > 0  # the closed one freed the params
+    second.close()

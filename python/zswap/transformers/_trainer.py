@@ -41,6 +41,7 @@ from ..checkpoint import save_weights
 from ..config import load_config
 from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..parts.params import param_state
+from ..parts.runners import open_runners
 from ..step import schedules
 from ..train.runtime import Engine, initialize
 from . import _fill
@@ -110,6 +111,7 @@ class Trainer(transformers.Trainer):
     def create_optimizer(self, model: Any = None) -> Any:
         if self.engine is not None:
             return self.optimizer
+        _refuse_running(self.model)
         given = self.optimizer
         if given is None:
             client = super().create_optimizer(model)
@@ -255,6 +257,17 @@ def _check_dtype(model: Any, cfg: Any) -> None:
             f"zswap_config's {section}.enabled is true (given, or filled from the TrainingArguments) but the "
             f"model's params are {', '.join(sorted(str(d) for d in have))}: Init decides the params' dtype, "
             "so build or load the model under zswap.Init(zswap.transformers.fill_config(config, args))"
+        )
+
+
+def _refuse_running(model: Any) -> None:
+    """A second Trainer over a model an open one still runs (a notebook cell run again): say which
+    ``close()`` frees it, rather than the engine's generic refusal."""
+    ids = {id(p) for p in model.parameters()}
+    if any(runner.runs(ids) for runner in open_runners()):
+        raise ZswapError(
+            "the model's params are run by another open zswap Engine (an earlier zswap.transformers.Trainer "
+            "over this model?): call that trainer's close() (or its engine's) before building a new Trainer"
         )
 
 
