@@ -280,3 +280,31 @@ def test_a_second_trainer_over_a_model_an_open_one_runs_names_close(tmp_path):
     )
     assert second.evaluate()["eval_loss"] > 0  # the closed one freed the params
     second.close()
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`:UserWarning")
+def test_seq2seq_trainer_generates_as_the_plain_one(tmp_path):
+    """``predict_with_generate``: ``generate`` on the partitioned T5 gives the plain trainer's tokens."""
+
+    def args(out: Path) -> Any:
+        return transformers.Seq2SeqTrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=2, max_steps=3, learning_rate=5e-3, report_to=[],
+            seed=0, use_cpu=True, disable_tqdm=True, predict_with_generate=True, generation_max_length=6,
+            save_strategy="no",
+        )  # fmt: skip
+
+    train, evals = _data("s2s"), _data("s2s", 4, seed=7)
+    torch.manual_seed(0)
+    plain = transformers.Seq2SeqTrainer(model=_t5(), args=args(tmp_path / "p"), train_dataset=train)
+    plain.train()
+    want = plain.predict(evals)
+    cfg = _config(tmp_path)
+    trainer = zt.Seq2SeqTrainer(
+        model=_under_init(cfg, _t5), args=args(tmp_path / "z"), train_dataset=train, zswap_config=cfg
+    )
+    trainer.train()
+    got = trainer.predict(evals)
+    assert got.predictions.shape == want.predictions.shape
+    assert (got.predictions == want.predictions).all()
+    assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
+    trainer.close()

@@ -243,6 +243,11 @@ class Trainer(transformers.Trainer):
         return super().predict(*args, **kwargs)
 
 
+class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
+    """`Trainer` with ``transformers.Seq2SeqTrainer``'s evaluation: ``Seq2SeqTrainingArguments``,
+    ``predict_with_generate`` (``generate`` runs on the partitioned model), ``generation_config``."""
+
+
 def _check_dtype(model: Any, cfg: Any) -> None:
     """The dtype the filled config asks for (``bf16.enabled: "auto"`` and ``bf16=True``) is the params'
     dtype only if ``Init`` saw it: the model was built before this Trainer, so say so rather than train in
