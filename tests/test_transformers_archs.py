@@ -308,3 +308,28 @@ def test_seq2seq_trainer_generates_as_the_plain_one(tmp_path):
     assert (got.predictions == want.predictions).all()
     assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
     trainer.close()
+
+
+def test_classifier_head_new_on_a_pretrained_base(tmp_path):
+    """Fine-tuning as users do: a base model's weights and a classification head transformers initialises
+    (missing from the checkpoint) under ``Init`` — same head, same training as the plain Trainer."""
+    torch.manual_seed(5)
+    transformers.DistilBertModel(_distilbert().config).save_pretrained(tmp_path / "base")
+
+    def make() -> Any:
+        return transformers.AutoModelForSequenceClassification.from_pretrained(
+            tmp_path / "base", num_labels=3
+        )
+
+    train = _data("cls")
+    torch.manual_seed(0)
+    plain_model = make()
+    plain = transformers.Trainer(model=plain_model, args=_args(tmp_path / "p"), train_dataset=train)
+    plain.train()
+    cfg = _config(tmp_path)
+    model = _under_init(cfg, make)
+    trainer = zt.Trainer(model=model, args=_args(tmp_path / "z"), train_dataset=train, zswap_config=cfg)
+    trainer.train()
+    _assert_same(_history(trainer), _history(plain))
+    _assert_weights(_weights(model), {n: p.detach() for n, p in plain_model.named_parameters()})
+    trainer.close()
