@@ -333,3 +333,14 @@ def test_classifier_head_new_on_a_pretrained_base(tmp_path):
     _assert_same(_history(trainer), _history(plain))
     _assert_weights(_weights(model), {n: p.detach() for n, p in plain_model.named_parameters()})
     trainer.close()
+
+
+def test_a_scheduler_section_and_another_lr_scheduler_type_are_refused(tmp_path):
+    cfg = {**_config(tmp_path), "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    model = _under_init(cfg, _llama)
+    with pytest.raises(zswap.ConfigError, match=r"'scheduler' section.*lr_scheduler_type='cosine'"):
+        zt.Trainer(model=model, args=_args(tmp_path / "z", lr_scheduler_type="cosine"), zswap_config=cfg)
+    trainer = zt.Trainer(
+        model=model, args=_args(tmp_path / "z"), zswap_config=cfg
+    )  # the default: the section
+    trainer.close()

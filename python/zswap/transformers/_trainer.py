@@ -98,6 +98,7 @@ class Trainer(transformers.Trainer):
         self.zswap_config: dict[str, Any] = _fill.process(zswap_config, args)
         """The config with the arguments' values filled in (a private copy)."""
         _check_dtype(model, load_config(self.zswap_config))  # every check, before anything is built
+        _check_schedule(self.zswap_config, args)
         self.engine: Engine | None = None
         self._grad_norm: torch.Tensor | None = None
         super().__init__(model, args, *rest, **kwargs)
@@ -262,6 +263,22 @@ def _check_dtype(model: Any, cfg: Any) -> None:
             f"zswap_config's {section}.enabled is true (given, or filled from the TrainingArguments) but the "
             f"model's params are {', '.join(sorted(str(d) for d in have))}: Init decides the params' dtype, "
             "so build or load the model under zswap.Init(zswap.transformers.fill_config(config, args))"
+        )
+
+
+def _check_schedule(config: dict[str, Any], args: Any) -> None:
+    """A ``scheduler`` section wins over the arguments' schedule (as under DeepSpeed); an argument that
+    asks for another schedule would otherwise be dropped without a word."""
+    if not config.get("scheduler"):
+        return
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    asked = [f"lr_scheduler_type={kind!r}"] if kind != "linear" else []
+    asked += ["lr_scheduler_kwargs"] if args.lr_scheduler_kwargs else []
+    if asked:
+        raise ConfigError(
+            "zswap_config has a 'scheduler' section, which sets the schedule, but TrainingArguments asks "
+            f"for {' and '.join(asked)}: drop the section to use the arguments' schedule, or leave them at "
+            "their defaults"
         )
 
 
