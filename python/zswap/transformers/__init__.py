@@ -50,7 +50,7 @@ if not hasattr(transformers.Trainer, "_clip_grad_norm"):  # pragma: no cover - d
     )
 
 from ._fill import process as _process
-from ._trainer import Trainer
+from ._trainer import Seq2SeqTrainer, Trainer
 
 
 def fill_config(config: Any, args: Any) -> dict[str, Any]:
@@ -62,4 +62,4 @@ def fill_config(config: Any, args: Any) -> dict[str, Any]:
     return _process(config, args)
 
 
-__all__ = ["Trainer", "fill_config"]
+__all__ = ["Seq2SeqTrainer", "Trainer", "fill_config"]

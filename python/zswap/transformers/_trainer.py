@@ -17,7 +17,9 @@ backward                               the Trainer's own (``loss.backward()``): 
 ``save_model``                         `zswap.save_weights` (plain ``from_pretrained`` loads it)
 checkpoints (``save_strategy``)        ``engine.save_checkpoint`` into the checkpoint folder, plus the
                                        Trainer's own files (state, schedule, RNG)
-``resume_from_checkpoint``             ``engine.load_checkpoint``: params, optimizer state, counters
+``resume_from_checkpoint``             ``engine.load_checkpoint``: params, optimizer state, counters; a
+                                       ``save_only_model`` checkpoint: its weights through
+                                       ``load_state_dict``, the optimizer afresh (as the plain Trainer)
 =====================================  =================================================================
 
 The engine steps once per accumulation window (its own ``gradient_accumulation_steps`` is 1): the Trainer
@@ -33,11 +35,13 @@ from typing import Any
 import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ..checkpoint import save_weights
 from ..config import load_config
-from ..errors import ConfigError, ZswapError
+from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..parts.params import param_state
+from ..parts.runners import open_runners
 from ..step import schedules
 from ..train.runtime import Engine, initialize
 from . import _fill
@@ -53,6 +57,13 @@ ENGINE_KEYS_DROPPED = (
 )
 """Keys the Trainer honours itself (checked against the arguments by `_fill`), kept from the engine so
 that it does not apply them a second time."""
+
+
+_WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+
+
+def _has_engine_checkpoint(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "latest"))
 
 
 class Trainer(transformers.Trainer):
@@ -87,6 +98,7 @@ class Trainer(transformers.Trainer):
         self.zswap_config: dict[str, Any] = _fill.process(zswap_config, args)
         """The config with the arguments' values filled in (a private copy)."""
         _check_dtype(model, load_config(self.zswap_config))  # every check, before anything is built
+        _check_schedule(self.zswap_config, args)
         self.engine: Engine | None = None
         self._grad_norm: torch.Tensor | None = None
         super().__init__(model, args, *rest, **kwargs)
@@ -100,6 +112,7 @@ class Trainer(transformers.Trainer):
     def create_optimizer(self, model: Any = None) -> Any:
         if self.engine is not None:
             return self.optimizer
+        _refuse_running(self.model)
         given = self.optimizer
         if given is None:
             client = super().create_optimizer(model)
@@ -182,17 +195,21 @@ class Trainer(transformers.Trainer):
             torch.save(schedule.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        pass  # the weights come back with the engine checkpoint (`_load_optimizer_and_scheduler`)
+        if _has_engine_checkpoint(resume_from_checkpoint):
+            return  # the weights come back with the engine checkpoint (`_load_optimizer_and_scheduler`)
+        if not any(os.path.isfile(os.path.join(resume_from_checkpoint, n)) for n in _WEIGHT_FILES):
+            raise ZswapError(
+                f"{resume_from_checkpoint} holds neither a zswap engine checkpoint (no 'latest' file) nor "
+                "model weights: resume_from_checkpoint takes a checkpoint folder this Trainer saved"
+            )
+        # save_only_model=True: weights alone, read through load_state_dict into the partitioned params;
+        # the optimizer and schedule start afresh, as the plain Trainer does with such a checkpoint.
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
+        if checkpoint is None or not _has_engine_checkpoint(checkpoint):
+            return  # no checkpoint, or weights alone (`_load_from_checkpoint`)
         assert self.engine is not None
-        if not os.path.isfile(os.path.join(checkpoint, "latest")):
-            raise ZswapError(
-                f"{checkpoint} holds no zswap engine checkpoint (no 'latest' file): resume_from_checkpoint "
-                "takes a checkpoint folder this Trainer saved"
-            )
         self.engine.load_checkpoint(checkpoint)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(path):
@@ -202,9 +219,34 @@ class Trainer(transformers.Trainer):
     # -- lifetime ------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the engine (hooks removed, the optimizer state freed); the model keeps its params."""
+        """Close the engine (hooks removed, the optimizer state freed); the model keeps its params. The
+        Trainer cannot train, evaluate or predict after it (`EngineClosedError`)."""
         if self.engine is not None:
             self.engine.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.engine is not None and self.engine.closed:
+            raise EngineClosedError(
+                f"{what}() after close(): this zswap.transformers.Trainer's engine is closed; build a new "
+                "zswap.transformers.Trainer over the model"
+            )
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("train")
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("predict")
+        return super().predict(*args, **kwargs)
+
+
+class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
+    """`Trainer` with ``transformers.Seq2SeqTrainer``'s evaluation: ``Seq2SeqTrainingArguments``,
+    ``predict_with_generate`` (``generate`` runs on the partitioned model), ``generation_config``."""
 
 
 def _check_dtype(model: Any, cfg: Any) -> None:
@@ -221,6 +263,33 @@ def _check_dtype(model: Any, cfg: Any) -> None:
             f"zswap_config's {section}.enabled is true (given, or filled from the TrainingArguments) but the "
             f"model's params are {', '.join(sorted(str(d) for d in have))}: Init decides the params' dtype, "
             "so build or load the model under zswap.Init(zswap.transformers.fill_config(config, args))"
+        )
+
+
+def _check_schedule(config: dict[str, Any], args: Any) -> None:
+    """A ``scheduler`` section wins over the arguments' schedule (as under DeepSpeed); an argument that
+    asks for another schedule would otherwise be dropped without a word."""
+    if not config.get("scheduler"):
+        return
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    asked = [f"lr_scheduler_type={kind!r}"] if kind != "linear" else []
+    asked += ["lr_scheduler_kwargs"] if args.lr_scheduler_kwargs else []
+    if asked:
+        raise ConfigError(
+            "zswap_config has a 'scheduler' section, which sets the schedule, but TrainingArguments asks "
+            f"for {' and '.join(asked)}: drop the section to use the arguments' schedule, or leave them at "
+            "their defaults"
+        )
+
+
+def _refuse_running(model: Any) -> None:
+    """A second Trainer over a model an open one still runs (a notebook cell run again): say which
+    ``close()`` frees it, rather than the engine's generic refusal."""
+    ids = {id(p) for p in model.parameters()}
+    if any(runner.runs(ids) for runner in open_runners()):
+        raise ZswapError(
+            "the model's params are run by another open zswap Engine (an earlier zswap.transformers.Trainer "
+            "over this model?): call that trainer's close() (or its engine's) before building a new Trainer"
         )
 
 
