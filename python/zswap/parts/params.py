@@ -239,11 +239,10 @@ class MemoryStore(Store):
 
 
 def _allocate(ref: weakref.ref[NvmeStore], numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A fetch-pool buffer of the store ``ref`` points to (alive: it is the one asking)."""
+    """`NvmeStore._allocate` of the store ``ref`` points to (alive: it is the one asking)."""
     store = ref()
     assert store is not None
-    with memory.purpose("fetch"):
-        return (store.host_alloc or store.engine.empty)((numel,), dtype)
+    return store._allocate(numel, dtype)
 
 
 def _unused(buf: torch.Tensor, uses: int) -> bool:
@@ -307,6 +306,10 @@ class NvmeStore(Store):
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A pooled buffer nothing uses any more, else a new one, pooled while the pool has room."""
         return self.pool.take(numel, dtype)[0]
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with memory.purpose("fetch"):
+            return (self.host_alloc or self.engine.empty)((numel,), dtype)
 
     def prefill(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A new pooled load buffer, its pages already faulted in (engine buffers are populated when
