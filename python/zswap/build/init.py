@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .. import _dist, memory
+from .. import pool as _pool
 from ..checkpoint import statedict
 from ..config import load_config
 from ..errors import ConfigError, NvmePathMissing, NvmePathNotADirectory, NvmePathNotWritable, ZswapError
@@ -259,12 +260,10 @@ def _uninitialized(p: torch.Tensor) -> bool:
 
 
 def _storage_uses(p: torch.Tensor) -> int:
-    """References to ``p``'s storage (≥ 0), or -1 when torch cannot say."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return -1
+    """References to ``p``'s storage (≥ 0), or -1 when torch cannot say (`zswap.pool`'s count, read past
+    the access mode)."""
     with no_torch_function():
-        return int(use_count(p.data.untyped_storage()._cdata))
+        return _pool._storage_uses(p.data)
 
 
 def _make_init(ctx: _InitContext, init: Callable[..., None]) -> Callable[..., None]:

@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 
+from ..pool import _storage_uses
 from .cpu import CpuDevice
 from .cuda import CudaDevice
 from .pool import ReusePool
-from .protocol import Alloc, Copy, Device, UnsupportedDeviceError, _storage_uses
+from .protocol import Alloc, Copy, Device, UnsupportedDeviceError
 from .standin import StandInDevice
 
 __all__ = [

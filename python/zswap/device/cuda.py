@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from ..errors import ZswapError, ZswapWarning
+from ..pool import _storage_uses
 from .pool import ReusePool
-from .protocol import Alloc, Copy, _storage_uses
+from .protocol import Alloc, Copy
 
 
 class _Registrations:

@@ -88,9 +88,3 @@ class Device(Protocol):
 
     @property
     def registered_bytes(self) -> int: ...
-
-
-def _storage_uses(t: torch.Tensor | torch.UntypedStorage) -> int:
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    storage = t if isinstance(t, torch.UntypedStorage) else t.untyped_storage()
-    return -1 if use_count is None else int(use_count(storage._cdata))

@@ -27,7 +27,7 @@ from .. import memory
 from ..config import ZswapConfig
 from ..errors import ConfigError
 from ..memory import ENGINE_COPY
-from ..parts.params import Item, NvmeStore, _unused
+from ..parts.params import Item, NvmeStore
 
 
 def resident(items: list[Item], cfg: ZswapConfig, threshold: int) -> frozenset[int]:
@@ -78,12 +78,7 @@ def capacity(nbytes: int) -> int:
 
 def pool_idle(store: NvmeStore) -> int:
     """Bytes of ``store``'s pooled fetch buffers nothing uses now (what `NvmeStore._buffer` would reuse)."""
-    idle = 0
-    for (numel, dtype), pool in store._pool.items():
-        for buf, uses in pool:
-            if _unused(buf, uses):
-                idle += capacity(numel * dtype.itemsize)
-    return idle
+    return sum(capacity(numel * dtype.itemsize) for numel, dtype in store.pool.idle_sizes())
 
 
 def persistent(engine: Any) -> int:

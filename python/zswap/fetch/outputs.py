@@ -29,7 +29,6 @@ checkpointed demo, peak RSS came out 30–40 MiB higher, and that bound has no s
 
 from __future__ import annotations
 
-import sys
 from typing import Any, cast
 
 import torch
@@ -42,7 +41,7 @@ from torch.utils._python_dispatch import (
 )
 
 from .. import memory
-from ..device import _storage_uses
+from ..pool import BufferPool
 
 MIN_BYTES = memory.MMAP_THRESHOLD
 """Outputs from this size on come from the pool; glibc's heap serves smaller ones without faulting."""
@@ -59,76 +58,50 @@ _MARK = "zswap_outputs"  # key in a node's ``metadata``: its hooks are on
 
 
 class OutputPool:
-    """Host buffers of exact sizes, handed out as views (`take`) and reused once free: nothing but the pool
-    references the buffer and no tensor shares its storage."""
+    """Host buffers of exact sizes (a `zswap.pool.BufferPool` under the one peak rule, no other limit),
+    handed out as views (`take`) and reused once free: nothing but the pool references the buffer and no
+    tensor shares its storage."""
 
     def __init__(self) -> None:
-        # (numel, dtype) -> [[1-D buffer, its storage's use count when made], ...]
-        self._bufs: dict[tuple[int, torch.dtype], list[list[Any]]] = {}
-        self.pooled = 0
+        self._pool = BufferPool(lambda numel, dtype: torch.empty(numel, dtype=dtype))
+
+    @property
+    def pooled(self) -> int:
         """Bytes of the buffers the pool keeps (in use or idle)."""
-        self.peak_pooled = 0
+        return self._pool.pooled
+
+    @property
+    def peak_pooled(self) -> int:
         """Most bytes pooled at once since the last `reset_peak`."""
-        self._peak_in_use = 0
-        self.made = 0
+        return self._pool.peak_pooled
+
+    @property
+    def made(self) -> int:
         """Buffers mapped anew (counters since the pool was made)."""
-        self.reused = 0
+        return self._pool.made
+
+    @property
+    def reused(self) -> int:
         """Outputs served by a buffer already mapped."""
+        return self._pool.reused
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of ``shape`` whose memory no live tensor shares."""
         numel = 1
         for s in shape:
             numel *= s
-        for entry in self._bufs.get((numel, dtype), ()):
-            if _free(entry):
-                self.reused += 1
-                return entry[0].view(shape)
-        nbytes = numel * dtype.itemsize
-        # Like the fetch pool (`zswap.params.NvmeStore._buffer`): map at most the most bytes ever in use
-        # at once, unmapping idle buffers of other sizes past that.
-        self._peak_in_use = max(self._peak_in_use, self.pooled - self.idle() + nbytes)
-        if self.pooled + nbytes > self._peak_in_use:
-            self._evict(self.pooled + nbytes - self._peak_in_use)
-        buf = torch.empty(numel, dtype=dtype)
-        self.made += 1
-        uses = _storage_uses(buf)
-        if uses >= 0:  # else no way to tell when it is free again: not pooled
-            self._bufs.setdefault((numel, dtype), []).append([buf, uses])
-            self.pooled += nbytes
-            self.peak_pooled = max(self.peak_pooled, self.pooled)
-        return buf.view(shape)
+        return self._pool.take(numel, dtype)[0].view(shape)
 
     def idle(self) -> int:
         """Bytes of pooled buffers nothing uses now."""
-        return sum(
-            numel * dtype.itemsize for (numel, dtype), es in self._bufs.items() for e in es if _free(e)
-        )
-
-    def _evict(self, nbytes: int) -> None:
-        for (numel, dtype), entries in self._bufs.items():
-            keep = []
-            for entry in entries:
-                if nbytes > 0 and _free(entry):
-                    nbytes -= numel * dtype.itemsize
-                    self.pooled -= numel * dtype.itemsize
-                else:
-                    keep.append(entry)
-            entries[:] = keep
+        return self._pool.idle()
 
     def clear(self) -> None:
         """Forget every buffer (one still in use is freed by its last user) and the peak in use."""
-        self._bufs.clear()
-        self.pooled = 0
-        self._peak_in_use = 0
+        self._pool.clear()
 
     def reset_peak(self) -> None:
-        self.peak_pooled = self.pooled
-
-
-def _free(entry: list[Any]) -> bool:
-    # References to the buffer: the entry's list, getrefcount's argument. A view of it holds the storage.
-    return sys.getrefcount(entry[0]) == 2 and _storage_uses(entry[0]) == entry[1]
+        self._pool.reset_peak()
 
 
 def _plain_cpu(a: Any, b: Any) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -18,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .. import memory
-from ..device import _storage_uses
 from ..errors import ZswapError
+from ..pool import BufferPool, is_free
+from ..pool import _storage_uses as _storage_uses  # (its old path)
 from ..store import storage as _storage
 
 if TYPE_CHECKING:
@@ -238,11 +238,17 @@ class MemoryStore(Store):
         self._parts.pop(key, None)
 
 
+def _allocate(ref: weakref.ref[NvmeStore], numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """`NvmeStore._allocate` of the store ``ref`` points to (alive: it is the one asking)."""
+    store = ref()
+    assert store is not None
+    return store._allocate(numel, dtype)
+
+
 def _unused(buf: torch.Tensor, uses: int) -> bool:
-    """Whether a pooled buffer is free again: no one holds it but the pool (references: the pool's entry,
-    the caller's loop variable, this parameter, getrefcount's argument) and no tensor views its memory
-    (``uses``: its storage's use count when made)."""
-    return sys.getrefcount(buf) == 4 and _storage_uses(buf) == uses
+    """Whether a pooled buffer the caller holds in a variable (besides the pool's entry) is free again
+    (`zswap.pool.is_free`)."""
+    return is_free(buf, uses, held=3)  # the entry, the caller's variable, this parameter
 
 
 class NvmeStore(Store):
@@ -258,13 +264,11 @@ class NvmeStore(Store):
         self.storage = _storage.storage_for(engine)
         self.ns = self.storage.namespace("p")
         weakref.finalize(self, self.ns.close).atexit = False
-        self.pool_bytes = 0
-        """Bytes of load buffers kept for reuse (0: none). `zswap.initialize` sets it to its live budget
-        while it runs: fetched params then land in memory already mapped, instead of faulting in (and
-        zeroing) fresh pages on every fetch."""
-        self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
-        self._pooled = 0
-        self._peak_in_use = 0
+        ref = weakref.ref(self)  # (not self: the store would be in a reference cycle, freed late)
+        self.pool = BufferPool(lambda numel, dtype: _allocate(ref, numel, dtype), 0)
+        """The fetch pool: load buffers kept for reuse (`zswap.pool`'s one peak rule, at most
+        `pool_bytes`). Fetched params land in memory already mapped, instead of faulting in (and zeroing)
+        fresh pages on every fetch; the early step's copies come from it too."""
         self.host_alloc: Any = None
         """``alloc(shape, dtype)`` for load buffers instead of ``engine.empty`` (``None``: that): a GPU
         `zswap.initialize` sets one that registers each buffer with CUDA (`zswap.device`)."""
@@ -289,31 +293,19 @@ class NvmeStore(Store):
         buf = self._buffer(numel, dtype)  # page-aligned: read without a bounce copy
         return buf, self.ns.read(key, buf, _storage.current())
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of load buffers kept for reuse (0: none). `zswap.initialize` sets it to its live budget
+        while it runs."""
+        return self.pool.limit or 0
+
+    @pool_bytes.setter
+    def pool_bytes(self, nbytes: int) -> None:
+        self.pool.limit = nbytes
+
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A pooled buffer nothing uses any more (no tensor shares its memory, no one holds it), else a new
-        one, pooled while the pool is under `pool_bytes`."""
-        pool = self._pool.get((numel, dtype))
-        if pool:
-            for buf, uses in pool:
-                if _unused(buf, uses):
-                    return buf
-        nbytes = numel * dtype.itemsize
-        # A miss maps a new buffer, but idle pooled memory must not add to the process's peak: the pool
-        # maps at most the most bytes it ever had in use at once (`_peak_in_use`), so it first unmaps idle
-        # buffers (of other sizes: the mix in use shifts) past that. Below its peak an idle buffer stays
-        # for the sizes that follow — with an unmap on every miss, about 40 % of the fetches and copies
-        # of a 2 GiB model's step mapped, zeroed and unmapped a new buffer (benches/README.md, "Step time").
-        limit = min(self.pool_bytes, self._note_use(nbytes))
-        if self._pooled + nbytes > limit:
-            self._evict(self._pooled + nbytes - limit)
-        buf = self._allocate(numel, dtype)
-        uses = _storage_uses(buf)
-        if uses < 0:  # no way to tell when a buffer is free again: no pooling
-            return buf
-        if self._pooled + nbytes <= self.pool_bytes:
-            self._pool.setdefault((numel, dtype), []).append((buf, uses))
-            self._pooled += nbytes
-        return buf
+        """A pooled buffer nothing uses any more, else a new one, pooled while the pool has room."""
+        return self.pool.take(numel, dtype)[0]
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         with memory.purpose("fetch"):
@@ -323,48 +315,30 @@ class NvmeStore(Store):
         """A new pooled load buffer, its pages already faulted in (engine buffers are populated when
         made; the caller holds it until it has taken all it wants, so each call makes a new one);
         ``None`` once the pool has no room for it."""
-        if self._pooled + numel * dtype.itemsize > self.pool_bytes:
-            return None
-        self._note_use(numel * dtype.itemsize)
-        buf = self._allocate(numel, dtype)
-        uses = _storage_uses(buf)
-        if uses < 0:
-            return None
-        self._pool.setdefault((numel, dtype), []).append((buf, uses))
-        self._pooled += numel * dtype.itemsize
-        return buf
+        return self.pool.fill(numel, dtype)
 
-    def _note_use(self, nbytes: int) -> int:
-        """`_peak_in_use` once a new buffer of ``nbytes`` is in use too (pooled ones in use, and it)."""
-        self._peak_in_use = max(self._peak_in_use, self._pooled - self._idle() + nbytes)
-        return self._peak_in_use
+    # The pool's state under the names it had before `zswap.pool` (tests and `zswap.io.weights` read them).
+    @property
+    def _pool(self) -> dict[tuple[int, torch.dtype], list[list[Any]]]:
+        return self.pool.bufs
+
+    @property
+    def _pooled(self) -> int:
+        return self.pool.pooled
+
+    @property
+    def _peak_in_use(self) -> int:
+        return self.pool.peak_in_use
 
     def _idle(self) -> int:
-        """Bytes of pooled buffers nothing uses now."""
-        idle = 0
-        for (numel, dtype), pool in self._pool.items():
-            for buf, uses in pool:
-                if _unused(buf, uses):
-                    idle += numel * dtype.itemsize
-        return idle
+        return self.pool.idle()
 
     def _evict(self, nbytes: int) -> None:
-        """Unpool free buffers (of other sizes: the mix a model needs shifts) until ``nbytes`` are gone."""
-        for (numel, dtype), pool in self._pool.items():
-            keep = []
-            for buf, uses in pool:
-                if nbytes > 0 and _unused(buf, uses):
-                    nbytes -= numel * dtype.itemsize
-                    self._pooled -= numel * dtype.itemsize
-                else:
-                    keep.append((buf, uses))
-            pool[:] = keep
+        self.pool.evict(nbytes)
 
     def trim(self) -> None:
         """Forget the pooled buffers (those still in use are freed by their last user)."""
-        self._pool.clear()
-        self._pooled = 0
-        self._peak_in_use = 0
+        self.pool.clear()
 
     def free(self, key: str) -> None:
         self.ns.free(key)
