@@ -109,10 +109,12 @@ class Stage:
         self.view = torch.frombuffer(self.mem, dtype=torch.uint8)
         self.pending: concurrent.futures.Future[Any] | None = None
 
-    def settle(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+    def settle(self) -> Any:
+        """Wait for the transfer using the buffer; its result (None when there was none)."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        return pending.result()
 
 
 _READER_STAGES: list[Stage] = []
@@ -229,8 +231,12 @@ class RangedFile:
                 issue(st)
             while inflight:
                 start, st = inflight.pop(0)
-                st.settle()
+                got = st.settle()
                 lo, hi = max(start, offset), min(start + STAGE_BYTES, end)
+                if start + got < hi:  # the file shrank since it was opened: no stale staging bytes
+                    raise CheckpointCorruptError(
+                        f"{self.path}: truncated: no data at byte {start + got} reading {what}"
+                    )
                 take(lo, st.view[lo - start : hi - start])
                 issue(st)
         finally:
