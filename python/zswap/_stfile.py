@@ -8,7 +8,10 @@ read, and no page of the file is mapped into the process (page-cache pages read 
 in its RSS, pages of a mapping are).
 
 `parse_header` is zswap's one safetensors header parser (`zswap._stheader`: as strict as the ``safetensors``
-package; `zswap.checkpoint` reads its files with it too), and only regular files are opened.
+package), and every byte of data is read through `zswap._stread.RangedFile` (regular files only, the file
+checked unchanged since its header was read, short reads continued, errors naming file and tensor):
+`read_range` opens it per read, buffered, for the weights loader; `TensorFile` holds one open, O_DIRECT, for
+checkpoints and ``zswap export``.
 `resolve` turns a path — one ``.safetensors`` file, a sharded index (``*.safetensors.index.json``, the
 ``weight_map`` layout `save_pretrained` writes), or a folder holding either — into ``name -> TensorEntry``.
 """
@@ -32,7 +35,7 @@ from ._fileerrors import (
     CheckpointNotFoundError,
 )
 from ._stheader import DTYPES, MAX_HEADER_BYTES, parse
-from ._stread import Identity, RangedFile, identity, open_regular
+from ._stread import Identity, RangedFile, identity, open_regular, pread_into
 
 __all__ = [
     "DTYPES",
@@ -123,14 +126,12 @@ MAX_INDEX_BYTES = 100_000_000
 
 
 def _from_index(index: Path) -> dict[str, TensorEntry]:
-    fd = open_regular(str(index))
+    with RangedFile(str(index)) as f:
+        if f.size > MAX_INDEX_BYTES:
+            raise CheckpointCorruptError(f"{index}: not a safetensors index: over {MAX_INDEX_BYTES} bytes")
+        raw = bytearray(f.size)
+        pread_into(f.fd, memoryview(raw), 0, f.path, "the index")
     try:
-        raw = os.read(fd, MAX_INDEX_BYTES + 1)
-    finally:
-        os.close(fd)
-    try:
-        if len(raw) > MAX_INDEX_BYTES:
-            raise ValueError(f"over {MAX_INDEX_BYTES} bytes")
         doc = json.loads(raw.decode("utf-8"))
         weight_map = doc["weight_map"] if isinstance(doc, dict) else None
         if not isinstance(weight_map, Mapping):
