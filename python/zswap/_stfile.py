@@ -8,7 +8,10 @@ read, and no page of the file is mapped into the process (page-cache pages read 
 in its RSS, pages of a mapping are).
 
 `parse_header` is zswap's one safetensors header parser (`zswap._stheader`: as strict as the ``safetensors``
-package; `zswap.checkpoint` reads its files with it too), and only regular files are opened.
+package), and every byte of data is read through `zswap._stread.RangedFile` (regular files only, the file
+checked unchanged since its header was read, short reads continued, errors naming file and tensor):
+`read_range` opens it per read, buffered, for the weights loader; `TensorFile` holds one open, O_DIRECT, for
+checkpoints and ``zswap export``.
 `resolve` turns a path — one ``.safetensors`` file, a sharded index (``*.safetensors.index.json``, the
 ``weight_map`` layout `save_pretrained` writes), or a folder holding either — into ``name -> TensorEntry``.
 """
@@ -19,7 +22,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +34,19 @@ from ._fileerrors import (
     CheckpointError,
     CheckpointNotFoundError,
 )
-from ._stheader import DTYPES, MAX_HEADER_BYTES, open_regular, parse
+from ._stheader import DTYPES, MAX_HEADER_BYTES, parse
+from ._stread import Identity, RangedFile, identity, open_regular, pread_into
 
-__all__ = ["DTYPES", "MAX_HEADER_BYTES", "CheckpointError", "TensorEntry", "parse_header", "resolve"]
+__all__ = [
+    "DTYPES",
+    "MAX_HEADER_BYTES",
+    "CheckpointError",
+    "TensorEntry",
+    "TensorFile",
+    "parse_header",
+    "read_range",
+    "resolve",
+]
 
 
 @dataclass(frozen=True)
@@ -46,7 +59,7 @@ class TensorEntry:
     shape: torch.Size
     offset: int
     """Absolute byte offset of element 0 in the file."""
-    ident: tuple[int, int, int, int] | None = None
+    ident: Identity | None = None
     """(device, inode, size, mtime) of the file when its header was parsed: `read_range` refuses another."""
 
     @property
@@ -77,7 +90,7 @@ def parse_header(fd: int, size: int, path: str) -> tuple[dict[str, TensorEntry],
     bytes), validated as strictly as the ``safetensors`` package does (`zswap._stheader.parse`); a refusal
     is a `SafetensorsError` naming ``path`` and the tensor."""
     h = parse(fd, size, path)
-    ident = _ident(fd)
+    ident = identity(fd)
     entries = {
         name: TensorEntry(name, path, dt, shape, at, ident) for name, (dt, shape, at) in h.tensors.items()
     }
@@ -113,14 +126,12 @@ MAX_INDEX_BYTES = 100_000_000
 
 
 def _from_index(index: Path) -> dict[str, TensorEntry]:
-    fd = open_regular(str(index))
+    with RangedFile(str(index)) as f:
+        if f.size > MAX_INDEX_BYTES:
+            raise CheckpointCorruptError(f"{index}: not a safetensors index: over {MAX_INDEX_BYTES} bytes")
+        raw = bytearray(f.size)
+        pread_into(f.fd, memoryview(raw), 0, f.path, "the index")
     try:
-        raw = os.read(fd, MAX_INDEX_BYTES + 1)
-    finally:
-        os.close(fd)
-    try:
-        if len(raw) > MAX_INDEX_BYTES:
-            raise ValueError(f"over {MAX_INDEX_BYTES} bytes")
         doc = json.loads(raw.decode("utf-8"))
         weight_map = doc["weight_map"] if isinstance(doc, dict) else None
         if not isinstance(weight_map, Mapping):
@@ -163,8 +174,8 @@ def merge(paths: list[str]) -> dict[str, TensorEntry]:
 
 def read_range(entry: TensorEntry, start: int, out: torch.Tensor) -> None:
     """Fill ``out`` (1-D, contiguous, CPU, ``entry.dtype``) with elements ``[start, start + out.numel())``
-    of the flattened tensor, reading exactly those bytes, from the file whose header gave ``entry`` (a
-    file replaced or resized since is refused)."""
+    of the flattened tensor, reading exactly those bytes (buffered: what `Readahead` put in the page cache),
+    from the file whose header gave ``entry`` (a file replaced or resized since is refused)."""
     count = out.numel()
     if count == 0:
         return
@@ -172,30 +183,79 @@ def read_range(entry: TensorEntry, start: int, out: torch.Tensor) -> None:
         raise ValueError(f"read_range into {out.dtype} {out.device} for {entry.name!r} ({entry.dtype})")
     if start < 0 or start + count > entry.numel:
         raise ValueError(f"{entry.name!r}: elements [{start}, {start + count}) outside its {entry.numel}")
-    view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-    offset = entry.offset + start * entry.dtype.itemsize
-    fd = open_regular(entry.path)
-    try:
-        if entry.ident and _ident(fd) != entry.ident:
+    what = repr(entry.name)
+    with RangedFile(entry.path, expect=entry.ident, what=what) as f:
+        f.read(entry.offset + start * entry.dtype.itemsize, out.view(torch.uint8), what)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of a `TensorFile`: dtype, shape and absolute byte range."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class TensorFile:
+    """A safetensors file opened once for many ranged reads (checkpoints, ``zswap export``): its header
+    parsed strictly, its data read through one `RangedFile` (``direct``: O_DIRECT staging, as checkpoints
+    are read). Errors name the file and the tensor."""
+
+    def __init__(self, path: str | os.PathLike[str], direct: bool = True) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._file = RangedFile(self.path, direct=direct)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(2, "checkpoint file does not exist", self.path) from None
+        self.size = self._file.size
+        try:
+            found, self.metadata, self.data_start = parse_header(self._file.fd, self.size, self.path)
+        except BaseException:
+            self.close()
+            raise
+        self.entries = {
+            name: Stored(e.dtype, tuple(e.shape), e.offset, e.offset + e.numel * e.dtype.itemsize)
+            for name, e in found.items()
+        }
+
+    def entry(self, name: str) -> Stored:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointCorruptError(f"{self.path}: has no entry {name!r}") from None
+
+    def read_at(self, offset: int, out: torch.Tensor, what: str = "data") -> None:
+        """Fill ``out`` (contiguous CPU) with the file's bytes from ``offset``."""
+        self._file.read(offset, out.detach().reshape(-1).view(torch.uint8), what)
+
+    def scan(self, offset: int, nbytes: int, take: Callable[[int, torch.Tensor], None]) -> None:
+        """Hand ``take(pos, bytes)`` the file's bytes ``[offset, offset + nbytes)`` in order, in windows of
+        the staging buffers (`RangedFile.scan`): a checksum of a range without a copy of it."""
+        self._file.scan(offset, nbytes, take, f"bytes {offset}..{offset + nbytes}")
+
+    def read_elements(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with ``out.numel()`` elements of entry ``name`` from flat element ``start``."""
+        e = self.entry(name)
+        size = e.dtype.itemsize
+        begin = e.begin + start * size
+        if out.dtype != e.dtype or start < 0 or begin + out.numel() * size > e.end:
             raise CheckpointCorruptError(
-                f"{entry.path}: the file was replaced or changed after its header was read "
-                f"(reading {entry.name!r})"
+                f"{self.path}: entry {name!r} ({e.dtype}, {(e.end - e.begin) // size} elements) cannot give "
+                f"{out.numel()} {out.dtype} elements from {start}"
             )
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointCorruptError(
-                    f"{entry.path}: unexpected end of file reading {entry.name!r} at byte {offset + done}"
-                )
-            done += n
-    finally:
-        os.close(fd)
+        self.read_at(begin, out, repr(name))
 
+    def close(self) -> None:
+        if hasattr(self, "_file"):
+            self._file.close()
 
-def _ident(fd: int) -> tuple[int, int, int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    def __enter__(self) -> TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 READAHEAD_BYTES = 512 << 20

@@ -25,16 +25,17 @@ field.
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
 import struct
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 
-from ._fileerrors import CheckpointNotFoundError, SafetensorsError
+from ._fileerrors import SafetensorsError
+from ._stread import NotRegularFileError as NotRegularFileError  # its old home
+from ._stread import open_regular as open_regular
+from ._stread import pread_into
 
 MAX_HEADER_BYTES = 100_000_000
 """The ``safetensors`` package refuses longer headers (``HeaderTooLarge``)."""
@@ -74,37 +75,10 @@ class Header:
     data_start: int
 
 
-def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
-    """``path`` opened (``flags``) if it is a regular file, else `NotRegularFileError`: a FIFO opened for
-    reading blocks until a writer appears (``O_NONBLOCK`` makes that open return at once, and is cleared
-    after the check), and a device, socket or directory is no weights file. A missing path is
-    `CheckpointNotFoundError`."""
-    try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(2, "file does not exist", path) from None
-    except IsADirectoryError:
-        raise NotRegularFileError(f"{path}: is a directory, not a regular file") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not"
-            raise NotRegularFileError(f"{path}: is {kind} a regular file; only regular files are read")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-class NotRegularFileError(SafetensorsError):
-    """A path that names a FIFO, device, socket or directory where a file is read."""
-
-
 def parse(fd: int, size: int, path: str) -> Header:
     """The validated header of the safetensors file open as ``fd`` (``size`` bytes); reads only the
     header's bytes."""
-    head = _pread_exact(fd, 8, 0, path)
+    head = _pread_header(fd, 8, 0, path)
     if len(head) < 8:
         _refuse(path, f"truncated or not a safetensors file ({size} bytes, no header)")
     (n,) = struct.unpack("<Q", head)
@@ -112,7 +86,7 @@ def parse(fd: int, size: int, path: str) -> Header:
         _refuse(path, f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit")
     if 8 + n > size:
         _refuse(path, f"truncated or not safetensors: header length {n} does not fit {size} bytes")
-    raw = _pread_exact(fd, n, 8, path)
+    raw = _pread_header(fd, n, 8, path)
     if len(raw) < n:
         _refuse(path, f"truncated: header of {n} bytes, {len(raw)} read")
     members = _decode(raw, path)
@@ -148,19 +122,11 @@ def _refuse(path: str, why: str) -> NoReturn:
     raise SafetensorsError(f"{path}: {why}")
 
 
-def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
-    parts: list[bytes] = []
-    got = 0
-    while got < n:
-        try:
-            piece = os.pread(fd, min(n - got, 1 << 30), offset + got)
-        except OSError as e:
-            raise SafetensorsError(f"{path}: cannot read the header: {e.strerror}") from None
-        if not piece:
-            break
-        parts.append(piece)
-        got += len(piece)
-    return b"".join(parts)
+def _pread_header(fd: int, n: int, offset: int, path: str) -> bytearray:
+    buf = bytearray(n)
+    got = pread_into(fd, memoryview(buf), offset, path, "the header", eof_ok=True)
+    del buf[got:]
+    return buf
 
 
 class _Duplicate(Exception):
@@ -176,7 +142,7 @@ _BRACKETS = re.compile(r"[\[\]{}]")
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
-def _decode(raw: bytes, path: str) -> dict[str, Any]:
+def _decode(raw: bytes | bytearray, path: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -19,7 +19,7 @@ import os
 import re
 from typing import Any, NoReturn
 
-from .._stheader import open_regular
+from .._stread import open_regular
 from ._crc import crc32c
 from ._hf_layout import CONFIG_FILES
 from .errors import CheckpointCorruptError, CheckpointError
