@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -37,9 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import ZswapError
 from .params import Status, param_state
-
-_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Engines built so far (`track`); a closed one runs no param."""
+from .runners import RUNNERS
 
 
 class _State(threading.local):
@@ -70,13 +67,6 @@ FORWARD_MESSAGE = (
     "({why}): call engine = zswap.initialize(model, config) before running the model, or run it inside "
     "`with zswap.GatheredParameters(model.parameters()):`"
 )
-
-
-def track(engine: Any) -> None:
-    """Note an engine: anything with ``closed`` and the `Runner` method ``runs(ids)`` (whether it ran or
-    runs any of those params)."""
-    install()
-    _ENGINES.add(engine)
 
 
 @contextlib.contextmanager
@@ -146,7 +136,7 @@ def _before_forward(module: nn.Module, args: Any) -> None:
         return
     if any(building() for building in _BUILDING):
         return  # Init's access mode gathers what the forward touches
-    engines = list(_ENGINES)
+    engines = list(RUNNERS)  # closed ones too (until collected): they say why a param is not run
     if all(any(not e.closed and e.runs({id(p)}) for e in engines) for p in idle):
         return
     closed = any(e.closed and e.runs({id(p)}) for e in engines for p in idle)

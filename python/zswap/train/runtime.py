@@ -186,7 +186,7 @@ class Engine:
             wiring.unwire(self)
             raise
         _ENGINES.add(self)
-        _guards.track(self)  # optimizer steps, clipping and forwards outside this engine are refused
+        _guards.install()  # optimizer steps, clipping and forwards outside an engine are refused
         self._sched.read_ahead()  # the first pass's first reads, along the guess (counted from here on)
 
     # -- training ----------------------------------------------------------------------------------
@@ -229,8 +229,8 @@ class Engine:
         scale, self.last_grad_norm = grads.global_scale(
             self._items, others, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
         )
-        if scale is None:  # not finite: the step is skipped (counted in _finish_step)
-            pass
+        if scale is None:
+            self.skipped_steps += 1
         elif getattr(self.optimizer, "steps_partitions", False):
             if scale != 1.0:  # clipping or an fp16 loss scale: it must apply the factor, never drop it
                 self.optimizer.step(grad_scale=scale)
@@ -246,8 +246,6 @@ class Engine:
     def _finish_step(self, scale: float | None) -> None:
         # The counters, loss scale and schedule move first, with no I/O (no await point) between them and
         # the commit of the weights; `step` holds a Ctrl-C back until they have moved.
-        if scale is None:
-            self.skipped_steps += 1
         self.global_steps += 1
         self.micro_steps += 1
         if self.loss_scaler is not None:
