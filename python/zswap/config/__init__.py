@@ -3,7 +3,8 @@
 A config is a DeepSpeed config (``zero_optimization.offload_param`` …) or the trimmed layout with the same
 sections at top level; only zswap's sections are read. Module map:
 
-- ``_load``: `load_config`, the only code that knows a path from a mapping; JSON reading.
+- ``_load``: `load_config` (and `raw_dict`, for front ends that fill a config in), the only code that
+  knows a path from a mapping; JSON reading.
 - ``_layout``: which sections and keys are read, from where; aliases, conflicts, unknown keys.
 - ``_keys``: the key tables (zswap's keys, aliases, DeepSpeed keys accepted and ignored).
 - ``_values``: the check of each kind of value (integers, sizes, booleans, paths …).
@@ -12,7 +13,7 @@ sections at top level; only zswap's sections are read. Module map:
 
 from __future__ import annotations
 
-from ._load import ConfigSource, load_config
+from ._load import ConfigSource, load_config, raw_dict
 from .models import (
     AioConfig,
     BF16Config,
@@ -35,4 +36,5 @@ __all__ = [
     "ZeroConfig",
     "ZswapConfig",
     "load_config",
+    "raw_dict",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -62,6 +63,28 @@ def load_config(config: ConfigSource = None) -> ZswapConfig:
     if isinstance(config, Mapping):
         return _validate(config)
     raise TypeError(f"config must be {_ACCEPTED}; got {type(config).__name__}")
+
+
+def raw_dict(config: ConfigSource, what: str = "config") -> dict[str, Any]:
+    """``config`` as a private plain dict in its own layout, for a front end that fills values in before it
+    is loaded (Lightning's strategy, the Hugging Face Trainer): a file is read once and checked as
+    `load_config` checks it (errors name the file), a mapping is deep-copied, a `ZswapConfig` is written
+    out. ``what`` names the argument in the `TypeError` for any other type."""
+    if config is None:
+        return {}
+    if isinstance(config, ZswapConfig):
+        return config.to_dict()
+    if isinstance(config, str | os.PathLike):
+        path = os.fsdecode(os.fspath(config))
+        try:
+            raw = _read_json(path)
+            _validate(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        return dict(raw)  # freshly parsed: nobody else holds it
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    raise TypeError(f"{what} must be {_ACCEPTED}; got {type(config).__name__}")
 
 
 def _validate(raw: Mapping[Any, Any]) -> ZswapConfig:

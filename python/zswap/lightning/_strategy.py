@@ -29,7 +29,6 @@ freed with the strategy, the trainer and the module once none of them is reachab
 from __future__ import annotations
 
 import copy
-import json
 import os
 import warnings
 import weakref
@@ -46,7 +45,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from ..build.init import Init
-from ..config import ZswapConfig, load_config
+from ..config import ZswapConfig, load_config, raw_dict
 from ..device import resolve as resolve_device
 from ..errors import ConfigError, ZswapError
 from ..step.optim import OffloadedAdamW
@@ -126,7 +125,7 @@ class ZswapStrategy(ProcessGroupStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        self.config: dict[str, Any] = _as_dict(config)
+        self.config: dict[str, Any] = raw_dict(config, "ZswapStrategy config")
         """The config as a plain dict (a private copy)."""
         self.zswap_config: ZswapConfig = load_config(self.config)
         super().__init__(
@@ -398,24 +397,6 @@ class ZswapStrategy(ProcessGroupStrategy):
         # the trainer this strategy, so a finalizer holding the run kept all of them (the engine's fetch
         # pool and optimizer ring, its files) alive until the process exited, one engine per fit. Without
         # it they are one cycle that the collector frees whole once nothing outside reaches it.
-
-
-def _as_dict(config: Any) -> dict[str, Any]:
-    if config is None:
-        return {}
-    if isinstance(config, ZswapConfig):
-        return config.to_dict()
-    if isinstance(config, str | os.PathLike):
-        load_config(config)  # every check (and error message) of zswap's loader, duplicates included
-        with open(config, encoding="utf-8-sig") as file:
-            loaded: dict[str, Any] = json.load(file)
-        return loaded
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    raise TypeError(
-        f"ZswapStrategy config must be a path (str or os.PathLike) to a JSON file, a mapping, a "
-        f"zswap.ZswapConfig or None; got {type(config).__name__}"
-    )
 
 
 def _as_zswap_precision(plugin: Precision) -> ZswapPrecision:

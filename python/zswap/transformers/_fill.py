@@ -28,41 +28,17 @@ config key                             from ``TrainingArguments``
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-from collections.abc import Mapping
 from typing import Any
 
-from ..config import ZswapConfig, load_config
+from ..config import raw_dict
 from ..errors import ConfigError
-
-
-def as_dict(config: Any) -> dict[str, Any]:
-    """``config`` (a path to a JSON file, a mapping, a `ZswapConfig` or ``None``) as a private plain dict;
-    a file gets every check of `zswap.load_config` (duplicate keys, line and column of bad JSON) first."""
-    if config is None:
-        return {}
-    if isinstance(config, ZswapConfig):
-        return config.to_dict()
-    if isinstance(config, str | os.PathLike):
-        load_config(config)
-        with open(config, encoding="utf-8-sig") as file:
-            loaded: dict[str, Any] = json.load(file)
-        return loaded
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    raise TypeError(
-        "zswap_config must be a path (str or os.PathLike) to a JSON file, a mapping, a zswap.ZswapConfig or "
-        f"None; got {type(config).__name__}"
-    )
 
 
 class Filler:
     """Fills one private copy of a config; `mismatches` collects the explicit values that disagree."""
 
     def __init__(self, config: Any) -> None:
-        self.config = as_dict(config)
+        self.config = raw_dict(config, "zswap_config")
         self.mismatches: list[str] = []
 
     def _node(self, dotted: str) -> tuple[dict[str, Any] | None, str]:
