@@ -83,4 +83,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _worker_exit import run_then_exit  # the script's folder, tests/, is on sys.path
+
+    run_then_exit(main)

@@ -59,4 +59,6 @@ def check(m: torch.nn.Module, ref: dict[str, torch.Tensor], world: int, what: st
 
 
 if __name__ == "__main__":
-    main()
+    from _worker_exit import run_then_exit  # the script's folder, tests/, is on sys.path
+
+    run_then_exit(main)
