@@ -23,7 +23,7 @@ MOVED = {
     "zswap.gather": "zswap.parts.gather",
     "zswap._access": "zswap.parts._access",
     "zswap._trace": "zswap.fetch._trace",
-    "zswap._between": "zswap.fetch._between",
+    "zswap._between": "zswap.fetch.nextpass",
     "zswap.prefetch": "zswap.fetch.prefetch",
     "zswap.hooks": "zswap.fetch.hooks",
     "zswap.outputs": "zswap.fetch.outputs",

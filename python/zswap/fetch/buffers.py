@@ -113,8 +113,8 @@ def fetch_lines(engine: Any) -> dict[str, int]:
         for s in sched.slots.values()
         if s.ours and not s.persistent and s.st.tier == "nvme"
     )
-    live += sum(capacity(a.buf.nbytes) for a in sched._ahead_reads.values())
-    seeds = [data for _, data, _ in sched._seeds]
+    live += sum(capacity(e.data.nbytes) for e in sched.next.reads())
+    seeds = [e.data for e in sched.next.values()]
     copies = writing = 0
     if early is not None:
         seeds += [copy for _, copy in early._committed_seeds]

@@ -106,7 +106,7 @@ class ModuleHooks:
         sched: Scheduler,
         slot_for: Callable[[torch.Tensor, ParamState], Slot],
         *,
-        reuse_outputs: bool = False,
+        reuse_outputs: Callable[[], bool] = lambda: False,
     ) -> None:
         self.root = root
         self.infos = infos

@@ -29,6 +29,7 @@ checkpointed demo, peak RSS came out 30–40 MiB higher, and that bound has no s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -142,17 +143,16 @@ class _PooledMatmuls(TorchDispatchMode):
 class BackwardOutputs:
     """One engine's pool and the node hooks that route its modules' backward matmuls into it."""
 
-    def __init__(self, *, enabled: bool = False) -> None:
+    def __init__(self, *, enabled: Callable[[], bool] = lambda: False) -> None:
         self.pool = OutputPool()
-        self.enabled = enabled
-        """Whether modules' backward nodes get the hooks (`zswap.Engine.reuse_backward_outputs`)."""
+        self._enabled = enabled  # asked at each module call: `zswap.Engine.reuse_backward_outputs`
         self._mode = _PooledMatmuls(self.pool)
         self._closed = False
 
     def instrument(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
         """Hook the nodes one module call added to the graph: those reached from ``outputs``' ``grad_fn``
         before ``inputs``' (and before any param's ``AccumulateGrad``)."""
-        if not self.enabled or self._closed or outputs[0].device.type != "cpu":
+        if self._closed or not self._enabled() or outputs[0].device.type != "cpu":
             return
         stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
         todo = [t.grad_fn for t in outputs]

@@ -20,14 +20,16 @@ can never change a value, since data is only ever read from the store when a ste
 A param is gathered while any step holds it; when the last hold goes it is released, unless it is
 *persistent* (at most the persistence threshold's elements: gathered once, kept) or its next use on the
 trace comes within ``reuse_distance`` elements of fetches. Gathered params (persistent ones aside), reads
-in flight, and the fetch-pool memory held outside the scheduler (`Scheduler.lent`: in backward, the early
-step's param copies waiting for their record, being written, or kept as seeds, `zswap.earlystep`) never exceed
-``max_live`` elements: prefetch stops short of it, and a demand evicts retained params, then the furthest
-prefetches, first. Only if the params held at once and what is lent exceed it alone is it passed.
+in flight, and the fetch-pool memory held outside the scheduler (`Scheduler.lent`: what each `Lender`
+registered with `Scheduler.lend` holds — in backward, the early step's param copies waiting for their
+record, being written, or kept as seeds, `zswap.step.earlystep`) never exceed ``max_live`` elements:
+prefetch stops short of it, and a demand evicts retained params, then the furthest prefetches, first. Only
+if the params held at once and what is lent exceed it alone is it passed.
 
-*Between passes* (`zswap._between`): when a pass ends the swap-ins of the next pass's first steps are
-issued (*reads ahead*, `Scheduler.read_ahead`), and updated params the early step left in memory are
-gathered from it, with no read, when the next pass begins (*seeds*, `Scheduler.seed`).
+*Between passes* the next-pass cache (`zswap.fetch.nextpass`, `Scheduler.next`) holds what the next pass
+starts with: the swap-ins of its first steps issued when a pass ends (*reads ahead*,
+`Scheduler.read_ahead`), and updated params the early step left in memory (*seeds*, `Scheduler.seed`),
+gathered from it with no read; each is taken when the next pass begins if still valid, else dropped.
 
 All-gathers happen when a step is served, in the order of its params, so ranks that run the same modules
 issue the same collectives in the same order; nothing here depends on I/O timing.
@@ -46,29 +48,42 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import torch
 
 from ..device import Device
-from ..parts.gather import Loading, advance, cancel_fetch, finish_fetch, release, start_fetch
+from ..parts.gather import (
+    Loading,
+    advance,
+    cancel_fetch,
+    finish_fetch,
+    no_torch_function,
+    release,
+    start_fetch,
+)
 from ..parts.params import Status
-from ._between import Ahead, BetweenPasses
 from ._trace import Budget, Counters, Slot, Step, StepKey, Trace, guess
+from .lenders import Lender, Lenders
+from .nextpass import Entry, NextPass
 
-__all__ = ["Ahead", "Budget", "Counters", "Scheduler", "Slot", "Step", "StepKey", "Trace"]
+__all__ = [
+    "Budget", "Counters", "Entry", "Lender", "NextPass", "Scheduler", "Slot", "Step", "StepKey", "Trace"
+]  # fmt: skip
 
 
-class Scheduler(BetweenPasses):
+class Scheduler:
     def __init__(
         self,
         slots: Iterable[Slot],
         budget: Budget,
         device: Device | None = None,
         *,
-        across_passes: bool = True,
+        across_passes: Callable[[], bool] = lambda: True,
         order: Sequence[tuple[int, Sequence[Slot]]] = (),
+        itemsize: int = 4,
+        counters: Counters | None = None,
     ) -> None:
         self.slots = {id(s.p): s for s in slots}
         self.budget = budget
         self.device = device
         """The compute device gathered params go to (``None``: the CPU path); see `zswap.device`."""
-        self.counters = Counters()
+        self.counters = counters if counters is not None else Counters()
         self.live = 0
         self._traces: dict[Hashable, Trace] = {}
         self._trace: Trace | None = None
@@ -85,18 +100,10 @@ class Scheduler(BetweenPasses):
         """The static guess: (module index, the list of its params) in registration order. The lists are
         read at each guess, so params found in use later (`zswap.hooks`) are in the next one."""
         self._rebuild_backward = False
-        self._seeds: list[tuple[Slot, torch.Tensor, Callable[[], bool]]] = []
-        self.across_passes = across_passes
-        """Read the next pass's first params ahead when a pass ends (`read_ahead`)."""
-        self._ahead_reads: dict[int, Ahead] = {}  # issue order
-        self.lent: Callable[[], int] = _none
-        """Elements of the params' fetch-pool memory held outside the scheduler now — the early step's param
-        copies, waiting for their record, kept as seeds or being written (`zswap.earlystep.EarlyStep.lent`)
-        — counted against ``max_live`` with `live`: the prefetcher holds that much less while they are
-        held."""
-        self.settle_lent: Callable[[], None] = _nothing
-        """Wait for the writes of what `lent` counts as being written (`zswap.earlystep.EarlyStep.settle`),
-        so they stop counting: a demand that finds the budget full does so before it evicts anything."""
+        self.next = NextPass(budget)
+        """The next-pass cache: reads ahead and values kept for the next pass (`zswap.fetch.nextpass`)."""
+        self._across = across_passes  # whether to read ahead when a pass ends (`read_ahead`)
+        self._lenders = Lenders(itemsize)  # fetch-pool memory held outside, counted in the budget (`lend`)
 
     # -- iterations --------------------------------------------------------------------------------
 
@@ -114,8 +121,7 @@ class Scheduler(BetweenPasses):
         self._on_trace = self._trace is not None
         self._pos = self._ahead = 0
         self._recording = []
-        self._plant()
-        self._adopt()
+        self._take_next()
 
     def end(self) -> None:
         """End the iteration: keep its recording if it differs from the trace, release what no one holds."""
@@ -183,9 +189,8 @@ class Scheduler(BetweenPasses):
 
     def drop_all(self) -> None:
         """End the iteration and release everything the scheduler gathered, persistent params included;
-        drop the reads ahead."""
-        self._seeds = []
-        self.drop_ahead()
+        empty the next-pass cache."""
+        self.live -= self.next.drop(self.counters)
         self.end()
         self._cancel_prefetches()
         for s in self.slots.values():
@@ -216,6 +221,99 @@ class Scheduler(BetweenPasses):
                 if prefill is not None and (buf := prefill(s.st.partition_numel, s.st.dtype)) is not None:
                     held.append(buf)
         return sum(t.nbytes for t in held)
+
+    def reset_counters(self) -> None:
+        """Count anew from now (`zswap.Engine.stats` with ``reset``): the peaks start at what is live and
+        lent now."""
+        self.counters = Counters(peak_live=self.live, peak_live_lent=self.live + self.lent())
+
+    # -- between passes (`zswap.fetch.nextpass`) ------------------------------------------------------
+
+    def read_ahead(self) -> int:
+        """Between passes: issue the swap-ins of the next pass's first steps (`zswap.fetch.nextpass`),
+        along the last recorded trace of the kind run last (the static guess before any), up to ``bucket``
+        elements and within ``max_live`` (less what the values kept will take). Nothing is gathered;
+        returns how many reads are in flight. No-op inside a pass, when some are in flight already, or
+        when reading across passes is off (`zswap.Engine.prefetch_across_passes`)."""
+        if not self._across() or self._recording is not None or self.next.reads():
+            return 0
+        trace = self._traces.get(self._kind)
+        if trace is None:
+            trace = guess(self.order, False)
+        if trace is None or self.budget.bucket <= 0:
+            return 0
+        self.live += self.next.read(trace, self.next.room(self.live + self.lent()), self.counters)
+        self._note_live()
+        return len(self.next.reads())
+
+    def seed(self, seeds: Iterable[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]) -> None:
+        """Values already in memory for the next pass: ``(param, its partition, still_valid)`` where the
+        partition *is* the stored value while ``still_valid()`` (`zswap.step.earlystep`: the updated
+        params the step just made live, the last ones backward completed and so the first the next
+        forward uses). Those `seed_plan`'s rule takes are kept in the next-pass cache; when the next pass
+        begins each still valid is gathered from its value, with no read, and kept as a retained param —
+        used by that pass, released at its end or evicted first for room. One rank, CPU data only."""
+        self.next.keep(self._traces.get(self._kind), seeds)
+
+    def seed_plan(self) -> frozenset[int]:
+        """ids of the params `seed` would take if every param were offered (from the pass running now:
+        called in its backward, by `zswap.step.earlystep`, so that only those copies are kept)."""
+        return frozenset(self.next.plan(self._traces.get(self._kind), None))
+
+    @property
+    def _seeds(self) -> list[tuple[Slot, torch.Tensor, Callable[[], bool]]]:
+        """The values kept for the next pass, as ``(slot, value, still_valid)``."""
+        return [(e.slot, e.data, e.still_valid) for e in self.next.values()]
+
+    def drop_ahead(self) -> None:
+        """Drop every read ahead not yet taken over by a pass (the values kept stay)."""
+        self.live -= self.next.drop(self.counters, values=False)
+
+    def settle_ahead(self) -> None:
+        """Wait for the reads ahead in flight (so the engine's byte counters include them); a failure
+        stays with its read and is raised at its use."""
+        self.next.settle()
+
+    def _take_next(self) -> None:
+        """At a pass's start, the one place next-pass entries are taken: each value still valid is
+        gathered from memory as a retained param (while the live budget holds it), then each read still
+        valid becomes a prefetch of this pass; `NextPass.take` drops the rest."""
+        entries, dropped = self.next.take(self.budget.max_live - self.live, self.counters)
+        reads = [e for e in entries if e.handle is not None]
+        with no_torch_function():
+            for e in entries:
+                s, st = e.slot, e.slot.st
+                if e.handle is None:
+                    s.p.data = e.data[: st.numel].view(st.shape)
+                    st.status = Status.AVAILABLE
+                    s.ours = s.retained = True
+                    self._retained[id(s.p)] = s
+                    self.live += s.numel
+        self._note_live()
+        self.live -= dropped
+        for e in reads:
+            s = e.slot
+            s.st.status = Status.INFLIGHT
+            s.loading = Loading([s.item], [(e.data, e.handle)])
+            s.ours = True
+            self._prefetched[id(s.p)] = s
+            self._prefetched_numel += s.numel
+            self.counters.prefetch_issued += 1
+
+    # -- memory held outside the scheduler -----------------------------------------------------------
+
+    def lend(self, lender: Lender) -> None:
+        """Count what ``lender`` holds of the params' fetch pools against ``max_live`` from now on
+        (`zswap.fetch.lenders`)."""
+        self._lenders.add(lender)
+
+    def lent(self) -> int:
+        """Elements of the params' fetch pools the lenders hold now, counted with `live`."""
+        return self._lenders.lent()
+
+    def settle_lent(self) -> None:
+        """Have the lenders let go of what only waits for a write to land, so it stops counting."""
+        self._lenders.settle()
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -407,7 +505,7 @@ class Scheduler(BetweenPasses):
 
         if excess() <= 0:
             return
-        if self._ahead_reads:  # a pass without a begin (a backward after another pass): reads ahead go first
+        if self.next.reads():  # a pass without a begin (a backward after another pass): reads ahead go first
             self.drop_ahead()
             if excess() <= 0:
                 return
@@ -483,11 +581,3 @@ class Scheduler(BetweenPasses):
     def _note_live(self) -> None:
         self.counters.peak_live = max(self.counters.peak_live, self.live)
         self.counters.peak_live_lent = max(self.counters.peak_live_lent, self.live + self.lent())
-
-
-def _none() -> int:
-    return 0
-
-
-def _nothing() -> None:
-    pass

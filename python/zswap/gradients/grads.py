@@ -21,7 +21,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,16 @@ from ..device import Alloc, Copy, Device, ReusePool, on_host
 from ..parts.gather import no_torch_function
 from ..parts.params import Item, NvmeStore, ParamState, Status, param_state
 from .gradstore import LOW_PRECISION, MemoryGrads, NvmeGrads, store_of
+
+
+class GradTaker(Protocol):
+    """Who may take a param's complete partition gradient before its store does (`GradSink.hand_first_to`):
+    the early step, which applies it in backward."""
+
+    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> bool:
+        """True: ``part`` is placed (taken, and stored too where gradients are kept); False: the sink hands
+        it to the param's gradient store."""
+        ...
 
 
 class GradSink:
@@ -45,13 +55,16 @@ class GradSink:
         """Times a param was not gathered when autograd accumulated its gradient (see `_pre`)."""
         self.landing: ReusePool | None = None
         """Registered host buffers the device-to-host copies land in (`land_in`); ``None``: pinned memory."""
-        self.early: Any = None
-        """`zswap.earlystep.EarlyStep` handed each complete partition gradient first (set by the Engine):
-        what it does not place (`EarlyStep.on_grad` false) goes to the gradient store."""
+        self._first: GradTaker | None = None  # offered each complete partition gradient first
         for p, st in items:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._make_pre(p, st)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_post(st)))
+
+    def hand_first_to(self, taker: GradTaker | None) -> None:
+        """Offer each complete partition gradient to ``taker`` first (the early step,
+        `zswap.step.earlystep.EarlyStep`; ``None``: none): what it does not place goes to the store."""
+        self._first = taker
 
     def remove(self) -> None:
         for h in self._handles:
@@ -148,7 +161,7 @@ class GradSink:
                         me._to_host(st, local_part(st, grad))  # reduce-scatter on the device first
                     else:
                         part = local_part(st, grad)
-                        if me.early is None or not me.early.on_grad(p, st, part):
+                        if me._first is None or not me._first.on_grad(p, st, part):
                             store_of(st).add(st, part)  # else the early step stored it, or applies it
 
         return post

@@ -527,8 +527,6 @@ def for_engine(engine: Any) -> EarlyStep | None:
     for store in {id(st.store): st.store for _, st in engine._items}.values():
         store.pool_bytes += early.cap
     # While held (waiting for their record, kept as seeds, or being written) those copies count in the
-    # scheduler's live budget, in elements as the pool is sized (weakly: the scheduler outlives no engine).
-    ref = weakref.ref(early)
-    engine._sched.lent = lambda: (e.lent() // size) if (e := ref()) is not None else 0
-    engine._sched.settle_lent = lambda: e.settle() if (e := ref()) is not None else None
+    # scheduler's live budget (`zswap.fetch.prefetch.Lender`: `lent` and `settle`).
+    engine._sched.lend(early)
     return early

@@ -178,7 +178,8 @@ class Engine:
                 self.early_step = False
             self.loss_scaler = stepping.loss_scaler(config, self._fp16)
             self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
-            self._early = self._grads.early = earlystep.for_engine(self)
+            self._early = earlystep.for_engine(self)
+            self._grads.hand_first_to(self._early)
             self._io_base = stats.io_counters(self)  # now with the gradients' and the optimizer's engines
         except BaseException:
             if self._owns_optimizer and hasattr(self.optimizer, "close"):
@@ -363,8 +364,7 @@ class Engine:
     def reuse_backward_outputs(self, on: bool) -> None:
         if not isinstance(on, bool):
             raise ConfigError(f"reuse_backward_outputs must be True or False, got {on!r}")
-        self._reuse_outputs = on
-        self._hooks.outputs.enabled = on
+        self._reuse_outputs = on  # the module hooks ask at each call
 
     def _keeps_applied_grads(self) -> bool:
         """`keep_applied_grads` resolved: ``"auto"`` is True once a gradient store saw its gradients
@@ -386,7 +386,7 @@ class Engine:
     def prefetch_across_passes(self, on: bool) -> None:
         if not isinstance(on, bool):
             raise ValueError(f"prefetch_across_passes must be a bool, got {on!r}")
-        self._across = self._sched.across_passes = on
+        self._across = on  # the scheduler asks at each pass's end
         if not on:
             self._sched.drop_ahead()
 

@@ -70,8 +70,7 @@ def engine_stats(engine: Engine, reset: bool = False) -> dict[str, Any]:
         memory.reset_peaks()
         engine._hooks.outputs.pool.reset_peak()
         engine.compute_device.reset_peak()
-        peak = engine._sched.live
-        engine._sched.counters = type(c)(peak_live=peak, peak_live_lent=peak + engine._sched.lent())
+        engine._sched.reset_counters()
         engine._grads.placeholders = 0
         engine._io_base = io
     return out

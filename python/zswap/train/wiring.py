@@ -13,7 +13,7 @@ from .. import device as _device
 from ..errors import ZswapError
 from ..fetch import buffers
 from ..fetch.hooks import ModuleHooks, ModuleInfo
-from ..fetch.prefetch import Scheduler, Slot
+from ..fetch.prefetch import Counters, Scheduler, Slot
 from ..gradients import grads, gradstore
 from ..parts.params import Item, NvmeStore, managed_params
 from ..parts.runners import open_runners
@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 from .sizing import size, unique
 
 
-def wire(engine: Engine) -> None:
+def wire(engine: Engine, counters: Counters | None = None) -> None:
     """Lay the engine over the module's managed params as they are now: sizing, placement on the
-    compute device, slots, scheduler, module and gradient hooks, gradient stores, persistent params
-    fetched. `_unwire` undoes it."""
+    compute device, slots, scheduler (counting on from ``counters``), module and gradient hooks, gradient
+    stores, persistent params fetched. `unwire` undoes it."""
     module, config = engine.module, engine.config
     items: list[Item] = list(managed_params(iter(unique(module.parameters()))))
     ids: set[int] = {id(p) for p, _ in items}
@@ -50,12 +50,15 @@ def wire(engine: Engine) -> None:
     }
     for info in infos.values():
         info.ids.update(id(s.p) for s in info.slots)
+    me = weakref.ref(engine)  # weakly: collaborators that ask the engine do not keep it alive
     engine._sched = Scheduler(
         engine._slots.values(),
         engine.sizing.budget,
         engine.compute_device,
-        across_passes=engine._across,
+        across_passes=lambda: (e := me()) is not None and e._across,
         order=[(info.index, info.slots) for info in infos.values()],  # the first iteration's guess
+        itemsize=max((st.dtype.itemsize for _, st in engine._items), default=4),
+        counters=counters,
     )
     engine._stores = {id(st.store): st.store for _, st in engine._items}
     pool = (engine.sizing.budget.max_live + engine.sizing.persistent) * max(
@@ -72,7 +75,11 @@ def wire(engine: Engine) -> None:
     if isinstance(engine.compute_device, _device.CudaDevice | _device.StandInDevice):
         engine.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
     engine._hooks = ModuleHooks(
-        module, infos, engine._sched, engine._slot_for, reuse_outputs=engine._reuse_outputs
+        module,
+        infos,
+        engine._sched,
+        engine._slot_for,
+        reuse_outputs=lambda: (e := me()) is not None and e._reuse_outputs,
     )
     engine._grads = grads.GradSink(engine._items, engine.compute_device)
     engine._grad_stores = []
@@ -82,7 +89,6 @@ def wire(engine: Engine) -> None:
         # Weakly: each param's state holds its gradient store for as long as the param lives (its
         # finalizer keeps the state), so a store holding this Engine kept the module and every buffer
         # alive for good once the engine was dropped without `close`.
-        me = weakref.ref(engine)
         gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
             engine._grad_stores,
             lambda: (
@@ -128,8 +134,9 @@ def rewired(engine: Engine) -> Iterator[None]:
         yield
     finally:
         try:
-            wire(engine)
-            engine._early = engine._grads.early = earlystep.for_engine(engine)  # built over the new items
+            wire(engine, counters)
+            engine._early = earlystep.for_engine(engine)  # built over the new items
+            engine._grads.hand_first_to(engine._early)
         except BaseException:
             engine.closed = True
             if engine._owns_optimizer and hasattr(engine.optimizer, "close"):
@@ -137,7 +144,6 @@ def rewired(engine: Engine) -> Iterator[None]:
             engine.optimizer = None
             engine._no_optimizer = "this zswap Engine is closed: wiring it after a change of params failed"
             raise
-        engine._sched.counters = counters
 
 
 def teardown(engine: Engine) -> None:
