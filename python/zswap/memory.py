@@ -46,6 +46,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 PURPOSES = ("fetch", "grads", "optimizer", "early_step", "other")
@@ -57,6 +58,34 @@ HOLDERS = ("early_step",)
 ENGINE_COPY = 1 << 20
 """Bytes from which the early step's param copy is an engine buffer (purpose "early_step"); smaller ones
 are ordinary tensors."""
+
+CAP_EXTRA = 256 << 20
+"""Bytes of param copies and gradients the early step may hold beyond the live budget (`Allowances`)."""
+
+
+@dataclass(frozen=True)
+class Allowances:
+    """What each holder of host memory beside the gathered params may keep: sized once per engine from its
+    live budget (`zswap.train.sizing.size`) and handed to each holder as it is built, so one object says
+    what may be held and the ledger (`live`, `held`) only reports where it is.
+
+    The gradient stash is not among them: it is 0 unless a user sets ``Engine.grad_stash_bytes``, which
+    the gradient stores ask for directly."""
+
+    live: int
+    """Bytes of the live budget: ``max_live`` plus the persistent elements, at the params' widest dtype."""
+    fetch_pool: int
+    """Bytes of load buffers each NVMe param store keeps for reuse (`zswap.parts.params.NvmeStore.pool`):
+    ``offload_param.buffer_count × buffer_size`` where the config sets them, else `live`. The compute
+    device's pool of gathered params' buffers and the gradients' landing pool get the same."""
+    early_step: int
+    """Bytes of param copies and gradients the early step may hold (`live` + `CAP_EXTRA`). Its copies of
+    `ENGINE_COPY` bytes or more are fetch-pool buffers, so each param store's pool grows by this much
+    when an early step is built (`zswap.parts.params.NvmeStore.widen_pool`)."""
+    seeds: int
+    """Elements of updated params the early step keeps for the next pass: ``max_live``, within which the
+    next-pass cache takes them (`zswap.fetch.nextpass`)."""
+
 
 MMAP_THRESHOLD = 256 << 10
 """Bytes from which glibc maps (and on free unmaps) an allocation by itself, once `bound_heap` ran."""

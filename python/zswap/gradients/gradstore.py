@@ -11,8 +11,8 @@ back, adds in place (the op `MemoryGrads` uses, so values are the same) and writ
 backward's writes commit together at its end or not at all (`NvmeGrads`).
 
 A step's first gradients are kept in memory instead, up to ``NvmeGrads.stash_cap`` bytes (the *stash*; the
-Engine sizes it, `size_stash`): the step then reads them from memory. Gradients past the cap are written as
-above.
+Engine's ``grad_stash_bytes``, asked through `attach`): the step then reads them from memory. Gradients past
+the cap are written as above.
 
 Gradients `zswap.earlystep` applies in backward are, by default (``Engine.keep_applied_grads`` false), not
 stored at all: the early step holds each one until its optimizer records are updated and then lets it go;
@@ -109,7 +109,14 @@ class NvmeGrads(GradStore):
     `zero_grad`) until `clear`.
     """
 
-    def __init__(self, engine: Any, *, owns_engine: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        owns_engine: bool = False,
+        stash_cap: Callable[[], int] = lambda: 0,
+        norms_wanted: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.storage = storage_for(engine)
         self.owns_engine = owns_engine  # closing the namespace closes an engine zswap opened
         self.ns = self.storage.namespace("g")
@@ -120,15 +127,14 @@ class NvmeGrads(GradStore):
         self._gen_meta: dict[str, tuple[int, torch.dtype]] = {}
         self._error: BaseException | None = None
         self._reported = False
-        self.stash_cap = 0
-        """Bytes of partition gradients kept in memory rather than written (see the module docstring)."""
+        self._stash_cap = stash_cap  # asked at each gradient: the engine's `grad_stash_bytes`
         self._stash: dict[str, torch.Tensor] = {}  # committed, in memory: name -> gradient
         self._gen_stash: dict[str, torch.Tensor] = {}  # the open generation's
         self.stash_bytes = 0
         """Bytes the stash holds now (committed and open generation)."""
         self.stash_peak = 0
         """Most bytes it held at once since the store was made."""
-        self.norms_wanted: Callable[[], bool] = lambda: False
+        self.norms_wanted = norms_wanted
         """Whether the next step needs the gradients' norm (clipping, the fp16 check): then each stored
         value's norm is computed as it is stored, while in memory, and the step reads no gradient for it."""
         self._norms: dict[str, torch.Tensor] = {}
@@ -227,6 +233,11 @@ class NvmeGrads(GradStore):
             self._gen_norms[key] = torch.linalg.vector_norm(value, 2.0, dtype=torch.float32)
         else:
             self._gen_norms.pop(key, None)
+
+    @property
+    def stash_cap(self) -> int:
+        """Bytes of partition gradients kept in memory rather than written (see the module docstring)."""
+        return self._stash_cap()
 
     def _stash_room(self, part: torch.Tensor) -> bool:
         return self.stash_bytes + part.nbytes <= self.stash_cap
@@ -417,44 +428,39 @@ class NvmeGrads(GradStore):
             raise self._error
 
 
-def attach(items: Iterable[tuple[torch.Tensor, ParamState]], cfg: Any) -> list[GradStore]:
+def attach(
+    items: Iterable[tuple[torch.Tensor, ParamState]],
+    cfg: Any,
+    *,
+    stash_cap: Callable[[], int] = lambda: 0,
+    norms_wanted: Callable[[], bool] = lambda: False,
+) -> list[GradStore]:
     """Point each param's ``grad_store`` where the config wants its gradients: NVMe when
     ``offload_optimizer.device`` is "nvme" (the param store's engine when that is NVMe, else one new engine
-    on ``offload_optimizer.nvme_path``), else memory. Returns the NVMe stores, to `detach` later."""
+    on ``offload_optimizer.nvme_path``), else memory. Returns the NVMe stores, to `detach` later. Each
+    keeps up to ``stash_cap()`` bytes of gradients in memory (`NvmeGrads.stash_cap`) and computes their
+    norms as it stores them while ``norms_wanted()`` (`NvmeGrads.norms_wanted`)."""
     out: dict[int, NvmeGrads] = {}
     off = cfg.offload_optimizer
     if off.device != "nvme":
         return []
+    policy: dict[str, Any] = {"stash_cap": stash_cap, "norms_wanted": norms_wanted}
     for _, st in items:
         if isinstance(st.store, NvmeStore):
             gs = out.get(id(st.store.storage)) or out.setdefault(
-                id(st.store.storage), NvmeGrads(st.store.storage)
+                id(st.store.storage), NvmeGrads(st.store.storage, **policy)
             )
         else:
-            gs = out.get(0) or out.setdefault(0, _own(cfg))
+            gs = out.get(0) or out.setdefault(0, _own(cfg, **policy))
         st.grad_store = gs
     return list(out.values())
 
 
-def want_norms(stores: Iterable[GradStore], wanted: Callable[[], bool]) -> None:
-    """Have each NVMe gradient store compute norms as it stores while ``wanted()`` (`NvmeGrads`)."""
-    for gs in stores:
-        if isinstance(gs, NvmeGrads):
-            gs.norms_wanted = wanted
-
-
-def size_stash(stores: Iterable[GradStore], nbytes: int) -> None:
-    """Let each NVMe gradient store keep up to ``nbytes`` of gradients in memory (`NvmeGrads.stash_cap`)."""
-    for gs in stores:
-        if isinstance(gs, NvmeGrads):
-            gs.stash_cap = nbytes
-
-
-def _own(cfg: Any) -> NvmeGrads:
+def _own(cfg: Any, **policy: Any) -> NvmeGrads:
     paths = cfg.offload_optimizer.nvme_path
     if not paths:
         raise ConfigError("offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'")
-    return NvmeGrads(open_dir(list(paths), cfg.aio), owns_engine=True)  # shared by path with the others
+    return NvmeGrads(open_dir(list(paths), cfg.aio), owns_engine=True, **policy)  # shared by path
 
 
 def detach(items: Iterable[tuple[torch.Tensor, ParamState]], stores: Iterable[GradStore]) -> None:

@@ -303,6 +303,11 @@ class NvmeStore(Store):
     def pool_bytes(self, nbytes: int) -> None:
         self.pool.limit = nbytes
 
+    def widen_pool(self, nbytes: int) -> None:
+        """Pool ``nbytes`` more for a holder whose buffers come from this pool (the early step's param
+        copies: `zswap.memory.Allowances.early_step`), until `pool_bytes` is set anew (the engine's end)."""
+        self.pool.limit = self.pool_bytes + nbytes
+
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A pooled buffer nothing uses any more, else a new one, pooled while the pool has room."""
         return self.pool.take(numel, dtype)[0]

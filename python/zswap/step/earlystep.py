@@ -93,9 +93,6 @@ from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
 
-CAP_EXTRA = 256 << 20
-"""Bytes of param copies and gradients the early step may hold beyond the live-param budget."""
-
 
 class EarlyStep:
     """Runs the optimizer update of each record in backward (see the module docstring). ``eligible()``:
@@ -512,20 +509,20 @@ def for_engine(engine: Any) -> EarlyStep | None:
             and not any(p.requires_grad for p in engine.module.parameters() if id(p) not in ids)
         )
 
-    size = max(st.dtype.itemsize for _, st in engine._items)
+    allowed = engine.sizing.allowances  # `zswap.memory.Allowances`: sized once with the live budget
     early = EarlyStep(
         opt,
         eligible,
-        (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
-        seed_numel=engine.sizing.budget.max_live,  # `Scheduler.seed_plan` keeps them within it with the
-        seed_plan=engine._sched.seed_plan,  # next pass's first read (benches/README.md, "Bytes per step")
+        allowed.early_step,
+        seed_numel=allowed.seeds,  # `Scheduler.seed_plan` keeps them within it with the next pass's
+        seed_plan=engine._sched.seed_plan,  # first read (benches/README.md, "Bytes per step")
         keep=engine._keeps_applied_grads,
     )
     # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they
     # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and
     # zeroed, then unmapped: at 2 GiB that was 1.2 s of a 10 s step (benches/README.md, "Bytes per step").
     for store in {id(st.store): st.store for _, st in engine._items}.values():
-        store.pool_bytes += early.cap
+        store.widen_pool(early.cap)
     # While held (waiting for their record, kept as seeds, or being written) those copies count in the
     # scheduler's live budget (`zswap.fetch.prefetch.Lender`: `lent` and `settle`).
     engine._sched.lend(early)

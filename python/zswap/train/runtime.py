@@ -403,8 +403,7 @@ class Engine:
     def grad_stash_bytes(self, nbytes: int) -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"grad_stash_bytes must be a non-negative int, got {nbytes!r}")
-        self._grad_stash = nbytes
-        gradstore.size_stash(self._grad_stores, nbytes)
+        self._grad_stash = nbytes  # the gradient stores ask at each gradient
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""

@@ -14,6 +14,7 @@ from ..config import ZswapConfig
 from ..errors import ConfigError, ZswapError
 from ..fetch import buffers
 from ..fetch.prefetch import Budget
+from ..memory import CAP_EXTRA, Allowances
 from ..parts.params import Item, param_state
 
 # Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
@@ -33,6 +34,8 @@ class Sizing:
     largest_chain: int
     """Most non-persistent elements one module's forward holds together with its ancestors'."""
     budget: Budget
+    allowances: Allowances
+    """What each holder of memory beside the gathered params may keep (`zswap.memory.Allowances`)."""
     resident: frozenset[int] = frozenset()
     """ids of the params ``offload_param.max_in_cpu`` keeps gathered (`zswap.buffers`)."""
 
@@ -76,7 +79,18 @@ def size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
         "below %d elements (%d kept gathered)", total, streamed, max_live, bucket, reuse, threshold,
         total - streamed,
     )  # fmt: skip
-    return Sizing(total, threshold, total - streamed, chain, Budget(bucket, max_live, reuse), resident)
+    persistent = total - streamed
+    itemsize = max((st.dtype.itemsize for _, st in items), default=4)
+    live = (max_live + persistent) * itemsize
+    names = {id(p): name for name, p in module.named_parameters()}
+    allowances = Allowances(
+        live=live,
+        fetch_pool=buffers.fetch_pool_bytes(items, cfg, names, live),  # offload_param.buffer_count/size
+        early_step=live + CAP_EXTRA,
+        seeds=max_live,  # the next-pass cache keeps them within it with the next pass's first read
+    )
+    budget = Budget(bucket, max_live, reuse)
+    return Sizing(total, threshold, persistent, chain, budget, allowances, resident)
 
 
 def _largest_chain(module: nn.Module, numel: dict[int, int]) -> tuple[int, str]:

@@ -62,9 +62,7 @@ def engine_stats(engine: Engine, reset: bool = False) -> dict[str, Any]:
         "grad_stash_bytes": sum(getattr(gs, "stash_bytes", 0) for gs in engine._grad_stores),
     }
     size = max((st.dtype.itemsize for _, st in engine._items), default=4)
-    out.update(
-        _device.stats(engine.compute_device, (b.max_live + engine.sizing.persistent) * size, b.bucket * size)
-    )
+    out.update(_device.stats(engine.compute_device, engine.sizing.allowances.live, b.bucket * size))
     out.update(memory_stats(engine))
     if reset:
         memory.reset_peaks()

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from .. import device as _device
 from ..errors import ZswapError
-from ..fetch import buffers
 from ..fetch.hooks import ModuleHooks, ModuleInfo
 from ..fetch.prefetch import Counters, Scheduler, Slot
 from ..gradients import grads, gradstore
@@ -61,11 +60,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         counters=counters,
     )
     engine._stores = {id(st.store): st.store for _, st in engine._items}
-    pool = (engine.sizing.budget.max_live + engine.sizing.persistent) * max(
-        (st.dtype.itemsize for _, st in engine._items), default=4
-    )
-    names = {id(p): name for name, p in module.named_parameters()}
-    pool = buffers.fetch_pool_bytes(engine._items, config, names, pool)  # offload_param.buffer_count/size
+    pool = engine.sizing.allowances.fetch_pool
     for store in engine._stores.values():
         if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
             store.pool_bytes = max(store.pool_bytes, pool)
@@ -84,14 +79,15 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
     engine._grads = grads.GradSink(engine._items, engine.compute_device)
     engine._grad_stores = []
     try:
-        engine._grad_stores = gradstore.attach(engine._items, config)
-        gradstore.size_stash(engine._grad_stores, engine._grad_stash)
-        # Weakly: each param's state holds its gradient store for as long as the param lives (its
+        # Weakly (`me`): each param's state holds its gradient store for as long as the param lives (its
         # finalizer keeps the state), so a store holding this Engine kept the module and every buffer
         # alive for good once the engine was dropped without `close`.
-        gradstore.want_norms(  # the step's norm from backward: no gradient read for it (gradstore)
-            engine._grad_stores,
-            lambda: (
+        engine._grad_stores = gradstore.attach(
+            engine._items,
+            config,
+            stash_cap=lambda: e._grad_stash if (e := me()) is not None else 0,
+            # the step's norm from backward: no gradient read for it (gradstore)
+            norms_wanted=lambda: (
                 (e := me()) is not None
                 and (e.max_grad_norm is not None or getattr(e, "_check_finite", False))
             ),
