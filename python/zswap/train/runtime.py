@@ -149,8 +149,9 @@ class Engine:
         self.last_grad_norm: float | None = None
         """Global gradient norm seen by the last `step` (when clipping or the fp16 check needed it)."""
         self.early_step = True
-        """Let `zswap.earlystep` run the optimizer update in backward where that gives the same result
-        (set False to always step after backward; results are the same either way)."""
+        """Escape hatch (docs/configuration.md): the update runs in backward wherever that gives the same
+        result (`zswap.step.earlystep`); False for a loop that changes the lr, clipping or params between
+        backward and step as a rule (each change wastes that update's I/O), or to time the ordinary step."""
         self._keep_applied: bool | Literal["auto"] = "auto"  # `keep_applied_grads`
         self._reuse_outputs = outputs.DEFAULT  # `reuse_backward_outputs`
         self._early: earlystep.EarlyStep | None = None
@@ -333,7 +334,9 @@ class Engine:
 
     @property
     def keep_applied_grads(self) -> bool | Literal["auto"]:
-        """Whether the gradients the early step applies in backward are stored as any other (written to
+        """Escape hatch (docs/configuration.md): True for a loop that may now and then read a gradient or
+        change what the step depends on between backward and step, so the ordinary step can always run.
+        Whether the gradients the early step applies in backward are stored as any other (written to
         NVMe past `grad_stash_bytes`). False: they are let go once applied — 1 × the model fewer bytes
         written per step — so what needs them after backward raises `zswap.errors.GradientsNotKeptError`
         (`full_grad`, a second backward, a step the early step cannot be (an lr changed, a partition
@@ -352,7 +355,8 @@ class Engine:
 
     @property
     def reuse_backward_outputs(self) -> bool:
-        """On the CPU, compute backward's large matmul outputs (weight and input gradients of 256 KiB or
+        """Escape hatch (docs/configuration.md): True where peak memory has tens of MiB to spare.
+        On the CPU, compute backward's large matmul outputs (weight and input gradients of 256 KiB or
         more) into reused memory instead of fresh pages (`zswap.outputs`): about 460 k fewer page faults
         and 1 CPU-second less kernel time a step at 2 GiB of params, bitwise the same results; but peak RSS
         about 30–40 MiB higher on the 6 GiB checkpointed demo, where the memory bound has no room for it
@@ -375,9 +379,10 @@ class Engine:
 
     @property
     def prefetch_across_passes(self) -> bool:
-        """Whether the swap-ins of the next pass's first params are issued when a pass ends (an inference
+        """Escape hatch (docs/configuration.md): False when no pass follows soon, so no read holds memory.
+        Whether the swap-ins of the next pass's first params are issued when a pass ends (an inference
         forward's end, `step`'s end, `initialize`'s end), so a pass's first step does not wait for the
-        disk (`zswap.prefetch`, "Across passes"). Default True. A read made stale by a write in between is
+        disk (`zswap.fetch.nextpass`). Default True. A read made stale by a write in between is
         dropped unused; results are the same either way. Off: the first step of each pass is read on
         demand."""
         return self._across
@@ -392,7 +397,8 @@ class Engine:
 
     @property
     def grad_stash_bytes(self) -> int:
-        """Bytes of partition gradients kept in memory between backward and step instead of being written
+        """Escape hatch (docs/configuration.md): for a machine with memory to spare, to write less.
+        Bytes of partition gradients kept in memory between backward and step instead of being written
         to NVMe, where the optimizer lives there (`zswap.gradstore`). Default 0: every gradient is written,
         which keeps peak RSS within the live budget + optimizer ring + 256 MiB; the live budget's bytes
         saves about 1 × the model of writes per step for as much memory (benches/README.md, "Bytes per
