@@ -120,17 +120,26 @@ class NextPass:
     # -- filling -----------------------------------------------------------------------------------
 
     def keep(
-        self, trace: Trace | None, seeds: Iterable[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]
-    ) -> None:
+        self,
+        trace: Trace | None,
+        seeds: Iterable[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]],
+        counters: Counters,
+    ) -> int:
         """Replace the values kept with those of ``seeds`` (``(param, its partition, still_valid)``, the
         partition *being* the stored value while ``still_valid()``) that `plan` takes. Nothing is
-        gathered now."""
+        gathered now. A read of a param taken is dropped (its value is here); returns the elements of
+        such reads, no longer live."""
         offered = {id(p): (p, data, valid) for p, data, valid in seeds}
-        self._entries = {k: e for k, e in self._entries.items() if e.handle is not None}
+        reads = {k: e for k, e in self._entries.items() if e.handle is not None}
+        values: dict[int, Entry] = {}
+        dropped = 0
         if offered:
-            taken = self.plan(trace, offered)
-            values = {k: Entry(s, offered[k][1], offered[k][2]) for k, s in taken.items()}
-            self._entries = {**values, **self._entries}
+            for k, s in self.plan(trace, offered).items():
+                values[k] = Entry(s, offered[k][1], offered[k][2])
+                if k in reads:
+                    dropped += self._drop(reads.pop(k), counters)
+        self._entries = {**values, **reads}
+        return dropped
 
     def read(self, trace: Trace, room: int, counters: Counters) -> int:
         """Issue the swap-ins of ``trace``'s first steps whose params have no entry, are not gathered and

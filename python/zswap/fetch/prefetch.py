@@ -253,7 +253,7 @@ class Scheduler:
         forward uses). Those `seed_plan`'s rule takes are kept in the next-pass cache; when the next pass
         begins each still valid is gathered from its value, with no read, and kept as a retained param —
         used by that pass, released at its end or evicted first for room. One rank, CPU data only."""
-        self.next.keep(self._traces.get(self._kind), seeds)
+        self.live -= self.next.keep(self._traces.get(self._kind), seeds, self.counters)
 
     def seed_plan(self) -> frozenset[int]:
         """ids of the params `seed` would take if every param were offered (from the pass running now:
