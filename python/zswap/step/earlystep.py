@@ -84,14 +84,16 @@ from ..errors import GradientsNotKeptError, SwapIOError
 from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, _Alive, _dead
 from ..memory import ENGINE_COPY
 from ..parts.gather import no_torch_function
-from ..parts.params import NvmeStore, ParamState, Status
+from ..parts.params import ParamState, Status, local_slice
 from ..store.storage import Transaction, _memcpy
-from . import early_commit, early_pipeline
+from . import early_commit, early_pipeline, speculation
 from .early_commit import _hyper, _wanted
 from .early_pipeline import _empty, _ps, _small
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
+from .speculation import MICRO_BATCH, Guess
+from .stepping import Tally
 
 CAP_EXTRA = 256 << 20
 """Bytes of param copies and gradients the early step may hold beyond the live-param budget."""
@@ -109,7 +111,9 @@ class EarlyStep:
     keeping: bool
     dropped: int
     """Gradients of this backward applied and let go without being stored (``keeping`` false)."""
-    plan: frozenset[int]
+    seeding: frozenset[int]
+    """ids of the params whose updated copies are kept as seeds (`seed_plan`, at backward's start)."""
+    guess: Guess
     gs: NvmeGrads | None
     txn: Any
     hyper: list[tuple[Any, ...]]
@@ -143,15 +147,22 @@ class EarlyStep:
     def __init__(
         self,
         optimizer: OffloadedAdamW,
-        eligible: Callable[[], bool],
+        plan: Callable[[], Guess | str],
         cap: int,
         seed_numel: int = 0,
         seed_plan: Callable[[], frozenset[int]] = frozenset,
         keep: Callable[[], bool] = lambda: True,
+        room: int = 0,
+        tally: Tally | None = None,
     ) -> None:
+        tally = Tally() if tally is None else tally
         self.opt = optimizer
-        self.eligible = eligible
+        self.plan = plan
+        """The `Guess` for the next step, or why no early step can run for it."""
         self.cap = cap
+        self.room = room
+        """Bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`) where the
+        step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary."""
         self.seed_numel = seed_numel
         """Elements of updated params kept in memory for the next forward at most (0: none); see
         `take_seeds`."""
@@ -171,6 +182,10 @@ class EarlyStep:
         """Steps made live by `commit` (for tests and benchmarks)."""
         self.aborts = 0
         """Early steps begun and dropped."""
+        self.tally = tally
+        """Where `commit` counts the early steps it drops at the step (``redone``, ``overflow``)."""
+        self.why = ""
+        """Why the last step was not made live by `commit` ("" if it was, or none ran yet)."""
         self.read_ahead = self.read_late = self.read_unused = 0
         """Records read before their last gradient (`_read_ahead`), at it, and read ahead for nothing
         (no param of theirs got a gradient)."""
@@ -220,7 +235,7 @@ class EarlyStep:
         if also is not None:
             held.append(also)
         self.abort()
-        self.state, self.task = "off", task
+        self.state, self.task, self.why = "off", task, why
         if dropped:
             if isinstance(exc, SwapIOError):  # as any failed transfer of backward: run it again
                 raise _Void(exc)
@@ -248,22 +263,32 @@ class EarlyStep:
             self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
         if self.state == "idle":
             self._begin(st, task)
+        if self.state == "summing":  # a micro-batch before the boundary: summed in memory within `room`
+            cast(NvmeGrads, st.grad_store).add(st, part, self.room)
+            return True
         if self.state != "running":
             return False
         i = self.index.get(id(p))
         if i is None or not self.opt.records.placed(i):
             return False  # not stepped by this optimizer, or no record yet: the ordinary step will say
-        if i in self.ready or st.status is not Status.AVAILABLE or st.world_size != 1:
+        if i in self.ready or st.status is not Status.AVAILABLE:
             why = "a second gradient for one param" if i in self.ready else "a param not gathered"
             self._give_up(task, why)
             return False
         gs = cast(NvmeGrads, self.gs)
+        total = part
         if self.keeping:
-            gs.add(st, part)
+            # Stored first; what is applied is the stored sum (with earlier micro-batches' under
+            # accumulation), read only.
+            stored = gs.add(st, part, self.room if self.guess.keep else 0)
+            if stored is None:  # this backward's gradient writes failed: its end raises
+                self._give_up(task, "a gradient write failed")
+                return True
+            total = stored
         else:
-            gs.applied(st, part.numel(), part.dtype)  # placed: `_give_up` hands it back from here on
+            gs.applied(st, part)  # placed: `_give_up` hands it back from here on
         try:
-            self._take(i, p, st, part, task)
+            self._take(i, p, st, total, task)
         except _Void:
             raise
         except Exception as exc:
@@ -286,6 +311,8 @@ class EarlyStep:
 
     def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
         data = p.data.reshape(-1)
+        if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
+            data = local_slice(data, st.rank, st.partition_numel)
         copy = self._alloc(st, data)
         with no_torch_function():
             _memcpy(copy, data)  # one thread: a torch copy here wakes its pool against the kernel's
@@ -318,15 +345,22 @@ class EarlyStep:
         alive = _Alive()
         self._outer, self.ended = weakref.ref(alive), False
         Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
-        if isinstance(gs, NvmeGrads) and gs._meta:
-            gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on
-        if not isinstance(gs, NvmeGrads) or gs._meta or not self.eligible():
-            self.state, self.task = "off", task  # accumulating onto earlier gradients, or not allowed now
+        guess = self.plan()
+        if isinstance(guess, str):
+            self.state, self.task, self.why = "off", task, guess
+            if guess == MICRO_BATCH and isinstance(gs, NvmeGrads):
+                self.state = "summing"
             return
-        self.task, self.gs, self.state = task, gs, "running"
-        self.keeping = bool(self.keep())
+        if isinstance(gs, NvmeGrads) and gs._meta and not guess.sums:
+            gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on
+        if not isinstance(gs, NvmeGrads) or (gs._meta and not guess.sums):
+            self.state, self.task = "off", task
+            self.why = "a second backward before engine.step() (gradient_accumulation_steps is 1)"
+            return
+        self.task, self.gs, self.state, self.guess = task, gs, "running", guess
+        self.keeping = guess.keep or bool(self.keep())
         self.lost = ""
-        self.plan = self.seed_plan() if self.seed_numel > 0 else frozenset()
+        self.seeding = self.seed_plan() if self.seed_numel > 0 and guess.ranks == 1 else frozenset()
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         self.txn.uses(self.records.storage)
@@ -440,8 +474,11 @@ class EarlyStep:
 
     # -- step side -------------------------------------------------------------------------------------
 
-    def commit(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
-        return early_commit.commit(self, items)
+    def prepare(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
+        return early_commit.prepare(self, items)
+
+    def commit(self, scale: float | None) -> bool:
+        return early_commit.commit(self, scale)
 
     def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
         return early_commit.take_seeds(self)
@@ -489,37 +526,24 @@ def _as_tensors(copy: torch.Tensor) -> int:
 
 
 def for_engine(engine: Any) -> EarlyStep | None:
-    """The early step for a `zswap.Engine` whose setup allows one (see the module docstring), else None."""
+    """The early step for a `zswap.Engine` whose setup allows one (see the module docstring), else None
+    (``engine._early_off`` says why: `zswap.step.speculation.why_not`)."""
     opt = engine.optimizer
-    if not isinstance(opt, OffloadedAdamW) or opt.tier != "nvme" or not engine.compute_device.passthrough:
+    engine._early_off = speculation.why_not(engine, opt)
+    if engine._early_off:
         return None
-    if not engine._items or any(
-        not isinstance(st.store, NvmeStore) or not isinstance(st.grad_store, NvmeGrads) or st.world_size != 1
-        for _, st in engine._items
-    ):
-        return None
-    ids = engine._ids
-
-    def eligible() -> bool:
-        return (
-            engine.early_step
-            and engine.max_grad_norm is None
-            and opt.max_grad_norm is None
-            and not engine._fp16
-            and engine.loss_scaler is None
-            and engine._gas == 1
-            and engine.optimizer is opt
-            and not any(p.requires_grad for p in engine.module.parameters() if id(p) not in ids)
-        )
-
+    ranks = max(st.world_size for _, st in engine._items)
     size = max(st.dtype.itemsize for _, st in engine._items)
+    live = (engine.sizing.budget.max_live + engine.sizing.persistent) * size
     early = EarlyStep(
         opt,
-        eligible,
-        (engine.sizing.budget.max_live + engine.sizing.persistent) * size + CAP_EXTRA,
+        speculation.planner(engine, opt, ranks),
+        live + CAP_EXTRA,
         seed_numel=engine.sizing.budget.max_live,  # `Scheduler.seed_plan` keeps them within it with the
         seed_plan=engine._sched.seed_plan,  # next pass's first read (benches/README.md, "Bytes per step")
         keep=engine._keeps_applied_grads,
+        room=live,  # gradients a redo or the accumulation needs: the live budget's bytes in memory
+        tally=engine._tally,
     )
     # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they
     # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and

@@ -60,6 +60,7 @@ def engine_stats(engine: Engine, reset: bool = False) -> dict[str, Any]:
         "persistent_elements": engine.sizing.persistent,
         "model_elements": engine.sizing.total,
         "grad_stash_bytes": sum(getattr(gs, "stash_bytes", 0) for gs in engine._grad_stores),
+        **engine._tally.stats(),  # how the optimizer steps ran (`zswap.step.stepping.Tally`)
     }
     size = max((st.dtype.itemsize for _, st in engine._items), default=4)
     out.update(
@@ -73,6 +74,7 @@ def engine_stats(engine: Engine, reset: bool = False) -> dict[str, Any]:
         peak = engine._sched.live
         engine._sched.counters = type(c)(peak_live=peak, peak_live_lent=peak + engine._sched.lent())
         engine._grads.placeholders = 0
+        engine._tally.reset()
         engine._io_base = io
     return out
 
