@@ -9,6 +9,7 @@ many steps ran in backward, were redone the ordinary way or were dropped for an 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,25 @@ import pytest
 import torch
 
 import zswap
+from zswap.device import StandInDevice
 
 from .conftest import run_ranks
 from .test_earlystep import state, twins
-from .test_faults import same
-from .test_runtime import ids, sq
+from .test_faults import cfg_for, same
+from .test_runtime import TinyLM, build, engine_for, ids, sq
+
+
+def device_twins(tmp_path: Path, **extra: Any) -> tuple[Any, Any]:
+    """`twins` computing on the suite's stand-in for a CUDA device (deferred, poisoned copies)."""
+    runs = []
+    for name, early in (("early", True), ("plain", False)):
+        cfg = cfg_for(tmp_path / name, "nvme", "nvme", **extra)
+        m, _ = build(TinyLM, cfg)
+        e = engine_for(m, cfg, device=StandInDevice())
+        e.early_step = early
+        e.keep_applied_grads = False
+        runs.append((m, e))
+    return runs[0], runs[1]
 
 
 def run(
@@ -29,14 +44,17 @@ def run(
     gas: int = 1,
     clip: Any = None,
     loss_mult: Any = None,
+    device: bool = False,
     **extra: Any,
 ) -> tuple[Any, Any, list[dict[str, Any]]]:
     """Train both twins ``steps`` optimizer steps of ``gas`` micro-batches through `Engine.backward`;
     ``clip(step)``: each engine's ``max_grad_norm`` for that step; ``loss_mult(step)``: a factor on the
-    loss (a huge one overflows). Returns the twins and the early one's stats after each step."""
+    loss (a huge one overflows); ``device``: on the stand-in device. Returns the twins and the early
+    one's stats after each step."""
     if gas > 1:
         extra["gradient_accumulation_steps"] = gas
-    (m, e), (ref, ref_e) = twins(tmp_path, keep=False, **extra)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (m, e), (ref, ref_e) = (device_twins if device else partial(twins, keep=False))(tmp_path, **extra)
     seen = []
     for step in range(steps):
         for mm, ee in ((m, e), (ref, ref_e)):
@@ -172,3 +190,30 @@ def test_stats_say_why_the_ordinary_step_ran(tmp_path):
 @pytest.mark.dist
 def test_two_ranks_update_their_partitions_in_backward_bitwise(tmp_path):
     run_ranks(Path(__file__).with_name("_early_dist_worker.py"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("gas", "limits", "expect"),
+    [
+        (1, [None] * 4, [0, 1, 1, 1]),
+        (1, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
+        (2, [None] * 3, [0, 1, 1]),
+    ],
+    ids=["plain", "clipping", "accumulation"],
+)
+def test_on_a_compute_device_the_update_runs_from_landed_copies(gas, limits, expect, tmp_path):
+    """The device path: each param's partition and gradient are copied to the host (the stand-in runs a
+    copy only when it is waited for, and poisons its destination until then) and updated there."""
+    (_, e), (_, ref_e), seen = run(
+        tmp_path, len(limits), gas=gas, clip=lambda step: limits[step], device=True
+    )
+    assert counts(seen, "steps_in_backward") == expect
+    e.close()
+    ref_e.close()
+
+
+def test_bf16_on_a_compute_device(tmp_path):
+    (_, e), (_, ref_e), seen = run(tmp_path, 4, device=True, bf16={"enabled": True})
+    assert counts(seen, "steps_in_backward") == [0, 1, 1, 1]
+    e.close()
+    ref_e.close()

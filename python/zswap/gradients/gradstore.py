@@ -48,15 +48,15 @@ class MemoryGrads(GradStore):
             st.grad.add_(part)
         return st.grad
 
-    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+    def add_fp32(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
         if part.dtype not in LOW_PRECISION:
-            self.add(st, part if part.is_contiguous() else part.contiguous())
-            return
+            return self.add(st, part if part.is_contiguous() else part.contiguous())
         if st.grad is None:
             home = "cpu" if st.tier != "none" else part.device
             st.grad = part.to(home, torch.float32, copy=True)  # exact: every low-precision value is a float32
         else:
             st.grad.add_(part)  # float32 += float32(part): computed and rounded in float32
+        return st.grad
 
     def has(self, st: ParamState) -> bool:
         return st.grad is not None
@@ -264,25 +264,25 @@ class NvmeGrads(GradStore):
             return False
         return True
 
-    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+    def add_fp32(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
         """A partition's first gradient of a step is written in its own dtype (its float32 value is the
         same, at half the bytes); accumulating into it reads it back, widens it to float32 and writes the
-        float32 sum. `load` then returns float32 or the one low-precision gradient, the same values."""
+        float32 sum. `load` then returns float32 or the one low-precision gradient, the same values.
+        Returns the value stored, as `add` does (``room`` as there, for a first or full-precision one)."""
         key = self.key(st)
         meta = self._gen_meta.get(key) or self._meta.get(key)
         if part.dtype not in LOW_PRECISION or meta is None or self._error is not None:
-            self.add(st, part)  # kept in the write queue until written: its landing buffer stays in use
-            return
+            return self.add(st, part, room)  # kept in the write queue until written: its buffer stays in use
         gen = self._generation()
         if gen._error is not None:
-            return
+            return None
         stored = self._gen_stash.pop(key, None)  # this generation's own first gradient: summed and written
         if stored is not None:
             self.stash_bytes -= stored.nbytes
         else:
             stored = self.engine.empty((meta[0],), meta[1])
             if not self._read(key, stored, gen):
-                return
+                return None
         acc = stored if meta[1] == torch.float32 else self.engine.empty((meta[0],), torch.float32)
         if acc is not stored:
             acc.copy_(stored)
@@ -290,6 +290,7 @@ class NvmeGrads(GradStore):
         self._gen_meta[key] = (acc.numel(), torch.float32)
         self._gen_norms.pop(key, None)
         self.ns.put(key, acc, gen)
+        return acc
 
     def _generation(self) -> Transaction:
         task = torch._C._current_graph_task_id()

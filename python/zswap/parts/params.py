@@ -54,7 +54,7 @@ class GradStore:
         Returns the sum now held, where the store has it at hand (read only), else ``None``."""
         raise NotImplementedError
 
-    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+    def add_fp32(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
         """`add`, accumulating in float32: a float16/bfloat16 ``part`` (it crossed from the compute device in
         its own dtype) is added to a float32 partition gradient, so the sum of several backwards is rounded
         once per add in float32 rather than in the low precision. As with `add` the store may keep ``part``

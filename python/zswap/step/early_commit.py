@@ -185,6 +185,8 @@ def reset(es: EarlyStep) -> None:
     es.steps = []
     es.by_param = {}
     es.waiting = {}
+    es.landing = deque()
+    es.device = None
     es.left = {}
     es.ready = {}
     es.versions = {}

@@ -86,7 +86,7 @@ from ..memory import ENGINE_COPY
 from ..parts.gather import no_torch_function
 from ..parts.params import ParamState, Status, local_slice
 from ..store.storage import Transaction, _memcpy
-from . import early_commit, early_pipeline, speculation
+from . import early_commit, early_device, early_pipeline, speculation
 from .early_commit import _hyper, _wanted
 from .early_pipeline import _empty, _ps, _small
 from .optim import OffloadedAdamW
@@ -121,6 +121,9 @@ class EarlyStep:
     steps: list[int]
     by_param: dict[int, list[SubGroup]]
     waiting: dict[str, int]
+    landing: deque[tuple[int, ParamState, Any, Any, str | None]]
+    """A compute device's copies of param partitions and gradients in flight (`early_device`)."""
+    device: Any
     left: dict[int, int]
     ready: dict[int, tuple[ParamState, torch.Tensor, torch.Tensor, str | None]]
     versions: dict[str, str | None]
@@ -200,13 +203,15 @@ class EarlyStep:
 
     # -- backward side ---------------------------------------------------------------------------------
 
-    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> bool:
+    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, sink: Any = None) -> bool:
         """A param's gradient for this backward is complete. True: it is placed (held by the early step,
-        and stored too where gradients are kept); False: the caller stores it (``store.add``)."""
+        and stored too where gradients are kept); False: the caller stores it (``store.add``, or on a
+        compute device ``sink``'s landing). ``sink``: the `zswap.gradients.grads.GradSink` of a compute
+        device, where ``part`` and the gathered param are on the device (`zswap.step.early_device`)."""
         task = int(torch._C._current_graph_task_id())
         try:
             try:
-                return self._on_grad(p, st, part, task)
+                return self._on_grad(p, st, part, task, sink)
             except (_Void, GradientsNotKeptError):
                 raise
             except Exception as exc:
@@ -218,6 +223,11 @@ class EarlyStep:
         except BaseException:
             self.abort()
             raise
+
+    def summing_room(self) -> int:
+        """`room` while the backward in progress is a micro-batch before the accumulation boundary (its
+        gradients are summed in memory up to it), else 0: for gradients landing from a compute device."""
+        return self.room if self.state == "summing" else 0
 
     def _give_up(
         self,
@@ -234,6 +244,7 @@ class EarlyStep:
         held = [(st, g) for st, _, g, _ in self.ready.values() if g is not _empty]
         if also is not None:
             held.append(also)
+        landed = early_device.drain(self)  # neither stored nor applied yet: to the store in any case
         self.abort()
         self.state, self.task, self.why = "off", task, why
         if dropped:
@@ -251,8 +262,10 @@ class EarlyStep:
             for st, g in held:  # still in memory: stored now, as they would have been
                 gs.unapply(st)
                 gs.add(st, g)
+        for st, g in landed:
+            cast(NvmeGrads, gs).add_fp32(st, g)
 
-    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> bool:
+    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int, sink: Any) -> bool:
         if self.state != "idle" and task != self.task:
             if self._outer() is not None:  # that backward still runs: this one runs inside it (reentrant
                 if self.state == "running":  # activation checkpointing): no early step in it
@@ -263,7 +276,7 @@ class EarlyStep:
             self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
         if self.state == "idle":
             self._begin(st, task)
-        if self.state == "summing":  # a micro-batch before the boundary: summed in memory within `room`
+        if self.state == "summing" and sink is None:  # before the boundary: summed in memory within `room`
             cast(NvmeGrads, st.grad_store).add(st, part, self.room)
             return True
         if self.state != "running":
@@ -275,6 +288,9 @@ class EarlyStep:
             why = "a second gradient for one param" if i in self.ready else "a param not gathered"
             self._give_up(task, why)
             return False
+        if sink is not None:
+            early_device.take_later(self, i, p, st, part, sink)
+            return True
         gs = cast(NvmeGrads, self.gs)
         total = part
         if self.keeping:
@@ -316,8 +332,15 @@ class EarlyStep:
         copy = self._alloc(st, data)
         with no_torch_function():
             _memcpy(copy, data)  # one thread: a torch copy here wakes its pool against the kernel's
+        self._arrive(i, st, copy, part, _ps(st).ns._live.get(st.key), task)
+
+    def _arrive(
+        self, i: int, st: ParamState, copy: torch.Tensor, part: torch.Tensor, version: str | None, task: int
+    ) -> None:
+        """Param ``i``'s partition (``copy``, ours to update) and gradient are on the host: wait for the
+        rest of its records, update those that are complete."""
         self.txn.scratch(copy)
-        self.ready[i] = (st, copy, part.reshape(-1), _ps(st).ns._live.get(st.key))
+        self.ready[i] = (st, copy, part.reshape(-1), version)
         self.held += 2 * copy.numel() * copy.element_size()
         self.holding.add(_as_tensors(copy))
         self._land_copies(self.write_ahead)
@@ -386,6 +409,9 @@ class EarlyStep:
         if self.state != "running":
             return
         try:
+            early_device.land(self, block=True)  # a compute device's last copies
+            if self.state != "running":
+                return
             for sg in self.layout:  # records whose other params got no gradient in this backward
                 if self.waiting[sg.key] > 0 and any(s.param in self.ready for s in sg.segments):
                     self.waiting[sg.key] = 0
@@ -497,6 +523,8 @@ class EarlyStep:
 
     def abort(self) -> None:
         """Drop the early step in progress (its staged writes are freed). Idempotent."""
+        with contextlib.suppress(Exception):
+            early_device.drain(self)
         txn = self.txn
         if txn is not None:
             self.aborts += 1
@@ -539,8 +567,10 @@ def for_engine(engine: Any) -> EarlyStep | None:
         opt,
         speculation.planner(engine, opt, ranks),
         live + CAP_EXTRA,
-        seed_numel=engine.sizing.budget.max_live,  # `Scheduler.seed_plan` keeps them within it with the
-        seed_plan=engine._sched.seed_plan,  # next pass's first read (benches/README.md, "Bytes per step")
+        # `Scheduler.seed_plan` keeps seeds within the live budget with the next pass's first read
+        # (benches/README.md, "Bytes per step"); `Scheduler.seed` gathers from host data on the CPU only.
+        seed_numel=engine.sizing.budget.max_live if engine.compute_device.passthrough else 0,
+        seed_plan=engine._sched.seed_plan,
         keep=engine._keeps_applied_grads,
         room=live,  # gradients a redo or the accumulation needs: the live budget's bytes in memory
         tally=engine._tally,

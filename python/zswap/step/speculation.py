@@ -87,8 +87,6 @@ def why_not(engine: Any, optimizer: Any) -> str:
         return f"the optimizer is {type(optimizer).__name__}, not zswap's OffloadedAdamW"
     if optimizer.tier != "nvme":
         return "the optimizer states are not on NVMe (offload_optimizer.device)"
-    if not engine.compute_device.passthrough:
-        return "the compute device is not the CPU"
     if not engine._items:
         return "no param is managed"
     if any(not isinstance(st.store, NvmeStore) for _, st in engine._items):
