@@ -18,6 +18,7 @@ import torch
 
 import zswap
 from zswap.device import StandInDevice
+from zswap.step import earlystep
 
 from .conftest import run_ranks
 from .test_earlystep import state, twins
@@ -87,14 +88,29 @@ def test_clipping_that_does_not_bite_commits_every_step_after_the_first(tmp_path
 
 
 def test_clipping_that_bites_redoes_the_step_from_the_kept_gradients(tmp_path):
-    # Not biting for two steps, then biting (speculated and redone), then not speculated while it bites,
-    # then speculated again once a step found it inactive.
+    # Not biting for two steps, then biting (speculated and redone), then deferred while it bites (the
+    # update waits for the norm, from the copies held), then speculated again once a step found it off.
     limits = [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6]
     (_, e), (_, ref_e), seen = run(tmp_path, len(limits), clip=lambda step: limits[step])
     assert counts(seen, "steps_in_backward") == [0, 1, 0, 0, 0, 1]
     assert counts(seen, "steps_redone") == [0, 0, 1, 0, 0, 0]
+    assert counts(seen, "steps_deferred") == [0, 0, 0, 1, 1, 0]
     assert seen[2]["steps_ordinary_reason"].startswith("clipping bit (gradient scale ")
-    assert seen[3]["steps_ordinary_reason"] == "clipping bit at the last step: this one waits for the norm"
+    e.close()
+    ref_e.close()
+
+
+def test_where_copies_and_gradients_exceed_the_cap_clipping_that_bit_takes_the_ordinary_step(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)  # the cap: the live budget only (1500 elements)
+    limits = [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6]
+    (_, e), (_, ref_e), seen = run(tmp_path, len(limits), clip=lambda step: limits[step])
+    assert counts(seen, "steps_deferred") == [0] * 6
+    assert seen[3]["steps_ordinary_reason"] == (
+        "clipping bit at the last step: this one waits for the norm (the param copies and gradients do "
+        "not fit in the early step's cap to wait for it)"
+    )
     assert seen[4]["steps_ordinary_reason"] == seen[3]["steps_ordinary_reason"]  # 3 clipped: 4 waits
     e.close()
     ref_e.close()
@@ -215,5 +231,35 @@ def test_on_a_compute_device_the_update_runs_from_landed_copies(gas, limits, exp
 def test_bf16_on_a_compute_device(tmp_path):
     (_, e), (_, ref_e), seen = run(tmp_path, 4, device=True, bf16={"enabled": True})
     assert counts(seen, "steps_in_backward") == [0, 1, 1, 1]
+    e.close()
+    ref_e.close()
+
+
+def test_after_a_step_whose_clipping_bit_the_update_waits_for_the_norm_holding_copies(tmp_path):
+    """Deferred: clipping bit at the last step, and every param copy and gradient fits in the early
+    step's cap: they are held through backward and every record is updated at the step with the scale
+    it computed — no param or gradient read for it, as a step in backward."""
+    limits = [1e-3, 1e-3, 1e-3, 1e6, 1e6]
+    (_, e), (_, ref_e), seen = run(
+        tmp_path, len(limits), clip=lambda step: limits[step], stage3_max_live_parameters=100_000
+    )
+    assert counts(seen, "steps_deferred") == [0, 1, 1, 1, 0]
+    assert counts(seen, "steps_in_backward") == [0, 0, 0, 0, 1]
+    e.close()
+    ref_e.close()
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["cpu", "device"])
+def test_deferred_steps_with_accumulation(device, tmp_path):
+    limits = [1e-3] * 4
+    (_, e), (_, ref_e), seen = run(
+        tmp_path,
+        len(limits),
+        gas=2,
+        clip=lambda step: limits[step],
+        device=device,
+        stage3_max_live_parameters=100_000,
+    )
+    assert counts(seen, "steps_deferred") == [0, 1, 1, 1]
     e.close()
     ref_e.close()

@@ -14,7 +14,7 @@ import torch
 from ..errors import GradientsNotKeptError
 from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads
 from ..parts.params import ParamState, param_state
-from .early_pipeline import _ps
+from .early_pipeline import _empty, _ps
 from .optim import OffloadedAdamW
 from .speculation import Guess
 
@@ -35,15 +35,23 @@ def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool
         return False
     why = es._mismatch(items)
     if why:
-        _drop(es, why)
+        drop(es, why)
         return False
     return True
 
 
-def _drop(es: EarlyStep, why: str) -> None:
+def drop(es: EarlyStep, why: str) -> None:
+    """Drop the early step; gradients it holds and did not store go to their store; raises
+    `GradientsNotKeptError` if it had let go of some already."""
     es.why = why
     dropped, gs = es.dropped, es.gs
+    # Gradients still held and not stored (a deferred step's, all of them): to the store, as they were.
+    held = [] if es.keeping else [(st, g) for st, _, g, _ in es.ready.values() if g is not _empty]
     es.abort()
+    if not dropped and isinstance(gs, NvmeGrads):
+        for st, g in held:
+            gs.unapply(st)
+            gs.add(st, g)
     if dropped:
         es.lost = why
         _wanted(gs)
@@ -65,9 +73,17 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
         es.why = "the gradients were not finite (the step is skipped)"
         es.abort()
         return False
-    if scale != es.guess.factor:
+    deferred = es.guess.factor is None
+    if deferred:
+        es.finish_at(scale)  # the update waited for the scale: it runs now, from what backward left held
+        if es.state != "running":
+            return False  # it gave up: the gradients are in their store, the ordinary step runs
+        if not all(es.left[i] == 0 for i in es.ready) or es.reads or es.writes:
+            drop(es, "its updates did not all complete at the step")
+            return False
+    elif scale != es.guess.factor:
         es.tally.redone += 1
-        _drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
+        drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
         return False
     txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, list(es.seeds), es.dropped
     gs = es.gs
@@ -93,6 +109,10 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
             ) from exc
         return False
     es.commits += 1
+    if deferred:
+        es.tally.deferred += 1
+    else:
+        es.tally.early += 1
     es.why = ""
     es._committed_seeds = seeds
     return True
@@ -158,7 +178,8 @@ def same_grads(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> b
         es.index.get(id(p)) for p, st in items if st.grad_store is not None and st.grad_store.has(st)
     }
     with_grad.discard(None)
-    return with_grad == set(es.ready) and all(es.left[i] == 0 for i in es.ready)
+    deferred = es.factor is None  # its records are updated at the step: none yet
+    return with_grad == set(es.ready) and (deferred or all(es.left[i] == 0 for i in es.ready))
 
 
 def same_versions(es: EarlyStep) -> bool:
@@ -194,6 +215,7 @@ def reset(es: EarlyStep) -> None:
     es.dropped = 0
     es.seeding = frozenset()
     es.guess = _NONE
+    es.factor = 1.0
     es.held = 0
     es.seeds = deque()
     es.seeded = 0

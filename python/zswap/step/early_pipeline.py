@@ -71,7 +71,7 @@ def pump(es: EarlyStep, keep: int) -> None:
         steps = {s.param: es.steps[s.param] + 1 for s in sg.segments if s.param in es.ready}
         grads = {i: es.ready[i][2] for i in steps}
         targets = {i: es.ready[i][1] for i in steps}
-        es.opt.records.update(sg, rec, steps, grads, es.guess.factor, es.txn, targets=targets)
+        es.opt.records.update(sg, rec, steps, grads, cast(float, es.factor), es.txn, targets=targets)
         store = es.records
         es.writes.append((buf, store.ns.put(store._name(sg), rec, es.txn, held=0)))  # a ring slot
         for i in steps:

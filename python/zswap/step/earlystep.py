@@ -114,6 +114,8 @@ class EarlyStep:
     seeding: frozenset[int]
     """ids of the params whose updated copies are kept as seeds (`seed_plan`, at backward's start)."""
     guess: Guess
+    factor: float | None
+    """The gradient scale the updates run with: the guess's, or, deferred, the step's (`finish_at`)."""
     gs: NvmeGrads | None
     txn: Any
     hyper: list[tuple[Any, ...]]
@@ -273,6 +275,8 @@ class EarlyStep:
                 return False
             if self.state == "running" and self.dropped and self.ended:
                 self._second_backward(task)
+            if self.state == "running" and self.ended:  # deferred: its gradients go to their store first
+                early_commit.drop(self, "a second backward ran before engine.step()")
             self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
         if self.state == "idle":
             self._begin(st, task)
@@ -349,6 +353,8 @@ class EarlyStep:
                 task, f"it held more than its cap of {self.cap} bytes of param copies and gradients"
             )
             return
+        if self.factor is None:
+            return  # deferred: every record is updated at the step, once its scale is known (`finish_at`)
         for sg in self.by_param.get(i, ()):
             self.waiting[sg.key] -= 1
             if self.waiting[sg.key] == 0:
@@ -381,6 +387,7 @@ class EarlyStep:
             self.why = "a second backward before engine.step() (gradient_accumulation_steps is 1)"
             return
         self.task, self.gs, self.state, self.guess = task, gs, "running", guess
+        self.factor = guess.factor
         self.keeping = guess.keep or bool(self.keep())
         self.lost = ""
         self.seeding = self.seed_plan() if self.seed_numel > 0 and guess.ranks == 1 else frozenset()
@@ -410,29 +417,45 @@ class EarlyStep:
             return
         try:
             early_device.land(self, block=True)  # a compute device's last copies
-            if self.state != "running":
-                return
-            for sg in self.layout:  # records whose other params got no gradient in this backward
-                if self.waiting[sg.key] > 0 and any(s.param in self.ready for s in sg.segments):
-                    self.waiting[sg.key] = 0
-                    self._ready(sg)
-            for sg, buf, _, handle in self.early.values():  # read ahead, but no param of it got a gradient
-                if handle is not None:
-                    handle.wait()
-                self.versions.pop(self.records._name(sg))
-                self.free.append(buf)
-                self.read_unused += 1
-            self.early = {}
-            self._pump(keep=0)
-            while self.writes:
-                self._land_oldest()
-            self._land_copies(0)
-            self._order = self.order
+            if self.state == "running" and self.factor is not None:
+                self._finish()
         except Exception as exc:
             try:
                 self._give_up(self.task, f"it failed at the end of backward ({exc})", exc)
             except _Void as void:
                 raise void.error from void.error.__cause__
+
+    def finish_at(self, scale: float) -> None:
+        """A deferred early step (`Guess.factor` None): update every record now, with ``scale``, from the
+        copies and gradients held since backward. A failure gives up as in backward (the gradients go to
+        their store, or, once one was let go, the error is raised)."""
+        self.factor = scale
+        try:
+            self._finish()
+        except Exception as exc:
+            try:
+                self._give_up(self.task, f"it failed at the step ({exc})", exc)
+            except _Void as void:
+                raise void.error from void.error.__cause__
+
+    def _finish(self) -> None:
+        """Update and write the records not updated yet, and wait for every write."""
+        for sg in self.layout:  # records some params of which got no gradient (deferred: every one)
+            if self.waiting[sg.key] > 0 and any(s.param in self.ready for s in sg.segments):
+                self.waiting[sg.key] = 0
+                self._ready(sg)
+        for sg, buf, _, handle in self.early.values():  # read ahead, but no param of it got a gradient
+            if handle is not None:
+                handle.wait()
+            self.versions.pop(self.records._name(sg))
+            self.free.append(buf)
+            self.read_unused += 1
+        self.early = {}
+        self._pump(keep=0)
+        while self.writes:
+            self._land_oldest()
+        self._land_copies(0)
+        self._order = self.order
 
     def _alloc(self, st: ParamState, like: torch.Tensor) -> torch.Tensor:
         if like.numel() * like.element_size() >= ENGINE_COPY:  # page-aligned: written without a bounce copy
@@ -563,10 +586,12 @@ def for_engine(engine: Any) -> EarlyStep | None:
     ranks = max(st.world_size for _, st in engine._items)
     size = max(st.dtype.itemsize for _, st in engine._items)
     live = (engine.sizing.budget.max_live + engine.sizing.persistent) * size
+    cap = live + CAP_EXTRA
+    model = sum(st.partition_numel * st.dtype.itemsize for _, st in engine._items)
     early = EarlyStep(
         opt,
-        speculation.planner(engine, opt, ranks),
-        live + CAP_EXTRA,
+        speculation.planner(engine, opt, ranks, holds_all=2 * model <= cap),
+        cap,
         # `Scheduler.seed_plan` keeps seeds within the live budget with the next pass's first read
         # (benches/README.md, "Bytes per step"); `Scheduler.seed` gathers from host data on the CPU only.
         seed_numel=engine.sizing.budget.max_live if engine.compute_device.passthrough else 0,

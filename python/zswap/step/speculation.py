@@ -38,9 +38,11 @@ class Guess:
     """What an early step assumes of the step it runs ahead of (`EarlyStep.plan`, asked when a backward
     begins and again at the step: a different answer drops it)."""
 
-    factor: float
-    """The gradient scale the updates run with: ``1 / loss scale`` (clipping assumed not to bite).
-    `Engine.step` commits only if the scale it computes is exactly this float."""
+    factor: float | None
+    """The gradient scale the updates run with: ``1 / loss scale`` (clipping assumed not to bite);
+    `Engine.step` commits only if the scale it computes is exactly this float. ``None``: *deferred* —
+    the param copies and gradients are held through backward and every record is updated at the step,
+    with the scale it computed (clipping bit at the last step, and both fit in the early step's cap)."""
     keep: bool
     """The gradients are stored too (in memory within the early step's ``room``, written past it): the
     step may need them — clipping may bite (the ordinary step then runs from them), or, accumulating, a
@@ -53,9 +55,10 @@ class Guess:
     gathered param and no seeds are kept (`zswap.fetch.prefetch.Scheduler.seed` takes one rank's only)."""
 
 
-def planner(engine: Any, optimizer: Any, ranks: int) -> Callable[[], Guess | str]:
+def planner(engine: Any, optimizer: Any, ranks: int, holds_all: bool) -> Callable[[], Guess | str]:
     """``plan()`` for the early step of ``engine`` (a `zswap.Engine`) over ``optimizer``: the `Guess` for
-    the step the next backward leads to, or why no early step can run for it."""
+    the step the next backward leads to, or why no early step can run for it. ``holds_all``: a copy of
+    every param partition and its gradient fit in the early step's cap together (a deferred step)."""
     ids = engine._ids
 
     def plan() -> Guess | str:
@@ -70,10 +73,16 @@ def planner(engine: Any, optimizer: Any, ranks: int) -> Callable[[], Guess | str
         if not engine.is_gradient_accumulation_boundary():
             return MICRO_BATCH
         clipping = engine.max_grad_norm is not None
+        sums = engine._gas > 1
         if clipping and engine._clipped:
-            return "clipping bit at the last step: this one waits for the norm"
+            if holds_all:
+                return Guess(None, keep=sums, sums=sums, ranks=ranks)
+            return (
+                "clipping bit at the last step: this one waits for the norm (the param copies and "
+                "gradients do not fit in the early step's cap to wait for it)"
+            )
         loss_scale = engine.loss_scale if engine._scaled_backward else 1.0
-        return Guess(1.0 / loss_scale, keep=clipping or engine._gas > 1, sums=engine._gas > 1, ranks=ranks)
+        return Guess(1.0 / loss_scale, keep=clipping or sums, sums=sums, ranks=ranks)
 
     return plan
 

@@ -232,7 +232,6 @@ class Engine:
         self._clipped = scale is not None and scale != 1.0 / loss_scale  # the next step's guess
         if committed:
             assert early is not None
-            self._tally.early += 1
             self._finish_step(scale)
             self._sched.seed(early.take_seeds())  # the next forward's first params: no read
             self._sched.read_ahead()  # and the next ones' reads, of the values just committed
