@@ -120,19 +120,6 @@ def test_what_happens_between_backward_and_step_is_honoured(tmp_path):
     ref_e.close()
 
 
-def test_clipping_and_accumulation_take_the_ordinary_step(tmp_path):
-    for extra in ({"gradient_clipping": 1.0}, {"gradient_accumulation_steps": 2}):
-        (m, e), (ref, ref_e) = twins(tmp_path / next(iter(extra)), **extra)
-        for seed in range(4):
-            for mm, ee in ((m, e), (ref, ref_e)):
-                sq(mm(ids(seed=seed))).backward()
-                ee.step()
-        assert same(state(m, e), state(ref, ref_e))
-        assert e._early.commits == 0 and e._early.aborts == 0
-        e.close()
-        ref_e.close()
-
-
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize(("op", "code"), [("write", errno.ENOSPC), ("write", errno.EIO), ("read", errno.EIO)])
 @pytest.mark.parametrize("where", [0.0, 0.5, 1.0])

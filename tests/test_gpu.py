@@ -328,3 +328,48 @@ def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
     from .conftest import run_ranks
 
     run_ranks(Path(__file__).with_name("_gpu_dist_worker.py"), tmp_path, world=2, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("extra", "limits", "expect"),
+    [
+        ({}, [None] * 4, [0, 1, 1, 1]),
+        ({}, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
+        ({"gradient_accumulation_steps": 2}, [None] * 3, [0, 1, 1]),
+        ({"bf16": {"enabled": True, "check_grad_overflow": True}}, [None] * 4, [0, 1, 1, 1]),
+    ],
+    ids=["plain", "clipping", "accumulation", "bf16"],
+)
+def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(extra, limits, expect, tmp_path):
+    """`zswap.step.early_device` on CUDA: params, gradients and AdamW states on NVMe; twins with the
+    early step on and off; params, records and counters equal after every optimizer step, and the early
+    one committed where it may (`engine.stats()["steps_in_backward"]`)."""
+    from .test_earlystep import state
+    from .test_faults import cfg_for, same
+
+    gas = extra.get("gradient_accumulation_steps", 1)
+    runs = []
+    for name, early in (("early", True), ("plain", False)):
+        cfg = cfg_for(tmp_path / name, "nvme", "nvme", **extra)
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zswap.ZswapWarning)
+            with zswap.Init(cfg):
+                m = TinyLM()
+            e = zswap.initialize(m, cfg, device="cuda")
+        e.early_step = early
+        runs.append((m, e))
+    (m, e), (ref, ref_e) = runs
+    seen = []
+    for step, limit in enumerate(limits):
+        for mm, ee in runs:
+            ee.max_grad_norm = limit
+            ee.stats(reset=True)
+            for micro in range(gas):
+                ee.backward(sq(mm(ids(seed=10 * step + micro).to(CUDA)).float()))
+                ee.step()
+        seen.append(e.stats()["steps_in_backward"])
+        assert same(state(m, e), state(ref, ref_e)), step
+    assert seen == expect
+    for _, ee in runs:
+        ee.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from zswap import param_state
-from zswap.memory import CAP_EXTRA
+from zswap.step.earlystep import CAP_EXTRA
 
 from .test_memory import WEIGHT, _built, _lent_config, _Stack
 from .test_offload_keys import nvme

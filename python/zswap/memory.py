@@ -59,9 +59,6 @@ ENGINE_COPY = 1 << 20
 """Bytes from which the early step's param copy is an engine buffer (purpose "early_step"); smaller ones
 are ordinary tensors."""
 
-CAP_EXTRA = 256 << 20
-"""Bytes of param copies and gradients the early step may hold beyond the live budget (`Allowances`)."""
-
 
 @dataclass(frozen=True)
 class Allowances:
@@ -79,7 +76,8 @@ class Allowances:
     ``offload_param.buffer_count × buffer_size`` where the config sets them, else `live`. The compute
     device's pool of gathered params' buffers and the gradients' landing pool get the same."""
     early_step: int
-    """Bytes of param copies and gradients the early step may hold (`live` + `CAP_EXTRA`). Its copies of
+    """Bytes of param copies and gradients the early step may hold (`live` +
+    `zswap.step.earlystep.CAP_EXTRA`). Its copies of
     `ENGINE_COPY` bytes or more are fetch-pool buffers, so each param store's pool grows by this much
     when an early step is built (`zswap.parts.params.NvmeStore.widen_pool`)."""
     seeds: int

@@ -36,9 +36,14 @@ class GradTaker(Protocol):
     """Who may take a param's complete partition gradient before its store does (`GradSink.hand_first_to`):
     the early step, which applies it in backward."""
 
-    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> bool:
+    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, sink: Any = None) -> bool:
         """True: ``part`` is placed (taken, and stored too where gradients are kept); False: the sink hands
-        it to the param's gradient store."""
+        it to the param's gradient store (on a compute device, ``sink`` is the `GradSink` whose landing
+        it goes through)."""
+        ...
+
+    def summing_room(self) -> int:
+        """Bytes the gradient store may keep in memory past its stash for a gradient landing now."""
         ...
 
 
@@ -85,7 +90,7 @@ class GradSink:
         self.landing = ReusePool(lambda numel, dtype: alloc((numel,), dtype), lambda: None)
         self.landing.pool_bytes = pool_bytes
 
-    def _host_buffer(self, st: ParamState, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def host_buffer(self, st: ParamState, numel: int, dtype: torch.dtype) -> torch.Tensor:
         dev = self.device
         assert dev is not None
         store = store_of(st)
@@ -99,7 +104,7 @@ class GradSink:
         while self._pending:
             st, copy = self._pending.popleft()
             assert dev is not None
-            store_of(st).add_fp32(st, dev.synchronize(copy))
+            store_of(st).add_fp32(st, dev.synchronize(copy), self._room())
 
     def _to_host(self, st: ParamState, part: torch.Tensor) -> None:
         """Start the device-to-host copy of one partition gradient (in its own dtype) on the copy stream;
@@ -108,14 +113,19 @@ class GradSink:
         dev = self.device
         assert dev is not None
         part = part.contiguous()
-        self._pending.append((st, dev.d2h(part, self._host_buffer(st, part.numel(), part.dtype))))
+        self._pending.append((st, dev.d2h(part, self.host_buffer(st, part.numel(), part.dtype))))
         while self._pending and dev.query(self._pending[0][1]):
             st0, copy = self._pending.popleft()
-            store_of(st0).add_fp32(st0, copy.dst)
+            store_of(st0).add_fp32(st0, copy.dst, self._room())
         task = int(torch._C._current_graph_task_id())
         if self._pending and task >= 0 and task != self._flush_task:
             self._flush_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._task_done)
+
+    def _room(self) -> int:
+        """Bytes the gradient store may keep in memory past its stash for what lands now: the early
+        step's allowance while it sums micro-batches before an accumulation boundary, else 0."""
+        return self._first.summing_room() if self._first is not None else 0
 
     def _task_done(self) -> None:
         self._flush_task = -1
@@ -158,7 +168,9 @@ class GradSink:
                     p.data = torch.empty(0, dtype=st.dtype, device=st.device)
                 if grad is not None:
                     if me.device is not None and on_host(st):
-                        me._to_host(st, local_part(st, grad))  # reduce-scatter on the device first
+                        part = local_part(st, grad)  # reduce-scatter on the device first
+                        if me._first is None or not me._first.on_grad(p, st, part, me):
+                            me._to_host(st, part)
                     else:
                         part = local_part(st, grad)
                         if me._first is None or not me._first.on_grad(p, st, part):

@@ -38,7 +38,7 @@ from ..store.storage import Transaction, open_dir, storage_for
 
 
 class MemoryGrads(GradStore):
-    def add(self, st: ParamState, part: torch.Tensor) -> None:
+    def add(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
         if st.tier != "none" and part.device.type != "cpu":
             part = part.to("cpu")
         if st.grad is None:
@@ -46,16 +46,17 @@ class MemoryGrads(GradStore):
             st.grad = part if part.is_contiguous() else part.contiguous()
         else:
             st.grad.add_(part)
+        return st.grad
 
-    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+    def add_fp32(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
         if part.dtype not in LOW_PRECISION:
-            self.add(st, part if part.is_contiguous() else part.contiguous())
-            return
+            return self.add(st, part if part.is_contiguous() else part.contiguous())
         if st.grad is None:
             home = "cpu" if st.tier != "none" else part.device
             st.grad = part.to(home, torch.float32, copy=True)  # exact: every low-precision value is a float32
         else:
             st.grad.add_(part)  # float32 += float32(part): computed and rounded in float32
+        return st.grad
 
     def has(self, st: ParamState) -> bool:
         return st.grad is not None
@@ -139,6 +140,7 @@ class NvmeGrads(GradStore):
         value's norm is computed as it is stored, while in memory, and the step reads no gradient for it."""
         self._norms: dict[str, torch.Tensor] = {}
         self._gen_norms: dict[str, torch.Tensor] = {}
+        self._gen_replaced = 0  # bytes of the stash the open generation's sums replace when it commits
         self._applied: set[str] = set()  # committed names whose gradient the early step applied, unkept
         self._gen_applied: set[str] = set()  # the open generation's
 
@@ -154,14 +156,16 @@ class NvmeGrads(GradStore):
         """The engine key holding ``st``'s committed gradient (None: none)."""
         return self.ns._live.get(self.key(st))
 
-    def applied(self, st: ParamState, numel: int, dtype: torch.dtype) -> None:
-        """Note that this backward gave ``st`` its first gradient, which `zswap.earlystep` applies and does
-        not keep (see the module docstring); `unapply` takes the note back."""
+    def applied(self, st: ParamState, grad: torch.Tensor) -> None:
+        """Note that this backward gave ``st`` its first gradient ``grad``, which `zswap.earlystep` applies
+        and does not keep (see the module docstring); its norm is noted as `add` notes it, for the step's
+        overflow check. `unapply` takes the note back."""
         gen = self._generation()
         if gen._error is not None:
             return
         key = self.key(st)
-        self._gen_meta[key] = (numel, dtype)
+        self._gen_meta[key] = (grad.numel(), grad.dtype)
+        self._note_norm(key, grad)
         self._gen_applied.add(key)
 
     def unapply(self, st: ParamState) -> None:
@@ -179,9 +183,13 @@ class NvmeGrads(GradStore):
         self._commit()
         return self.key(st) in self._applied
 
-    def add(self, st: ParamState, part: torch.Tensor) -> None:
+    def add(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
+        """Add ``part`` to ``st``'s gradient of this step; returns the sum now stored (kept or being
+        written: read it, never change it), ``None`` if this backward's writes already failed. ``room``:
+        bytes the stash may hold past ``stash_cap`` for it (the early step keeps the gradients a redone
+        step may need, and earlier micro-batches', in memory: `zswap.earlystep`)."""
         if self._error is not None:
-            return  # gradients are lost until `clear`; `wait_all` (every step) raises the error
+            return None  # gradients are lost until `clear`; `wait_all` (every step) raises the error
         key = self.key(st)
         if key in self._applied or key in self._gen_applied:
             self.wanted = True
@@ -192,41 +200,48 @@ class NvmeGrads(GradStore):
             )
         gen = self._generation()
         if gen._error is not None:
-            return  # this backward already failed: its end raises
+            return None  # this backward already failed: its end raises
         part = part.to("cpu") if part.device.type != "cpu" else part
         meta = self._gen_meta.get(key) or self._meta.get(key)
         kept = self._gen_stash.get(key)
         if kept is not None:  # a second gradient in one backward: this generation's own, added in place
             kept.add_(part)
             self._note_norm(key, kept)
-            return
+            return kept
         old = self._stash.get(key)
-        if old is not None and self._stash_room(old):  # accumulation onto a kept gradient: kept again
+        # Accumulation onto a kept gradient: kept again. Within ``room`` what counts is what the stash
+        # holds once this backward commits (the sum replaces ``old``), not the moment both are held.
+        if old is not None and (
+            self._stash_room(old)
+            or (room > 0 and self.stash_bytes - self._gen_replaced <= self.stash_cap + room)
+        ):
             acc = old.clone()  # the earlier value stays as it is until this backward commits
             acc.add_(part)
+            self._gen_replaced += old.nbytes
             self._gen_meta[key] = (acc.numel(), acc.dtype)
             self._gen_stash[key] = acc
             self._stash_grow(acc.nbytes)
             self._note_norm(key, acc)
-            return
+            return acc
         if meta is not None:  # gradient accumulation: read, add, write back
             with memory.purpose("grads"):
                 acc = self.engine.empty((meta[0],), meta[1])  # page-aligned: read without a bounce copy
             if not self._read(key, acc, gen):
-                return
+                return None
             acc.add_(part)
             part = acc
         elif not part.is_contiguous():
             part = part.contiguous()
         self._gen_meta[key] = (part.numel(), part.dtype)
         self._note_norm(key, part)
-        if meta is None and self._stash_room(part):
+        if meta is None and self._stash_room(part, room):
             if part.untyped_storage().nbytes() > part.nbytes:
                 part = part.clone()  # a view of a larger buffer: keep only its own bytes alive
             self._gen_stash[key] = part  # a first gradient: kept in memory, never written (module docstring)
             self._stash_grow(part.nbytes)
-            return
+            return part
         self.ns.put(key, part, gen)
+        return part
 
     def _note_norm(self, key: str, value: torch.Tensor) -> None:
         if self.norms_wanted():
@@ -239,8 +254,8 @@ class NvmeGrads(GradStore):
         """Bytes of partition gradients kept in memory rather than written (see the module docstring)."""
         return self._stash_cap()
 
-    def _stash_room(self, part: torch.Tensor) -> bool:
-        return self.stash_bytes + part.nbytes <= self.stash_cap
+    def _stash_room(self, part: torch.Tensor, room: int = 0) -> bool:
+        return self.stash_bytes + part.nbytes <= self.stash_cap + room
 
     def _stash_grow(self, n: int) -> None:
         self.stash_bytes += n
@@ -260,25 +275,25 @@ class NvmeGrads(GradStore):
             return False
         return True
 
-    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+    def add_fp32(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
         """A partition's first gradient of a step is written in its own dtype (its float32 value is the
         same, at half the bytes); accumulating into it reads it back, widens it to float32 and writes the
-        float32 sum. `load` then returns float32 or the one low-precision gradient, the same values."""
+        float32 sum. `load` then returns float32 or the one low-precision gradient, the same values.
+        Returns the value stored, as `add` does (``room`` as there, for a first or full-precision one)."""
         key = self.key(st)
         meta = self._gen_meta.get(key) or self._meta.get(key)
         if part.dtype not in LOW_PRECISION or meta is None or self._error is not None:
-            self.add(st, part)  # kept in the write queue until written: its landing buffer stays in use
-            return
+            return self.add(st, part, room)  # kept in the write queue until written: its buffer stays in use
         gen = self._generation()
         if gen._error is not None:
-            return
+            return None
         stored = self._gen_stash.pop(key, None)  # this generation's own first gradient: summed and written
         if stored is not None:
             self.stash_bytes -= stored.nbytes
         else:
             stored = self.engine.empty((meta[0],), meta[1])
             if not self._read(key, stored, gen):
-                return
+                return None
         acc = stored if meta[1] == torch.float32 else self.engine.empty((meta[0],), torch.float32)
         if acc is not stored:
             acc.copy_(stored)
@@ -286,6 +301,7 @@ class NvmeGrads(GradStore):
         self._gen_meta[key] = (acc.numel(), torch.float32)
         self._gen_norms.pop(key, None)
         self.ns.put(key, acc, gen)
+        return acc
 
     def _generation(self) -> Transaction:
         task = torch._C._current_graph_task_id()
@@ -308,6 +324,7 @@ class NvmeGrads(GradStore):
     def _drop_gen_stash(self) -> None:
         self.stash_bytes -= sum(t.nbytes for t in self._gen_stash.values())
         self._gen_stash = {}
+        self._gen_replaced = 0
 
     def _drop_unfinished(self) -> None:
         """Abort the generation of a backward that raised before its end (its error went to the caller
@@ -340,6 +357,7 @@ class NvmeGrads(GradStore):
         kept, self._gen_stash = self._gen_stash, {}
         norms, self._gen_norms = self._gen_norms, {}
         applied, self._gen_applied = self._gen_applied, set()
+        self._gen_replaced = 0
         try:
             gen.commit()
         except Exception as exc:

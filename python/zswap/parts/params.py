@@ -48,11 +48,13 @@ class GradStore:
     added to by a second backward. ``Engine.keep_applied_grads = "auto"`` keeps the gradients the early
     step applies from then on."""
 
-    def add(self, st: ParamState, part: torch.Tensor) -> None:
-        """Accumulate one backward's local partition (the store may keep ``part``: callers hand it over)."""
+    def add(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
+        """Accumulate one backward's local partition (the store may keep ``part``: callers hand it over).
+        ``room``: bytes a store that keeps gradients in memory up to a cap may hold past it for this one.
+        Returns the sum now held, where the store has it at hand (read only), else ``None``."""
         raise NotImplementedError
 
-    def add_fp32(self, st: ParamState, part: torch.Tensor) -> None:
+    def add_fp32(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
         """`add`, accumulating in float32: a float16/bfloat16 ``part`` (it crossed from the compute device in
         its own dtype) is added to a float32 partition gradient, so the sum of several backwards is rounded
         once per add in float32 rather than in the low precision. As with `add` the store may keep ``part``

@@ -14,32 +14,76 @@ import torch
 from ..errors import GradientsNotKeptError
 from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads
 from ..parts.params import ParamState, param_state
-from .early_pipeline import _ps
+from .early_pipeline import _empty, _ps
 from .optim import OffloadedAdamW
+from .speculation import Guess
 
 if TYPE_CHECKING:
     from .earlystep import EarlyStep
 
 
-def commit(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
-    """Make the early step live if it is exactly the step `Engine.step` would take now (see the
-    module docstring); True if it did. Otherwise it is dropped and the caller steps as usual."""
+def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
+    """At `Engine.step`, before the step computes its gradient scale: keep the early step only if it is
+    the step the engine would take now, whatever that scale (see the module docstring); True if kept.
+    Otherwise it is dropped, or, where it let go of gradients the ordinary step needs, this raises
+    `GradientsNotKeptError`."""
     if es.state != "running" or not es.ended:  # not begun, dropped, or its backward raised (then
+        if es.state == "running":
+            es.why = "its backward did not reach its end"
         es.abort()  # that backward's gradients went with it, applied ones included: nothing is lost)
         es.check_kept(items)
         return False
     why = es._mismatch(items)
     if why:
-        dropped, gs = es.dropped, es.gs
+        drop(es, why)
+        return False
+    return True
+
+
+def drop(es: EarlyStep, why: str) -> None:
+    """Drop the early step; gradients it holds and did not store go to their store; raises
+    `GradientsNotKeptError` if it had let go of some already."""
+    es.why = why
+    dropped, gs = es.dropped, es.gs
+    # Gradients still held and not stored (a deferred step's, all of them): to the store, as they were.
+    held = [] if es.keeping else [(st, g) for st, _, g, _ in es.ready.values() if g is not _empty]
+    es.abort()
+    if not dropped and isinstance(gs, NvmeGrads):
+        for st, g in held:
+            gs.unapply(st)
+            gs.add(st, g)
+    if dropped:
+        es.lost = why
+        _wanted(gs)
+        raise GradientsNotKeptError(
+            f"engine.step(): {why}, but the early step already applied this step's gradients in "
+            f"backward and did not keep them {NOT_KEPT}, so the ordinary step cannot run instead. "
+            f"{RESTART}"
+        )
+
+
+def commit(es: EarlyStep, scale: float | None) -> bool:
+    """Make the early step `prepare` kept live if ``scale``, the gradient scale the step computed, is
+    the one it ran with; True if it did. ``None`` (the gradients are not finite: the step is skipped)
+    or another scale (clipping bit: the ordinary step runs from the kept gradients) drops it."""
+    if es.state != "running":
+        return False
+    if scale is None:  # an overflow: the step is skipped and the gradients dropped, applied ones too
+        es.tally.overflow += 1
+        es.why = "the gradients were not finite (the step is skipped)"
         es.abort()
-        if dropped:
-            es.lost = why
-            _wanted(gs)
-            raise GradientsNotKeptError(
-                f"engine.step(): {why}, but the early step already applied this step's gradients in "
-                f"backward and did not keep them {NOT_KEPT}, so the ordinary step cannot run instead. "
-                f"{RESTART}"
-            )
+        return False
+    deferred = es.guess.factor is None
+    if deferred:
+        es.finish_at(scale)  # the update waited for the scale: it runs now, from what backward left held
+        if es.state != "running":
+            return False  # it gave up: the gradients are in their store, the ordinary step runs
+        if not all(es.left[i] == 0 for i in es.ready) or es.reads or es.writes:
+            drop(es, "its updates did not all complete at the step")
+            return False
+    elif scale != es.guess.factor:
+        es.tally.redone += 1
+        drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
         return False
     txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, list(es.seeds), es.dropped
     gs = es.gs
@@ -65,6 +109,11 @@ def commit(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
             ) from exc
         return False
     es.commits += 1
+    if deferred:
+        es.tally.deferred += 1
+    else:
+        es.tally.early += 1
+    es.why = ""
     es._committed_seeds = seeds
     return True
 
@@ -86,11 +135,13 @@ def take_seeds(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, Callable
 
 def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str:
     """Why the early step is not the step `Engine.step` would take now ("" if it is)."""
-    if not es.eligible():
+    if es.plan() != es.guess:
         return (
             "the early step is no longer allowed for this step (engine.early_step, max_grad_norm, fp16 "
             "loss scaling, gradient_accumulation_steps or the optimizer changed since backward)"
         )
+    if not es.ready:
+        return "it updated no record (the first step makes the optimizer's records)"
     if es.reads or es.writes or es.early:
         return "its transfers did not all settle in backward"
     if _hyper(es.opt) != es.hyper:
@@ -127,7 +178,8 @@ def same_grads(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> b
         es.index.get(id(p)) for p, st in items if st.grad_store is not None and st.grad_store.has(st)
     }
     with_grad.discard(None)
-    return with_grad == set(es.ready) and all(es.left[i] == 0 for i in es.ready)
+    deferred = es.factor is None  # its records are updated at the step: none yet
+    return with_grad == set(es.ready) and (deferred or all(es.left[i] == 0 for i in es.ready))
 
 
 def same_versions(es: EarlyStep) -> bool:
@@ -154,12 +206,16 @@ def reset(es: EarlyStep) -> None:
     es.steps = []
     es.by_param = {}
     es.waiting = {}
+    es.landing = deque()
+    es.device = None
     es.left = {}
     es.ready = {}
     es.versions = {}
     es.keeping = True
     es.dropped = 0
-    es.plan = frozenset()
+    es.seeding = frozenset()
+    es.guess = _NONE
+    es.factor = 1.0
     es.held = 0
     es.seeds = deque()
     es.seeded = 0
@@ -173,6 +229,9 @@ def reset(es: EarlyStep) -> None:
     es.copies = deque()
     es.copying = 0
     es.write_ahead = 0
+
+
+_NONE = Guess(1.0, keep=False, sums=False, ranks=1)
 
 
 def _hyper(opt: OffloadedAdamW) -> list[tuple[Any, ...]]:

@@ -71,7 +71,7 @@ def pump(es: EarlyStep, keep: int) -> None:
         steps = {s.param: es.steps[s.param] + 1 for s in sg.segments if s.param in es.ready}
         grads = {i: es.ready[i][2] for i in steps}
         targets = {i: es.ready[i][1] for i in steps}
-        es.opt.records.update(sg, rec, steps, grads, 1.0, es.txn, targets=targets)
+        es.opt.records.update(sg, rec, steps, grads, cast(float, es.factor), es.txn, targets=targets)
         store = es.records
         es.writes.append((buf, store.ns.put(store._name(sg), rec, es.txn, held=0)))  # a ring slot
         for i in steps:
@@ -95,11 +95,11 @@ def pump(es: EarlyStep, keep: int) -> None:
 
 def seed(es: EarlyStep, i: int, copy: torch.Tensor) -> bool:
     """Keep ``copy`` (param ``i``'s updated partition) as a seed if the next pass would take it
-    (`seed_plan`), up to ``seed_numel`` elements; past that the oldest seeds go first. True if kept."""
+    (`seeding`), up to ``seed_numel`` elements; past that the oldest seeds go first. True if kept."""
     nbytes = copy.numel() * copy.element_size()
     p = es.opt.records.params[i]
     es.held -= 2 * nbytes  # the gradient, and the copy: counted in ``copying`` until written
-    if id(p) in es.plan and copy.numel() <= es.seed_numel:
+    if id(p) in es.seeding and copy.numel() <= es.seed_numel:
         es.seeds.append((p, copy))
         es.seeded += copy.numel()
         es.held += nbytes

@@ -84,14 +84,19 @@ from ..errors import GradientsNotKeptError, SwapIOError
 from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, _Alive, _dead
 from ..memory import ENGINE_COPY
 from ..parts.gather import no_torch_function
-from ..parts.params import NvmeStore, ParamState, Status
+from ..parts.params import ParamState, Status, local_slice
 from ..store.storage import Transaction, _memcpy
-from . import early_commit, early_pipeline
+from . import early_commit, early_device, early_pipeline, speculation
 from .early_commit import _hyper, _wanted
 from .early_pipeline import _empty, _ps, _small
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
+from .speculation import MICRO_BATCH, Guess
+from .stepping import Tally
+
+CAP_EXTRA = 256 << 20
+"""Bytes of param copies and gradients the early step may hold beyond the live-param budget."""
 
 
 class EarlyStep:
@@ -106,7 +111,11 @@ class EarlyStep:
     keeping: bool
     dropped: int
     """Gradients of this backward applied and let go without being stored (``keeping`` false)."""
-    plan: frozenset[int]
+    seeding: frozenset[int]
+    """ids of the params whose updated copies are kept as seeds (`seed_plan`, at backward's start)."""
+    guess: Guess
+    factor: float | None
+    """The gradient scale the updates run with: the guess's, or, deferred, the step's (`finish_at`)."""
     gs: NvmeGrads | None
     txn: Any
     hyper: list[tuple[Any, ...]]
@@ -114,6 +123,9 @@ class EarlyStep:
     steps: list[int]
     by_param: dict[int, list[SubGroup]]
     waiting: dict[str, int]
+    landing: deque[tuple[int, ParamState, Any, Any, str | None]]
+    """A compute device's copies of param partitions and gradients in flight (`early_device`)."""
+    device: Any
     left: dict[int, int]
     ready: dict[int, tuple[ParamState, torch.Tensor, torch.Tensor, str | None]]
     versions: dict[str, str | None]
@@ -140,15 +152,22 @@ class EarlyStep:
     def __init__(
         self,
         optimizer: OffloadedAdamW,
-        eligible: Callable[[], bool],
+        plan: Callable[[], Guess | str],
         cap: int,
         seed_numel: int = 0,
         seed_plan: Callable[[], frozenset[int]] = frozenset,
         keep: Callable[[], bool] = lambda: True,
+        room: int = 0,
+        tally: Tally | None = None,
     ) -> None:
+        tally = Tally() if tally is None else tally
         self.opt = optimizer
-        self.eligible = eligible
+        self.plan = plan
+        """The `Guess` for the next step, or why no early step can run for it."""
         self.cap = cap
+        self.room = room
+        """Bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`) where the
+        step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary."""
         self.seed_numel = seed_numel
         """Elements of updated params kept in memory for the next forward at most (0: none); see
         `take_seeds`."""
@@ -168,6 +187,10 @@ class EarlyStep:
         """Steps made live by `commit` (for tests and benchmarks)."""
         self.aborts = 0
         """Early steps begun and dropped."""
+        self.tally = tally
+        """Where `commit` counts the early steps it drops at the step (``redone``, ``overflow``)."""
+        self.why = ""
+        """Why the last step was not made live by `commit` ("" if it was, or none ran yet)."""
         self.read_ahead = self.read_late = self.read_unused = 0
         """Records read before their last gradient (`_read_ahead`), at it, and read ahead for nothing
         (no param of theirs got a gradient)."""
@@ -182,13 +205,15 @@ class EarlyStep:
 
     # -- backward side ---------------------------------------------------------------------------------
 
-    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor) -> bool:
+    def on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, sink: Any = None) -> bool:
         """A param's gradient for this backward is complete. True: it is placed (held by the early step,
-        and stored too where gradients are kept); False: the caller stores it (``store.add``)."""
+        and stored too where gradients are kept); False: the caller stores it (``store.add``, or on a
+        compute device ``sink``'s landing). ``sink``: the `zswap.gradients.grads.GradSink` of a compute
+        device, where ``part`` and the gathered param are on the device (`zswap.step.early_device`)."""
         task = int(torch._C._current_graph_task_id())
         try:
             try:
-                return self._on_grad(p, st, part, task)
+                return self._on_grad(p, st, part, task, sink)
             except (_Void, GradientsNotKeptError):
                 raise
             except Exception as exc:
@@ -200,6 +225,11 @@ class EarlyStep:
         except BaseException:
             self.abort()
             raise
+
+    def summing_room(self) -> int:
+        """`room` while the backward in progress is a micro-batch before the accumulation boundary (its
+        gradients are summed in memory up to it), else 0: for gradients landing from a compute device."""
+        return self.room if self.state == "summing" else 0
 
     def _give_up(
         self,
@@ -216,8 +246,9 @@ class EarlyStep:
         held = [(st, g) for st, _, g, _ in self.ready.values() if g is not _empty]
         if also is not None:
             held.append(also)
+        landed = early_device.drain(self)  # neither stored nor applied yet: to the store in any case
         self.abort()
-        self.state, self.task = "off", task
+        self.state, self.task, self.why = "off", task, why
         if dropped:
             if isinstance(exc, SwapIOError):  # as any failed transfer of backward: run it again
                 raise _Void(exc)
@@ -233,8 +264,10 @@ class EarlyStep:
             for st, g in held:  # still in memory: stored now, as they would have been
                 gs.unapply(st)
                 gs.add(st, g)
+        for st, g in landed:
+            cast(NvmeGrads, gs).add_fp32(st, g)
 
-    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> bool:
+    def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int, sink: Any) -> bool:
         if self.state != "idle" and task != self.task:
             if self._outer() is not None:  # that backward still runs: this one runs inside it (reentrant
                 if self.state == "running":  # activation checkpointing): no early step in it
@@ -242,25 +275,40 @@ class EarlyStep:
                 return False
             if self.state == "running" and self.dropped and self.ended:
                 self._second_backward(task)
+            if self.state == "running" and self.ended:  # deferred: its gradients go to their store first
+                early_commit.drop(self, "a second backward ran before engine.step()")
             self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
         if self.state == "idle":
             self._begin(st, task)
+        if self.state == "summing" and sink is None:  # before the boundary: summed in memory within `room`
+            cast(NvmeGrads, st.grad_store).add(st, part, self.room)
+            return True
         if self.state != "running":
             return False
         i = self.index.get(id(p))
         if i is None or not self.opt.records.placed(i):
             return False  # not stepped by this optimizer, or no record yet: the ordinary step will say
-        if i in self.ready or st.status is not Status.AVAILABLE or st.world_size != 1:
+        if i in self.ready or st.status is not Status.AVAILABLE:
             why = "a second gradient for one param" if i in self.ready else "a param not gathered"
             self._give_up(task, why)
             return False
+        if sink is not None:
+            early_device.take_later(self, i, p, st, part, sink)
+            return True
         gs = cast(NvmeGrads, self.gs)
+        total = part
         if self.keeping:
-            gs.add(st, part)
+            # Stored first; what is applied is the stored sum (with earlier micro-batches' under
+            # accumulation), read only.
+            stored = gs.add(st, part, self.room if self.guess.keep else 0)
+            if stored is None:  # this backward's gradient writes failed: its end raises
+                self._give_up(task, "a gradient write failed")
+                return True
+            total = stored
         else:
-            gs.applied(st, part.numel(), part.dtype)  # placed: `_give_up` hands it back from here on
+            gs.applied(st, part)  # placed: `_give_up` hands it back from here on
         try:
-            self._take(i, p, st, part, task)
+            self._take(i, p, st, total, task)
         except _Void:
             raise
         except Exception as exc:
@@ -283,11 +331,20 @@ class EarlyStep:
 
     def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
         data = p.data.reshape(-1)
+        if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
+            data = local_slice(data, st.rank, st.partition_numel)
         copy = self._alloc(st, data)
         with no_torch_function():
             _memcpy(copy, data)  # one thread: a torch copy here wakes its pool against the kernel's
+        self._arrive(i, st, copy, part, _ps(st).ns._live.get(st.key), task)
+
+    def _arrive(
+        self, i: int, st: ParamState, copy: torch.Tensor, part: torch.Tensor, version: str | None, task: int
+    ) -> None:
+        """Param ``i``'s partition (``copy``, ours to update) and gradient are on the host: wait for the
+        rest of its records, update those that are complete."""
         self.txn.scratch(copy)
-        self.ready[i] = (st, copy, part.reshape(-1), _ps(st).ns._live.get(st.key))
+        self.ready[i] = (st, copy, part.reshape(-1), version)
         self.held += 2 * copy.numel() * copy.element_size()
         self.holding.add(_as_tensors(copy))
         self._land_copies(self.write_ahead)
@@ -296,6 +353,8 @@ class EarlyStep:
                 task, f"it held more than its cap of {self.cap} bytes of param copies and gradients"
             )
             return
+        if self.factor is None:
+            return  # deferred: every record is updated at the step, once its scale is known (`finish_at`)
         for sg in self.by_param.get(i, ()):
             self.waiting[sg.key] -= 1
             if self.waiting[sg.key] == 0:
@@ -315,15 +374,23 @@ class EarlyStep:
         alive = _Alive()
         self._outer, self.ended = weakref.ref(alive), False
         Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
-        if isinstance(gs, NvmeGrads) and gs._meta:
-            gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on
-        if not isinstance(gs, NvmeGrads) or gs._meta or not self.eligible():
-            self.state, self.task = "off", task  # accumulating onto earlier gradients, or not allowed now
+        guess = self.plan()
+        if isinstance(guess, str):
+            self.state, self.task, self.why = "off", task, guess
+            if guess == MICRO_BATCH and isinstance(gs, NvmeGrads):
+                self.state = "summing"
             return
-        self.task, self.gs, self.state = task, gs, "running"
-        self.keeping = bool(self.keep())
+        if isinstance(gs, NvmeGrads) and gs._meta and not guess.sums:
+            gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on
+        if not isinstance(gs, NvmeGrads) or (gs._meta and not guess.sums):
+            self.state, self.task = "off", task
+            self.why = "a second backward before engine.step() (gradient_accumulation_steps is 1)"
+            return
+        self.task, self.gs, self.state, self.guess = task, gs, "running", guess
+        self.factor = guess.factor
+        self.keeping = guess.keep or bool(self.keep())
         self.lost = ""
-        self.plan = self.seed_plan() if self.seed_numel > 0 else frozenset()
+        self.seeding = self.seed_plan() if self.seed_numel > 0 and guess.ranks == 1 else frozenset()
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         self.txn.uses(self.records.storage)
@@ -349,27 +416,46 @@ class EarlyStep:
         if self.state != "running":
             return
         try:
-            for sg in self.layout:  # records whose other params got no gradient in this backward
-                if self.waiting[sg.key] > 0 and any(s.param in self.ready for s in sg.segments):
-                    self.waiting[sg.key] = 0
-                    self._ready(sg)
-            for sg, buf, _, handle in self.early.values():  # read ahead, but no param of it got a gradient
-                if handle is not None:
-                    handle.wait()
-                self.versions.pop(self.records._name(sg))
-                self.free.append(buf)
-                self.read_unused += 1
-            self.early = {}
-            self._pump(keep=0)
-            while self.writes:
-                self._land_oldest()
-            self._land_copies(0)
-            self._order = self.order
+            early_device.land(self, block=True)  # a compute device's last copies
+            if self.state == "running" and self.factor is not None:
+                self._finish()
         except Exception as exc:
             try:
                 self._give_up(self.task, f"it failed at the end of backward ({exc})", exc)
             except _Void as void:
                 raise void.error from void.error.__cause__
+
+    def finish_at(self, scale: float) -> None:
+        """A deferred early step (`Guess.factor` None): update every record now, with ``scale``, from the
+        copies and gradients held since backward. A failure gives up as in backward (the gradients go to
+        their store, or, once one was let go, the error is raised)."""
+        self.factor = scale
+        try:
+            self._finish()
+        except Exception as exc:
+            try:
+                self._give_up(self.task, f"it failed at the step ({exc})", exc)
+            except _Void as void:
+                raise void.error from void.error.__cause__
+
+    def _finish(self) -> None:
+        """Update and write the records not updated yet, and wait for every write."""
+        for sg in self.layout:  # records some params of which got no gradient (deferred: every one)
+            if self.waiting[sg.key] > 0 and any(s.param in self.ready for s in sg.segments):
+                self.waiting[sg.key] = 0
+                self._ready(sg)
+        for sg, buf, _, handle in self.early.values():  # read ahead, but no param of it got a gradient
+            if handle is not None:
+                handle.wait()
+            self.versions.pop(self.records._name(sg))
+            self.free.append(buf)
+            self.read_unused += 1
+        self.early = {}
+        self._pump(keep=0)
+        while self.writes:
+            self._land_oldest()
+        self._land_copies(0)
+        self._order = self.order
 
     def _alloc(self, st: ParamState, like: torch.Tensor) -> torch.Tensor:
         if like.numel() * like.element_size() >= ENGINE_COPY:  # page-aligned: written without a bounce copy
@@ -437,8 +523,11 @@ class EarlyStep:
 
     # -- step side -------------------------------------------------------------------------------------
 
-    def commit(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
-        return early_commit.commit(self, items)
+    def prepare(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
+        return early_commit.prepare(self, items)
+
+    def commit(self, scale: float | None) -> bool:
+        return early_commit.commit(self, scale)
 
     def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
         return early_commit.take_seeds(self)
@@ -457,6 +546,8 @@ class EarlyStep:
 
     def abort(self) -> None:
         """Drop the early step in progress (its staged writes are freed). Idempotent."""
+        with contextlib.suppress(Exception):
+            early_device.drain(self)
         txn = self.txn
         if txn is not None:
             self.aborts += 1
@@ -486,37 +577,26 @@ def _as_tensors(copy: torch.Tensor) -> int:
 
 
 def for_engine(engine: Any) -> EarlyStep | None:
-    """The early step for a `zswap.Engine` whose setup allows one (see the module docstring), else None."""
+    """The early step for a `zswap.Engine` whose setup allows one (see the module docstring), else None
+    (``engine._early_off`` says why: `zswap.step.speculation.why_not`)."""
     opt = engine.optimizer
-    if not isinstance(opt, OffloadedAdamW) or opt.tier != "nvme" or not engine.compute_device.passthrough:
+    engine._early_off = speculation.why_not(engine, opt)
+    if engine._early_off:
         return None
-    if not engine._items or any(
-        not isinstance(st.store, NvmeStore) or not isinstance(st.grad_store, NvmeGrads) or st.world_size != 1
-        for _, st in engine._items
-    ):
-        return None
-    ids = engine._ids
-
-    def eligible() -> bool:
-        return (
-            engine.early_step
-            and engine.max_grad_norm is None
-            and opt.max_grad_norm is None
-            and not engine._fp16
-            and engine.loss_scaler is None
-            and engine._gas == 1
-            and engine.optimizer is opt
-            and not any(p.requires_grad for p in engine.module.parameters() if id(p) not in ids)
-        )
-
     allowed = engine.sizing.allowances  # `zswap.memory.Allowances`: sized once with the live budget
+    ranks = max(st.world_size for _, st in engine._items)
+    model = sum(st.partition_numel * st.dtype.itemsize for _, st in engine._items)
     early = EarlyStep(
         opt,
-        eligible,
+        speculation.planner(engine, opt, ranks, holds_all=2 * model <= allowed.early_step),
         allowed.early_step,
-        seed_numel=allowed.seeds,  # `Scheduler.seed_plan` keeps them within it with the next pass's
-        seed_plan=engine._sched.seed_plan,  # first read (benches/README.md, "Bytes per step")
+        # `Scheduler.seed_plan` keeps seeds within the live budget with the next pass's first read
+        # (benches/README.md, "Bytes per step"); `Scheduler.seed` gathers from host data on the CPU only.
+        seed_numel=allowed.seeds if engine.compute_device.passthrough else 0,
+        seed_plan=engine._sched.seed_plan,
         keep=engine._keeps_applied_grads,
+        room=allowed.live,  # gradients a redo or the accumulation needs: the live budget's bytes in memory
+        tally=engine._tally,
     )
     # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they
     # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and

@@ -16,6 +16,7 @@ through `Engine.backward`; gradients from a plain ``loss.backward()`` are taken 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,43 @@ from ..config import ZswapConfig
 from ..errors import ConfigError
 from . import schedules
 from .loss_scale import LossScaler
+
+
+@dataclass
+class Tally:
+    """How the optimizer steps ran since `initialize` (or the last ``Engine.stats(reset=True)``), for
+    `Engine.stats` (``steps_*``): made live from the early step's work in backward (``early``), or from
+    the param copies and gradients it held since backward, updated at the step once the clip factor was
+    known (``deferred``: clipping bit at the last step, `zswap.step.speculation`); run the
+    ordinary way after backward (``ordinary``; ``reason``: why the last one was, "" while none was), of
+    which ``redone`` had an early step dropped because clipping bit (its factor was not the one assumed);
+    early steps dropped because the gradients were not finite (``overflow``: the step is skipped)."""
+
+    early: int = 0
+    deferred: int = 0
+    ordinary: int = 0
+    redone: int = 0
+    overflow: int = 0
+    reason: str = ""
+
+    def ordinary_step(self, why: str, scale: float | None) -> None:
+        if scale is not None:
+            self.ordinary += 1
+            self.reason = why
+
+    def reset(self) -> None:
+        self.early = self.deferred = self.ordinary = self.redone = self.overflow = 0
+        self.reason = ""
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "steps_in_backward": self.early,
+            "steps_deferred": self.deferred,
+            "steps_ordinary": self.ordinary,
+            "steps_redone": self.redone,
+            "steps_overflow_dropped": self.overflow,
+            "steps_ordinary_reason": self.reason,
+        }
 
 
 def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:

@@ -155,6 +155,9 @@ class Engine:
         self._keep_applied: bool | Literal["auto"] = "auto"  # `keep_applied_grads`
         self._reuse_outputs = outputs.DEFAULT  # `reuse_backward_outputs`
         self._early: earlystep.EarlyStep | None = None
+        self._early_off = ""  # why there is no early step (`zswap.step.speculation.why_not`)
+        self._clipped = False  # the last step's clipping bit: the next one is not speculated
+        self._tally = stepping.Tally()
         self._grad_stash = 0  # `grad_stash_bytes`
         self._across = True  # `prefetch_across_passes`
         self._ids: set[int] = set()
@@ -171,12 +174,10 @@ class Engine:
             self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
             self._fp16 = config.dtype == "fp16" or any(p.dtype == torch.float16 for p in module.parameters())
             self._fp16 = self._fp16 or any(st.dtype == torch.float16 for _, st in self._items)
-            # bf16.check_grad_overflow: skip a step whose gradients are not finite, as fp16 always does. The
-            # check needs every gradient before any update, so the early step (in backward) is off.
+            # bf16.check_grad_overflow: skip a step whose gradients are not finite, as fp16 always does
+            # (an early step then runs ahead of the check and is dropped: `zswap.step.speculation`).
             bf16 = config.dtype == "bf16" or any(st.dtype == torch.bfloat16 for _, st in self._items)
             self._check_finite = self._fp16 or (bf16 and config.bf16.check_grad_overflow)
-            if self._check_finite and not self._fp16:
-                self.early_step = False
             self.loss_scaler = stepping.loss_scaler(config, self._fp16)
             self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
             self._early = earlystep.for_engine(self)
@@ -219,18 +220,25 @@ class Engine:
         self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
-        if self._early is not None and self._early.commit(self._items):  # updated in backward already
-            self.last_grad_norm = None
-            self._finish_step(1.0)
-            self._sched.seed(self._early.take_seeds())  # the next forward's first params: no read
-            self._sched.read_ahead()  # and the next ones' reads, of the values just committed
-            return
+        early = self._early
+        if early is not None:
+            early.prepare(self._items)  # kept only if it ran ahead of this very step (or raises)
         others = [p for p in self.module.parameters() if id(p) not in self._ids]
         chunk = max(1, self.sizing.budget.max_live // 2)  # a chunk's params and grads: the live budget
         loss_scale = self.loss_scale if self._scaled_backward else 1.0
+        # From the norms noted in backward where it ran early (no gradient read), else from the store.
         scale, self.last_grad_norm = grads.global_scale(
             self._items, others, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
         )
+        committed = early is not None and early.commit(scale)  # updated in backward already
+        self._clipped = scale is not None and scale != 1.0 / loss_scale  # the next step's guess
+        if committed:
+            assert early is not None
+            self._finish_step(scale)
+            self._sched.seed(early.take_seeds())  # the next forward's first params: no read
+            self._sched.read_ahead()  # and the next ones' reads, of the values just committed
+            return
+        self._tally.ordinary_step(early.why if early is not None else self._early_off, scale)
         if scale is None:
             self.skipped_steps += 1
         elif getattr(self.optimizer, "steps_partitions", False):

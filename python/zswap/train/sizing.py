@@ -14,8 +14,9 @@ from ..config import ZswapConfig
 from ..errors import ConfigError, ZswapError
 from ..fetch import buffers
 from ..fetch.prefetch import Budget
-from ..memory import CAP_EXTRA, Allowances
+from ..memory import Allowances
 from ..parts.params import Item, param_state
+from ..step import earlystep
 
 # Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
 PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
@@ -86,7 +87,7 @@ def size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
     allowances = Allowances(
         live=live,
         fetch_pool=buffers.fetch_pool_bytes(items, cfg, names, live),  # offload_param.buffer_count/size
-        early_step=live + CAP_EXTRA,
+        early_step=live + earlystep.CAP_EXTRA,  # read at each sizing, not once at import
         seeds=max_live,  # the next-pass cache keeps them within it with the next pass's first read
     )
     budget = Budget(bucket, max_live, reuse)

@@ -60,6 +60,7 @@ def engine_stats(engine: Engine, reset: bool = False) -> dict[str, Any]:
         "persistent_elements": engine.sizing.persistent,
         "model_elements": engine.sizing.total,
         "grad_stash_bytes": sum(getattr(gs, "stash_bytes", 0) for gs in engine._grad_stores),
+        **engine._tally.stats(),  # how the optimizer steps ran (`zswap.step.stepping.Tally`)
     }
     size = max((st.dtype.itemsize for _, st in engine._items), default=4)
     out.update(_device.stats(engine.compute_device, engine.sizing.allowances.live, b.bucket * size))
@@ -70,6 +71,7 @@ def engine_stats(engine: Engine, reset: bool = False) -> dict[str, Any]:
         engine.compute_device.reset_peak()
         engine._sched.reset_counters()
         engine._grads.placeholders = 0
+        engine._tally.reset()
         engine._io_base = io
     return out
 

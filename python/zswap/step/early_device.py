@@ -1,0 +1,76 @@
+"""The early step on a compute device (`zswap.device`: CUDA, or the suite's stand-in).
+
+There the gathered param and its gradient are on the device when the gradient is complete. Both are
+copied to the host on the device's copy stream — the param's partition into the early step's copy (a
+page-aligned fetch-pool buffer, registered with the device where it is large enough), the gradient into a
+landing buffer as `zswap.gradients.grads.GradSink` lands any — and once both have landed the record update
+runs on the host as on the CPU path: the same kernel on the same bytes (the device's gathered param is the
+stored partition, copied over without change; the gradient lands in its own dtype, as the store would
+receive it). Backward never waits for a copy: landed ones are taken at later gradients, the rest at
+backward's end. The updated partition goes to its tier from the host copy; nothing is copied back to the
+device (the next forward gathers it as any param).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from ..gradients.gradstore import NvmeGrads
+from ..parts.gather import no_torch_function
+from ..parts.params import ParamState, local_slice
+from .early_pipeline import _ps
+
+if TYPE_CHECKING:
+    from .earlystep import EarlyStep
+
+
+def take_later(es: EarlyStep, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, sink: Any) -> None:
+    """Start the device-to-host copies of param ``i``'s partition and of its gradient ``part`` (both on
+    the device); `land` takes them over once they completed."""
+    dev = sink.device
+    with no_torch_function():
+        data = p.data.reshape(-1)
+        if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
+            data = local_slice(data, st.rank, st.partition_numel)
+        copy = es._alloc(st, data)
+        param_copy = dev.d2h(data.contiguous(), copy)
+        part = part.reshape(-1).contiguous()
+        grad_copy = dev.d2h(part, sink.host_buffer(st, part.numel(), part.dtype))
+    es.device = dev
+    es.landing.append((i, st, param_copy, grad_copy, _ps(st).ns._live.get(st.key)))
+    land(es, block=False)
+
+
+def land(es: EarlyStep, block: bool) -> None:
+    """Take over the copies that completed, in issue order (all of them, waiting, if ``block``): each
+    param's gradient is stored or noted as applied, then its copy joins the pipeline (`EarlyStep._arrive`)."""
+    dev = es.device
+    while es.landing and es.state == "running":
+        i, st, param_copy, grad_copy, version = es.landing[0]
+        if not block and not (dev.query(param_copy) and dev.query(grad_copy)):
+            return
+        es.landing.popleft()
+        copy, grad = dev.synchronize(param_copy), dev.synchronize(grad_copy)
+        gs = cast(NvmeGrads, es.gs)
+        if es.keeping:
+            stored = gs.add_fp32(st, grad, es.room if es.guess.keep else 0)
+            if stored is None:  # this backward's gradient writes failed: its end raises
+                es._give_up(es.task, "a gradient write failed")
+                return
+            grad = stored
+        else:
+            gs.applied(st, grad)  # placed: `_give_up` hands it back from here on
+        es._arrive(i, st, copy, grad, version, es.task)
+
+
+def drain(es: EarlyStep) -> list[tuple[ParamState, torch.Tensor]]:
+    """The gradients of copies not taken over yet, landed (waited for): for the store when the early step
+    gives up. Their param copies are dropped."""
+    out = []
+    while es.landing:
+        _, st, param_copy, grad_copy, _ = es.landing.popleft()
+        es.device.synchronize(param_copy)  # its buffer must not be reused under a running copy
+        out.append((st, es.device.synchronize(grad_copy)))
+    return out

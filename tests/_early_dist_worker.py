@@ -1,0 +1,89 @@
+"""One rank of tests/test_speculation.py's two-rank test: ``python _early_dist_worker.py RANK WORLD
+INIT_FILE SWAP_ROOT``.
+
+Twins over one model partitioned across both ranks — the early step on, and off — with params, gradients
+and AdamW states on NVMe (one swap directory per rank and twin), each rank on its own data. After every
+optimizer step this rank's params (gathered: a collective) and optimizer records are bitwise the twin's,
+for clipping that does not bite, clipping that bites (redone), and gradient accumulation 2; the early one
+committed where it may.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zswap
+from tests.test_faults import optim_state, params_of, same
+from tests.test_runtime import TinyLM, ids, sq
+
+
+def twins(root: Path, rank: int, **extra: Any) -> list[tuple[Any, Any]]:
+    out = []
+    for name, early in (("early", True), ("plain", False)):
+        d = root / f"{name}-{rank}"
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = {
+            "offload_param": {"device": "nvme", "nvme_path": str(d)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(d)},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_live_parameters": 1500,
+            "sub_group_size": 700,
+            **extra,
+        }
+        torch.manual_seed(0)
+        with zswap.Init(cfg):
+            m = TinyLM()
+        e = zswap.initialize(m, cfg)
+        e.early_step = early
+        out.append((m, e))
+    return out
+
+
+def check(root: Path, rank: int, limits: list[float | None], gas: int, expect: list[int]) -> None:
+    runs = twins(root, rank, **({"gradient_accumulation_steps": gas} if gas > 1 else {}))
+    (m, e), (ref, ref_e) = runs
+    seen = []
+    for step, limit in enumerate(limits):
+        for mm, ee in runs:
+            ee.max_grad_norm = limit
+            ee.stats(reset=True)
+            for micro in range(gas):
+                ee.backward(sq(mm(ids(seed=100 * rank + 10 * step + micro))))
+                ee.step()
+        seen.append(e.stats()["steps_in_backward"])
+        assert same(params_of(m), params_of(ref)), (rank, step)
+        assert same(optim_state(e.optimizer, m), optim_state(ref_e.optimizer, ref)), (rank, step)
+        assert e.last_grad_norm == ref_e.last_grad_norm, (rank, step)
+    assert seen == expect, (rank, limits, gas, seen)
+    for _, ee in runs:
+        ee.close()
+
+
+def main() -> None:
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=world)
+    root = Path(sys.argv[4])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zswap.ZswapWarning)
+            check(root / "plain", rank, [None] * 3, 1, [0, 1, 1])
+            check(root / "clip", rank, [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6], 1, [0, 1, 0, 0, 0, 1])
+            check(root / "gas", rank, [1e6, 1e6, 1e6], 2, [0, 1, 1])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from _worker_exit import run_then_exit  # the script's folder, tests/, is on sys.path
+
+    run_then_exit(main)

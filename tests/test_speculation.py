@@ -1,0 +1,265 @@
+"""The early step ahead of clipping, loss scaling, the overflow check and gradient accumulation
+(`zswap.step.speculation`): it runs with the gradient scale the step will use if clipping does not bite,
+and `Engine.step` commits it only when the scale it computes is exactly that one.
+
+Each test trains twins — the early step on, and off (the ordinary step) — and asserts params, optimizer
+records and step counters bitwise equal after every optimizer step; and, through ``engine.stats()``, how
+many steps ran in backward, were redone the ordinary way or were dropped for an overflow.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zswap
+from zswap.device import StandInDevice
+from zswap.step import earlystep
+
+from .conftest import run_ranks
+from .test_earlystep import state, twins
+from .test_faults import cfg_for, same
+from .test_runtime import TinyLM, build, engine_for, ids, sq
+
+
+def device_twins(tmp_path: Path, **extra: Any) -> tuple[Any, Any]:
+    """`twins` computing on the suite's stand-in for a CUDA device (deferred, poisoned copies)."""
+    runs = []
+    for name, early in (("early", True), ("plain", False)):
+        cfg = cfg_for(tmp_path / name, "nvme", "nvme", **extra)
+        m, _ = build(TinyLM, cfg)
+        e = engine_for(m, cfg, device=StandInDevice())
+        e.early_step = early
+        e.keep_applied_grads = False
+        runs.append((m, e))
+    return runs[0], runs[1]
+
+
+def run(
+    tmp_path: Path,
+    steps: int,
+    gas: int = 1,
+    clip: Any = None,
+    loss_mult: Any = None,
+    device: bool = False,
+    **extra: Any,
+) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """Train both twins ``steps`` optimizer steps of ``gas`` micro-batches through `Engine.backward`;
+    ``clip(step)``: each engine's ``max_grad_norm`` for that step; ``loss_mult(step)``: a factor on the
+    loss (a huge one overflows); ``device``: on the stand-in device. Returns the twins and the early
+    one's stats after each step."""
+    if gas > 1:
+        extra["gradient_accumulation_steps"] = gas
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (m, e), (ref, ref_e) = (device_twins if device else partial(twins, keep=False))(tmp_path, **extra)
+    seen = []
+    for step in range(steps):
+        for mm, ee in ((m, e), (ref, ref_e)):
+            if clip is not None:
+                ee.max_grad_norm = clip(step)
+            ee.stats(reset=True)
+            for micro in range(gas):
+                loss = sq(mm(ids(seed=10 * step + micro)).float())
+                ee.backward(loss * (1.0 if loss_mult is None else loss_mult(step)))
+                ee.step()
+        seen.append(e.stats())
+        assert same(state(m, e), state(ref, ref_e)), step
+        assert e.global_steps == ref_e.global_steps and e.skipped_steps == ref_e.skipped_steps
+        assert repr(e.last_grad_norm) == repr(ref_e.last_grad_norm), step  # the true norm (or nan), alike
+    assert ref_e.stats()["steps_in_backward"] == 0
+    return (m, e), (ref, ref_e), seen
+
+
+def counts(seen: list[dict[str, Any]], key: str) -> list[int]:
+    return [s[key] for s in seen]
+
+
+def test_clipping_that_does_not_bite_commits_every_step_after_the_first(tmp_path):
+    (_, e), (_, ref_e), seen = run(tmp_path, 4, clip=lambda step: 1e6)
+    assert counts(seen, "steps_in_backward") == [0, 1, 1, 1]
+    assert seen[0]["steps_ordinary_reason"].startswith("it updated no record")
+    assert counts(seen, "steps_redone") == [0, 0, 0, 0]
+    e.close()
+    ref_e.close()
+
+
+def test_clipping_that_bites_redoes_the_step_from_the_kept_gradients(tmp_path):
+    # Not biting for two steps, then biting (speculated and redone), then deferred while it bites (the
+    # update waits for the norm, from the copies held), then speculated again once a step found it off.
+    limits = [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6]
+    (_, e), (_, ref_e), seen = run(tmp_path, len(limits), clip=lambda step: limits[step])
+    assert counts(seen, "steps_in_backward") == [0, 1, 0, 0, 0, 1]
+    assert counts(seen, "steps_redone") == [0, 0, 1, 0, 0, 0]
+    assert counts(seen, "steps_deferred") == [0, 0, 0, 1, 1, 0]
+    assert seen[2]["steps_ordinary_reason"].startswith("clipping bit (gradient scale ")
+    e.close()
+    ref_e.close()
+
+
+def test_where_copies_and_gradients_exceed_the_cap_clipping_that_bit_takes_the_ordinary_step(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)  # the cap: the live budget only (1500 elements)
+    limits = [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6]
+    (_, e), (_, ref_e), seen = run(tmp_path, len(limits), clip=lambda step: limits[step])
+    assert counts(seen, "steps_deferred") == [0] * 6
+    assert seen[3]["steps_ordinary_reason"] == (
+        "clipping bit at the last step: this one waits for the norm (the param copies and gradients do "
+        "not fit in the early step's cap to wait for it)"
+    )
+    assert seen[4]["steps_ordinary_reason"] == seen[3]["steps_ordinary_reason"]  # 3 clipped: 4 waits
+    e.close()
+    ref_e.close()
+
+
+def test_clipping_keeps_gradients_in_memory_within_the_live_budget(tmp_path):
+    """A model that fits the live budget: the gradients a redo may need stay in memory, so a committed
+    step with clipping on writes what one without it writes, and reads the same."""
+    moved = []
+    for name, clip in (("off", None), ("on", lambda step: 1e6)):
+        (_, e), (_, ref_e), seen = run(
+            tmp_path / name, 4, clip=clip, stage3_max_live_parameters=100_000, sub_group_size=700
+        )
+        assert seen[-1]["steps_in_backward"] == 1
+        moved.append((seen[-1]["bytes_read"], seen[-1]["bytes_written"]))
+        e.close()
+        ref_e.close()
+    assert moved[0] == moved[1], moved
+
+
+@pytest.mark.parametrize("gas", [2, 3])
+def test_accumulation_updates_in_the_boundary_backward(gas, tmp_path):
+    (_, e), (_, ref_e), seen = run(tmp_path, 4, gas=gas)
+    assert counts(seen, "steps_in_backward") == [0, 1, 1, 1]
+    e.close()
+    ref_e.close()
+
+
+def test_accumulation_with_clipping(tmp_path):
+    limits = [1e6, 1e6, 1e-3, 1e6, 1e6]
+    (_, e), (_, ref_e), seen = run(tmp_path, len(limits), gas=2, clip=lambda step: limits[step])
+    assert counts(seen, "steps_in_backward") == [0, 1, 0, 0, 1]
+    assert counts(seen, "steps_redone") == [0, 0, 1, 0, 0]
+    e.close()
+    ref_e.close()
+
+
+def test_bf16_overflow_check_drops_the_early_step_and_skips(tmp_path):
+    pattern = [1.0, 1.0, 1e38, 1.0, 1.0]
+    (_, e), (_, ref_e), seen = run(
+        tmp_path,
+        len(pattern),
+        loss_mult=lambda step: pattern[step],
+        bf16={"enabled": True, "check_grad_overflow": True},
+    )
+    assert e.skipped_steps == 1
+    assert counts(seen, "steps_in_backward") == [0, 1, 0, 1, 1]
+    assert counts(seen, "steps_overflow_dropped") == [0, 0, 1, 0, 0]
+    e.close()
+    ref_e.close()
+
+
+def test_fp16_loss_scale_is_the_factor_the_early_step_runs_with(tmp_path):
+    pattern = [1.0, 1.0, 6e4, 1.0, 1.0]
+    (_, e), (_, ref_e), seen = run(
+        tmp_path,
+        len(pattern),
+        loss_mult=lambda step: pattern[step],
+        fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+    )
+    assert e.skipped_steps >= 1 and e.loss_scale == ref_e.loss_scale
+    assert sum(counts(seen, "steps_in_backward")) >= 2
+    assert sum(counts(seen, "steps_overflow_dropped")) >= 1
+    e.close()
+    ref_e.close()
+
+
+def test_stats_say_why_the_ordinary_step_ran(tmp_path):
+    (m, e), (ref, ref_e) = twins(tmp_path, keep=False)
+    e.early_step = False
+    for mm, ee in ((m, e), (ref, ref_e)):
+        sq(mm(ids(seed=1))).backward()
+        ee.step()
+    s = e.stats()
+    assert s["steps_in_backward"] == 0 and s["steps_ordinary"] == 1
+    assert s["steps_ordinary_reason"] == "engine.early_step is False"
+    e.close()
+    ref_e.close()
+    cfg = {
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    with zswap.Init(cfg):
+        lin = torch.nn.Linear(4, 4)
+    with zswap.initialize(lin, cfg) as eng:
+        eng.backward(sq(eng(torch.ones(2, 4))))
+        eng.step()
+        assert eng.stats()["steps_ordinary_reason"] == (
+            "the optimizer states are not on NVMe (offload_optimizer.device)"
+        )
+
+
+@pytest.mark.dist
+def test_two_ranks_update_their_partitions_in_backward_bitwise(tmp_path):
+    run_ranks(Path(__file__).with_name("_early_dist_worker.py"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("gas", "limits", "expect"),
+    [
+        (1, [None] * 4, [0, 1, 1, 1]),
+        (1, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
+        (2, [None] * 3, [0, 1, 1]),
+    ],
+    ids=["plain", "clipping", "accumulation"],
+)
+def test_on_a_compute_device_the_update_runs_from_landed_copies(gas, limits, expect, tmp_path):
+    """The device path: each param's partition and gradient are copied to the host (the stand-in runs a
+    copy only when it is waited for, and poisons its destination until then) and updated there."""
+    (_, e), (_, ref_e), seen = run(
+        tmp_path, len(limits), gas=gas, clip=lambda step: limits[step], device=True
+    )
+    assert counts(seen, "steps_in_backward") == expect
+    e.close()
+    ref_e.close()
+
+
+def test_bf16_on_a_compute_device(tmp_path):
+    (_, e), (_, ref_e), seen = run(tmp_path, 4, device=True, bf16={"enabled": True})
+    assert counts(seen, "steps_in_backward") == [0, 1, 1, 1]
+    e.close()
+    ref_e.close()
+
+
+def test_after_a_step_whose_clipping_bit_the_update_waits_for_the_norm_holding_copies(tmp_path):
+    """Deferred: clipping bit at the last step, and every param copy and gradient fits in the early
+    step's cap: they are held through backward and every record is updated at the step with the scale
+    it computed — no param or gradient read for it, as a step in backward."""
+    limits = [1e-3, 1e-3, 1e-3, 1e6, 1e6]
+    (_, e), (_, ref_e), seen = run(
+        tmp_path, len(limits), clip=lambda step: limits[step], stage3_max_live_parameters=100_000
+    )
+    assert counts(seen, "steps_deferred") == [0, 1, 1, 1, 0]
+    assert counts(seen, "steps_in_backward") == [0, 0, 0, 0, 1]
+    e.close()
+    ref_e.close()
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["cpu", "device"])
+def test_deferred_steps_with_accumulation(device, tmp_path):
+    limits = [1e-3] * 4
+    (_, e), (_, ref_e), seen = run(
+        tmp_path,
+        len(limits),
+        gas=2,
+        clip=lambda step: limits[step],
+        device=device,
+        stage3_max_live_parameters=100_000,
+    )
+    assert counts(seen, "steps_deferred") == [0, 1, 1, 1]
+    e.close()
+    ref_e.close()
