@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..device import Device
 from ..parts.gather import Loading, no_torch_function
 from ..parts.params import Status
 from ._trace import Budget, Counters, Slot, Step, Trace, guess
@@ -65,6 +66,7 @@ class BetweenPasses:
     _retained: dict[int, Slot]
     _seeds: list[tuple[Slot, torch.Tensor, Callable[[], bool]]]
     _ahead_reads: dict[int, Ahead]
+    device: Device | None
 
     if TYPE_CHECKING:
 
@@ -79,7 +81,7 @@ class BetweenPasses:
         that step's read can still be issued ahead). Nothing is gathered now: when the next pass begins,
         each taken param still valid (no write to its partition since) is gathered from its value and kept
         as a retained param — used by that pass without a read, released at its end or evicted first for
-        room; `drop_all` forgets them. One rank, CPU data only (where the early step runs)."""
+        room; `drop_all` forgets them. One rank; host data (copied to a compute device when planted)."""
         offered = {id(p): (p, data, valid) for p, data, valid in seeds}
         self._seeds = []
         if offered:
@@ -203,7 +205,8 @@ class BetweenPasses:
                 a.handle.wait()
 
     def _plant(self) -> None:
-        """Gather the seeds (`seed`) that are still valid, as retained params of the pass beginning."""
+        """Gather the seeds (`seed`) that are still valid, as retained params of the pass beginning
+        (copied to the compute device first, where there is one)."""
         seeds, self._seeds = self._seeds, []
         with no_torch_function():
             for s, data, valid in seeds:
@@ -212,6 +215,9 @@ class BetweenPasses:
                     continue
                 if data.numel() < st.numel or self.live + s.numel > self.budget.max_live or not valid():
                     continue
+                dev = self.device
+                if dev is not None and not dev.passthrough:  # to the compute device, as a fetch crosses
+                    data = dev.wait(dev.h2d(data[: st.partition_numel]))
                 s.p.data = data[: st.numel].view(st.shape)
                 st.status = Status.AVAILABLE
                 s.ours = s.retained = True

@@ -157,7 +157,7 @@ class Engine:
         self._early_off = ""  # why there is no early step (`zswap.step.speculation.why_not`)
         self._clipped = False  # the last step's clipping bit: the next one is not speculated
         self._tally = stepping.Tally()
-        self._grad_stash = 0  # `grad_stash_bytes`
+        self._grad_stash: int | None = None  # `grad_stash_bytes`, where set
         self._across = True  # `prefetch_across_passes`
         self._ids: set[int] = set()
         self._items: list[Item] = []
@@ -401,10 +401,12 @@ class Engine:
     @property
     def grad_stash_bytes(self) -> int:
         """Bytes of partition gradients kept in memory between backward and step instead of being written
-        to NVMe, where the optimizer lives there (`zswap.gradstore`). Default 0: every gradient is written,
-        which keeps peak RSS within the live budget + optimizer ring + 256 MiB; the live budget's bytes
-        saves about 1 × the model of writes per step for as much memory (benches/README.md, "Bytes per
-        step"). Results are the same either way."""
+        to NVMe, where the optimizer lives there (`zswap.gradstore`). Default 0: every gradient is written
+        — but those a step with clipping or accumulation may need, which the early step keeps in memory up
+        to the live budget's bytes (`zswap.step.speculation`) — which keeps peak RSS within the live budget
+        + optimizer ring + 256 MiB; the live budget's bytes saves about 1 × the model of writes per step for
+        as much memory (benches/README.md, "Bytes per step"). Set (0 included), it bounds every gradient
+        kept in memory, the early step's too. Results are the same either way."""
         return max((getattr(gs, "stash_cap", 0) for gs in self._grad_stores), default=0)
 
     @grad_stash_bytes.setter
@@ -413,6 +415,15 @@ class Engine:
             raise ValueError(f"grad_stash_bytes must be a non-negative int, got {nbytes!r}")
         self._grad_stash = nbytes
         gradstore.size_stash(self._grad_stores, nbytes)
+
+    def _grad_room(self) -> int:
+        """Bytes of gradients the early step keeps in memory past the stash where the step may need them
+        (clipping, accumulation: `zswap.step.speculation.Guess.keep`): the live budget's bytes, or none
+        where `grad_stash_bytes` was set (it then bounds every gradient kept in memory)."""
+        if self._grad_stash is not None:
+            return 0
+        size = max((st.dtype.itemsize for _, st in self._items), default=4)
+        return (self.sizing.budget.max_live + self.sizing.persistent) * size
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""

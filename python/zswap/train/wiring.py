@@ -78,7 +78,7 @@ def wire(engine: Engine) -> None:
     engine._grad_stores = []
     try:
         engine._grad_stores = gradstore.attach(engine._items, config)
-        gradstore.size_stash(engine._grad_stores, engine._grad_stash)
+        gradstore.size_stash(engine._grad_stores, engine._grad_stash or 0)
         # Weakly: each param's state holds its gradient store for as long as the param lives (its
         # finalizer keeps the state), so a store holding this Engine kept the module and every buffer
         # alive for good once the engine was dropped without `close`.
