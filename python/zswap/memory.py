@@ -70,7 +70,9 @@ class Allowances:
     the gradient stores ask for directly."""
 
     live: int
-    """Bytes of the live budget: ``max_live`` plus the persistent elements, at the params' widest dtype."""
+    """Bytes of the live budget: ``max_live`` plus the persistent elements, at the params' widest dtype;
+    also the room the early step keeps gradients in where a step may need them (none once
+    ``Engine.grad_stash_bytes`` is set, which then bounds them)."""
     fetch_pool: int
     """Bytes of load buffers each NVMe param store keeps for reuse (`zswap.parts.params.NvmeStore.pool`):
     ``offload_param.buffer_count × buffer_size`` where the config sets them, else `live`. The compute

@@ -252,7 +252,8 @@ class Scheduler:
         params the step just made live, the last ones backward completed and so the first the next
         forward uses). Those `seed_plan`'s rule takes are kept in the next-pass cache; when the next pass
         begins each still valid is gathered from its value, with no read, and kept as a retained param —
-        used by that pass, released at its end or evicted first for room. One rank, CPU data only."""
+        used by that pass, released at its end or evicted first for room. One rank; host data (copied to
+        a compute device when gathered)."""
         self.live -= self.next.keep(self._traces.get(self._kind), seeds, self.counters)
 
     def seed_plan(self) -> frozenset[int]:
@@ -276,15 +277,19 @@ class Scheduler:
 
     def _take_next(self) -> None:
         """At a pass's start, the one place next-pass entries are taken: each value still valid is
-        gathered from memory as a retained param (while the live budget holds it), then each read still
-        valid becomes a prefetch of this pass; `NextPass.take` drops the rest."""
+        gathered from memory as a retained param (while the live budget holds it; copied to the compute
+        device first, where there is one), then each read still valid becomes a prefetch of this pass;
+        `NextPass.take` drops the rest."""
         entries, dropped = self.next.take(self.budget.max_live - self.live, self.counters)
         reads = [e for e in entries if e.handle is not None]
         with no_torch_function():
             for e in entries:
                 s, st = e.slot, e.slot.st
                 if e.handle is None:
-                    s.p.data = e.data[: st.numel].view(st.shape)
+                    data, dev = e.data, self.device
+                    if dev is not None and not dev.passthrough:  # to the compute device, as a fetch crosses
+                        data = dev.wait(dev.h2d(data[: st.partition_numel]))
+                    s.p.data = data[: st.numel].view(st.shape)
                     st.status = Status.AVAILABLE
                     s.ours = s.retained = True
                     self._retained[id(s.p)] = s

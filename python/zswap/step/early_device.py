@@ -55,7 +55,7 @@ def land(es: EarlyStep, block: bool) -> None:
         copy, grad = dev.synchronize(param_copy), dev.synchronize(grad_copy)
         gs = cast(NvmeGrads, es.gs)
         if es.keeping:
-            stored = gs.add_fp32(st, grad, es.room if es.guess.keep else 0)
+            stored = gs.add_fp32(st, grad, es.allowance if es.guess.keep else 0)
             if stored is None:  # this backward's gradient writes failed: its end raises
                 es._give_up(es.task, "a gradient write failed")
                 return

@@ -157,7 +157,7 @@ class EarlyStep:
         seed_numel: int = 0,
         seed_plan: Callable[[], frozenset[int]] = frozenset,
         keep: Callable[[], bool] = lambda: True,
-        room: int = 0,
+        room: Callable[[], int] = lambda: 0,
         tally: Tally | None = None,
     ) -> None:
         tally = Tally() if tally is None else tally
@@ -166,8 +166,11 @@ class EarlyStep:
         """The `Guess` for the next step, or why no early step can run for it."""
         self.cap = cap
         self.room = room
-        """Bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`) where the
-        step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary."""
+        self.allowance = 0
+        """``room()`` as read when the backward in progress began."""
+        """``room()``: bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`)
+        where the step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary;
+        read when each backward begins."""
         self.seed_numel = seed_numel
         """Elements of updated params kept in memory for the next forward at most (0: none); see
         `take_seeds`."""
@@ -229,7 +232,7 @@ class EarlyStep:
     def summing_room(self) -> int:
         """`room` while the backward in progress is a micro-batch before the accumulation boundary (its
         gradients are summed in memory up to it), else 0: for gradients landing from a compute device."""
-        return self.room if self.state == "summing" else 0
+        return self.allowance if self.state == "summing" else 0
 
     def _give_up(
         self,
@@ -281,7 +284,7 @@ class EarlyStep:
         if self.state == "idle":
             self._begin(st, task)
         if self.state == "summing" and sink is None:  # before the boundary: summed in memory within `room`
-            cast(NvmeGrads, st.grad_store).add(st, part, self.room)
+            cast(NvmeGrads, st.grad_store).add(st, part, self.allowance)
             return True
         if self.state != "running":
             return False
@@ -300,7 +303,7 @@ class EarlyStep:
         if self.keeping:
             # Stored first; what is applied is the stored sum (with earlier micro-batches' under
             # accumulation), read only.
-            stored = gs.add(st, part, self.room if self.guess.keep else 0)
+            stored = gs.add(st, part, self.allowance if self.guess.keep else 0)
             if stored is None:  # this backward's gradient writes failed: its end raises
                 self._give_up(task, "a gradient write failed")
                 return True
@@ -375,6 +378,7 @@ class EarlyStep:
         self._outer, self.ended = weakref.ref(alive), False
         Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
         guess = self.plan()
+        self.allowance = self.room()
         if isinstance(guess, str):
             self.state, self.task, self.why = "off", task, guess
             if guess == MICRO_BATCH and isinstance(gs, NvmeGrads):
@@ -591,11 +595,11 @@ def for_engine(engine: Any) -> EarlyStep | None:
         speculation.planner(engine, opt, ranks, holds_all=2 * model <= allowed.early_step),
         allowed.early_step,
         # `Scheduler.seed_plan` keeps seeds within the live budget with the next pass's first read
-        # (benches/README.md, "Bytes per step"); `Scheduler.seed` gathers from host data on the CPU only.
-        seed_numel=allowed.seeds if engine.compute_device.passthrough else 0,
+        # (benches/README.md, "Bytes per step").
+        seed_numel=allowed.seeds,
         seed_plan=engine._sched.seed_plan,
         keep=engine._keeps_applied_grads,
-        room=allowed.live,  # gradients a redo or the accumulation needs: the live budget's bytes in memory
+        room=engine._grad_room,  # gradients a redo or the accumulation needs, kept in memory
         tally=engine._tally,
     )
     # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they

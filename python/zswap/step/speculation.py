@@ -75,8 +75,8 @@ def planner(engine: Any, optimizer: Any, ranks: int, holds_all: bool) -> Callabl
         clipping = engine.max_grad_norm is not None
         sums = engine._gas > 1
         if clipping and engine._clipped:
-            if holds_all:
-                return Guess(None, keep=sums, sums=sums, ranks=ranks)
+            if holds_all:  # gradients stored as well: the norm and a fallback need nothing more
+                return Guess(None, keep=True, sums=sums, ranks=ranks)
             return (
                 "clipping bit at the last step: this one waits for the norm (the param copies and "
                 "gradients do not fit in the early step's cap to wait for it)"

@@ -149,16 +149,15 @@ class Engine:
         self.last_grad_norm: float | None = None
         """Global gradient norm seen by the last `step` (when clipping or the fp16 check needed it)."""
         self.early_step = True
-        """Escape hatch (docs/configuration.md): the update runs in backward wherever that gives the same
-        result (`zswap.step.earlystep`); False for a loop that changes the lr, clipping or params between
-        backward and step as a rule (each change wastes that update's I/O), or to time the ordinary step."""
+        """Escape hatch (docs/configuration.md): False for a loop that changes the lr, clipping or params
+        between backward and step as a rule (`zswap.step.earlystep`'s work then wasted). Same results."""
         self._keep_applied: bool | Literal["auto"] = "auto"  # `keep_applied_grads`
         self._reuse_outputs = outputs.DEFAULT  # `reuse_backward_outputs`
         self._early: earlystep.EarlyStep | None = None
         self._early_off = ""  # why there is no early step (`zswap.step.speculation.why_not`)
         self._clipped = False  # the last step's clipping bit: the next one is not speculated
         self._tally = stepping.Tally()
-        self._grad_stash = 0  # `grad_stash_bytes`
+        self._grad_stash: int | None = None  # `grad_stash_bytes`, where set
         self._across = True  # `prefetch_across_passes`
         self._ids: set[int] = set()
         self._items: list[Item] = []
@@ -342,11 +341,11 @@ class Engine:
 
     @property
     def keep_applied_grads(self) -> bool | Literal["auto"]:
-        """Escape hatch (docs/configuration.md): True for a loop that may now and then read a gradient or
-        change what the step depends on between backward and step, so the ordinary step can always run.
-        Whether the gradients the early step applies in backward are stored as any other (written to
-        NVMe past `grad_stash_bytes`). False: they are let go once applied — 1 × the model fewer bytes
-        written per step — so what needs them after backward raises `zswap.errors.GradientsNotKeptError`
+        """Escape hatch (docs/configuration.md): True for a loop that now and then reads a gradient or
+        changes what the step depends on between backward and step. Whether the gradients the early step
+        applies in backward are stored as any other (written to NVMe past `grad_stash_bytes`). False: they
+        are let go once applied — 1 × the model fewer bytes written per step — so what needs them after
+        backward raises `zswap.errors.GradientsNotKeptError`
         (`full_grad`, a second backward, a step the early step cannot be (an lr changed, a partition
         written, clipping turned on between backward and step); README, "The step in backward"). True:
         those fall back to the ordinary step. ``"auto"`` (default): False until this engine's gradients
@@ -390,9 +389,8 @@ class Engine:
         """Escape hatch (docs/configuration.md): False when no pass follows soon, so no read holds memory.
         Whether the swap-ins of the next pass's first params are issued when a pass ends (an inference
         forward's end, `step`'s end, `initialize`'s end), so a pass's first step does not wait for the
-        disk (`zswap.fetch.nextpass`). Default True. A read made stale by a write in between is
-        dropped unused; results are the same either way. Off: the first step of each pass is read on
-        demand."""
+        disk (`zswap.fetch.nextpass`). Default True. A read made stale by a write in between is dropped
+        unused; results are the same either way. Off: the first step of each pass is read on demand."""
         return self._across
 
     @prefetch_across_passes.setter
@@ -407,10 +405,12 @@ class Engine:
     def grad_stash_bytes(self) -> int:
         """Escape hatch (docs/configuration.md): for a machine with memory to spare, to write less.
         Bytes of partition gradients kept in memory between backward and step instead of being written
-        to NVMe, where the optimizer lives there (`zswap.gradstore`). Default 0: every gradient is written,
-        which keeps peak RSS within the live budget + optimizer ring + 256 MiB; the live budget's bytes
-        saves about 1 × the model of writes per step for as much memory (benches/README.md, "Bytes per
-        step"). Results are the same either way."""
+        to NVMe, where the optimizer lives there (`zswap.gradstore`). Default 0: every gradient is written
+        — but those a step with clipping or accumulation may need, which the early step keeps in memory up
+        to the live budget's bytes (`zswap.step.speculation`) — which keeps peak RSS within the live budget
+        + optimizer ring + 256 MiB; the live budget's bytes saves about 1 × the model of writes per step for
+        as much memory (benches/README.md, "Bytes per step"). Set (0 included), it bounds every gradient
+        kept in memory, the early step's too. Results are the same either way."""
         return max((getattr(gs, "stash_cap", 0) for gs in self._grad_stores), default=0)
 
     @grad_stash_bytes.setter
@@ -418,6 +418,12 @@ class Engine:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"grad_stash_bytes must be a non-negative int, got {nbytes!r}")
         self._grad_stash = nbytes  # the gradient stores ask at each gradient
+
+    def _grad_room(self) -> int:
+        """Bytes of gradients the early step keeps in memory past the stash where the step may need them
+        (clipping, accumulation: `zswap.step.speculation.Guess.keep`): the live budget's bytes, or none
+        where `grad_stash_bytes` was set (it then bounds every gradient kept in memory)."""
+        return 0 if self._grad_stash is not None else self.sizing.allowances.live
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""

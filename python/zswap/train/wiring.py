@@ -85,7 +85,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         engine._grad_stores = gradstore.attach(
             engine._items,
             config,
-            stash_cap=lambda: e._grad_stash if (e := me()) is not None else 0,
+            stash_cap=lambda: (e._grad_stash or 0) if (e := me()) is not None else 0,
             # the step's norm from backward: no gradient read for it (gradstore)
             norms_wanted=lambda: (
                 (e := me()) is not None
