@@ -213,7 +213,9 @@ class Engine:
     def _step(self) -> None:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
-            self._sched.read_ahead()  # nothing was written: the next forward's first reads start now
+            if self._early is not None:  # the next forward's first params, kept as they were: no read
+                self._sched.seed(self._early.take_micro_seeds())
+            self._sched.read_ahead()  # nothing was written: the next forward's next reads start now
             return
         self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
