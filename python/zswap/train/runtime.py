@@ -64,7 +64,8 @@ def initialize(
     the CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a `torch.device`. Partitions stay on their offload
     tier; gathered params, module buffers and the model's inputs (the caller's) are on this device.
     ``max_grad_norm``: clip the global L2 norm of the gradients (over all ranks) to this before each step;
-    default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping).
+    default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping, as in
+    PyTorch — `zswap.deepspeed.initialize` instead clips at 1.0 when the key is absent, as DeepSpeed does).
     """
     return build(Engine, model, config, optimizer, lr_scheduler, device, max_grad_norm)
 
