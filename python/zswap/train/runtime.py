@@ -29,7 +29,7 @@ from ..parts.params import Item, ParamState, param_state
 from ..parts.runners import RUNNERS
 from ..step import earlystep, stepping
 from ..step.optim._records import Records
-from . import bridge, stats, wiring
+from . import bridge, resident, stats, wiring
 from .sizing import refuse_meta
 
 if TYPE_CHECKING:
@@ -217,6 +217,7 @@ class Engine:
             return
         self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
+        held = resident.take(self)  # resident params: stepped in their gathered copy (no read)
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
         if self._early is not None and self._early.commit(self._items):  # updated in backward already
             self.last_grad_norm = None
@@ -240,7 +241,7 @@ class Engine:
         else:
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
-            bridge.step_partitions(self.optimizer, self._items, others, chunk, scale)
+            bridge.step_partitions(self.optimizer, self._items, others, chunk, scale, held)
         self._finish_step(scale)
         self._sched.read_ahead()  # the next forward's first reads, of the values just written
 
