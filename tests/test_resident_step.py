@@ -5,6 +5,7 @@ transaction, and the results are bitwise those of plain PyTorch and of the ordin
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import zswap
 from zswap import Status, SwapIOError, param_state
 from zswap.parts.params import NvmeStore
 
+from .conftest import run_ranks
 from .test_runtime import build, engine_for
 
 HYPER: dict[str, Any] = {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.01}
@@ -26,7 +28,7 @@ class Net(nn.Module):
         super().__init__()
         self.a = nn.Linear(12, 48)
         self.b = nn.Linear(48, 48)
-        self.c = nn.Linear(48, 6)
+        self.c = nn.Linear(48, 5)  # an odd bias: padding in the last partition over two ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.c(torch.tanh(self.b(torch.relu(self.a(x))))) * 4).square().mean()
@@ -195,3 +197,8 @@ def test_a_failed_write_in_the_step_leaves_the_gathered_copies_as_they_were(opti
             ref_opt.zero_grad()
         with zswap.GatheredParameters(list(m.parameters())):
             assert same([p.data for p in m.parameters()], [q.data for q in ref.parameters()])
+
+
+@pytest.mark.dist
+def test_two_ranks_step_their_slice_of_the_gathered_copy(tmp_path):
+    run_ranks(Path(__file__).with_name("_resident_dist_worker.py"), tmp_path)

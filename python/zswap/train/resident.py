@@ -71,7 +71,7 @@ def take(engine: Engine) -> dict[int, Held]:
             ):
                 continue
             full = torch.empty(0, dtype=st.dtype).set_(
-                view.untyped_storage(), view.storage_offset(), (n * st.world_size,)
+                view.untyped_storage(), view.storage_offset(), (n * st.world_size,), (1,)
             )
             out[id(s.p)] = Held(s, view, full, full[st.rank * n : (st.rank + 1) * n])
     return out
