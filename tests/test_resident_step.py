@@ -202,3 +202,23 @@ def test_a_failed_write_in_the_step_leaves_the_gathered_copies_as_they_were(opti
 @pytest.mark.dist
 def test_two_ranks_step_their_slice_of_the_gathered_copy(tmp_path):
     run_ranks(Path(__file__).with_name("_resident_dist_worker.py"), tmp_path)
+
+
+def test_a_frozen_resident_param_stays_gathered_and_unchanged(tmp_path):
+    cfg = config(tmp_path, "torch", ALL)
+    m, ref = build(Net, cfg)
+    for net in (m, ref):
+        net.a.weight.requires_grad_(False)
+    with zswap.GatheredParameters(m.a.weight):
+        start = m.a.weight.data.clone()
+    ref_opt = adamw([p for p in ref.parameters() if p.requires_grad])
+    with engine_for(m, cfg, optimizer=adamw([p for p in m.parameters() if p.requires_grad])) as engine:
+        for x in inputs(3):
+            engine.backward(engine(x))
+            engine.step()
+            ref(x).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert param_state(m.a.weight).status is Status.AVAILABLE
+            assert torch.equal(m.a.weight.data, start) and torch.equal(_stored(m.a.weight), start.reshape(-1))
+        assert same([p.data for p in m.parameters()], [q.data for q in ref.parameters()])
