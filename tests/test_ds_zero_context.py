@@ -111,6 +111,7 @@ def test_a_param_used_outside_its_module_trains_as_plain_torch():
             engine.backward(loss)
             engine.step()
             want.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
             ref_opt.step()
             ref_opt.zero_grad()
 
@@ -181,6 +182,7 @@ def test_a_param_returned_by_forward_trains_as_plain_torch():
             engine.backward(loss)
             engine.step()
             want.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
             ref_opt.step()
             ref_opt.zero_grad()
         with deepspeed.zero.GatheredParameters(list(net.parameters())):
@@ -372,6 +374,7 @@ def test_a_torch_optimizer_built_before_initialize_trains_as_plain_torch():
         assert torch.equal(zswap.full_grad(model.weight), w.grad)
         assert torch.equal(zswap.full_grad(model.bias), b.grad)
         engine.step()
+        torch.nn.utils.clip_grad_norm_([w, b], 1.0)  # DeepSpeed's default gradient_clipping
         ref_opt.step()
         with zswap.GatheredParameters([model.weight, model.bias]):
             assert torch.equal(model.weight, w) and torch.equal(model.bias, b)

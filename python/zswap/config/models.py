@@ -385,7 +385,8 @@ class ZswapConfig(_Model):
     bf16: BF16Config = Field(default_factory=BF16Config)
     gradient_clipping: v.NonNegativeFloat | None = None
     """DeepSpeed's top-level ``gradient_clipping``: clip the gradients' global L2 norm to this before each
-    step (`zswap.initialize`); ``None`` or 0 = no clipping."""
+    step; 0 = no clipping. ``None`` (absent or ``"auto"``): no clipping under `zswap.initialize`, 1.0 under
+    `zswap.deepspeed.initialize` (DeepSpeed's default since 0.19.3)."""
     batch: BatchConfig = Field(default_factory=BatchConfig)
     """The top-level batch keys (gradient accumulation)."""
     scheduler: SchedulerConfig | None = None

@@ -36,6 +36,10 @@ from ._engine import DeepSpeedEngine
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 """DeepSpeed's default ``distributed_port``."""
 
+GRADIENT_CLIPPING_DEFAULT = 1.0
+"""The clip norm `initialize` uses when the config has no ``gradient_clipping``: DeepSpeed's own default
+since 0.19.3 (its ``GRADIENT_CLIPPING_DEFAULT``), so a script ported here keeps clipping as it did."""
+
 
 def initialize(
     args: Any = None,
@@ -69,6 +73,10 @@ def initialize(
     - ``dist_init_required``: ``None`` initialises torch.distributed when a launcher set ``WORLD_SIZE``
       and it is not initialised yet; ``True`` always (a single process on ``distributed_port`` when no
       launcher did); ``False`` never.
+    - Clipping: the config's ``gradient_clipping``; without that key (or with ``"auto"``) the global
+      gradient norm is clipped to `GRADIENT_CLIPPING_DEFAULT` (1.0), as DeepSpeed >= 0.19.3 does;
+      ``gradient_clipping: 0`` turns clipping off. (`zswap.initialize` keeps PyTorch's behaviour: no
+      clipping unless asked.)
     - ``mpu`` and ``mesh_param`` (model / sequence parallelism) are not supported: a `TypeError`.
     """
     refuse("initialize", mpu=(mpu, None), mesh_param=(mesh_param, None))
@@ -85,6 +93,8 @@ def initialize(
         optimizer, owned = OffloadedAdamW.from_config(params, cfg), True
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
+    if cfg.gradient_clipping is None:  # absent (or "auto"): DeepSpeed's default; an explicit 0 stays off
+        cfg = cfg.replace(gradient_clipping=GRADIENT_CLIPPING_DEFAULT)
     engine = runtime.build(DeepSpeedEngine, model, cfg, optimizer, lr_scheduler, None, None)
     if owned:
         engine.adopt_optimizer()
@@ -152,4 +162,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize", "zero"]
+__all__ = [
+    "GRADIENT_CLIPPING_DEFAULT",
+    "DeepSpeedEngine",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+    "zero",
+]

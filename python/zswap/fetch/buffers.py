@@ -13,8 +13,9 @@ in DeepSpeed as here):
   can hold at once. Fetches beyond the pool still work: their buffers are allocated and freed.
 - ``max_in_cpu`` (elements): params kept gathered in host memory between uses, on top of the small
   persistent ones, so they are read from NVMe once instead of at every forward and backward. Taken in
-  ``model.parameters()`` order, each param that still fits; their NVMe copy stays the one the optimizer
-  updates.
+  ``model.parameters()`` order, each param that still fits. The ordinary step updates them, like the
+  persistent ones, in their gathered copy and writes that to NVMe in the step's transaction, so a warm
+  step reads nothing for them (`zswap.train.resident`).
 """
 
 from __future__ import annotations

@@ -133,6 +133,19 @@ def take_seeds(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, Callable
     return out
 
 
+def unchanged_seeds(
+    copies: list[tuple[torch.Tensor, torch.Tensor, str | None]],
+) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+    """(param, copy, still valid) for copies of params' stored partitions taken when their stored value
+    was the given version: valid while it still is."""
+    out: list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]] = []
+    for p, copy, version in copies:
+        st = param_state(p)
+        if st is not None:
+            out.append((p, copy, _unchanged(_ps(st).ns, st.key, version)))
+    return out
+
+
 def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str:
     """Why the early step is not the step `Engine.step` would take now ("" if it is)."""
     if es.plan() != es.guess:
@@ -219,6 +232,7 @@ def reset(es: EarlyStep) -> None:
     es.held = 0
     es.seeds = deque()
     es.seeded = 0
+    es.micro = []
     es.ring = []
     es.free = deque()
     es.reads = deque()

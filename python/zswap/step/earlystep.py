@@ -111,6 +111,8 @@ class EarlyStep:
     keeping: bool
     dropped: int
     """Gradients of this backward applied and let go without being stored (``keeping`` false)."""
+    micro: list[tuple[torch.Tensor, torch.Tensor, str | None]]
+    """Copies of params kept in a micro-batch before the boundary for the next forward (`_keep_as_seed`)."""
     seeding: frozenset[int]
     """ids of the params whose updated copies are kept as seeds (`seed_plan`, at backward's start)."""
     guess: Guess
@@ -229,6 +231,30 @@ class EarlyStep:
             self.abort()
             raise
 
+    def _keep_as_seed(self, p: torch.Tensor, st: ParamState) -> None:
+        """A micro-batch before the boundary: no step will change ``p`` before the next forward, which
+        takes it first (`seed_plan`): a copy of it is kept for `take_micro_seeds`."""
+        data = p.data.reshape(-1)
+        copy = self._alloc(st, data)
+        with no_torch_function():
+            _memcpy(copy, data)
+        self.micro.append((p, copy, _ps(st).ns._live.get(st.key)))
+        self.held += copy.numel() * copy.element_size()
+        self.seeded += copy.numel()
+        self.holding.add(_small(copy))
+        while self.seeded > self.seed_numel:
+            _, old, _ = self.micro.pop(0)
+            self.seeded -= old.numel()
+            self.held -= old.numel() * old.element_size()
+            self.holding.add(-_small(old))
+
+    def take_micro_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+        """At a micro-step (no optimizer step): the copies `_keep_as_seed` made, each valid while
+        nothing wrote its partition, for `zswap.fetch.prefetch.Scheduler.seed`."""
+        micro = self.micro if self.state == "summing" and self.ended else []
+        self._reset()
+        return early_commit.unchanged_seeds(micro)
+
     def summing_room(self) -> int:
         """`room` while the backward in progress is a micro-batch before the accumulation boundary (its
         gradients are summed in memory up to it), else 0: for gradients landing from a compute device."""
@@ -285,6 +311,8 @@ class EarlyStep:
             self._begin(st, task)
         if self.state == "summing" and sink is None:  # before the boundary: summed in memory within `room`
             cast(NvmeGrads, st.grad_store).add(st, part, self.allowance)
+            if id(p) in self.seeding and st.status is Status.AVAILABLE and st.world_size == 1:
+                self._keep_as_seed(p, st)
             return True
         if self.state != "running":
             return False
@@ -382,7 +410,8 @@ class EarlyStep:
         if isinstance(guess, str):
             self.state, self.task, self.why = "off", task, guess
             if guess == MICRO_BATCH and isinstance(gs, NvmeGrads):
-                self.state = "summing"
+                self.state = "summing"  # and the next forward's first params kept as they are (seeds)
+                self.seeding = self.seed_plan() if self.seed_numel > 0 else frozenset()
             return
         if isinstance(gs, NvmeGrads) and gs._meta and not guess.sums:
             gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on

@@ -20,10 +20,16 @@ from ..parts.gather import no_torch_function
 from ..parts.params import Item, NvmeStore
 from ..step.optim import OffloadedAdamW
 from ..store.storage import step_transaction
+from . import resident
 
 
 def step_partitions(
-    optimizer: Any, items: list[Item], others: Sequence[torch.Tensor], chunk: int, grad_scale: float = 1.0
+    optimizer: Any,
+    items: list[Item],
+    others: Sequence[torch.Tensor],
+    chunk: int,
+    grad_scale: float = 1.0,
+    held: dict[int, resident.Held] | None = None,
 ) -> None:
     """Step a param-based optimizer on the local partitions of ``items``.
 
@@ -44,7 +50,27 @@ def step_partitions(
     ``optimizer.state[p]`` (tensors by value, other entries by identity; a param without state loses the
     state its failed first step created). So a failure leaves params, gradients and that state as they
     were. Not covered: state an optimizer keeps outside ``optimizer.state[p]`` (LBFGS-style globals).
+
+    ``held`` (`zswap.train.resident.take`): resident params whose gathered copy is their partition. Theirs
+    is stepped in place, not read, and written to the store like the others; the copies are gathered
+    again when the call returns or raises (new values after a commit, the old ones after an abort).
     """
+    held = held or {}
+    try:
+        _step_all(optimizer, items, others, chunk, grad_scale, held)
+    finally:
+        resident.reinstall(held)
+    resident.regather(held)
+
+
+def _step_all(
+    optimizer: Any,
+    items: list[Item],
+    others: Sequence[torch.Tensor],
+    chunk: int,
+    grad_scale: float,
+    held: dict[int, resident.Held],
+) -> None:
     takes_scale = "grad_scale" in inspect.signature(optimizer.step).parameters
     own_undo = bool(getattr(optimizer, "transactional", False))
     with step_transaction() as txn:
@@ -70,7 +96,7 @@ def step_partitions(
                         p.grad.mul_(grad_scale)
         todo = [(p, st) for p, st in items if store_of(st).has(st)]
         for i, batch in enumerate(grads.chunks(todo, chunk) or [[]]):  # one step even with no partitions
-            _step_batch(optimizer, batch, grad_scale, takes_scale, txn, own_undo)
+            _step_batch(optimizer, batch, grad_scale, takes_scale, txn, own_undo, held)
             if i == 0:
                 for p in others:
                     p.grad = None
@@ -103,14 +129,25 @@ def _save_state(txn: Any, optimizer: Any, p: torch.Tensor) -> None:
 
 
 def _step_batch(
-    optimizer: Any, batch: list[Item], grad_scale: float, takes_scale: bool, txn: Any, own_undo: bool
+    optimizer: Any,
+    batch: list[Item],
+    grad_scale: float,
+    takes_scale: bool,
+    txn: Any,
+    own_undo: bool,
+    held: dict[int, resident.Held],
 ) -> None:
     with no_torch_function():
         loads: list[tuple[torch.Tensor, Any]] = []
         try:
-            # Param and gradient partitions: reads issued together, waited together.
-            for _, st in batch:
-                loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
+            # Param and gradient partitions: reads issued together, waited together. A resident param's
+            # partition is its gathered copy (no read; changed in place, so saved below like a memory
+            # store's partition).
+            for p, st in batch:
+                h = held.get(id(p))
+                loads.append(
+                    st.store.load(st.key, st.partition_numel, st.dtype) if h is None else (h.part, None)
+                )
                 loads.append(store_of(st).load(st))
             for _, handle in loads:
                 if handle is not None:
@@ -135,6 +172,9 @@ def _step_batch(
             else:
                 optimizer.step()
             for p, st in batch:
+                h = held.get(id(p))
+                if h is not None and p.data.data_ptr() != h.part.data_ptr():
+                    h.part.copy_(p.data.reshape(-1))  # an optimizer that replaced .data: the copy follows
                 st.store.put(st.key, p.data)  # staged in the transaction (in place for memory stores)
         finally:
             for _, handle in loads:

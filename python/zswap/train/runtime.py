@@ -29,7 +29,7 @@ from ..parts.params import Item, ParamState, param_state
 from ..parts.runners import RUNNERS
 from ..step import earlystep, stepping
 from ..step.optim._records import Records
-from . import bridge, stats, wiring
+from . import bridge, resident, stats, wiring
 from .sizing import refuse_meta
 
 if TYPE_CHECKING:
@@ -64,7 +64,8 @@ def initialize(
     the CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a `torch.device`. Partitions stay on their offload
     tier; gathered params, module buffers and the model's inputs (the caller's) are on this device.
     ``max_grad_norm``: clip the global L2 norm of the gradients (over all ranks) to this before each step;
-    default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping).
+    default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping, as in
+    PyTorch — `zswap.deepspeed.initialize` instead clips at 1.0 when the key is absent, as DeepSpeed does).
     """
     return build(Engine, model, config, optimizer, lr_scheduler, device, max_grad_norm)
 
@@ -214,10 +215,13 @@ class Engine:
     def _step(self) -> None:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
-            self._sched.read_ahead()  # nothing was written: the next forward's first reads start now
+            if self._early is not None:  # the next forward's first params, kept as they were: no read
+                self._sched.seed(self._early.take_micro_seeds())
+            self._sched.read_ahead()  # nothing was written: the next forward's next reads start now
             return
         self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
+        held = resident.take(self)  # resident params: stepped in their gathered copy (no read)
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
         early = self._early
         if early is not None:
@@ -248,7 +252,7 @@ class Engine:
         else:
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
-            bridge.step_partitions(self.optimizer, self._items, others, chunk, scale)
+            bridge.step_partitions(self.optimizer, self._items, others, chunk, scale, held)
         self._finish_step(scale)
         self._sched.read_ahead()  # the next forward's first reads, of the values just written
 
