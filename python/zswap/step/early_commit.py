@@ -86,6 +86,7 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
         drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
         return False
     txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, list(es.seeds), es.dropped
+    kept = list(es.kept)
     gs = es.gs
 
     def counters() -> None:
@@ -108,6 +109,7 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
                 f"instead. {RESTART}"
             ) from exc
         return False
+    es._committed_resident = kept
     es.commits += 1
     if deferred:
         es.tally.deferred += 1
@@ -233,6 +235,8 @@ def reset(es: EarlyStep) -> None:
     es.seeds = deque()
     es.seeded = 0
     es.micro = []
+    es.staying = frozenset()
+    es.kept = []
     es.ring = []
     es.free = deque()
     es.reads = deque()

@@ -99,6 +99,10 @@ def seed(es: EarlyStep, i: int, copy: torch.Tensor) -> bool:
     nbytes = copy.numel() * copy.element_size()
     p = es.opt.records.params[i]
     es.held -= 2 * nbytes  # the gradient, and the copy: counted in ``copying`` until written
+    if id(p) in es.staying:  # resident: becomes its gathered copy at the commit
+        es.kept.append((p, copy))
+        es.held += nbytes
+        return True
     if id(p) in es.seeding and copy.numel() <= es.seed_numel:
         es.seeds.append((p, copy))
         es.seeded += copy.numel()

@@ -113,6 +113,10 @@ class EarlyStep:
     """Gradients of this backward applied and let go without being stored (``keeping`` false)."""
     micro: list[tuple[torch.Tensor, torch.Tensor, str | None]]
     """Copies of params kept in a micro-batch before the boundary for the next forward (`_keep_as_seed`)."""
+    staying: frozenset[int]
+    """`resident()` when this backward began."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]]
+    """Updated copies of resident params, kept for `take_resident`."""
     seeding: frozenset[int]
     """ids of the params whose updated copies are kept as seeds (`seed_plan`, at backward's start)."""
     guess: Guess
@@ -161,6 +165,7 @@ class EarlyStep:
         keep: Callable[[], bool] = lambda: True,
         room: Callable[[], int] = lambda: 0,
         tally: Tally | None = None,
+        resident: Callable[[], frozenset[int]] = frozenset,
     ) -> None:
         tally = Tally() if tally is None else tally
         self.opt = optimizer
@@ -169,6 +174,11 @@ class EarlyStep:
         self.cap = cap
         self.room = room
         self.allowance = 0
+        self.resident = resident
+        """ids of the params kept gathered between passes (persistent, ``max_in_cpu``): their updated
+        copies are kept past their write and become their gathered copies at the commit
+        (`take_resident`), so none is read again after the step."""
+        self._committed_resident: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``room()`` as read when the backward in progress began."""
         """``room()``: bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`)
         where the step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary;
@@ -424,6 +434,7 @@ class EarlyStep:
         self.keeping = guess.keep or bool(self.keep())
         self.lost = ""
         self.seeding = self.seed_plan() if self.seed_numel > 0 and guess.ranks == 1 else frozenset()
+        self.staying = self.resident()
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         self.txn.uses(self.records.storage)
@@ -565,6 +576,12 @@ class EarlyStep:
     def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
         return early_commit.take_seeds(self)
 
+    def take_resident(self) -> dict[int, torch.Tensor]:
+        """{id(param): its partition as the last `commit` made it live} for the resident params it
+        updated (`resident`)."""
+        out, self._committed_resident = {id(p): c for p, c in self._committed_resident}, []
+        return out
+
     def _mismatch(self, items: list[tuple[torch.Tensor, ParamState]]) -> str:
         return early_commit.mismatch(self, items)
 
@@ -632,6 +649,7 @@ def for_engine(engine: Any) -> EarlyStep | None:
         keep=engine._keeps_applied_grads,
         room=engine._grad_room,  # gradients a redo or the accumulation needs, kept in memory
         tally=engine._tally,
+        resident=engine._resident_ids,
     )
     # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they
     # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and

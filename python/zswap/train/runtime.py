@@ -236,6 +236,7 @@ class Engine:
         self._clipped = scale is not None and scale != 1.0 / loss_scale  # the next step's guess
         if committed:
             assert early is not None
+            resident.refresh(held, early.take_resident())  # gathered again from the committed copies
             self._finish_step(scale)
             self._sched.seed(early.take_seeds())  # the next forward's first params: no read
             self._sched.read_ahead()  # and the next ones' reads, of the values just committed
@@ -243,6 +244,7 @@ class Engine:
         self._tally.ordinary_step(early.why if early is not None else self._early_off, scale)
         if scale is None:
             self.skipped_steps += 1
+            resident.reinstall(held)  # nothing changed them
         elif getattr(self.optimizer, "steps_partitions", False):
             if scale != 1.0:  # clipping or an fp16 loss scale: it must apply the factor, never drop it
                 self.optimizer.step(grad_scale=scale)
@@ -419,6 +421,9 @@ class Engine:
             raise ValueError(f"grad_stash_bytes must be a non-negative int, got {nbytes!r}")
         self._grad_stash = nbytes
         gradstore.size_stash(self._grad_stores, nbytes)
+
+    def _resident_ids(self) -> frozenset[int]:
+        return resident.ids(self)
 
     def _grad_room(self) -> int:
         """Bytes of gradients the early step keeps in memory past the stash where the step may need them
