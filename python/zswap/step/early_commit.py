@@ -120,6 +120,20 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
     return True
 
 
+def second_backward(es: EarlyStep, task: int) -> None:
+    """A gradient of another backward while an early step whose gradients were let go waits for
+    `Engine.step`: nothing can be accumulated onto them."""
+    _wanted(es.gs)
+    es.abort()
+    es.lost = "a second backward ran before engine.step()"
+    es.state, es.task = "off", task
+    raise GradientsNotKeptError(
+        "a second backward before engine.step(): the early step applied the first one's gradients to the "
+        f"optimizer in backward and did not keep them {NOT_KEPT}, so this backward cannot accumulate "
+        f"onto them (use gradient_accumulation_steps to accumulate). The early step is dropped. {RESTART}"
+    )
+
+
 def take_seeds(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
     """(param, its updated partition, still valid) for the params the last `commit` made live whose
     new value is still in memory; ``still_valid()`` is false once anything wrote the partition since
