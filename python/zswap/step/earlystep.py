@@ -145,16 +145,16 @@ class EarlyStep:
         """The `Guess` for the next step, or why no early step can run for it."""
         self.cap = cap
         self.room = room
+        """``room()``: bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`)
+        where the step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary;
+        read when each backward begins."""
         self.allowance = 0
+        """``room()`` as read when the backward in progress began."""
         self.resident = resident
         """ids of the params kept gathered between passes (persistent, ``max_in_cpu``): their updated
         copies are kept past their write and become their gathered copies at the commit
         (`take_resident`), so none is read again after the step."""
         self._committed_resident: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """``room()`` as read when the backward in progress began."""
-        """``room()``: bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`)
-        where the step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary;
-        read when each backward begins."""
         self.seed_numel = seed_numel
         """Elements of updated params kept in memory for the next forward at most (0: none); see
         `take_seeds`."""
