@@ -263,3 +263,32 @@ def test_deferred_steps_with_accumulation(device, tmp_path):
     assert counts(seen, "steps_deferred") == [0, 1, 1, 1]
     e.close()
     ref_e.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1e6, 1e-3], ids=["off", "not-biting", "biting"])
+def test_resident_params_are_updated_in_backward_and_read_no_more(clip, tmp_path):
+    """``offload_param.max_in_cpu`` covering the model: the early step's updated copies become the
+    gathered copies at the commit, so a warm step reads only the optimizer records (2 × the params' bytes
+    in fp32 AdamW) and writes them and the params (3 ×), clipping that bites included (deferred)."""
+    runs = []
+    for name, early in (("early", True), ("plain", False)):
+        d = tmp_path / name
+        cfg = cfg_for(d, "nvme", "nvme", stage3_max_live_parameters=100_000)
+        cfg["offload_param"]["max_in_cpu"] = 10**9
+        mm, _ = build(TinyLM, cfg)
+        ee = engine_for(mm, cfg, max_grad_norm=clip)
+        ee.early_step = early
+        runs.append((mm, ee))
+    (m, e), (ref, ref_e) = runs
+    nbytes = sum(zswap.param_state(p).partition_numel * 4 for p in m.parameters())
+    for step in range(4):
+        for mm, ee in runs:
+            ee.stats(reset=True)
+            ee.backward(sq(mm(ids(seed=step))))
+            ee.step()
+        s = e.stats()  # before `state` reads the records itself
+        assert same(state(m, e), state(ref, ref_e)), step
+    assert s["steps_in_backward"] + s["steps_deferred"] == 1
+    assert (s["bytes_read"], s["bytes_written"]) == (2 * nbytes, 3 * nbytes)
+    e.close()
+    ref_e.close()

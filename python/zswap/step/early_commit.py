@@ -86,6 +86,7 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
         drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
         return False
     txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, list(es.seeds), es.dropped
+    kept = list(es.kept)
     gs = es.gs
 
     def counters() -> None:
@@ -108,6 +109,7 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
                 f"instead. {RESTART}"
             ) from exc
         return False
+    es._committed_resident = kept
     es.commits += 1
     if deferred:
         es.tally.deferred += 1
@@ -116,6 +118,20 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
     es.why = ""
     es._committed_seeds = seeds
     return True
+
+
+def second_backward(es: EarlyStep, task: int) -> None:
+    """A gradient of another backward while an early step whose gradients were let go waits for
+    `Engine.step`: nothing can be accumulated onto them."""
+    _wanted(es.gs)
+    es.abort()
+    es.lost = "a second backward ran before engine.step()"
+    es.state, es.task = "off", task
+    raise GradientsNotKeptError(
+        "a second backward before engine.step(): the early step applied the first one's gradients to the "
+        f"optimizer in backward and did not keep them {NOT_KEPT}, so this backward cannot accumulate "
+        f"onto them (use gradient_accumulation_steps to accumulate). The early step is dropped. {RESTART}"
+    )
 
 
 def take_seeds(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
@@ -233,6 +249,8 @@ def reset(es: EarlyStep) -> None:
     es.seeds = deque()
     es.seeded = 0
     es.micro = []
+    es.staying = frozenset()
+    es.kept = []
     es.ring = []
     es.free = deque()
     es.reads = deque()

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..memory import ENGINE_COPY
+from ..parts.gather import no_torch_function
 from ..parts.params import NvmeStore, ParamState
+from ..store.storage import _memcpy
 from .optim._layout import SubGroup
 
 if TYPE_CHECKING:
@@ -99,6 +101,10 @@ def seed(es: EarlyStep, i: int, copy: torch.Tensor) -> bool:
     nbytes = copy.numel() * copy.element_size()
     p = es.opt.records.params[i]
     es.held -= 2 * nbytes  # the gradient, and the copy: counted in ``copying`` until written
+    if id(p) in es.staying:  # resident: becomes its gathered copy at the commit
+        es.kept.append((p, copy))
+        es.held += nbytes
+        return True
     if id(p) in es.seeding and copy.numel() <= es.seed_numel:
         es.seeds.append((p, copy))
         es.seeded += copy.numel()
@@ -130,6 +136,44 @@ def land_oldest(es: EarlyStep) -> None:
     w.settle()
     es.free.append(buf)
     es.txn.check()
+
+
+def keep_as_seed(es: EarlyStep, p: torch.Tensor, st: ParamState) -> None:
+    """A micro-batch before the boundary: no step will change ``p`` before the next forward, which
+    takes it first (`seed_plan`): a copy of it is kept for `take_micro_seeds`."""
+    data = p.data.reshape(-1)
+    copy = es._alloc(st, data)
+    with no_torch_function():
+        _memcpy(copy, data)
+    es.micro.append((p, copy, _ps(st).ns._live.get(st.key)))
+    es.held += copy.numel() * copy.element_size()
+    es.seeded += copy.numel()
+    es.holding.add(_small(copy))
+    while es.seeded > es.seed_numel:
+        _, old, _ = es.micro.pop(0)
+        es.seeded -= old.numel()
+        es.held -= old.numel() * old.element_size()
+        es.holding.add(-_small(old))
+
+
+def finish(es: EarlyStep) -> None:
+    """Update and write the records not updated yet, and wait for every write."""
+    for sg in es.layout:  # records some params of which got no gradient (deferred: every one)
+        if es.waiting[sg.key] > 0 and any(s.param in es.ready for s in sg.segments):
+            es.waiting[sg.key] = 0
+            es._ready(sg)
+    for sg, buf, _, handle in es.early.values():  # read ahead, but no param of it got a gradient
+        if handle is not None:
+            handle.wait()
+        es.versions.pop(es.records._name(sg))
+        es.free.append(buf)
+        es.read_unused += 1
+    es.early = {}
+    es._pump(keep=0)
+    while es.writes:
+        es._land_oldest()
+    es._land_copies(0)
+    es._order = es.order
 
 
 _empty = torch.empty(0)

@@ -1,71 +1,43 @@
 """The early step: `OffloadedAdamW` updates run inside backward, as each record's gradients are complete, and
 are made live by `Engine.step` — or dropped, and the step runs as usual.
 
-Why: with params, gradients and AdamW states on NVMe, a step as `zswap.train.bridge.step_partitions` runs
-it reads every param partition, its gradient and its record, and writes the record and the partition back;
-the gradient was written by backward a moment before. In backward the param is still gathered in memory and
-its gradient is there too, so updating then saves reading both back (2 × the model of the 10 × a step
-moves; see benches/README.md, "Bytes per step").
+Why: with params, gradients and AdamW states on NVMe, an ordinary step reads every param partition, its
+gradient and its record, and writes the record and the partition back, while in backward the param is still
+gathered and its gradient is there: updating then saves reading both (benches/README.md, "Training step").
 
 What it keeps:
 
-- **Results.** The same kernel runs on the same bytes (the gathered param is the partition, world size 1;
-  the gradient is the one the store writes), with the same hyper-parameters and step counts, so params and
-  records are bitwise those of the ordinary step. It runs only when that step would apply the gradients
-  as they are: no clipping, no fp16 check or loss scale, no accumulation (``gradient_accumulation_steps``
-  1, and a record is taken only when the gradient store was empty before this backward), one rank, the
-  CPU as compute device, every managed param on NVMe with its gradient, an `OffloadedAdamW` on NVMe whose
-  records already exist (from the second step on).
-- **Gradients it applies are not stored** (``Engine.keep_applied_grads`` false, the default): the GradSink
-  hands each partition gradient to `on_grad` first; one it takes is held until its records are updated,
-  then let go — never written (1 × the model of writes per step) nor kept — and the store only notes that
-  the param has one (`NvmeGrads.applied`). Nothing the early step wrote is visible until `Engine.step`
-  commits it, so params and records are as before whatever happens; but with the gradients gone there is
-  no ordinary step to fall back to once one was let go. So: the early step giving up in backward *before*
-  it let go of any (a gradient of another backward inside this one, a param not gathered, the memory cap,
-  a failed transfer) hands the gradients it holds to their store, and the ordinary step runs; *after*, that
-  backward raises (`GradientsNotKeptError`, or the `SwapIOError` of the failed transfer) and counts for
-  nothing (its gradient generation is dropped). Between backward and step, whatever would have dropped
-  the early step — a second backward, a change of hyper-parameters, step counters, sub-groups or
-  settings (clipping turned on), a partition or record written (a `GatheredParameters` write-back, a
-  checkpoint load), a failed commit — raises `GradientsNotKeptError` from that backward or from
-  `Engine.step`, which changes nothing; `full_grad` of such a param raises it too. Until
-  `Engine.zero_grad` (the next step calls it) the lost gradients make every `Engine.step` raise
-  (`check_kept`). ``keep_applied_grads = True``: gradients are stored as any other (in memory up to the
-  stash, written past it: `zswap.gradstore`), and each of those cases drops the early step and takes
-  the ordinary step, as before; a kept gradient the commit consumed is dropped unwritten.
-- **Seeds.** The updated copies of the params the next pass would start gathered (`Scheduler.seed_plan`,
-  asked when backward begins: the run of the recorded pass's first forward steps that fits in the live
-  budget with the step after it; the last ones backward completes) are kept past their write, and only
-  those, so none is held for most of backward; after a commit `Engine.step` hands them to
-  `zswap.prefetch.Scheduler.seed`, so the next forward's first modules start gathered, with no read —
-  each only if nothing wrote its partition in between. ``seed_numel`` (the live budget; 0: none) caps
-  them.
-- **All or nothing.** Records and partitions are written copy-on-write into one `zswap.storage`
-  transaction of its own; in-memory state never changes (the kernel updates a copy of the gathered param).
-  `Engine.step` commits it only if nothing it depended on moved since: the set of params with gradients,
-  the hyper-parameters of each param group, the step counters, the sub-group layout, the stored versions
-  of every partition and record it read; and only if every write landed. Otherwise (or after any failure
-  inside backward: a record read, the memory cap, a second gradient for a param) it is aborted — its
-  staged versions freed — and the ordinary step runs (or, where it let go of gradients it did not keep,
-  the call raises: above), so a fault costs bytes or a retried backward, never a result.
-- **Memory.** Param copies and gradients wait for the rest of their record (a record spans params
-  backward completes at different times; a tied embedding completes last); past `cap` bytes held the early
-  step gives up. The record buffers are the optimizer's own ring (idle in backward); every read and write
-  using them has settled when backward ends. The updated copies' writes are bounded by the early step
-  itself, not by the storage's write queue: up to two sub-groups' params (``write_ahead``) in flight before
-  backward waits for the oldest, counted against `cap` until they land. Copies of 1 MiB and more are
-  buffers of the param stores' fetch pools, which `for_engine` widens by `cap` so that they are reused
-  from step to step (a pool miss maps, faults in and zeroes a new buffer, then unmaps it); while waiting
-  for their record, kept as seeds, or being written (until the write settles) they count in the
-  scheduler's live budget (`lent` = `pooled` + `in_flight`, `zswap.prefetch.Scheduler.lent`), so the
-  prefetcher holds that much less. Copies under 1 MiB are ordinary tensors: on `holding` while they wait,
-  on `writing` while written, so `zswap.Engine.stats` has every byte the early step keeps on one line.
-- **Reads ahead.** A record is read before its last gradient comes, into a free slot of the ring: one some
-  of whose params have their gradients, then the next ones in the order the last backward completed them
-  (`_read_ahead`; all slots but one, so a record completing out of that order always finds one). Read
-  once its gradients were all in, the disk idled while backward computed and backward waited while it
-  read. A record read ahead that no gradient came for is let go at backward's end (a read more, no change).
+- **Results.** The same kernel runs on the same bytes — the gathered param's partition (this rank's slice
+  of it; on a compute device copied to the host first, `zswap.step.early_device`), the gradient the store
+  would hold (with accumulation, the stored sum), the same hyper-parameters and step counts — so params and
+  records are bitwise those of the ordinary step. What the step decides from every gradient (the clip
+  factor, the overflow check) is speculated and checked at the step (`zswap.step.speculation`).
+- **Gradients it applies are not stored** where the step cannot need them (no clipping, no accumulation,
+  ``Engine.keep_applied_grads`` false): the store only notes that the param has one (`NvmeGrads.applied`),
+  with its norm. Giving up in backward *before* it let go of any hands the gradients it holds to their
+  store and the ordinary step runs; *after*, that backward raises (`GradientsNotKeptError`, or the
+  `SwapIOError` of the failed transfer) and counts for nothing. Between backward and step, whatever would
+  drop the early step — a second backward, a change of hyper-parameters, counters, sub-groups or settings,
+  a partition or record written, a failed commit — raises `GradientsNotKeptError` where gradients were let
+  go, and changes nothing; until `Engine.zero_grad` every `Engine.step` raises (`check_kept`). Where the
+  step may need them (`Guess.keep`) they are stored too, in memory within ``room`` (written past it).
+- **All or nothing.** Records and partitions are written copy-on-write into one `zswap.store.storage`
+  transaction of its own; in-memory state never changes (the kernel updates copies). `Engine.step`
+  commits it only if nothing it depended on moved since (`early_commit.prepare`): the params with
+  gradients, each param group's hyper-parameters, the step counters, the sub-group layout, the stored
+  versions of every partition and record it read, and every write landed.
+- **Seeds.** Updated copies of the params the next pass would start gathered (`Scheduler.seed_plan`) are
+  kept past their write and handed to `zswap.fetch.prefetch.Scheduler.seed` after the commit, so the next
+  forward starts without a read; in a micro-batch before an accumulation boundary the same params are kept
+  as they are (`take_micro_seeds`). Resident params (``max_in_cpu``, persistent) keep their updated copies
+  as their gathered copies (`take_resident`).
+- **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held it gives
+  up. The record buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself
+  (``write_ahead``: two sub-groups' params in flight). Copies of `ENGINE_COPY` bytes and more are buffers of
+  the param stores' fetch pools, counted in the scheduler's live budget while held (`lent`); smaller ones
+  are ordinary tensors on `holding` / `writing`, so `zswap.Engine.stats` has every byte on one line.
+- **Reads ahead.** A record is read before its last gradient comes, into a free slot of the ring, in the
+  order the last backward completed them (`early_pipeline.read_ahead`; all slots but one).
 """
 
 from __future__ import annotations
@@ -112,7 +84,11 @@ class EarlyStep:
     dropped: int
     """Gradients of this backward applied and let go without being stored (``keeping`` false)."""
     micro: list[tuple[torch.Tensor, torch.Tensor, str | None]]
-    """Copies of params kept in a micro-batch before the boundary for the next forward (`_keep_as_seed`)."""
+    """Copies of params kept before an accumulation boundary for the next forward (`keep_as_seed`)."""
+    staying: frozenset[int]
+    """`resident()` when this backward began."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]]
+    """Updated copies of resident params, kept for `take_resident`."""
     seeding: frozenset[int]
     """ids of the params whose updated copies are kept as seeds (`seed_plan`, at backward's start)."""
     guess: Guess
@@ -161,6 +137,7 @@ class EarlyStep:
         keep: Callable[[], bool] = lambda: True,
         room: Callable[[], int] = lambda: 0,
         tally: Tally | None = None,
+        resident: Callable[[], frozenset[int]] = frozenset,
     ) -> None:
         tally = Tally() if tally is None else tally
         self.opt = optimizer
@@ -168,11 +145,16 @@ class EarlyStep:
         """The `Guess` for the next step, or why no early step can run for it."""
         self.cap = cap
         self.room = room
-        self.allowance = 0
-        """``room()`` as read when the backward in progress began."""
         """``room()``: bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`)
         where the step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary;
         read when each backward begins."""
+        self.allowance = 0
+        """``room()`` as read when the backward in progress began."""
+        self.resident = resident
+        """ids of the params kept gathered between passes (persistent, ``max_in_cpu``): their updated
+        copies are kept past their write and become their gathered copies at the commit
+        (`take_resident`), so none is read again after the step."""
+        self._committed_resident: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.seed_numel = seed_numel
         """Elements of updated params kept in memory for the next forward at most (0: none); see
         `take_seeds`."""
@@ -231,26 +213,9 @@ class EarlyStep:
             self.abort()
             raise
 
-    def _keep_as_seed(self, p: torch.Tensor, st: ParamState) -> None:
-        """A micro-batch before the boundary: no step will change ``p`` before the next forward, which
-        takes it first (`seed_plan`): a copy of it is kept for `take_micro_seeds`."""
-        data = p.data.reshape(-1)
-        copy = self._alloc(st, data)
-        with no_torch_function():
-            _memcpy(copy, data)
-        self.micro.append((p, copy, _ps(st).ns._live.get(st.key)))
-        self.held += copy.numel() * copy.element_size()
-        self.seeded += copy.numel()
-        self.holding.add(_small(copy))
-        while self.seeded > self.seed_numel:
-            _, old, _ = self.micro.pop(0)
-            self.seeded -= old.numel()
-            self.held -= old.numel() * old.element_size()
-            self.holding.add(-_small(old))
-
     def take_micro_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
-        """At a micro-step (no optimizer step): the copies `_keep_as_seed` made, each valid while
-        nothing wrote its partition, for `zswap.fetch.prefetch.Scheduler.seed`."""
+        """At a micro-step (no optimizer step): the copies `early_pipeline.keep_as_seed` made, each valid
+        while nothing wrote its partition, for `zswap.fetch.prefetch.Scheduler.seed`."""
         micro = self.micro if self.state == "summing" and self.ended else []
         self._reset()
         return early_commit.unchanged_seeds(micro)
@@ -303,7 +268,7 @@ class EarlyStep:
                     self._give_up(self.task, "a backward ran inside it (reentrant activation checkpointing)")
                 return False
             if self.state == "running" and self.dropped and self.ended:
-                self._second_backward(task)
+                early_commit.second_backward(self, task)
             if self.state == "running" and self.ended:  # deferred: its gradients go to their store first
                 early_commit.drop(self, "a second backward ran before engine.step()")
             self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
@@ -312,7 +277,7 @@ class EarlyStep:
         if self.state == "summing" and sink is None:  # before the boundary: summed in memory within `room`
             cast(NvmeGrads, st.grad_store).add(st, part, self.allowance)
             if id(p) in self.seeding and st.status is Status.AVAILABLE and st.world_size == 1:
-                self._keep_as_seed(p, st)
+                early_pipeline.keep_as_seed(self, p, st)
             return True
         if self.state != "running":
             return False
@@ -346,19 +311,6 @@ class EarlyStep:
             also = None if i in self.ready or self.keeping else (st, part)
             self._give_up(task, f"it failed in backward ({exc})", exc, also)
         return True
-
-    def _second_backward(self, task: int) -> None:
-        """A gradient of another backward while an early step whose gradients were let go waits for
-        `Engine.step`: nothing can be accumulated onto them."""
-        _wanted(self.gs)
-        self.abort()
-        self.lost = "a second backward ran before engine.step()"
-        self.state, self.task = "off", task
-        raise GradientsNotKeptError(
-            "a second backward before engine.step(): the early step applied the first one's gradients to the "
-            f"optimizer in backward and did not keep them {NOT_KEPT}, so this backward cannot accumulate "
-            f"onto them (use gradient_accumulation_steps to accumulate). The early step is dropped. {RESTART}"
-        )
 
     def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
         data = p.data.reshape(-1)
@@ -424,6 +376,7 @@ class EarlyStep:
         self.keeping = guess.keep or bool(self.keep())
         self.lost = ""
         self.seeding = self.seed_plan() if self.seed_numel > 0 and guess.ranks == 1 else frozenset()
+        self.staying = self.resident()
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         self.txn.uses(self.records.storage)
@@ -472,23 +425,7 @@ class EarlyStep:
                 raise void.error from void.error.__cause__
 
     def _finish(self) -> None:
-        """Update and write the records not updated yet, and wait for every write."""
-        for sg in self.layout:  # records some params of which got no gradient (deferred: every one)
-            if self.waiting[sg.key] > 0 and any(s.param in self.ready for s in sg.segments):
-                self.waiting[sg.key] = 0
-                self._ready(sg)
-        for sg, buf, _, handle in self.early.values():  # read ahead, but no param of it got a gradient
-            if handle is not None:
-                handle.wait()
-            self.versions.pop(self.records._name(sg))
-            self.free.append(buf)
-            self.read_unused += 1
-        self.early = {}
-        self._pump(keep=0)
-        while self.writes:
-            self._land_oldest()
-        self._land_copies(0)
-        self._order = self.order
+        early_pipeline.finish(self)
 
     def _alloc(self, st: ParamState, like: torch.Tensor) -> torch.Tensor:
         if like.numel() * like.element_size() >= ENGINE_COPY:  # page-aligned: written without a bounce copy
@@ -565,6 +502,12 @@ class EarlyStep:
     def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
         return early_commit.take_seeds(self)
 
+    def take_resident(self) -> dict[int, torch.Tensor]:
+        """{id(param): its partition as the last `commit` made it live} for the resident params it
+        updated (`resident`)."""
+        out, self._committed_resident = {id(p): c for p, c in self._committed_resident}, []
+        return out
+
     def _mismatch(self, items: list[tuple[torch.Tensor, ParamState]]) -> str:
         return early_commit.mismatch(self, items)
 
@@ -630,6 +573,7 @@ def for_engine(engine: Any) -> EarlyStep | None:
         keep=engine._keeps_applied_grads,
         room=engine._grad_room,  # gradients a redo or the accumulation needs, kept in memory
         tally=engine._tally,
+        resident=engine._resident_ids,
     )
     # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they
     # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and

@@ -13,8 +13,9 @@ the scheduler whatever happened: after a commit they hold the new values, after 
 restored the old ones (they were saved before the step changed them). With several ranks `regather`
 then refreshes the other ranks' slices with one all-gather, no read.
 
-A step that does not go through `step_partitions` (the early step's commit, a partition-aware optimizer,
-a skipped fp16 step) drops what `take` returned: the copies are fetched again as before.
+After the early step's commit (`refresh`) each held copy takes the partition the early step made live (it
+kept its updated copies of these params for that); a skipped step gives them back unchanged. A
+partition-aware optimizer drops what `take` returned: the copies are fetched again as before.
 """
 
 from __future__ import annotations
@@ -75,6 +76,29 @@ def take(engine: Engine) -> dict[int, Held]:
             )
             out[id(s.p)] = Held(s, view, full, full[st.rank * n : (st.rank + 1) * n])
     return out
+
+
+def ids(engine: Engine) -> frozenset[int]:
+    """ids of the params `take` could hold: the scheduler keeps them gathered between passes (none on a
+    compute device, where the gathered copy is not the host partition)."""
+    if not engine.compute_device.passthrough:
+        return frozenset()
+    return frozenset(
+        id(s.p) for s in engine._slots.values() if s.persistent and isinstance(s.st.store, NvmeStore)
+    )
+
+
+def refresh(held: dict[int, Held], updated: dict[int, torch.Tensor]) -> None:
+    """After the early step's commit: each held copy takes its param's new partition (those it updated;
+    the others did not change), then goes back to its param (`reinstall`) and, over several ranks, the
+    other ranks' slices are all-gathered (`regather`)."""
+    with no_torch_function():
+        for key, h in held.items():
+            new = updated.get(key)
+            if new is not None:
+                h.part.copy_(new[: h.part.numel()])
+    reinstall(held)
+    regather(held)
 
 
 def reinstall(held: dict[int, Held]) -> None:

@@ -23,13 +23,11 @@ from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..fetch import outputs
 from ..fetch.prefetch import Slot
 from ..gradients import grads, gradstore
-from ..gradients.gradstore import store_of
 from ..parts import guards as _guards
 from ..parts.params import Item, ParamState, param_state
 from ..parts.runners import RUNNERS
 from ..step import earlystep, stepping
-from ..step.optim._records import Records
-from . import bridge, resident, stats, wiring
+from . import bridge, resident, resize, stats, wiring
 from .sizing import refuse_meta
 
 if TYPE_CHECKING:
@@ -237,6 +235,7 @@ class Engine:
         self._clipped = scale is not None and scale != 1.0 / loss_scale  # the next step's guess
         if committed:
             assert early is not None
+            resident.refresh(held, early.take_resident())  # gathered again from the committed copies
             self._finish_step(scale)
             self._sched.seed(early.take_seeds())  # the next forward's first params: no read
             self._sched.read_ahead()  # and the next ones' reads, of the values just committed
@@ -244,6 +243,7 @@ class Engine:
         self._tally.ordinary_step(early.why if early is not None else self._early_off, scale)
         if scale is None:
             self.skipped_steps += 1
+            resident.reinstall(held)  # nothing changed them
         elif getattr(self.optimizer, "steps_partitions", False):
             if scale != 1.0:  # clipping or an fp16 loss scale: it must apply the factor, never drop it
                 self.optimizer.step(grad_scale=scale)
@@ -423,6 +423,9 @@ class Engine:
             raise ValueError(f"grad_stash_bytes must be a non-negative int, got {nbytes!r}")
         self._grad_stash = nbytes  # the gradient stores ask at each gradient
 
+    def _resident_ids(self) -> frozenset[int]:
+        return resident.ids(self)
+
     def _grad_room(self) -> int:
         """Bytes of gradients the early step keeps in memory past the stash where the step may need them
         (clipping, accumulation: `zswap.step.speculation.Guess.keep`): the live budget's bytes, or none
@@ -536,7 +539,7 @@ class Engine:
         self._sched.drop_all()
 
     def mastered(self) -> set[int]:
-        records = _records(self.optimizer)
+        records = resize.records_of(self.optimizer)
         if records is None:
             return set()
         params = records.params
@@ -546,47 +549,13 @@ class Engine:
         }  # fmt: skip
 
     def check_resizable(self, params: list[torch.Tensor]) -> None:
-        """Refuse (before anything changed) a resize this engine could not follow: a gradient is
-        accumulated (its partition has the old size), or the optimizer holds state for a resized param
-        (moments laid out for the old size: a plain torch optimizer's next step fails on the shape
-        mismatch too)."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        self._grads.flush()
-        if any(store_of(st).has(st) for _, st in self._items):
-            raise ZswapError(
-                "resize_token_embeddings while gradients are accumulated (a micro-step into an "
-                "accumulation window): call it after engine.step() at an accumulation boundary, or after "
-                "engine.zero_grad()"
-            )
-        opt = self.optimizer
-        records = _records(opt)
-        state = getattr(opt, "state", {})
-        for p in params:
-            held = records is not None and any(
-                q is p and records.placed(i) for i, q in enumerate(records.params)
-            )
-            if held or state.get(p):
-                raise ZswapError(
-                    "resize_token_embeddings: the optimizer already holds state (moments laid out for the "
-                    f"old size) for {names.get(id(p), 'a resized param')!r}; resize before the first "
-                    "optimizer step, or engine.close(), resize, and zswap.initialize the model again with a "
-                    "new optimizer"
-                )
+        resize.check_resizable(self, params)
 
     def rewired(self) -> contextlib.AbstractContextManager[None]:
         return wiring.rewired(self)
 
     def swap_params(self, new: dict[int, torch.Tensor]) -> None:
-        """Put ``new[id(old)]`` wherever the optimizer lists ``old`` (none of them has state:
-        `check_resizable`)."""
-        opt = self.optimizer
-        if opt is None or not new:
-            return
-        for group in getattr(opt, "param_groups", ()):
-            group["params"] = [new.get(id(p), p) for p in group["params"]]
-        records = _records(opt)  # OffloadedAdamW's flat index of its params
-        if records is not None:
-            records.params[:] = [new.get(id(p), p) for p in records.params]
+        resize.swap_params(self, new)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -600,9 +569,3 @@ class Engine:
         if slot is None:
             slot = self._sched.slots[id(p)] = Slot(p, st, persistent=False)
         return slot
-
-
-def _records(opt: Any) -> Records | None:
-    """An `OffloadedAdamW`'s records (`zswap.optim._records`); ``None`` for any other optimizer."""
-    records = getattr(opt, "records", None)
-    return records if isinstance(records, Records) else None
