@@ -459,8 +459,13 @@ def contend(args: argparse.Namespace, kind: str, row: Row, size: int, root: Path
     if isinstance(res, str):
         say(f"  {name}: failed: {res}")
         return res
-    say(f"  {name}: done ({time.perf_counter() - t0:.0f} s)")
-    return summarize(res)
+    got = summarize(res)
+    read, written = ("/".join(f"{b / 1e9:.3f}" for b in bs) for bs in (got.read, got.written))
+    say(
+        f"  {name}: done ({time.perf_counter() - t0:.0f} s): {got.wall:.2f} s/step, "
+        f"GB read {read}, written {written}"
+    )
+    return got
 
 
 def bandwidth(root: Path, size: int) -> tuple[float, float]:
