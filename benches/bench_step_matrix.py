@@ -136,7 +136,7 @@ _EARLY_WORDS = {
 def early_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The early step's counters that ``engine.stats()`` has, as changes between two of its answers (the
     first key in name order for each kind; a counter that went down was reset between them: its value
-    then), and the last string it gives under a key naming a reason."""
+    then), and the first non-empty string it gives under a key naming a reason."""
     out: dict[str, Any] = {}
     keys = sorted(k for k in after if not k.startswith("mem_"))
     for kind, words in _EARLY_WORDS.items():
