@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHES = Path(__file__).resolve().parent.parent / "benches"
 ROUND = re.compile(r"round (\d): zswap [\d.]+ s/step, plain [\d.]+ s/step, step/max\(I/O, compute\) [\d.]+×")
 
@@ -47,3 +49,52 @@ def test_bench_memory_snapshots_the_engine_at_its_peak(tmp_path, monkeypatch):
     for key in ("fetch", "persistent", "output_pool", "output_pool_idle", "held", "heap_mapped"):
         assert key in peak
     assert "no snapshot" not in bench_memory._at_peak(r, 0)
+
+
+def test_bench_step_matrix_reads_the_early_step_counters_it_finds(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_step_matrix
+
+    assert bench_step_matrix.early_counts({}, {"bytes_read": 7, "mem_early_step_buffers": 3}) == {}
+    before = {"early_step_commits": 2, "speculative_redone": 1, "early_step_fallbacks": 0}
+    after = {
+        "early_step_commits": 5,
+        "speculative_redone": 1,
+        "early_step_fallbacks": 2,
+        "early_step_fallback_reason": "a hook reads .grad",
+        "mem_early_step_commits": 99,  # a memory line, not a counter
+    }
+    got = bench_step_matrix.early_counts(before, after)
+    assert (got["committed"], got["redone"], got["fell back"]) == (3, 0, 2)
+    assert got["committed key"] == "early_step_commits" and got["reason"] == "a hook reads .grad"
+    assert (
+        bench_step_matrix.early_counts({"early_commits": 9}, {"early_commits": 4})["committed"] == 4
+    )  # reset
+
+
+MATRIX_ROWS = ["cpu/1r/clip-off/fp32", "cpu/1r/clip-1/bf16", "cpu/2r/clip-1/fp32"]
+NUMBER = re.compile(r"\d+\.\d\d")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_bench_step_matrix_prints_every_row_with_figures(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_step_matrix
+
+    rows = MATRIX_ROWS  # both clippings and dtypes on one rank, and a row of two
+    args = ["--size", "4MiB", "--steps", "3", "--rows", ",".join(rows), "--path", str(tmp_path)]
+    assert bench_step_matrix.main([*args, "--no-deepspeed", "--timeout", "300"]) == 0
+    out = capsys.readouterr().out
+    table = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "/" in line[:12]]
+    assert [cells[0][2:] for cells in table] == rows
+    for cells in table:
+        name, per_rank = cells[0][2:], 2 if "/2r/" in cells[0] else 1
+        assert len(cells) == len(bench_step_matrix.COLUMNS), cells
+        for read_or_written in cells[1:3]:  # one figure per rank
+            assert [bool(NUMBER.fullmatch(x)) for x in read_or_written.split("/")] == [True] * per_rank, name
+        assert all(NUMBER.fullmatch(x) for x in cells[3:8]), (name, cells[3:8])
+        assert float(cells[1].split("/")[0]) > 0 and float(cells[2].split("/")[0]) > 0, name
+        assert cells[8] == "DeepSpeed: not run (--no-deepspeed)"
+        assert re.fullmatch(r"(\d+|-)/(\d+|-)/(\d+|-) \|", cells[-1]), cells[-1]
+    assert list(tmp_path.iterdir()) == []  # swap files, logs and the rate file removed
