@@ -31,10 +31,9 @@ records; the second is the first an early step can speculate from a step before 
   accelerator (it has no stand-in device: its row of a (ranks, clipping, dtype) group serves both compute
   kinds), run by `_ds_step.py` under ``--deepspeed-python`` (default: this interpreter); bytes are those
   its aio handles moved. vs DS: zswap's moved ÷ DeepSpeed's (target ≤ 0.6) and the step times' ratio;
-- early c/r/f: of all the row's steps, how many the early (speculative) step committed / redid (rolled
-  back) / fell back on, rank 0's, from whatever counters ``engine.stats()`` has for them (keys naming the
-  early or speculative step together with commit, redo / rollback, fallback); "-" where it has none. A
-  fallback reason ``engine.stats()`` gives is printed under the table.
+- steps b/d/r/o: of all the row's steps, rank 0's made live in backward / deferred to the step / redone
+  because clipping bit / run the ordinary way (``engine.stats()``'s ``steps_*``); why the last ordinary
+  one was is printed under the table.
 """
 
 from __future__ import annotations
@@ -126,31 +125,27 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor, vocab: int) -> torch.Tens
     return F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
 
 
-_EARLY_WORDS = {
-    "committed": ("commit",),
-    "redone": ("redo", "redone", "rollback", "rolled_back", "roll_back"),
-    "fell back": ("fallback", "fell_back", "fall_back"),
+STEP_KEYS = {
+    "in backward": "steps_in_backward",
+    "deferred": "steps_deferred",
+    "redone": "steps_redone",
+    "ordinary": "steps_ordinary",
 }
+"""How `engine.stats()` counts the optimizer steps (`zswap.step.stepping.Tally`), by column label."""
 
 
 def early_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The early step's counters that ``engine.stats()`` has, as changes between two of its answers (the
-    first key in name order for each kind; a counter that went down was reset between them: its value
-    then), and the first non-empty string it gives under a key naming a reason."""
+    """How the steps between two ``engine.stats()`` answers ran (`STEP_KEYS`; a counter that went down
+    was reset between them: its value then), and why the last ordinary one was (``reason``)."""
     out: dict[str, Any] = {}
-    keys = sorted(k for k in after if not k.startswith("mem_"))
-    for kind, words in _EARLY_WORDS.items():
-        for k in keys:
-            v = after.get(k)
-            about_early = any(w in k for w in ("early", "specul")) or kind == "fell back"
-            if about_early and any(w in k for w in words) and isinstance(v, int) and not isinstance(v, bool):
-                b = before.get(k, 0)
-                out[kind] = v - b if isinstance(b, int) and v >= b else v
-                out[kind + " key"] = k
-                break
-    reasons = [after[k] for k in keys if "reason" in k and isinstance(after.get(k), str) and after[k]]
-    if reasons:
-        out["reason"] = reasons[0]
+    for label, key in STEP_KEYS.items():
+        v = after.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            b = before.get(key, 0)
+            out[label] = v - b if isinstance(b, int) and v >= b else v
+    reason = after.get("steps_ordinary_reason")
+    if isinstance(reason, str) and reason:
+        out["reason"] = reason
     return out
 
 
@@ -486,7 +481,7 @@ def bandwidth(root: Path, size: int) -> tuple[float, float]:
 
 
 COLUMNS = ["row", "read ×", "written ×", "moved ×", "s/step", "I/O s", "compute s", "× bound", "DS moved ×",
-           "vs DS", "DS s/step", "vs DS s", "early c/r/f"]  # fmt: skip
+           "vs DS", "DS s/step", "vs DS s", "steps b/d/r/o"]  # fmt: skip
 
 
 def _x(v: float) -> str:
@@ -533,19 +528,10 @@ def report(
         else:
             cells += [f"DeepSpeed: {ds}", "-", "-", "-"]
         e = res.early
-        cells.append("/".join(str(e[k]) if k in e else "-" for k in ("committed", "redone", "fell back")))
+        cells.append("/".join(str(e[k]) if k in e else "-" for k in STEP_KEYS))
         if "reason" in e:
-            notes.append(f"  {r.name}: early step fell back: {e['reason']}")
+            notes.append(f"  {r.name}: the last ordinary step's reason: {e['reason']}")
         say("| " + " | ".join(cells) + " |")
-    keys = sorted(
-        {
-            v
-            for s in results.values()
-            if isinstance(s, Summary)
-            for k, v in s.early.items()
-            if k.endswith(" key")
-        }
-    )
     pbs = ", ".join(f"{d} {param_bytes(size, d) / 2**20:,.0f} MiB" for d in DTYPES)
     say("")
     say(
@@ -553,7 +539,10 @@ def report(
         f"bytes ({pbs}); 2-rank rows: read/written per rank, moved and I/O s of all ranks, s/step the "
         "slower rank's"
     )
-    say("early c/r/f from engine.stats(): " + (", ".join(keys) if keys else "no such counters ('-')"))
+    say(
+        "steps b/d/r/o: rank 0's optimizer steps made live in backward / deferred to the step / redone "
+        "(clipping bit) / ordinary (engine.stats() steps_*)"
+    )
     for line in notes:
         say(line)
     say("targets: moved ≤ 0.6 × DeepSpeed's in every row; s/step ≤ 1.1 × max(I/O, compute) on the CPU rows")

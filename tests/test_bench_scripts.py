@@ -51,24 +51,24 @@ def test_bench_memory_snapshots_the_engine_at_its_peak(tmp_path, monkeypatch):
     assert "no snapshot" not in bench_memory._at_peak(r, 0)
 
 
-def test_bench_step_matrix_reads_the_early_step_counters_it_finds(monkeypatch):
+def test_bench_step_matrix_reads_how_the_steps_ran(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHES))
     import bench_step_matrix
 
-    assert bench_step_matrix.early_counts({}, {"bytes_read": 7, "mem_early_step_buffers": 3}) == {}
-    before = {"early_step_commits": 2, "speculative_redone": 1, "early_step_fallbacks": 0}
+    assert bench_step_matrix.early_counts({}, {"bytes_read": 7}) == {}
+    before = {"steps_in_backward": 2, "steps_deferred": 0, "steps_redone": 1, "steps_ordinary": 1}
     after = {
-        "early_step_commits": 5,
-        "speculative_redone": 1,
-        "early_step_fallbacks": 2,
-        "early_step_fallback_reason": "a hook reads .grad",
-        "mem_early_step_commits": 99,  # a memory line, not a counter
+        "steps_in_backward": 5,
+        "steps_deferred": 1,
+        "steps_redone": 1,
+        "steps_ordinary": 3,
+        "steps_ordinary_reason": "engine.early_step is False",
     }
     got = bench_step_matrix.early_counts(before, after)
-    assert (got["committed"], got["redone"], got["fell back"]) == (3, 0, 2)
-    assert got["committed key"] == "early_step_commits" and got["reason"] == "a hook reads .grad"
+    assert [got[k] for k in bench_step_matrix.STEP_KEYS] == [3, 1, 0, 2]
+    assert got["reason"] == "engine.early_step is False"
     assert (
-        bench_step_matrix.early_counts({"early_commits": 9}, {"early_commits": 4})["committed"] == 4
+        bench_step_matrix.early_counts({"steps_ordinary": 9}, {"steps_ordinary": 4})["ordinary"] == 4
     )  # reset
 
 
