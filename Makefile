@@ -63,6 +63,9 @@ fmt: $(PY_DEP)
 	$(PYTHON) -m ruff format python tests benches tools
 	$(PYTHON) -m ruff check --fix python tests benches tools
 
+# An interpreter with DeepSpeed for bench_step_matrix.py's DeepSpeed rows (empty: $(PYTHON), if it has it).
+DS_PYTHON ?=
+
 ## Benchmarks (not run in CI): Criterion for the engine, then the Python-level scripts.
 bench: setup bench-rust bench-python
 
@@ -75,6 +78,7 @@ bench-python: $(PY_DEP)
 	$(PYTHON) benches/bench_runtime.py
 	$(PYTHON) benches/bench_adam.py
 	$(PYTHON) benches/bench_checksum.py
+	$(PYTHON) benches/bench_step_matrix.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON))
 
 ## The main job on a fresh machine: set up, then run zswap's demo on a temp dir.
 demo: install

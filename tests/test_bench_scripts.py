@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHES = Path(__file__).resolve().parent.parent / "benches"
 ROUND = re.compile(r"round (\d): zswap [\d.]+ s/step, plain [\d.]+ s/step, step/max\(I/O, compute\) [\d.]+×")
 
@@ -47,3 +49,52 @@ def test_bench_memory_snapshots_the_engine_at_its_peak(tmp_path, monkeypatch):
     for key in ("fetch", "persistent", "output_pool", "output_pool_idle", "held", "heap_mapped"):
         assert key in peak
     assert "no snapshot" not in bench_memory._at_peak(r, 0)
+
+
+def test_bench_step_matrix_reads_how_the_steps_ran(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_step_matrix
+
+    assert bench_step_matrix.early_counts({}, {"bytes_read": 7}) == {}
+    before = {"steps_in_backward": 2, "steps_deferred": 0, "steps_redone": 1, "steps_ordinary": 1}
+    after = {
+        "steps_in_backward": 5,
+        "steps_deferred": 1,
+        "steps_redone": 1,
+        "steps_ordinary": 3,
+        "steps_ordinary_reason": "engine.early_step is False",
+    }
+    got = bench_step_matrix.early_counts(before, after)
+    assert [got[k] for k in bench_step_matrix.STEP_KEYS] == [3, 1, 0, 2]
+    assert got["reason"] == "engine.early_step is False"
+    assert (
+        bench_step_matrix.early_counts({"steps_ordinary": 9}, {"steps_ordinary": 4})["ordinary"] == 4
+    )  # reset
+
+
+MATRIX_ROWS = ["cpu/1r/clip-off/fp32", "cpu/1r/clip-1/bf16", "cpu/2r/clip-1/fp32"]
+NUMBER = re.compile(r"\d+\.\d\d")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_bench_step_matrix_prints_every_row_with_figures(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_step_matrix
+
+    rows = MATRIX_ROWS  # both clippings and dtypes on one rank, and a row of two
+    args = ["--size", "4MiB", "--steps", "3", "--rows", ",".join(rows), "--path", str(tmp_path)]
+    assert bench_step_matrix.main([*args, "--no-deepspeed", "--timeout", "300"]) == 0
+    out = capsys.readouterr().out
+    table = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "/" in line[:12]]
+    assert [cells[0][2:] for cells in table] == rows
+    for cells in table:
+        name, per_rank = cells[0][2:], 2 if "/2r/" in cells[0] else 1
+        assert len(cells) == len(bench_step_matrix.COLUMNS), cells
+        for read_or_written in cells[1:3]:  # one figure per rank
+            assert [bool(NUMBER.fullmatch(x)) for x in read_or_written.split("/")] == [True] * per_rank, name
+        assert all(NUMBER.fullmatch(x) for x in cells[3:8]), (name, cells[3:8])
+        assert float(cells[1].split("/")[0]) > 0 and float(cells[2].split("/")[0]) > 0, name
+        assert cells[8] == "DeepSpeed: not run (--no-deepspeed)"
+        assert re.fullmatch(r"(\d+|-)/(\d+|-)/(\d+|-) \|", cells[-1]), cells[-1]
+    assert list(tmp_path.iterdir()) == []  # swap files, logs and the rate file removed

@@ -292,3 +292,22 @@ def test_resident_params_are_updated_in_backward_and_read_no_more(clip, tmp_path
     assert (s["bytes_read"], s["bytes_written"]) == (2 * nbytes, 3 * nbytes)
     e.close()
     ref_e.close()
+
+
+def test_backwards_summed_with_accumulation_steps_1_stop_the_update_in_backward(tmp_path):
+    """A caller that sums backwards itself (two per engine.step() with gradient_accumulation_steps 1):
+    the first update in backward is dropped by the second backward; from then on none is begun (their
+    transfers would be wasted), and stats say why; results as the ordinary step's."""
+    (m, e), (ref, ref_e) = twins(tmp_path, keep=True)
+    for step in range(4):
+        for mm, ee in ((m, e), (ref, ref_e)):
+            ee.stats(reset=True)
+            sq(mm(ids(seed=2 * step))).backward()
+            sq(mm(ids(seed=2 * step + 1))).backward()
+            ee.step()
+        s = e.stats()
+        assert same(state(m, e), state(ref, ref_e)), step
+    assert e._early.accumulates and s["steps_in_backward"] == 0
+    assert "backwards are summed before engine.step()" in s["steps_ordinary_reason"]
+    e.close()
+    ref_e.close()

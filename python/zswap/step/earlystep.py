@@ -64,7 +64,7 @@ from .early_pipeline import _empty, _ps, _small
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
-from .speculation import MICRO_BATCH, Guess
+from .speculation import ACCUMULATES, MICRO_BATCH, Guess
 from .stepping import Tally
 
 CAP_EXTRA = 256 << 20
@@ -72,8 +72,7 @@ CAP_EXTRA = 256 << 20
 
 
 class EarlyStep:
-    """Runs the optimizer update of each record in backward (see the module docstring). ``eligible()``:
-    whether the engine's current settings let the ordinary step apply the gradients unscaled."""
+    """Runs the optimizer update of each record in backward (see the module docstring)."""
 
     state: str
     task: int
@@ -145,19 +144,15 @@ class EarlyStep:
         """The `Guess` for the next step, or why no early step can run for it."""
         self.cap = cap
         self.room = room
-        """``room()``: bytes of gradients kept in memory past the gradient store's stash (`NvmeGrads.add`)
-        where the step may need them (`Guess.keep`), and of micro-batches' gradients before the boundary;
-        read when each backward begins."""
+        """``room()``: bytes of gradients kept in memory past the stash where the step may need them
+        (`Guess.keep`) or before an accumulation boundary; read into ``allowance`` as a backward begins."""
         self.allowance = 0
-        """``room()`` as read when the backward in progress began."""
         self.resident = resident
         """ids of the params kept gathered between passes (persistent, ``max_in_cpu``): their updated
-        copies are kept past their write and become their gathered copies at the commit
-        (`take_resident`), so none is read again after the step."""
+        copies become their gathered copies at the commit (`take_resident`), read no more."""
         self._committed_resident: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.seed_numel = seed_numel
-        """Elements of updated params kept in memory for the next forward at most (0: none); see
-        `take_seeds`."""
+        """Elements of updated params kept in memory for the next forward at most (0: none)."""
         self.seed_plan = seed_plan
         """ids of the params the next pass would take as seeds (`zswap.prefetch.Scheduler.seed_plan`):
         only their copies are kept, so nothing is held for a seed that would be trimmed later."""
@@ -188,6 +183,9 @@ class EarlyStep:
         self._outer: Callable[[], object] = _dead  # the backward in progress, while it runs (`_begin`)
         self.ended = True
         """Whether that backward reached its end (its final callback ran)."""
+        self.accumulates = False
+        """A second backward came before `Engine.step` with ``gradient_accumulation_steps`` 1: none is
+        begun any more (`speculation.ACCUMULATES`)."""
         self._reset()
 
     # -- backward side ---------------------------------------------------------------------------------
@@ -221,8 +219,7 @@ class EarlyStep:
         return early_commit.unchanged_seeds(micro)
 
     def summing_room(self) -> int:
-        """`room` while the backward in progress is a micro-batch before the accumulation boundary (its
-        gradients are summed in memory up to it), else 0: for gradients landing from a compute device."""
+        """``allowance`` in a micro-batch before the accumulation boundary, else 0 (device landings)."""
         return self.allowance if self.state == "summing" else 0
 
     def _give_up(
@@ -267,6 +264,8 @@ class EarlyStep:
                 if self.state == "running":  # activation checkpointing): no early step in it
                     self._give_up(self.task, "a backward ran inside it (reentrant activation checkpointing)")
                 return False
+            if self.state == "running" and self.ended:
+                self.accumulates = True  # from now on the update waits for the step (`_begin`)
             if self.state == "running" and self.dropped and self.ended:
                 early_commit.second_backward(self, task)
             if self.state == "running" and self.ended:  # deferred: its gradients go to their store first
@@ -364,6 +363,9 @@ class EarlyStep:
             if guess == MICRO_BATCH and isinstance(gs, NvmeGrads):
                 self.state = "summing"  # and the next forward's first params kept as they are (seeds)
                 self.seeding = self.seed_plan() if self.seed_numel > 0 else frozenset()
+            return
+        if self.accumulates and not guess.sums:
+            self.state, self.task, self.why = "off", task, ACCUMULATES
             return
         if isinstance(gs, NvmeGrads) and gs._meta and not guess.sums:
             gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on
@@ -519,6 +521,13 @@ class EarlyStep:
 
     def _same_versions(self) -> bool:
         return early_commit.same_versions(self)
+
+    def zero_grad(self) -> None:
+        """`Engine.zero_grad`: drop the early step in progress; gradients dropped between a backward and
+        its step start a new window, so summing seen before no longer counts (`accumulates`)."""
+        if self.state != "idle":
+            self.accumulates = False
+        self.abort()
 
     def abort(self) -> None:
         """Drop the early step in progress (its staged writes are freed). Idempotent."""

@@ -33,6 +33,14 @@ MICRO_BATCH = "a micro-batch before the accumulation boundary"
 memory within ``room``) and the update waits for the boundary's backward."""
 
 
+ACCUMULATES = (
+    "backwards are summed before engine.step() with gradient_accumulation_steps 1: set it to the number of "
+    "backwards per step (and call engine.step() after each) so that the update runs in the last one"
+)
+"""Why no early step runs once the caller was seen summing backwards itself (`EarlyStep.accumulates`):
+the update in the first backward of each step would be dropped by the next, its transfers wasted."""
+
+
 @dataclass(frozen=True)
 class Guess:
     """What an early step assumes of the step it runs ahead of (`EarlyStep.plan`, asked when a backward

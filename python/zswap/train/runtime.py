@@ -436,7 +436,7 @@ class Engine:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""
         self._check_open()
         if self._early is not None:
-            self._early.abort()
+            self._early.zero_grad()
         self._grads.flush()
         grads.clear(self._items)
         for p in self.module.parameters():

@@ -24,8 +24,10 @@ def engine_stats(engine: Engine, reset: bool = False) -> dict[str, Any]:
     (``bytes_read``, ``bytes_written``), bytes gathered for compute, seconds compute waited for params
     (``fetch_wait_seconds``), fetches on demand and prefetch hits (``prefetch_hit_rate`` = hits /
     fetches), the peak of elements gathered, the budgets in force, and where the memory is: the
-    ``mem_*`` lines, in bytes (`_memory_stats`; README, "Where the memory goes"). Reads issued ahead
-    for the next pass are waited for first, so the byte counts include them."""
+    ``mem_*`` lines, in bytes (`_memory_stats`; README, "Where the memory goes"); how the optimizer
+    steps ran, the ``steps_*`` lines (`zswap.step.stepping.Tally`: in backward, deferred, ordinary and
+    why, redone, dropped for an overflow). Reads issued ahead for the next pass are waited for first, so
+    the byte counts include them."""
     engine._sched.settle_ahead()
     c = engine._sched.counters
     io = io_counters(engine)

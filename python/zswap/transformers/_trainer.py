@@ -132,6 +132,11 @@ class Trainer(transformers.Trainer):
             max_grad_norm=clip if clip is not None else float("inf"),
             device=self.args.device,
         )
+        if self.args.gradient_accumulation_steps > 1:
+            # The Trainer sums several backwards per engine step, and which one ends its window is not
+            # the engine's to know: the update runs after backward (an update in the first backward
+            # would be dropped by the second, its transfers wasted).
+            self.engine.early_step = False
         if given is None:
             self.engine.adopt_optimizer()  # built here: closed with the engine
         self.optimizer = EngineStepper(self.engine, self._stepped)
