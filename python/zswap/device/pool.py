@@ -36,11 +36,15 @@ class ReusePool:
 
     @property
     def pool_bytes(self) -> int:
-        """Most bytes kept (0: none); `zswap.initialize` sets it to its live budget."""
+        """Most bytes kept (0: none); `zswap.initialize` sets it to its live budget (`keep`)."""
         return self._pool.limit or 0
 
     @pool_bytes.setter
     def pool_bytes(self, nbytes: int) -> None:
+        self._pool.limit = nbytes
+
+    def keep(self, nbytes: int) -> None:
+        """Keep at most ``nbytes`` of buffers for reuse from now on."""
         self._pool.limit = nbytes
 
     @property

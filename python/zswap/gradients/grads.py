@@ -88,7 +88,7 @@ class GradSink:
             self.landing = None
             return
         self.landing = ReusePool(lambda numel, dtype: alloc((numel,), dtype), lambda: None)
-        self.landing.pool_bytes = pool_bytes
+        self.landing.keep(pool_bytes)
 
     def host_buffer(self, st: ParamState, numel: int, dtype: torch.dtype) -> torch.Tensor:
         dev = self.device

@@ -368,17 +368,14 @@ def _load_buffers(items: list[tuple[Target, str, Source]], placement: Placement 
     for q, b in limits:
         q.limit = min(b, LOAD_INFLIGHT_BYTES)
     largest = max((_part_bytes(t, src, placement) for t, _, src in items), default=0)
-    pools = [(s, s.pool_bytes) for s in nvme.values()]
-    for s, b in pools:
-        s.pool_bytes = b + LOAD_INFLIGHT_BYTES + 2 * largest
-    try:
-        yield
-    finally:
-        for q, b in limits:
-            q.limit = b
-        for s, b in pools:
-            s.pool_bytes = b
-            s._evict(s._pooled - b)
+    with contextlib.ExitStack() as widened:
+        for s in nvme.values():
+            widened.enter_context(s.pool_widened(LOAD_INFLIGHT_BYTES + 2 * largest))
+        try:
+            yield
+        finally:
+            for q, b in limits:
+                q.limit = b
 
 
 def _part_bytes(target: Target, src: Source, placement: Placement | None) -> int:

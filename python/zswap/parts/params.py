@@ -7,6 +7,7 @@ is an empty tensor of the right dtype on the param's device; `param_state` gives
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import weakref
@@ -305,9 +306,34 @@ class NvmeStore(Store):
     def pool_bytes(self, nbytes: int) -> None:
         self.pool.limit = nbytes
 
+    def serve(self, pool_bytes: int, host_alloc: Any = None) -> None:
+        """An engine runs over this store: keep up to ``pool_bytes`` of load buffers (at least what is
+        kept now) and make new ones with ``host_alloc`` (registered with its compute device; ``None``:
+        ``engine.empty``), until `unserve`."""
+        self.pool.limit = max(self.pool_bytes, pool_bytes)
+        self.host_alloc = host_alloc
+
+    def unserve(self) -> None:
+        """The engine `serve` was for ended: nothing pooled, plain engine buffers."""
+        self.pool.limit = 0
+        self.host_alloc = None
+        self.trim()
+
+    @contextlib.contextmanager
+    def pool_widened(self, nbytes: int) -> Iterator[None]:
+        """Pool ``nbytes`` more while the block runs (a load's buffers in flight), then let go of what
+        the wider pool kept past the old limit."""
+        before = self.pool_bytes
+        self.pool.limit = before + nbytes
+        try:
+            yield
+        finally:
+            self.pool.limit = before
+            self._evict(self._pooled - before)
+
     def widen_pool(self, nbytes: int) -> None:
         """Pool ``nbytes`` more for a holder whose buffers come from this pool (the early step's param
-        copies: `zswap.memory.Allowances.early_step`), until `pool_bytes` is set anew (the engine's end)."""
+        copies: `zswap.memory.Allowances.early_step`), until `unserve` (the engine's end)."""
         self.pool.limit = self.pool_bytes + nbytes
 
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -63,12 +63,11 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
     pool = engine.sizing.allowances.fetch_pool
     for store in engine._stores.values():
         if isinstance(store, NvmeStore):  # reuse fetch buffers up to what may be live at once
-            store.pool_bytes = max(store.pool_bytes, pool)
             # Read buffers registered for one-hop DMA to the device.
-            if not engine.compute_device.passthrough:
-                store.host_alloc = engine.compute_device.register_alloc(store.engine.empty)
+            dev = engine.compute_device
+            store.serve(pool, None if dev.passthrough else dev.register_alloc(store.engine.empty))
     if isinstance(engine.compute_device, _device.CudaDevice | _device.StandInDevice):
-        engine.compute_device.pool.pool_bytes = pool  # gathered params' device buffers, reused likewise
+        engine.compute_device.pool.keep(pool)  # gathered params' device buffers, reused likewise
     engine._hooks = ModuleHooks(
         module,
         infos,
@@ -150,8 +149,6 @@ def teardown(engine: Engine) -> None:
         engine._sched.drop_all()
         for store in engine._stores.values():
             if isinstance(store, NvmeStore):
-                store.pool_bytes = 0
-                store.host_alloc = None
-                store.trim()
+                store.unserve()
         engine.compute_device.close()  # every copy done, every host buffer unregistered
         _device.unplace(engine._items, engine._homes)
