@@ -78,6 +78,7 @@ bench-python: $(PY_DEP)
 	$(PYTHON) benches/bench_runtime.py
 	$(PYTHON) benches/bench_adam.py
 	$(PYTHON) benches/bench_checksum.py
+	$(PYTHON) benches/bench_step_setups.py
 	$(PYTHON) benches/bench_step_matrix.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON))
 
 ## The main job on a fresh machine: set up, then run zswap's demo on a temp dir.

@@ -98,3 +98,20 @@ def test_bench_step_matrix_prints_every_row_with_figures(tmp_path, monkeypatch, 
         assert cells[8] == "DeepSpeed: not run (--no-deepspeed)"
         assert re.fullmatch(r"\d+/\d+/\d+/\d+ \|", cells[-1]), cells[-1]  # steps b/d/r/o
     assert list(tmp_path.iterdir()) == []  # swap files, logs and the rate file removed
+
+
+def test_bench_step_setups_prints_every_setup_at_the_fast_path_bound(tmp_path, monkeypatch, capsys):
+    """Every setup of issue 29's table moves at most the fast path's 2 R / 3 W per optimizer step (the
+    stand-in with accumulation reads the params again in its second micro-batch: 3 R), less than its
+    ordinary step; bytes are deterministic."""
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_step_setups
+
+    assert bench_step_setups.main(["--path", str(tmp_path), "--steps", "3"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [r[0][2:] for r in rows] == list(bench_step_setups.SETUPS)
+    for r in rows:
+        read, written, ord_read, ord_written = map(float, r[1:5])
+        bound = 3.0 if r[0] == "| stand-in device, GAS 2" else 2.0
+        assert read <= bound and written <= 3.0 and read + written < ord_read + ord_written, r
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,95 @@
+"""Bytes per optimizer step of each training setup (issue 29's table), the step in backward next to the
+ordinary step of the same setup in the same run.
+
+    python benches/bench_step_setups.py [--path DIR] [--steps 5]
+
+Model: 4 × ``Linear(256, 256)`` (1 MiB of fp32 params), which fits the live budget: what the step moves is
+then the whole story (no param is read again for forward or backward). Params and AdamW states on NVMe in a
+fresh directory under ``--path`` (removed at the end). Each setup runs twice in fresh engines: as shipped
+(the engine decides where the update runs: in backward, deferred to the step, or the ordinary step) and with
+``engine.early_step = False`` (the ordinary step, the baseline). Printed: bytes read and written during the
+last optimizer step as multiples of the param bytes, for both, and how the shipped one ran
+(``engine.stats()``'s ``steps_*``). Deterministic: no timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zswap
+from zswap.device import StandInDevice
+
+SETUPS: dict[str, dict[str, Any]] = {
+    "CPU": {},
+    "CPU, clipping 1e6 (never bites)": {"gradient_clipping": 1e6},
+    "CPU, clipping 1e-4 (always bites)": {"gradient_clipping": 1e-4},
+    "CPU, GAS 2": {"gradient_accumulation_steps": 2},
+    "CPU, max_in_cpu over the model": {"max_in_cpu": True},
+    "stand-in device": {"device": True},
+    "stand-in device, clipping 1e-4": {"device": True, "gradient_clipping": 1e-4},
+    "stand-in device, GAS 2": {"device": True, "gradient_accumulation_steps": 2},
+}
+
+
+def run(root: Path, setup: dict[str, Any], early: bool, steps: int) -> tuple[float, float, str]:
+    d = Path(tempfile.mkdtemp(dir=root))
+    cfg: dict[str, Any] = {
+        "offload_param": {"device": "nvme", "nvme_path": str(d)},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(d)},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    gas = setup.get("gradient_accumulation_steps", 1)
+    for key in ("gradient_clipping", "gradient_accumulation_steps"):
+        if key in setup:
+            cfg[key] = setup[key]
+    if setup.get("max_in_cpu"):
+        cfg["offload_param"]["max_in_cpu"] = 10**9
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(cfg):
+            model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        engine = zswap.initialize(model, cfg, device=StandInDevice() if setup.get("device") else "cpu")
+    engine.early_step = early
+    nbytes = sum(zswap.param_state(p).partition_numel * 4 for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    with engine:
+        for _ in range(steps):
+            engine.stats(reset=True)
+            for _ in range(gas):
+                engine.backward(engine(torch.randn(8, 256, generator=g)).square().mean())
+                engine.step()
+            s = engine.stats()
+    shutil.rmtree(d, ignore_errors=True)
+    how = f"{s['steps_in_backward']}/{s['steps_deferred']}/{s['steps_ordinary']}"
+    return s["bytes_read"] / nbytes, s["bytes_written"] / nbytes, how
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--path", default="/var/tmp", help="where the swap directories go (default /var/tmp)")
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps; the last is reported (≥ 3)")
+    args = ap.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="zswap-setups-", dir=args.path))
+    print("| setup | read × | written × | ordinary step: read × | written × | last step b/d/o |")
+    print("|---|---|---|---|---|---|")
+    try:
+        for name, setup in SETUPS.items():
+            r, w, how = run(root, setup, True, max(3, args.steps))
+            br, bw, _ = run(root, setup, False, max(3, args.steps))
+            print(f"| {name} | {r:.2f} | {w:.2f} | {br:.2f} | {bw:.2f} | {how} |")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("× = multiples of the param bytes; b/d/o: the last step ran in backward / deferred / ordinary")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
