@@ -45,13 +45,10 @@ def drop(es: EarlyStep, why: str) -> None:
     `GradientsNotKeptError` if it had let go of some already."""
     es.why = why
     dropped, gs = es.dropped, es.gs
-    # Gradients still held and not stored (a deferred step's, all of them): to the store, as they were.
-    held = [] if es.keeping else [(st, g) for st, _, g, _ in es.ready.values() if g is not _empty]
+    held = held_grads(es)  # a deferred step's: all of them
     es.abort()
-    if not dropped and isinstance(gs, NvmeGrads):
-        for st, g in held:
-            gs.unapply(st)
-            gs.add(st, g)
+    if not dropped:
+        hand_back(gs, held)
     if dropped:
         es.lost = why
         _wanted(gs)
@@ -60,6 +57,20 @@ def drop(es: EarlyStep, why: str) -> None:
             f"backward and did not keep them {NOT_KEPT}, so the ordinary step cannot run instead. "
             f"{RESTART}"
         )
+
+
+def held_grads(es: EarlyStep) -> list[tuple[ParamState, torch.Tensor]]:
+    """The gradients the early step holds and did not store (``keeping`` false): when it is dropped
+    before it let go of any, `hand_back` gives them to their store."""
+    return [] if es.keeping else [(st, g) for st, _, g, _ in es.ready.values() if g is not _empty]
+
+
+def hand_back(gs: object, held: list[tuple[ParamState, torch.Tensor]]) -> None:
+    """Store ``held`` (`held_grads`) as the sink would have, their notes as applied taken back."""
+    if isinstance(gs, NvmeGrads):
+        for st, g in held:
+            gs.unapply(st)
+            gs.add(st, g)
 
 
 def commit(es: EarlyStep, scale: float | None) -> bool:
@@ -140,13 +151,10 @@ def take_seeds(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, Callable
     (a `GatheredParameters` write-back, a checkpoint load). `zswap.prefetch.Scheduler.seed` gathers
     them from it when the next pass begins."""
     seeds, es._committed_seeds = es._committed_seeds, []
-    out: list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]] = []
-    for p, copy in seeds:
-        st = param_state(p)
-        if st is not None:
-            ns = _ps(st).ns
-            out.append((p, copy, _unchanged(ns, st.key, ns._live.get(st.key))))
-    return out
+    live = [
+        (p, copy, _ps(st).ns._live.get(st.key)) for p, copy in seeds if (st := param_state(p)) is not None
+    ]
+    return unchanged_seeds(live)
 
 
 def unchanged_seeds(

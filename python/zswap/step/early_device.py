@@ -53,16 +53,10 @@ def land(es: EarlyStep, block: bool) -> None:
             return
         es.landing.popleft()
         copy, grad = dev.synchronize(param_copy), dev.synchronize(grad_copy)
-        gs = cast(NvmeGrads, es.gs)
-        if es.keeping:
-            stored = gs.add_fp32(st, grad, es.allowance if es.guess.keep else 0)
-            if stored is None:  # this backward's gradient writes failed: its end raises
-                es._give_up(es.task, "a gradient write failed")
-                return
-            grad = stored
-        else:
-            gs.applied(st, grad)  # placed: `_give_up` hands it back from here on
-        es._arrive(i, st, copy, grad, version, es.task)
+        placed = es._place(st, grad, cast(NvmeGrads, es.gs).add_fp32)
+        if placed is None:
+            return
+        es._arrive(i, st, copy, placed, version, es.task)
 
 
 def drain(es: EarlyStep) -> list[tuple[ParamState, torch.Tensor]]:

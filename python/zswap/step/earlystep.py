@@ -60,7 +60,7 @@ from ..parts.params import ParamState, Status, local_slice
 from ..store.storage import Transaction, _memcpy
 from . import early_commit, early_device, early_pipeline, speculation
 from .early_commit import _hyper, _wanted
-from .early_pipeline import _empty, _ps, _small
+from .early_pipeline import _ps, _small
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
 from .optim._store import NvmeStore as RecordStore
@@ -233,8 +233,8 @@ class EarlyStep:
         gradients it holds (and ``also``, one it took but does not hold yet) go to their store: the
         ordinary step needs them. If it already let go of one it did not keep there is no falling back:
         raises `_Void` with the error this backward raises (it then counts for nothing)."""
-        gs, dropped, keeping = self.gs, self.dropped, self.keeping
-        held = [(st, g) for st, _, g, _ in self.ready.values() if g is not _empty]
+        gs, dropped = self.gs, self.dropped
+        held = early_commit.held_grads(self)
         if also is not None:
             held.append(also)
         landed = early_device.drain(self)  # neither stored nor applied yet: to the store in any case
@@ -251,10 +251,7 @@ class EarlyStep:
             )
             error.__cause__ = exc
             raise _Void(error)
-        if gs is not None and not keeping:
-            for st, g in held:  # still in memory: stored now, as they would have been
-                gs.unapply(st)
-                gs.add(st, g)
+        early_commit.hand_back(gs, held)  # still in memory: stored now, as they would have been
         for st, g in landed:
             cast(NvmeGrads, gs).add_fp32(st, g)
 
@@ -290,18 +287,9 @@ class EarlyStep:
         if sink is not None:
             early_device.take_later(self, i, p, st, part, sink)
             return True
-        gs = cast(NvmeGrads, self.gs)
-        total = part
-        if self.keeping:
-            # Stored first; what is applied is the stored sum (with earlier micro-batches' under
-            # accumulation), read only.
-            stored = gs.add(st, part, self.allowance if self.guess.keep else 0)
-            if stored is None:  # this backward's gradient writes failed: its end raises
-                self._give_up(task, "a gradient write failed")
-                return True
-            total = stored
-        else:
-            gs.applied(st, part)  # placed: `_give_up` hands it back from here on
+        total = self._place(st, part, cast(NvmeGrads, self.gs).add)
+        if total is None:
+            return True
         try:
             self._take(i, p, st, total, task)
         except _Void:
@@ -310,6 +298,20 @@ class EarlyStep:
             also = None if i in self.ready or self.keeping else (st, part)
             self._give_up(task, f"it failed in backward ({exc})", exc, also)
         return True
+
+    def _place(self, st: ParamState, part: torch.Tensor, add: Callable[..., Any]) -> torch.Tensor | None:
+        """Give this backward's gradient to its store: stored by ``add`` (``NvmeGrads.add``, or
+        ``add_fp32`` where it landed from a device) where gradients are kept — the stored sum (with earlier
+        micro-batches') is what is applied, read only — else only noted as applied (`_give_up` hands it
+        back from here on). The gradient to apply; ``None`` once this backward's writes failed (its end
+        raises; the early step gave up)."""
+        if not self.keeping:
+            cast(NvmeGrads, self.gs).applied(st, part)
+            return part
+        stored = add(st, part, self.allowance if self.guess.keep else 0)
+        if stored is None:
+            self._give_up(self.task, "a gradient write failed")
+        return stored
 
     def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
         data = p.data.reshape(-1)
