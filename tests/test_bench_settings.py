@@ -87,12 +87,16 @@ def test_settings_without_a_block_device() -> None:
     info: dict[str, object] = {
         "block_size_reason": "1024 KiB: no block device", "queue_depth_reason": "16: 16 MiB in flight",
         "threads": 2, "buffer_pages": "small", "bounce_pages": "small", "bounce_bytes": 16 << 20,
-        "fixed_buffers": False, "huge_destinations": False, "huge_destinations_reason": "THP off",
-        "queue_limits": None,
+        "bounce_spare": 1, "fixed_buffers": False, "huge_destinations": False,
+        "huge_destinations_reason": "THP off", "queue_limits": None,
     }  # fmt: skip
     s = bench.settings(info, threads_given=False)
     assert s["drive"][0] == "none"
     assert s["engine buffers"] == ("small", bench._PAGES["small"])
-    assert s["bounce buffers"] == ("small, 16 MiB", "not registered (the kernel refused): plain READ / WRITE")
+    assert s["bounce buffers"] == (
+        "small, 16 MiB",
+        "not registered (the kernel refused): plain READ / WRITE; one per slot and 1 spare per ring: the "
+        "next block is copied while every slot is in flight",
+    )
     assert s["fresh read destinations"][0] == "base pages"
     assert s["block size"] == ("1024 KiB", "no block device")

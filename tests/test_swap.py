@@ -97,6 +97,30 @@ def test_backends_store_identical_bytes(swap_dir: Path) -> None:
     assert same_bytes(outs[0], outs[1]) and same_bytes(outs[0], src)
 
 
+@pytest.mark.parametrize("spare", [True, False])
+def test_bounced_blocks_round_trip_with_and_without_a_spare_buffer(swap_dir: Path, spare: bool) -> None:
+    if zswap._zswap.io_uring_available() is not None:
+        pytest.skip("io_uring refused on this machine")
+    block, depth, threads = 64 << 10, 4, 2
+    budget = None if spare else depth * block  # exactly one buffer per slot: no copy ahead
+    with SwapEngine(
+        swap_dir, backend="io_uring", block_size=block, queue_depth=depth, threads=threads,
+        pinned_memory_budget=budget, checksum="crc32c",
+    ) as e:  # fmt: skip
+        assert e.info["bounce_spare"] == (1 if spare else 0)
+        assert e.info["bounce_bytes"] == (depth // threads + e.info["bounce_spare"]) * threads * block
+        # Many blocks of ordinary memory at an odd offset: every block bounces, most are copied ahead.
+        srcs = [filled(40 * block // 4 + 3, torch.float32, seed=s)[1:] for s in range(3)]
+        handles = [e.write(f"k{i}", t) for i, t in enumerate(srcs)]
+        for h in handles:
+            h.wait()
+        outs = [torch.empty(t.numel() + 1, dtype=torch.float32)[1:] for t in srcs]
+        for h in [e.read(f"k{i}", o) for i, o in enumerate(outs)]:
+            h.wait()
+        assert all(same_bytes(o, t) for o, t in zip(outs, srcs, strict=True))
+        assert e.stats()["bounced_blocks"] == e.stats()["blocks"] > 6 * 40
+
+
 def test_eight_threads_many_keys(engine: SwapEngine) -> None:
     errors: list[BaseException] = []
 

@@ -302,9 +302,12 @@ def settings(info: dict[str, object], threads_given: bool) -> dict[str, tuple[st
         ),
         "bounce buffers": (
             f"{info['bounce_pages']}, {int(str(info['bounce_bytes'])) >> 20} MiB",
-            "registered with the ring (READ_FIXED / WRITE_FIXED)"
-            if info["fixed_buffers"]
-            else "not registered (the kernel refused): plain READ / WRITE",
+            (
+                "registered with the ring (READ_FIXED / WRITE_FIXED)"
+                if info["fixed_buffers"]
+                else "not registered (the kernel refused): plain READ / WRITE"
+            )
+            + _spare_why(int(str(info.get("bounce_spare", 0)))),
         ),
         "fresh read destinations": (
             "huge pages" if info["huge_destinations"] else "base pages",
@@ -312,6 +315,14 @@ def settings(info: dict[str, object], threads_given: bool) -> dict[str, tuple[st
         ),
         "drive": (drive, drive_why),
     }
+
+
+def _spare_why(spare: int) -> str:
+    if spare == 0:
+        return "; one per slot: a block's copy waits for a free slot"
+    return (
+        f"; one per slot and {spare} spare per ring: the next block is copied while every slot is in flight"
+    )
 
 
 def _ratio(x: float, base: float) -> float | None:

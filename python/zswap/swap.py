@@ -76,7 +76,8 @@ class SwapEngine:
         checksum: "crc32c" records a CRC per block and checks it on read, so a flipped bit or a lost
             write raises `ChecksumError` instead of returning wrong bytes; "off" (default: README,
             "Checksums", gives the measured cost) skips it.
-        pinned_memory_budget: bytes of bounce buffers (default queue_depth × block_size).
+        pinned_memory_budget: bytes of bounce buffers (default one block per slot, plus one spare per
+            io_uring ring so a block is copied while every slot is in flight).
         lock_memory: mlock engine buffers where RLIMIT_MEMLOCK allows.
 
     `write`/`read` return at once with a `Handle`; the engine keeps the tensor alive until the transfer

@@ -73,8 +73,8 @@ pub struct EngineConfig {
     /// Record a CRC32C per block on write and check it on read: turns flipped bits and lost writes into
     /// errors. Default off: measured at more than 3 % of swap throughput (README, "Checksums").
     pub checksum: bool,
-    /// Bytes of bounce buffers the engine may hold: at least `threads × block_size`. Default
-    /// `queue_depth × block_size`.
+    /// Bytes of bounce buffers the engine may hold: at least `threads × block_size`. Default one
+    /// block per slot plus one spare per io_uring ring (filled while every slot is in flight).
     pub pinned_memory_budget: Option<usize>,
     /// `mlock` engine buffers (bounce and `alloc`) where RLIMIT_MEMLOCK allows.
     pub lock_memory: bool,
@@ -148,6 +148,8 @@ pub struct Resolved {
     pub fixed_buffers: bool,
     pub bounce_pages: PageKind,
     pub bounce_bytes: usize,
+    /// Bounce buffers each io_uring ring holds beyond one per slot, filled while every slot is in flight.
+    pub bounce_spare: usize,
     /// Pages `alloc` buffers of a huge page or more get where nothing runs short.
     pub buffer_pages: PageKind,
     /// Why the block size and queue depth are what they are (picked, or given).
@@ -260,6 +262,7 @@ impl Engine {
             fixed_buffers: started.fixed_buffers,
             bounce_pages: started.bounce_pages,
             bounce_bytes: started.bounce_bytes,
+            bounce_spare: started.bounce_spare,
             buffer_pages: crate::buffer::buffer_kind(),
             why_block,
             why_depth,

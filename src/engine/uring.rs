@@ -28,6 +28,16 @@ struct Slot {
     job: BlockJob,
     mem: *mut u8,
     done: usize,
+    /// The bounce buffer the block uses, if it bounces.
+    buf: Option<usize>,
+}
+
+/// A job taken off the queue while every slot was in flight, made ready for the kernel (a bounced
+/// write already copied into its buffer) so that it goes out the moment a slot frees.
+struct Ahead {
+    job: BlockJob,
+    mem: *mut u8,
+    buf: Option<usize>,
 }
 
 pub(crate) struct UringWorker {
@@ -35,6 +45,13 @@ pub(crate) struct UringWorker {
     bounce: AlignedBuf,
     slots: Vec<Option<Slot>>,
     free: Vec<usize>,
+    /// Free bounce buffers. There are `spare` more buffers than slots: one slot's worth is filled
+    /// ahead while every slot is in flight (`Ahead`), so the copy into a bounce buffer overlaps the
+    /// transfers instead of holding a slot idle (on the project VM a 4 MiB copy takes about as long
+    /// as the drive needs for one block at the fio queue depth).
+    bufs: Vec<usize>,
+    ahead: Option<Ahead>,
+    nbuf: usize,
     fixed: bool,
     block_size: usize,
 }
@@ -44,8 +61,8 @@ pub(crate) struct UringWorker {
 unsafe impl Send for UringWorker {}
 
 impl UringWorker {
-    /// Sets up a ring with `depth` slots, each owning one `block_size` bounce buffer.
-    pub fn new(depth: usize, block_size: usize, lock: bool) -> Result<Self> {
+    /// Sets up a ring with `depth` slots and `depth + spare` bounce buffers of `block_size` bytes.
+    pub fn new(depth: usize, spare: usize, block_size: usize, lock: bool) -> Result<Self> {
         let entries = depth.next_power_of_two() as u32;
         let ring = IoUring::builder()
             .setup_cqsize(entries * 2)
@@ -54,10 +71,11 @@ impl UringWorker {
             .map_err(|e| {
                 super::workers::ring_refusal(entries, e.raw_os_error().unwrap_or(libc::ENOSYS))
             })?;
-        let bounce = AlignedBuf::new(depth * block_size, lock)?;
-        let iovecs: Vec<libc::iovec> = (0..depth)
+        let nbuf = depth + spare;
+        let bounce = AlignedBuf::new(nbuf * block_size, lock)?;
+        let iovecs: Vec<libc::iovec> = (0..nbuf)
             .map(|i| libc::iovec {
-                // SAFETY: in bounds: slot i spans [i*block_size, (i+1)*block_size) of the mapping.
+                // SAFETY: in bounds: buffer i spans [i*block_size, (i+1)*block_size) of the mapping.
                 iov_base: unsafe { bounce.as_ptr().add(i * block_size) }.cast(),
                 iov_len: block_size,
             })
@@ -70,14 +88,22 @@ impl UringWorker {
             bounce,
             slots: (0..depth).map(|_| None).collect(),
             free: (0..depth).rev().collect(),
+            bufs: (0..nbuf).rev().collect(),
+            ahead: None,
+            nbuf,
             fixed,
             block_size,
         })
     }
 
-    /// Blocks this ring keeps in flight.
-    pub fn depth(&self) -> usize {
-        self.slots.len()
+    /// Bounce buffers beyond one per slot.
+    pub fn spare(&self) -> usize {
+        self.nbuf - self.slots.len()
+    }
+
+    /// Bytes of bounce buffers this ring holds.
+    pub fn bounce_bytes(&self) -> usize {
+        self.nbuf * self.block_size
     }
 
     pub fn fixed_buffers(&self) -> bool {
@@ -94,23 +120,31 @@ impl UringWorker {
         let mut inflight = 0usize;
         loop {
             while let Some(&slot) = self.free.last() {
-                let job = if inflight == 0 {
-                    // Blocks while idle; Err only once the queue is closed and empty.
+                let next = if let Some(a) = self.ahead.take() {
+                    a
+                } else if inflight == 0 {
+                    // Blocks while idle; None only once the queue is closed and empty.
                     match ctx.rx.recv() {
-                        Some(j) => j,
+                        Some(j) => self.ready(j, &ctx),
                         None => return,
                     }
                 } else {
                     match ctx.rx.try_recv() {
-                        Some(j) => j,
+                        Some(j) => self.ready(j, &ctx),
                         None => break,
                     }
                 };
                 self.free.pop();
-                self.launch(slot, job, &ctx, &mut inflight);
+                self.launch(slot, next, &ctx, &mut inflight);
             }
             if inflight == 0 {
                 continue;
+            }
+            if self.free.is_empty() && self.ahead.is_none() && !self.bufs.is_empty() {
+                // Every slot is in flight: prepare the next job now rather than after a completion.
+                if let Some(j) = ctx.rx.try_recv() {
+                    self.ahead = Some(self.ready(j, &ctx));
+                }
             }
             let submitted = match ctx.faults.submit_errno() {
                 Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
@@ -132,15 +166,78 @@ impl UringWorker {
         }
     }
 
-    /// Starts `job` in the free `slot` (already taken off `free`).
-    fn launch(&mut self, slot: usize, job: BlockJob, ctx: &WorkerCtx, inflight: &mut usize) {
-        // Checksummed writes are handed to the kernel inside `start` already.
+    /// Makes `job` ready for the kernel: takes a bounce buffer if it bounces and, for a write, copies
+    /// the caller's bytes into it.
+    fn ready(&mut self, job: BlockJob, ctx: &WorkerCtx) -> Ahead {
+        ctx.faults.hold(job.op);
+        // Callers make a job ready only while a buffer is free: held buffers are at most one per slot
+        // in flight, plus `ahead` and a read being copied out, so a free slot always finds one once
+        // the copy-out is done, and `ahead` is taken only with a spare free.
+        let buf = if job.bounce { self.bufs.pop() } else { None };
+        let base = match buf {
+            // SAFETY: buffer `b` is free, so its `block_size` bytes of `bounce` are ours.
+            Some(b) => unsafe { self.bounce.as_ptr().add(b * self.block_size) },
+            None => std::ptr::null_mut(),
+        };
+        if job.bounce && buf.is_none() {
+            // Not reachable (see above); failing the block beats writing through a null buffer.
+            return Ahead {
+                job,
+                mem: base,
+                buf,
+            };
+        }
+        // SAFETY: when the job bounces, `base` is a free buffer of `block_size ≥ io_len` bytes.
+        let mem = unsafe { job.prepare(base) };
+        Ahead { job, mem, buf }
+    }
+
+    /// Starts a ready job in the free `slot` (already taken off `free`).
+    fn launch(&mut self, slot: usize, next: Ahead, ctx: &WorkerCtx, inflight: &mut usize) {
+        let Ahead { job, mem, buf } = next;
+        if job.bounce && buf.is_none() {
+            let dir = job.store.files[job.path].dir.clone();
+            let e = Error::io(
+                job.op,
+                libc::ENOBUFS,
+                &dir,
+                job.file_offset,
+                job.io_len as u64,
+            );
+            job.finish(Err(e), &ctx.counters);
+            self.free.push(slot);
+            return;
+        }
+        // Checksummed writes are handed to the kernel below, before the checksum is taken.
         let bounced = job.bounce && !job.wants_checksum();
         let dest = (job.bounce && job.op == Op::Read).then_some((job.user, job.data_len));
-        if !self.start(slot, job, ctx) {
-            return; // a lost write (fault injection): completed without I/O
+        if ctx.faults.lose(job.op) {
+            // A lost write (fault injection): completed without I/O.
+            // SAFETY: `mem` holds the block's data; nothing is in flight for it.
+            unsafe { job.record_checksum(mem) };
+            job.finish(Ok(()), &ctx.counters);
+            self.free.push(slot);
+            self.bufs.extend(buf);
+            return;
         }
+        let crc = job.wants_checksum();
+        self.slots[slot] = Some(Slot {
+            job,
+            mem,
+            done: 0,
+            buf,
+        });
+        self.push(slot);
         *inflight += 1;
+        if crc {
+            // Let the disk work while this thread checksums the block (an error resurfaces from
+            // submit_and_wait). The block completes only when reaped, after the checksum is stored.
+            let _ = self.ring.submit();
+            if let Some(s) = &self.slots[slot] {
+                // SAFETY: `mem` holds the block's data; the kernel only reads it during a write.
+                unsafe { s.job.record_checksum(mem) };
+            }
+        }
         if bounced {
             // Hand the block to the kernel before copying the next one, so the disk works
             // while this thread copies. An error here resurfaces from submit_and_wait.
@@ -160,18 +257,44 @@ impl UringWorker {
             .map(|c| (c.user_data() as usize, i64::from(c.result())))
             .collect();
         for (slot, res) in done {
-            if !self.on_complete(slot, res, ctx) {
-                *inflight -= 1;
-                // Refill the slot just freed before copying out the next completed block, so a burst
-                // of completions does not leave the disk idle while this thread copies them all.
-                if let Some(&free) = self.free.last() {
-                    if let Some(job) = ctx.rx.try_recv() {
-                        self.free.pop();
-                        self.launch(free, job, ctx, inflight);
-                    }
-                }
+            let Some(read) = self.on_complete(slot, res, ctx) else {
+                continue; // resubmitted: still in flight
+            };
+            *inflight -= 1;
+            // Refill the slot just freed before copying this block out, so the disk does not sit idle
+            // while this thread copies (a spare buffer lets the slot go out again at once).
+            self.refill(ctx, inflight);
+            if let Some(s) = read {
+                self.finish_read(s, ctx);
+                self.refill(ctx, inflight);
             }
         }
+    }
+
+    /// Launches the job prepared ahead, or the next queued one, into a free slot, if there is one and
+    /// a bounce buffer for the job (a bounced read being copied out may hold the last one).
+    fn refill(&mut self, ctx: &WorkerCtx, inflight: &mut usize) {
+        let Some(&slot) = self.free.last() else {
+            return;
+        };
+        let next = match self.ahead.take() {
+            Some(a) => a,
+            None if !self.bufs.is_empty() => match ctx.rx.try_recv() {
+                Some(j) => self.ready(j, ctx),
+                None => return,
+            },
+            None => return,
+        };
+        self.free.pop();
+        self.launch(slot, next, ctx, inflight);
+    }
+
+    /// Verifies a completed read and copies it out of its bounce buffer, then frees the buffer.
+    fn finish_read(&mut self, s: Slot, ctx: &WorkerCtx) {
+        // SAFETY: the kernel has completed every transfer into `s.mem`.
+        let r = unsafe { s.job.complete_read(s.mem, &ctx.faults) };
+        s.job.finish(r, &ctx.counters);
+        self.bufs.extend(s.buf);
     }
 
     /// `io_uring_enter` failed with a non-transient errno: the ring cannot be driven any more. Blocks
@@ -187,6 +310,17 @@ impl UringWorker {
             self.reap_no_resubmit(errno, ctx, &mut inflight);
         }
         let kernel_owned = inflight > queued;
+        if let Some(a) = self.ahead.take() {
+            let dir = &a.job.store.files[a.job.path].dir;
+            let err = Error::io(
+                Op::Submit,
+                errno,
+                dir,
+                a.job.file_offset,
+                a.job.io_len as u64,
+            );
+            a.job.finish(Err(err), &ctx.counters);
+        }
         for slot in 0..self.slots.len() {
             if let Some(s) = self.slots[slot].take() {
                 let dir = &s.job.store.files[s.job.path].dir;
@@ -219,7 +353,9 @@ impl UringWorker {
             };
             let full = res >= 0 && s.done + res as usize >= s.job.io_len;
             if res < 0 || full {
-                self.on_complete(slot, res, ctx);
+                if let Some(Some(read)) = self.on_complete(slot, res, ctx) {
+                    self.finish_read(read, ctx);
+                }
             } else if let Some(s) = self.slots[slot].take() {
                 let dir = &s.job.store.files[s.job.path].dir;
                 let err = Error::io(
@@ -231,36 +367,10 @@ impl UringWorker {
                 );
                 s.job.finish(Err(err), &ctx.counters);
                 self.free.push(slot);
+                self.bufs.extend(s.buf);
             }
             *inflight -= 1;
         }
-    }
-
-    /// Starts `job` in `slot`; false when it completed at once (an injected lost write).
-    fn start(&mut self, slot: usize, job: BlockJob, ctx: &WorkerCtx) -> bool {
-        ctx.faults.hold(job.op);
-        // SAFETY: slot `slot` is free, so its `block_size` bytes of `bounce` are ours; io_len ≤ block_size.
-        let mem = unsafe { job.prepare(self.bounce.as_ptr().add(slot * self.block_size)) };
-        if ctx.faults.lose(job.op) {
-            // SAFETY: as below; nothing is in flight for this block.
-            unsafe { job.record_checksum(mem) };
-            job.finish(Ok(()), &ctx.counters);
-            self.free.push(slot);
-            return false;
-        }
-        let crc = job.wants_checksum();
-        self.slots[slot] = Some(Slot { job, mem, done: 0 });
-        self.push(slot);
-        if crc {
-            // Let the disk work while this thread checksums the block (an error resurfaces from
-            // submit_and_wait). The block completes only when reaped, after the checksum is stored.
-            let _ = self.ring.submit();
-            if let Some(s) = &self.slots[slot] {
-                // SAFETY: `mem` holds the block's data; the kernel only reads it during a write.
-                unsafe { s.job.record_checksum(mem) };
-            }
-        }
-        true
     }
 
     /// Queues the remaining range of `slot`'s block.
@@ -271,16 +381,12 @@ impl UringWorker {
         let ptr = unsafe { s.mem.add(s.done) };
         let len = (s.job.io_len - s.done) as u32;
         let off = s.job.file_offset + s.done as u64;
-        let fixed = self.fixed && s.job.bounce;
+        let fixed = s.buf.filter(|_| self.fixed).map(|b| b as u16);
         let entry = match (s.job.op, fixed) {
-            (Op::Read, true) => opcode::ReadFixed::new(fd, ptr, len, slot as u16)
-                .offset(off)
-                .build(),
-            (Op::Read, false) => opcode::Read::new(fd, ptr, len).offset(off).build(),
-            (_, true) => opcode::WriteFixed::new(fd, ptr, len, slot as u16)
-                .offset(off)
-                .build(),
-            (_, false) => opcode::Write::new(fd, ptr, len).offset(off).build(),
+            (Op::Read, Some(b)) => opcode::ReadFixed::new(fd, ptr, len, b).offset(off).build(),
+            (Op::Read, None) => opcode::Read::new(fd, ptr, len).offset(off).build(),
+            (_, Some(b)) => opcode::WriteFixed::new(fd, ptr, len, b).offset(off).build(),
+            (_, None) => opcode::Write::new(fd, ptr, len).offset(off).build(),
         }
         .user_data(slot as u64);
         // SAFETY: the memory behind `ptr` stays valid until this entry completes: bounce memory is owned
@@ -291,16 +397,17 @@ impl UringWorker {
         }
     }
 
-    /// Handles one completion; returns true when the slot was resubmitted (still in flight).
-    fn on_complete(&mut self, slot: usize, res: i64, ctx: &WorkerCtx) -> bool {
+    /// Handles one completion: `None` when the slot was resubmitted (still in flight); otherwise the
+    /// slot is free again and, for a read that completed, its block is returned for `finish_read`.
+    fn on_complete(&mut self, slot: usize, res: i64, ctx: &WorkerCtx) -> Option<Option<Slot>> {
         let Some(s) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
-            return false; // the NOP of a failed push
+            return Some(None); // the NOP of a failed push
         };
         let res = ctx.faults.adjust(s.job.op, res);
         match s.job.check(res, s.done) {
             Err(e) => {
                 self.fail(slot, e, ctx);
-                false
+                Some(None)
             }
             Ok(n) => {
                 s.done += n.min(s.job.io_len - s.done);
@@ -309,20 +416,18 @@ impl UringWorker {
                         .short_transfers
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     self.push(slot);
-                    return true;
+                    return None;
                 }
                 let Some(s) = self.slots[slot].take() else {
-                    return false;
+                    return Some(None);
                 };
-                let r = if s.job.op == Op::Read {
-                    // SAFETY: the kernel has completed every transfer into `s.mem`.
-                    unsafe { s.job.complete_read(s.mem, &ctx.faults) }
-                } else {
-                    Ok(())
-                };
-                s.job.finish(r, &ctx.counters);
                 self.free.push(slot);
-                false
+                if s.job.op == Op::Read {
+                    return Some(Some(s));
+                }
+                s.job.finish(Ok(()), &ctx.counters);
+                self.bufs.extend(s.buf);
+                Some(None)
             }
         }
     }
@@ -331,6 +436,7 @@ impl UringWorker {
         if let Some(s) = self.slots[slot].take() {
             s.job.finish(Err(e), &ctx.counters);
             self.free.push(slot);
+            self.bufs.extend(s.buf);
         }
     }
 }

@@ -20,6 +20,8 @@ pub(super) struct Started {
     pub fixed_buffers: bool,
     pub bounce_pages: PageKind,
     pub bounce_bytes: usize,
+    /// Bounce buffers each ring holds beyond one per slot (0 for psync).
+    pub bounce_spare: usize,
 }
 
 /// Starts the workers of `backend` (already probed: `IoUring` or `Psync`). `want` is what the user
@@ -31,12 +33,10 @@ pub(super) fn start(
     ctx: &dyn Fn() -> WorkerCtx,
     notes: &mut Vec<String>,
 ) -> Result<Started> {
-    let budget = cfg
-        .pinned_memory_budget
-        .unwrap_or(cfg.queue_depth * cfg.block_size);
+    let budget = cfg.pinned_memory_budget.unwrap_or(default_budget(cfg));
     if backend == Backend::IoUring {
         match rings(cfg, budget) {
-            Ok(rings) => return spawn_rings(cfg, rings, ctx),
+            Ok(rings) => return spawn_rings(rings, ctx),
             Err(Error::Unavailable { errno, why, .. }) if want == Backend::Auto => {
                 notes.push(format!(
                     "io_uring unavailable ({}: {why}), using the psync backend",
@@ -57,6 +57,7 @@ pub(super) fn start(
         fixed_buffers: false,
         bounce_pages: PageKind::Small,
         bounce_bytes: 0,
+        bounce_spare: 0,
     };
     for i in 0..threads {
         let w = psync::PsyncWorker::new(cfg.block_size, cfg.lock_memory)?;
@@ -68,37 +69,43 @@ pub(super) fn start(
     Ok(s)
 }
 
+/// Bounce buffers a ring holds beyond one per slot, when the budget allows: the next block's copy is
+/// made while every slot is in flight (see `uring::UringWorker`). More than one measured no better.
+const SPARE_BUFFERS: usize = 1;
+
+/// The bounce-buffer budget when the user sets none: a block per slot and the rings' spares.
+fn default_budget(cfg: &EngineConfig) -> usize {
+    let threads = cfg.threads.max(1);
+    (cfg.queue_depth.div_ceil(threads) + SPARE_BUFFERS) * threads * cfg.block_size
+}
+
 /// Sets up every ring (none started yet).
 fn rings(cfg: &EngineConfig, budget: usize) -> Result<Vec<uring::UringWorker>> {
     let threads = cfg.threads;
-    let depth = cfg
-        .queue_depth
-        .div_ceil(threads)
-        .min(budget / (threads * cfg.block_size))
-        .max(1);
+    let per_ring = budget / (threads * cfg.block_size);
+    let depth = cfg.queue_depth.div_ceil(threads).min(per_ring).max(1);
+    let spare = per_ring.saturating_sub(depth).min(SPARE_BUFFERS);
     (0..threads)
         .map(|i| {
-            uring::UringWorker::new(depth, cfg.block_size, cfg.lock_memory).map_err(|e| match e {
-                Error::Unavailable {
-                    feature,
-                    errno,
-                    why,
-                } => Error::Unavailable {
-                    feature,
-                    errno,
-                    why: format!("ring {} of {threads}: {why}", i + 1),
-                },
-                e => e,
+            uring::UringWorker::new(depth, spare, cfg.block_size, cfg.lock_memory).map_err(|e| {
+                match e {
+                    Error::Unavailable {
+                        feature,
+                        errno,
+                        why,
+                    } => Error::Unavailable {
+                        feature,
+                        errno,
+                        why: format!("ring {} of {threads}: {why}", i + 1),
+                    },
+                    e => e,
+                }
             })
         })
         .collect()
 }
 
-fn spawn_rings(
-    cfg: &EngineConfig,
-    rings: Vec<uring::UringWorker>,
-    ctx: &dyn Fn() -> WorkerCtx,
-) -> Result<Started> {
+fn spawn_rings(rings: Vec<uring::UringWorker>, ctx: &dyn Fn() -> WorkerCtx) -> Result<Started> {
     let mut s = Started {
         backend: Backend::IoUring,
         handles: Vec::new(),
@@ -106,11 +113,13 @@ fn spawn_rings(
         fixed_buffers: true,
         bounce_pages: PageKind::Small,
         bounce_bytes: 0,
+        bounce_spare: 0,
     };
     for (i, w) in rings.into_iter().enumerate() {
         s.fixed_buffers &= w.fixed_buffers();
         s.bounce_pages = w.page_kind();
-        s.bounce_bytes += w.depth() * cfg.block_size;
+        s.bounce_bytes += w.bounce_bytes();
+        s.bounce_spare = w.spare();
         s.handles
             .push(spawn(format!("zswap-uring-{i}"), ctx(), move |c| w.run(c))?);
     }

@@ -196,6 +196,7 @@ impl PyEngine {
             format!("{:?}", r.bounce_pages).to_lowercase(),
         )?;
         d.set_item("bounce_bytes", r.bounce_bytes)?;
+        d.set_item("bounce_spare", r.bounce_spare)?;
         d.set_item(
             "buffer_pages",
             format!("{:?}", r.buffer_pages).to_lowercase(),
