@@ -78,17 +78,23 @@ impl AlignedBuf {
             }
         }
         if p == libc::MAP_FAILED {
+            // THP backs only 2 MiB-aligned virtual ranges, and kernels before 6.7 place anonymous
+            // mappings at any page boundary: map a huge page more and keep the aligned part.
+            let extra = if huge { HUGE_PAGE } else { 0 };
             // SAFETY: as above.
             p = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
-                    map_len,
+                    map_len + extra,
                     libc::PROT_READ | libc::PROT_WRITE,
                     base,
                     -1,
                     0,
                 )
             };
+            if p != libc::MAP_FAILED && extra > 0 {
+                p = trim_to_alignment(p.cast(), map_len, extra).cast();
+            }
             if p == libc::MAP_FAILED {
                 let errno = std::io::Error::last_os_error()
                     .raw_os_error()
@@ -173,6 +179,26 @@ impl Drop for AlignedBuf {
             libc::munmap(self.ptr.as_ptr().cast(), self.map_len);
         }
     }
+}
+
+/// Of a fresh mapping of `len + extra` bytes at `p`, unmaps the head below the first `extra`-aligned
+/// address and the tail past `len` bytes from it; returns that aligned address. `extra` is a power of
+/// two, at least a page.
+fn trim_to_alignment(p: *mut u8, len: usize, extra: usize) -> *mut u8 {
+    let start = round_up(p as usize, extra);
+    let head = start - p as usize;
+    let tail = extra - head;
+    // SAFETY: both ranges lie inside the mapping just made (head + len + tail = len + extra), are
+    // page-aligned (p and start are, extra and len are page multiples), and nothing refers to them.
+    unsafe {
+        if head > 0 {
+            libc::munmap(p.cast(), head);
+        }
+        if tail > 0 {
+            libc::munmap((start + len) as *mut libc::c_void, tail);
+        }
+    }
+    start as *mut u8
 }
 
 /// Linux 5.14's `MADV_POPULATE_WRITE` (not in every libc crate version).
@@ -325,6 +351,10 @@ mod tests {
         for len in [1, 4095, 4097, HUGE_PAGE + 1] {
             let b = AlignedBuf::new(len, false).unwrap();
             assert_eq!(b.as_ptr() as usize % page_size(), 0);
+            if len >= HUGE_MIN {
+                // Whatever the kernel's placement, huge-page candidates start on a huge page.
+                assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0);
+            }
             assert!(b.capacity() >= len);
             assert!(unsafe { b.as_slice() }.iter().all(|&x| x == 0));
         }

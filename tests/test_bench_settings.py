@@ -100,3 +100,31 @@ def test_settings_without_a_block_device() -> None:
     )
     assert s["fresh read destinations"][0] == "base pages"
     assert s["block size"] == ("1024 KiB", "no block device")
+
+
+def test_engine_buffers_row_says_how_much_of_a_buffer_the_kernel_backs_with_huge_pages() -> None:
+    info: dict[str, object] = {
+        "block_size_reason": "4096 KiB: x", "queue_depth_reason": "4: x", "threads": 2, "buffer_pages": "thp",
+        "bounce_pages": "thp", "bounce_bytes": 24 << 20, "bounce_spare": 0, "fixed_buffers": True,
+        "huge_destinations": False, "huge_destinations_reason": "x", "queue_limits": None,
+        "buffer_huge_share": 0.25,
+    }  # fmt: skip
+    s = bench.settings(info, threads_given=False)
+    assert s["engine buffers"] == (
+        "thp",
+        bench._PAGES["thp"] + "; measured: 25% of a fresh engine buffer in huge pages (smaps)",
+    )
+    assert s["bounce buffers"][1].endswith("; one per slot: a block's copy waits for a free slot")
+
+
+def test_huge_share_reads_the_kernels_backing_of_an_engine_buffer(tmp_path: Path) -> None:
+    import torch
+
+    with SwapEngine(tmp_path) as e:
+        buf = e.empty((8 << 20) // 4, torch.float32)
+        share = bench.huge_share(buf.data_ptr(), 8 << 20)
+        if e.info["buffer_pages"] == "small":
+            assert share == 0.0
+        else:
+            assert share is not None and 0.0 <= share <= 1.0
+    assert bench.huge_share(0, 4096) is None  # no mapping holds page 0

@@ -298,7 +298,7 @@ def settings(info: dict[str, object], threads_given: bool) -> dict[str, tuple[st
         ),
         "engine buffers": (
             str(info["buffer_pages"]),
-            _PAGES.get(str(info["buffer_pages"]), "?"),
+            _PAGES.get(str(info["buffer_pages"]), "?") + _measured_huge(info.get("buffer_huge_share")),
         ),
         "bounce buffers": (
             f"{info['bounce_pages']}, {int(str(info['bounce_bytes'])) >> 20} MiB",
@@ -315,6 +315,38 @@ def settings(info: dict[str, object], threads_given: bool) -> dict[str, tuple[st
         ),
         "drive": (drive, drive_why),
     }
+
+
+def huge_share(addr: int, nbytes: int) -> float | None:
+    """Share of the resident memory of the mappings holding ``[addr, addr + nbytes)`` that the kernel
+    backs with huge pages (``/proc/self/smaps``: AnonHugePages and hugetlb over all), or None where
+    smaps is not there. What the THP policy allows is not what a mapping gets: an unaligned mapping, a
+    fragmented or ballooned host, or ``defrag`` settings can leave it on base pages."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    rss = huge = 0
+    inside = False
+    for line in text.splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < addr + nbytes and addr < hi
+        elif inside and head == "Rss:":
+            rss += int(line.split()[1])
+        elif inside and head == "AnonHugePages:":
+            huge += int(line.split()[1])
+        elif inside and head in ("Private_Hugetlb:", "Shared_Hugetlb:"):  # hugetlb is not in Rss
+            rss += int(line.split()[1])
+            huge += int(line.split()[1])
+    return huge / rss if rss else None
+
+
+def _measured_huge(share: object) -> str:
+    if not isinstance(share, float):
+        return ""
+    return f"; measured: {share:.0%} of a fresh engine buffer in huge pages (smaps)"
 
 
 def _spare_why(spare: int) -> str:
@@ -358,6 +390,9 @@ def run(
         path, block_size=block_size, queue_depth=queue_depth, backend=backend, threads=threads
     ) as e:
         picked = dict(e.info)
+        probe = e.empty(max(int(picked["block_size"]), 4 << 20) // 4, torch.float32)
+        picked["buffer_huge_share"] = huge_share(probe.data_ptr(), probe.numel() * 4)
+        del probe
     block_size, queue_depth = int(picked["block_size"]), int(picked["queue_depth"])
     say(
         f"zswap bench: {size / 2**30:.2f} GiB in {path}, "
