@@ -108,18 +108,16 @@ class ZswapPrecision(Precision):
             )
         self.clip_norm = None
         engine = self._current()
-        early = engine.early_step
-        if model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model):
-            # Whether this step clips is decided after backward: the update cannot run in it
-            # (`zswap.earlystep`; its gradients would not be kept for the clipped step).
-            engine.early_step = False
-        try:
-            result = closure()
-        finally:
-            engine.early_step = early
-        self._after_closure(model, optimizer)
+        # The clip norm reaches `clip_gradients` only after the closure's backward: the early step is told
+        # that clipping may be set then, so it keeps the gradients a clipped step is redone from
+        # (`zswap.step.speculation`); the step it ran in backward is committed if the factor matches.
+        engine.clipping_after_backward = bool(
+            model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model)
+        )
         default = engine.max_grad_norm
         try:
+            result = closure()
+            self._after_closure(model, optimizer)
             if self.clip_norm is not None:
                 engine.max_grad_norm = self.clip_norm
             if engine.optimizer is None:
@@ -128,6 +126,7 @@ class ZswapPrecision(Precision):
                 engine.step()
         finally:
             engine.max_grad_norm = default
+            engine.clipping_after_backward = False
             self.clip_norm = None
         return result
 

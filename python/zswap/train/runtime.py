@@ -9,6 +9,7 @@ and ``loss.backward()`` work as on a plain model. The old path ``zswap.runtime``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -150,6 +151,14 @@ class Engine:
         self.early_step = True
         """Escape hatch (docs/configuration.md): False for a loop that changes the lr, clipping or params
         between backward and step as a rule (`zswap.step.earlystep`'s work then wasted). Same results."""
+        self.clipping_after_backward = False
+        """For a front end that learns a step's clip norm after its backward (Lightning's
+        ``configure_gradient_clipping``) and sets ``max_grad_norm`` for `step`: the early step keeps the
+        gradients as under ``max_grad_norm``, so a step that clips is redone from them."""
+        self.window_ends: Callable[[], bool] | None = None
+        """For a front end that accumulates itself (``gradient_accumulation_steps`` 1 here, `step` at the
+        end of its windows only): whether the backward about to run ends a window (asked again at the
+        step). The early step sums a window's earlier backwards and runs in its last one."""
         self._keep_applied: bool | Literal["auto"] = "auto"  # `keep_applied_grads`
         self._reuse_outputs = outputs.DEFAULT  # `reuse_backward_outputs`
         self._early: earlystep.EarlyStep | None = None
