@@ -86,15 +86,17 @@ class ZswapPrecision(Precision):
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
+        engine = self._current()
         if is_overridden("backward", model):
             model.backward(tensor, *args, **kwargs)  # the module's own backward, as written (no loss scale)
-            return
-        if args or set(kwargs) - {"retain_graph"}:
+        elif args or set(kwargs) - {"retain_graph"}:
             raise TypeError(
                 "ZswapStrategy runs backward through the zswap Engine, which takes retain_graph= only; got "
                 f"{len(args)} positional argument(s) and {sorted(kwargs)}"
             )
-        self._current().backward(tensor, **kwargs)  # fp16: scaled by the engine's loss scale
+        else:
+            engine.backward(tensor, **kwargs)  # fp16: scaled by the engine's loss scale
+        engine.end_micro_batch()  # before a window's last batch: the next forward's first params kept
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any

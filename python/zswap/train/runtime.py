@@ -222,9 +222,7 @@ class Engine:
     def _step(self) -> None:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
-            if self._early is not None:  # the next forward's first params, kept as they were: no read
-                self._sched.seed(self._early.take_micro_seeds())
-            self._sched.read_ahead()  # nothing was written: the next forward's next reads start now
+            self._micro_batch_end()
             return
         self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
@@ -264,6 +262,18 @@ class Engine:
             bridge.step_partitions(self.optimizer, self._items, others, chunk, scale, held)
         self._finish_step(scale)
         self._sched.read_ahead()  # the next forward's first reads, of the values just written
+
+    def end_micro_batch(self) -> None:
+        """For a front end that accumulates itself: after a backward `window_ends` said was not a window's
+        last, what `step` does between accumulation boundaries (nothing else is to be done there)."""
+        self._check_open()
+        if self.window_ends is not None and not self.window_ends():
+            self._micro_batch_end()
+
+    def _micro_batch_end(self) -> None:
+        if self._early is not None:  # the next forward's first params, kept as they were: no read
+            self._sched.seed(self._early.take_micro_seeds())
+        self._sched.read_ahead()  # nothing was written: the next forward's next reads start now
 
     def _finish_step(self, scale: float | None) -> None:
         # The counters, loss scale and schedule move first, with no I/O (no await point) between them and

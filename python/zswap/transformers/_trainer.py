@@ -160,6 +160,12 @@ class Trainer(transformers.Trainer):
 
     # -- the step ------------------------------------------------------------------------------------------
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        loss = super().training_step(*args, **kwargs)
+        if self.engine is not None:
+            self.engine.end_micro_batch()  # before a window's last batch: the next forward's first params
+        return loss
+
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
         # Called before optimizer.step(); the engine takes the norm (and clips) inside that step. The
         # tensor returned is what the Trainer logs later as grad_norm: `_stepped` fills it in.
