@@ -39,7 +39,8 @@ class ZswapPrecision(Precision):
     """Params, inputs and the default dtype inside forward in one dtype (``precision``: ``"32-true"``,
     ``"bf16-true"`` or ``"16-true"``); backward and the optimizer step through the strategy's engine;
     gradient clipping by norm handed to the engine (it clips the global norm over every rank's partitions,
-    before the optimizer reads any state)."""
+    before the optimizer reads any state; told before backward that the norm may come after it, so the
+    update it runs in backward keeps what a clipped step is redone from)."""
 
     def __init__(self, precision: TruePrecision = "32-true") -> None:
         if precision not in DTYPES:
