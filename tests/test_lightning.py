@@ -234,11 +234,31 @@ class ClipsLate(Regressor):
             self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
 
 
+class ManualClips(Regressor):
+    """Manual optimization clipping at 0.05 (below the norm) on odd steps, between backward and step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(self(batch[0]), batch[1])
+        self.losses.append(loss.detach().clone())
+        self.manual_backward(loss)
+        if self.trainer.global_step % 2:
+            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+        return loss
+
+
 # (Trainer arguments, the module, samples: 44 is 11 batches, an epoch whose last window is one batch)
 EARLY_SETUPS = {
     "clip-below-norm": ({"gradient_clip_val": 0.05}, Regressor, 48),
     "clip-above-norm": ({"gradient_clip_val": 100.0}, Regressor, 48),
     "clip-set-after-backward": ({}, ClipsLate, 48),
+    "manual-clip-after-backward": ({}, ManualClips, 48),
     "accumulate-2": ({"accumulate_grad_batches": 2, "max_steps": 8}, Regressor, 44),
     "accumulate-2-clip-below": (
         {"accumulate_grad_batches": 2, "max_steps": 8, "gradient_clip_val": 0.05},

@@ -88,6 +88,8 @@ class ZswapPrecision(Precision):
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         engine = self._current()
+        if not model.automatic_optimization:  # the module may call clip_gradients between this and its step
+            engine.clipping_after_backward = True
         if is_overridden("backward", model):
             model.backward(tensor, *args, **kwargs)  # the module's own backward, as written (no loss scale)
         elif args or set(kwargs) - {"retain_graph"}:
@@ -109,14 +111,15 @@ class ZswapPrecision(Precision):
                 f"ZswapStrategy steps through the zswap Engine, which takes no arguments; got "
                 f"optimizer.step(**{sorted(kwargs)})"
             )
-        self.clip_norm = None
         engine = self._current()
-        # The clip norm reaches `clip_gradients` only after the closure's backward: the early step is told
-        # that clipping may be set then, so it keeps the gradients a clipped step is redone from
-        # (`zswap.step.speculation`); the step it ran in backward is committed if the factor matches.
-        engine.clipping_after_backward = bool(
-            model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model)
-        )
+        if model.automatic_optimization:  # (manual: `clip_gradients` came before, after `backward`)
+            self.clip_norm = None
+            # The clip norm reaches `clip_gradients` only after the closure's backward: the early step is
+            # told that clipping may be set then, so it keeps the gradients a clipped step is redone from
+            # (`zswap.step.speculation`); the step it ran in backward is committed if the factor matches.
+            engine.clipping_after_backward = bool(
+                model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model)
+            )
         default = engine.max_grad_norm
         try:
             result = closure()
