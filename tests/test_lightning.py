@@ -210,6 +210,111 @@ def test_gradient_clipping_by_norm_equals_plain_trainer(tmp_path):
     assert trainer.strategy.engine.last_grad_norm is not None
 
 
+class _EveryStep(pl.Callback):
+    """The weights after every optimizer step; ``early=False`` turns the engine's early step off."""
+
+    def __init__(self, early: bool = True) -> None:
+        self.early = early
+        self.weights: list[list[torch.Tensor]] = []
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        if not self.early:
+            trainer.strategy.engine.early_step = False
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if trainer.global_step > len(self.weights):
+            self.weights.append(_weights(module))
+
+
+class ClipsLate(Regressor):
+    """Decides after backward whether this step clips: at 0.05 (below the norm) on odd steps only."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **kw: Any) -> None:
+        if self.trainer.global_step % 2:
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+class ManualClips(Regressor):
+    """Manual optimization clipping at 0.05 (below the norm) on odd steps, between backward and step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(self(batch[0]), batch[1])
+        self.losses.append(loss.detach().clone())
+        self.manual_backward(loss)
+        if self.trainer.global_step % 2:
+            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+        return loss
+
+
+# (Trainer arguments, the module, samples: 44 is 11 batches, an epoch whose last window is one batch)
+EARLY_SETUPS = {
+    "clip-below-norm": ({"gradient_clip_val": 0.05}, Regressor, 48),
+    "clip-above-norm": ({"gradient_clip_val": 100.0}, Regressor, 48),
+    "clip-set-after-backward": ({}, ClipsLate, 48),
+    "manual-clip-after-backward": ({}, ManualClips, 48),
+    "accumulate-2": ({"accumulate_grad_batches": 2, "max_steps": 8}, Regressor, 44),
+    "accumulate-2-clip-below": (
+        {"accumulate_grad_batches": 2, "max_steps": 8, "gradient_clip_val": 0.05},
+        Regressor,
+        44,
+    ),
+    "accumulate-2-clip-above": (
+        {"accumulate_grad_batches": 2, "max_steps": 8, "gradient_clip_val": 100.0},
+        Regressor,
+        44,
+    ),
+    "accumulate-2-clip-after-backward": ({"accumulate_grad_batches": 2, "max_steps": 8}, ClipsLate, 44),
+}
+
+
+@pytest.mark.parametrize("setup", list(EARLY_SETUPS))
+def test_update_in_backward_under_clipping_and_accumulation_is_exact(tmp_path, setup):
+    """With clipping (the Trainer's, or one a hook decides after backward) and accumulation (an epoch's
+    last window cut short), the update runs in backward and the weights after every optimizer step are
+    bitwise those of the same run with the early step off, and of a plain Trainer."""
+    kw, kind, samples = EARLY_SETUPS[setup]
+    (tmp_path / "off").mkdir()
+    (tmp_path / "on").mkdir()
+    runs = []
+    for strategy, early in (
+        (None, True),
+        (ZswapStrategy(_config(tmp_path / "off")), False),
+        (ZswapStrategy(_config(tmp_path / "on")), True),
+    ):
+        steps = _EveryStep(early)
+        module, trainer = _fit(strategy, module=kind(), samples=samples, callbacks=[steps], **kw)
+        runs.append((module, trainer, steps.weights))
+    (ref, ref_trainer, want), (_, off_trainer, got_off), (on, on_trainer, got_on) = runs
+    steps = kw.get("max_steps", STEPS)
+    assert ref_trainer.global_step == on_trainer.global_step == steps
+    assert len(want) == len(got_off) == len(got_on) == steps
+    for i, (a, b, c) in enumerate(zip(want, got_off, got_on, strict=True)):
+        for x, y, z in zip(a, b, c, strict=True):
+            assert torch.equal(y, z), f"step {i + 1}: early step on vs off"
+            assert torch.equal(x, z), f"step {i + 1}: zswap vs the plain Trainer"
+    _assert_same_run(on, ref, len(ref.losses))
+    stats = on_trainer.strategy.engine.stats()
+    fast = stats["steps_in_backward"] + stats["steps_deferred"]
+    if "after-backward" in setup:  # a step that clips after all is redone from the kept gradients
+        assert fast > 0 and stats["steps_redone"] > 0, stats
+    elif "below" in setup:  # clipping bit at the last step: held through backward, updated at the step
+        assert stats["steps_deferred"] == steps - 1, stats
+    else:  # the first step makes the optimizer's records: every later one runs in backward
+        assert stats["steps_in_backward"] == steps - 1, stats
+    assert stats["steps_in_backward"] + stats["steps_deferred"] + stats["steps_ordinary"] == steps
+    off_stats = off_trainer.strategy.engine.stats()
+    assert off_stats["steps_ordinary"] == steps
+    assert stats["bytes_read"] < off_stats["bytes_read"], (stats, off_stats)
+    assert off_stats["steps_ordinary_reason"] == "engine.early_step is False"
+
+
 def test_value_clipping_is_refused(tmp_path):
     with pytest.raises(zswap.ConfigError, match="gradient_clip_algorithm='value' is not supported"):
         _fit(ZswapStrategy(_config(tmp_path)), gradient_clip_val=0.05, gradient_clip_algorithm="value")

@@ -215,6 +215,75 @@ def test_resume_from_checkpoint_is_exact(reference, tmp_path):
     second.close()
 
 
+class _EveryStep(transformers.TrainerCallback):
+    """The weights after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        self.weights.append(_weights(model))
+
+
+# (max_grad_norm, gradient_accumulation_steps, samples): 14 samples are 7 batches of 2, so with
+# accumulation an epoch's last window is one batch; 6 steps run into the second epoch.
+EARLY_SETUPS = {
+    "clip-below-norm": (MAX_NORM, 1, 10),
+    "clip-above-norm": (1e3, 1, 10),
+    "accumulate-2": (0.0, 2, 14),
+    "accumulate-2-clip-below": (MAX_NORM, 2, 14),
+    "accumulate-2-clip-above": (1e3, 2, 14),
+}
+
+
+@pytest.mark.parametrize("setup", list(EARLY_SETUPS))
+def test_update_in_backward_under_clipping_and_accumulation_is_exact(tmp_path, setup):
+    """With ``max_grad_norm`` below or above the norm and gradient accumulation (an epoch's last window cut
+    short), the update runs in backward and the weights after every optimizer step and the logged grad
+    norms are bitwise those of the same run with the early step off."""
+    clip, gas, samples = EARLY_SETUPS[setup]
+    runs = []
+    for early in (False, True):
+        cfg = _config(tmp_path / str(early))
+        (tmp_path / str(early)).mkdir()
+        args = _args(
+            tmp_path / f"out-{early}",
+            max_grad_norm=clip,
+            gradient_accumulation_steps=gas,
+            max_steps=6,
+            lr_scheduler_type="constant",
+        )
+        steps = _EveryStep()
+        trainer = zt.Trainer(
+            model=_zswap_model(cfg),
+            args=args,
+            train_dataset=_data()[:samples],
+            zswap_config=cfg,
+            callbacks=[steps],
+        )
+        trainer.engine.early_step = early
+        trainer.train()
+        runs.append((trainer, steps.weights))
+    (off, want), (on, got) = runs
+    assert on.state.epoch > 1  # into the second epoch
+    assert len(want) == len(got) == 6
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"step {i + 1}: {name}"
+    assert [n for _, n, _ in _logged(on)] == [n for _, n, _ in _logged(off)]  # grad_norm, bitwise
+    stats, off_stats = on.engine.stats(), off.engine.stats()
+    if setup.endswith("below-norm") or setup.endswith("below"):
+        assert min(n for _, n, _ in _logged(on)) > MAX_NORM  # clipping bit at every step
+        assert stats["steps_deferred"] == 5, stats  # held through backward, updated at the step
+    else:
+        assert stats["steps_in_backward"] == 5, stats  # the first step makes the optimizer's records
+    assert off_stats["steps_ordinary"] == 6
+    assert stats["bytes_read"] < off_stats["bytes_read"], (stats, off_stats)
+    assert off_stats["steps_ordinary_reason"] == "engine.early_step is False"
+    on.close()
+    off.close()
+
+
 def test_config_file_and_config_section_schedule(tmp_path):
     """A config file with a scheduler section: its "auto" step counts are filled at train time, and a value
     that disagrees with the arguments is refused with every mismatch listed."""

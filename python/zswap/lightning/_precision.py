@@ -39,7 +39,8 @@ class ZswapPrecision(Precision):
     """Params, inputs and the default dtype inside forward in one dtype (``precision``: ``"32-true"``,
     ``"bf16-true"`` or ``"16-true"``); backward and the optimizer step through the strategy's engine;
     gradient clipping by norm handed to the engine (it clips the global norm over every rank's partitions,
-    before the optimizer reads any state)."""
+    before the optimizer reads any state; told before backward that the norm may come after it, so the
+    update it runs in backward keeps what a clipped step is redone from)."""
 
     def __init__(self, precision: TruePrecision = "32-true") -> None:
         if precision not in DTYPES:
@@ -86,15 +87,19 @@ class ZswapPrecision(Precision):
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
+        engine = self._current()
+        if not model.automatic_optimization:  # the module may call clip_gradients between this and its step
+            engine.clipping_after_backward = True
         if is_overridden("backward", model):
             model.backward(tensor, *args, **kwargs)  # the module's own backward, as written (no loss scale)
-            return
-        if args or set(kwargs) - {"retain_graph"}:
+        elif args or set(kwargs) - {"retain_graph"}:
             raise TypeError(
                 "ZswapStrategy runs backward through the zswap Engine, which takes retain_graph= only; got "
                 f"{len(args)} positional argument(s) and {sorted(kwargs)}"
             )
-        self._current().backward(tensor, **kwargs)  # fp16: scaled by the engine's loss scale
+        else:
+            engine.backward(tensor, **kwargs)  # fp16: scaled by the engine's loss scale
+        engine.end_micro_batch()  # before a window's last batch: the next forward's first params kept
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
@@ -106,20 +111,19 @@ class ZswapPrecision(Precision):
                 f"ZswapStrategy steps through the zswap Engine, which takes no arguments; got "
                 f"optimizer.step(**{sorted(kwargs)})"
             )
-        self.clip_norm = None
         engine = self._current()
-        early = engine.early_step
-        if model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model):
-            # Whether this step clips is decided after backward: the update cannot run in it
-            # (`zswap.earlystep`; its gradients would not be kept for the clipped step).
-            engine.early_step = False
-        try:
-            result = closure()
-        finally:
-            engine.early_step = early
-        self._after_closure(model, optimizer)
+        if model.automatic_optimization:  # (manual: `clip_gradients` came before, after `backward`)
+            self.clip_norm = None
+            # The clip norm reaches `clip_gradients` only after the closure's backward: the early step is
+            # told that clipping may be set then, so it keeps the gradients a clipped step is redone from
+            # (`zswap.step.speculation`); the step it ran in backward is committed if the factor matches.
+            engine.clipping_after_backward = bool(
+                model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model)
+            )
         default = engine.max_grad_norm
         try:
+            result = closure()
+            self._after_closure(model, optimizer)
             if self.clip_norm is not None:
                 engine.max_grad_norm = self.clip_norm
             if engine.optimizer is None:
@@ -128,6 +132,7 @@ class ZswapPrecision(Precision):
                 engine.step()
         finally:
             engine.max_grad_norm = default
+            engine.clipping_after_backward = False
             self.clip_norm = None
         return result
 

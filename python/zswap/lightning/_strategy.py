@@ -13,7 +13,11 @@ Lightning                                  zswap
                                            ``configure_gradient_clipping``, then ``engine.step()``
 ``accumulate_grad_batches``                Lightning's own: the loss divided by it, ``optimizer_step``
                                            at its boundaries only; the engine sees one micro-step each
-``gradient_clip_val``                      the engine's ``max_grad_norm`` for that step (global norm)
+                                           and is told which backward ends a window (its update runs
+                                           in that backward: ``Engine.window_ends``)
+``gradient_clip_val``                      the engine's ``max_grad_norm`` for that step (global norm);
+                                           the update in backward is kept if clipping did not bite,
+                                           else redone from the kept gradients
 ``trainer.save_checkpoint`` / ``ckpt_path``  ``engine.save_checkpoint`` / ``engine.load_checkpoint``
 ``ModelSummary`` callbacks                 `ZswapSummary`: partitioned params counted by their full size
 several processes                          Lightning's launcher (DDP's), gloo/NCCL process group, each
@@ -219,8 +223,11 @@ class ZswapStrategy(ProcessGroupStrategy):
                 owned.close()
             raise
         self._open(module, _Run(engine, owned))
-        if trainer.accumulate_grad_batches > 1:  # several backwards per engine step: no update in backward
-            engine.early_step = False  # (`zswap.earlystep` does not keep the gradients it applies)
+        if fitting and trainer.accumulate_grad_batches > 1:
+            # Lightning's windows (its last batch of an epoch ends one early): the early step sums the
+            # earlier backwards' gradients and runs in the window's last (`zswap.step.speculation`).
+            loop = trainer.fit_loop
+            engine.window_ends = lambda: not loop._should_accumulate()
         self.model = module  # no wrapper: the engine's hooks are on the module itself
         if fitting:
             # Lightning's loop needs one optimizer: the engine's, or its stand-in when there is none.

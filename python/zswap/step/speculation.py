@@ -15,7 +15,10 @@ clipping inactive.
 With gradient accumulation the update runs in the boundary micro-batch's backward: the micro-batches
 before it have their gradients summed in the store (in memory within the early step's ``room``, written
 past it), and the boundary's gradients are added to them as the store adds them; what is applied is the
-stored sum.
+stored sum. A front end that runs the accumulation itself (Lightning, the Hugging Face Trainer: the
+engine's ``gradient_accumulation_steps`` 1) says which backward ends its window (``Engine.window_ends``);
+one that learns the clip norm only after backward (Lightning's ``configure_gradient_clipping``) sets
+``Engine.clipping_after_backward``, so the gradients a clipped step needs are kept.
 """
 
 from __future__ import annotations
@@ -78,10 +81,11 @@ def planner(engine: Any, optimizer: Any, ranks: int, holds_all: bool) -> Callabl
             return "OffloadedAdamW clips by itself (its max_grad_norm): use gradient_clipping instead"
         if any(p.requires_grad for p in engine.module.parameters() if id(p) not in ids):
             return "a param that requires grad is not managed by zswap"
-        if not engine.is_gradient_accumulation_boundary():
+        ends = engine.window_ends  # a front end's own accumulation windows (engine gas 1)
+        if not (engine.is_gradient_accumulation_boundary() if ends is None else ends()):
             return MICRO_BATCH
-        clipping = engine.max_grad_norm is not None
-        sums = engine._gas > 1
+        clipping = engine.max_grad_norm is not None or engine.clipping_after_backward
+        sums = engine._gas > 1 or ends is not None  # a window of one (an epoch's last) sums nothing
         if clipping and engine._clipped:
             if holds_all:  # gradients stored as well: the norm and a fallback need nothing more
                 return Guess(None, keep=True, sums=sums, ranks=ranks)

@@ -9,6 +9,7 @@ and ``loss.backward()`` work as on a plain model. The old path ``zswap.runtime``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -150,6 +151,14 @@ class Engine:
         self.early_step = True
         """Escape hatch (docs/configuration.md): False for a loop that changes the lr, clipping or params
         between backward and step as a rule (`zswap.step.earlystep`'s work then wasted). Same results."""
+        self.clipping_after_backward = False
+        """For a front end that learns a step's clip norm after its backward (Lightning's
+        ``configure_gradient_clipping``) and sets ``max_grad_norm`` for `step`: the early step keeps the
+        gradients as under ``max_grad_norm``, so a step that clips is redone from them."""
+        self.window_ends: Callable[[], bool] | None = None
+        """For a front end that accumulates itself (``gradient_accumulation_steps`` 1 here, `step` at the
+        end of its windows only): whether the backward about to run ends a window (asked again at the
+        step). The early step sums a window's earlier backwards and runs in its last one."""
         self._keep_applied: bool | Literal["auto"] = "auto"  # `keep_applied_grads`
         self._reuse_outputs = outputs.DEFAULT  # `reuse_backward_outputs`
         self._early: earlystep.EarlyStep | None = None
@@ -213,9 +222,7 @@ class Engine:
     def _step(self) -> None:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
-            if self._early is not None:  # the next forward's first params, kept as they were: no read
-                self._sched.seed(self._early.take_micro_seeds())
-            self._sched.read_ahead()  # nothing was written: the next forward's next reads start now
+            self._micro_batch_end()
             return
         self._grads.flush()
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
@@ -255,6 +262,18 @@ class Engine:
             bridge.step_partitions(self.optimizer, self._items, others, chunk, scale, held)
         self._finish_step(scale)
         self._sched.read_ahead()  # the next forward's first reads, of the values just written
+
+    def end_micro_batch(self) -> None:
+        """For a front end that accumulates itself: after a backward `window_ends` said was not a window's
+        last, what `step` does between accumulation boundaries (nothing else is to be done there)."""
+        self._check_open()
+        if self.window_ends is not None and not self.window_ends():
+            self._micro_batch_end()
+
+    def _micro_batch_end(self) -> None:
+        if self._early is not None:  # the next forward's first params, kept as they were: no read
+            self._sched.seed(self._early.take_micro_seeds())
+        self._sched.read_ahead()  # nothing was written: the next forward's next reads start now
 
     def _finish_step(self, scale: float | None) -> None:
         # The counters, loss scale and schedule move first, with no I/O (no await point) between them and

@@ -11,7 +11,9 @@ Trainer                                zswap
                                        engine's optimizer; or the config's ``scheduler`` section
                                        (`zswap.schedules`) with its step counts filled
 backward                               the Trainer's own (``loss.backward()``): gradients accumulate in
-                                       zswap's gradient store across the window as they would in ``.grad``
+                                       zswap's gradient store across the window as they would in ``.grad``;
+                                       the update runs in the window's last backward (``sync_gradients``)
+                                       and is kept at the step unless clipping bit (then redone)
 ``_clip_grad_norm``, ``optimizer.step``  ``engine.step()``: the global norm, clipping to
                                        ``max_grad_norm``, the update; the logged ``grad_norm`` is that norm
 ``save_model``                         `zswap.save_weights` (plain ``from_pretrained`` loads it)
@@ -30,6 +32,7 @@ does without zswap, so the same arguments and seed give the same losses and weig
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -133,10 +136,11 @@ class Trainer(transformers.Trainer):
             device=self.args.device,
         )
         if self.args.gradient_accumulation_steps > 1:
-            # The Trainer sums several backwards per engine step, and which one ends its window is not
-            # the engine's to know: the update runs after backward (an update in the first backward
-            # would be dropped by the second, its transfers wasted).
-            self.engine.early_step = False
+            # The Trainer sums several backwards per engine step and marks the last one of each window
+            # (an epoch's last window may be shorter) with sync_gradients before it runs: the early step
+            # sums the earlier ones and runs in that one (`zswap.step.speculation`).
+            me = weakref.ref(self)
+            self.engine.window_ends = lambda: (t := me()) is None or t.accelerator.sync_gradients
         if given is None:
             self.engine.adopt_optimizer()  # built here: closed with the engine
         self.optimizer = EngineStepper(self.engine, self._stepped)
@@ -155,6 +159,12 @@ class Trainer(transformers.Trainer):
         return self.lr_scheduler
 
     # -- the step ------------------------------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        loss = super().training_step(*args, **kwargs)
+        if self.engine is not None:
+            self.engine.end_micro_batch()  # before a window's last batch: the next forward's first params
+        return loss
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
         # Called before optimizer.step(); the engine takes the norm (and clips) inside that step. The
