@@ -4,9 +4,10 @@ Each setup — states in CPU memory with params on NVMe, params in CPU memory wi
 CPU memory — trains twins, the early step on and off (the ordinary step), and asserts params, optimizer
 records and step counters bitwise equal after every optimizer step, in every case of
 `zswap.step.speculation` (clipping that does not bite, that bites, the deferred step after it, gradient
-accumulation, the bf16 overflow check, the fp16 loss scale, the stand-in compute device); that the early
-step ran (``steps_in_backward``); that the stored state does not change before the step commits; that what
-happens between backward and step is honoured; that past its cap it says why; and the bytes it moves.
+accumulation, the bf16 overflow check, the fp16 loss scale, the stand-in compute device, two gloo ranks);
+that the early step ran (``steps_in_backward``); that the stored state does not change before the step
+commits; that what happens between backward and step, and a fault in backward, are honoured; that past
+its cap it says why; and the exact bytes a warm step moves (resident params included).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from zswap import GatheredParameters, SwapIOError
 from zswap.device import StandInDevice
 from zswap.step import earlystep
 
+from .conftest import run_ranks
 from .test_earlystep import model_bytes, state
 from .test_faults import cfg_for, engine_of, inject, same
 from .test_runtime import TinyLM, build, engine_for, ids, sq
@@ -310,5 +312,36 @@ def test_a_fault_in_backward_falls_back_or_fails_that_backward(setup, op, where,
         ee.step()
     assert same(state(m, e), state(ref, ref_e))
     assert e.stats()["steps_in_backward"] >= 1
+    for _, ee in runs:
+        ee.close()
+
+
+@pytest.mark.dist
+def test_two_ranks_update_their_partitions_in_backward_bitwise(tmp_path):
+    run_ranks(Path(__file__).with_name("_early_cputier_dist_worker.py"), tmp_path)
+
+
+@pytest.mark.parametrize("clip", [None, 1e6, 1e-3], ids=["off", "not-biting", "biting"])
+def test_resident_params_with_states_in_memory_read_nothing(clip, tmp_path):
+    """``offload_param.max_in_cpu`` covering the model, states in CPU memory: the updated copies become
+    the gathered copies at the commit, so a warm step reads nothing and writes the params once."""
+    runs = []
+    for name, early in (("early", True), ("plain", False)):
+        cfg = cfg_for(tmp_path / name, "nvme", "cpu", stage3_max_live_parameters=100_000)
+        cfg["offload_param"]["max_in_cpu"] = 10**9
+        m, _ = build(TinyLM, cfg)
+        e = engine_for(m, cfg, max_grad_norm=clip)
+        e.early_step = early
+        runs.append((m, e))
+    (m, e), (ref, ref_e) = runs
+    for step in range(4):
+        for mm, ee in runs:
+            ee.stats(reset=True)
+            ee.backward(sq(mm(ids(seed=step))))
+            ee.step()
+        s = e.stats()
+        assert same(state(m, e), state(ref, ref_e)), step
+    assert s["steps_in_backward"] + s["steps_deferred"] == 1
+    assert (s["bytes_read"], s["bytes_written"]) == (0, model_bytes(m))
     for _, ee in runs:
         ee.close()

@@ -4,6 +4,8 @@ are made live by `Engine.step` — or dropped, and the step runs as usual.
 Why: with params, gradients and AdamW states on NVMe, an ordinary step reads every param partition, its
 gradient and its record, and writes the record and the partition back, while in backward the param is still
 gathered and its gradient is there: updating then saves reading both (benches/README.md, "Training step").
+States, params or both in CPU memory run it too (`zswap.step.early_memory`): the step's param reads are
+saved where params are on NVMe, and the update overlaps backward wherever they are.
 
 What it keeps:
 
@@ -22,7 +24,8 @@ What it keeps:
   go, and changes nothing; until `Engine.zero_grad` every `Engine.step` raises (`check_kept`). Where the
   step may need them (`Guess.keep`) they are stored too, in memory within ``room`` (written past it).
 - **All or nothing.** Records and partitions are written copy-on-write into one `zswap.store.storage`
-  transaction of its own; in-memory state never changes (the kernel updates copies). `Engine.step`
+  transaction of its own; in-memory state never changes (the kernel updates copies; those of records and
+  partitions in CPU memory are swapped into their store by the commit, `early_memory`). `Engine.step`
   commits it only if nothing it depended on moved since (`early_commit.prepare`): the params with
   gradients, each param group's hyper-parameters, the step counters, the sub-group layout, the stored
   versions of every partition and record it read, and every write landed.
@@ -31,11 +34,12 @@ What it keeps:
   forward starts without a read; in a micro-batch before an accumulation boundary the same params are kept
   as they are (`take_micro_seeds`). Resident params (``max_in_cpu``, persistent) keep their updated copies
   as their gathered copies (`take_resident`).
-- **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held it gives
-  up. The record buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself
-  (``write_ahead``: two sub-groups' params in flight). Copies of `ENGINE_COPY` bytes and more are buffers of
-  the param stores' fetch pools, counted in the scheduler's live budget while held (`lent`); smaller ones
-  are ordinary tensors on `holding` / `writing`, so `zswap.Engine.stats` has every byte on one line.
+- **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held (with
+  the copies kept in CPU memory for the commit, reserved as backward begins) it gives up. The record
+  buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself (``write_ahead``:
+  two sub-groups' params in flight). Copies of `ENGINE_COPY` bytes and more are buffers of the NVMe param
+  stores' fetch pools, counted in the scheduler's live budget while held (`lent`); the others are ordinary
+  tensors on `holding` / `writing` / `kept_mem`, so `zswap.Engine.stats` has every byte on one line.
 - **Reads ahead.** A record is read before its last gradient comes, into a free slot of the ring, in the
   order the last backward completed them (`early_pipeline.read_ahead`; all slots but one).
 """
