@@ -58,6 +58,7 @@ from torch.autograd import Variable
 from .. import memory
 from ..errors import GradientsNotKeptError, SwapIOError
 from ..gradients.gradstore import NOT_KEPT, RESTART, MemoryGrads, NvmeGrads, _Alive, _dead, store_of
+from ..memory import ENGINE_COPY as ENGINE_COPY  # (tests and docs name it here)
 from ..parts.gather import no_torch_function
 from ..parts.params import GradStore, NvmeStore, ParamState, Status, local_slice
 from ..store.storage import Transaction, _memcpy
@@ -330,7 +331,7 @@ class EarlyStep:
         self._arrive(i, st, copy, part, early_memory.version(st), task)
 
     def _arrive(
-        self, i: int, st: ParamState, copy: torch.Tensor, part: torch.Tensor, version: str | None, task: int
+        self, i: int, st: ParamState, copy: torch.Tensor, part: torch.Tensor, version: Any, task: int
     ) -> None:
         """Param ``i``'s partition (``copy``, ours to update) and gradient are on the host: wait for the
         rest of its records, update those that are complete."""
