@@ -20,6 +20,7 @@ import pytest
 
 from zswap import GatheredParameters, SwapIOError
 from zswap.device import StandInDevice
+from zswap.errors import GradientsNotKeptError
 from zswap.step import earlystep
 
 from .conftest import run_ranks
@@ -343,5 +344,39 @@ def test_resident_params_with_states_in_memory_read_nothing(clip, tmp_path):
         assert same(state(m, e), state(ref, ref_e)), step
     assert s["steps_in_backward"] + s["steps_deferred"] == 1
     assert (s["bytes_read"], s["bytes_written"]) == (0, model_bytes(m))
+    for _, ee in runs:
+        ee.close()
+
+
+@pytest.mark.parametrize("change", ["lr", "written"])
+@pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)
+def test_a_change_after_backward_with_applied_gradients_not_kept(setup, change, tmp_path):
+    """``keep_applied_grads`` false: gradients on NVMe (states there) were let go in backward, so a change
+    between backward and step raises `GradientsNotKeptError` and changes nothing, as with everything on
+    NVMe; gradients in memory are kept, so the ordinary step runs instead, bitwise the twin's."""
+    runs = twins(tmp_path, setup)
+    (m, e), (ref, ref_e) = runs
+    for mm, ee in runs:
+        ee.backward(sq(mm(ids(seed=0))))
+        ee.step()
+        ee.backward(sq(mm(ids(seed=1))))
+        if change == "lr":
+            ee.optimizer.param_groups[0]["lr"] = 3e-2
+        else:
+            first = next(mm.parameters())
+            with GatheredParameters([first], modifier_rank=0):
+                first.data.mul_(0.5)
+    before = state(m, e)
+    if setup[1] == "nvme":
+        with pytest.raises(GradientsNotKeptError, match=r"engine\.step\(\)"):
+            e.step()
+        assert same(state(m, e), before)
+        for _, ee in runs:
+            ee.close()
+        return
+    for _, ee in runs:
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 0 and e.stats()["steps_ordinary"] == 2
     for _, ee in runs:
         ee.close()
