@@ -101,9 +101,12 @@ def test_clipping_that_does_not_bite_commits_every_warm_step(setup, tmp_path):
     assert seen[0]["steps_ordinary_reason"].startswith("it updated no record")
 
 
+@pytest.mark.parametrize("persistent", [0, 100], ids=["streamed", "small-ones-persistent"])
 @pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)
-def test_without_clipping_every_warm_step_runs_in_backward(setup, tmp_path):
-    seen = run(tmp_path, setup, 3)
+def test_without_clipping_every_warm_step_runs_in_backward(setup, persistent, tmp_path):
+    # Persistent params in CPU memory are gathered as their stored partition itself: the commit's swap
+    # must reach them (the step releases them first and gathers them again after).
+    seen = run(tmp_path, setup, 3, stage3_param_persistence_threshold=persistent)
     assert counts(seen, "steps_in_backward") == [0, 1, 1]
     assert counts(seen, "steps_ordinary") == [1, 0, 0]
 
@@ -380,3 +383,22 @@ def test_a_change_after_backward_with_applied_gradients_not_kept(setup, change, 
     assert e._early.commits == 0 and e.stats()["steps_ordinary"] == 2
     for _, ee in runs:
         ee.close()
+
+
+@pytest.mark.parametrize("setup", SETUPS[1:], ids=SETUP_IDS[1:])
+def test_copies_kept_for_the_commit_are_counted_while_held(setup, tmp_path):
+    """Between backward and step the copies kept in CPU memory are ordinary tensors the early step
+    holds: ``mem_early_step_tensors`` has every byte of them (each param's partition; with states in
+    CPU memory each record too), and none once the step committed them into their stores."""
+    (m, e), (_, ref_e) = twins(tmp_path, setup)
+    ref_e.close()
+    e.backward(sq(m(ids(seed=0))))
+    e.step()
+    base = e.stats()["mem_early_step_tensors"]
+    e.backward(sq(m(ids(seed=1))))
+    records = sum(sg.record_numel * 4 for sg in e.optimizer.records.sub_groups) if setup[1] == "cpu" else 0
+    assert e.stats()["mem_early_step_tensors"] - base == model_bytes(m) + records
+    e.step()
+    assert e._early.commits == 1
+    assert e.stats()["mem_early_step_tensors"] == base
+    e.close()
