@@ -160,11 +160,22 @@ def test_fp16_loss_scale_is_the_factor_the_early_step_runs_with(setup, tmp_path)
     assert counts(seen, "steps_overflow_dropped") == [0, 0, 1, 0, 0]
 
 
-@pytest.mark.parametrize("clip", [None, [1e6, 1e6, 1e-3, 1e6, 1e6]], ids=["no-clip", "clip-bites"])
+DEVICE_CASES: dict[str, tuple[dict[str, Any], list[int]]] = {
+    "no-clip": ({}, [0, 1, 1, 1, 1]),
+    "clip-bites": ({"clip": [1e6, 1e6, 1e-3, 1e6, 1e6]}, [0, 1, 0, 0, 1]),
+    "gas2-clip-bites": ({"gas": 2, "clip": [1e6, 1e6, 1e-3, 1e6, 1e6]}, [0, 1, 0, 0, 1]),
+    "bf16": ({"bf16": {"enabled": True}}, [0, 1, 1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEVICE_CASES))
 @pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)
-def test_on_the_stand_in_device(setup, clip, tmp_path):
-    seen = run(tmp_path, setup, 5, clip=clip, device=True)
-    assert counts(seen, "steps_in_backward") == ([0, 1, 1, 1, 1] if clip is None else [0, 1, 0, 0, 1])
+def test_on_the_stand_in_device(setup, case, tmp_path):
+    """The device path: each param's partition and gradient are copied to the host (the stand-in runs a
+    copy only when waited for and poisons its destination until then) and updated there."""
+    kwargs, expect = DEVICE_CASES[case]
+    seen = run(tmp_path, setup, 5, device=True, **kwargs)
+    assert counts(seen, "steps_in_backward") == expect
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)
