@@ -5,20 +5,19 @@ in a `zswap.parts.params.MemoryStore` (``offload_param.device: cpu``), gradients
 (`zswap.gradients.gradstore.MemoryGrads`, with states in CPU memory). Each combination with NVMe ones runs
 the same pipeline; only what "read", "write" and "version" mean for a memory tier is here.
 
-**Copies, swapped in at the commit — not the undo log.** A memory tier's record or partition is updated
-in a copy of it (the record read into a new tensor, the param's gathered partition copied as on NVMe),
-and the copies are kept until `Engine.step`: its commit puts each in its store in place of the old
-tensor (`CpuStore.replace`, `MemoryStore.put`: no bytes copied, nothing there can fail), an abort drops
-them. The undo log would cost the same memory (it saves a copy of everything it lets change) but
-would change the live records and partitions in backward: between backward and step
+**Copies, swapped in at the commit — not the undo log.** A memory tier's record or partition is updated in a
+copy of it (the record read into a new tensor, the param's gathered partition copied as on NVMe), and the
+copies are kept until `Engine.step`: its commit puts each in its store in place of the old tensor
+(`CpuStore.replace`, `MemoryStore.put`: no bytes copied but into a pinned partition; nothing there can
+fail), an abort drops them. The undo log would cost the same memory (it saves a copy of everything it lets
+change) but would change the live records and partitions in backward: between backward and step
 ``optimizer.state_dict()``, ``save_checkpoint``, ``GatheredParameters`` and the ordinary step that redoes a
 dropped one would see, or have to put back, speculative values. With copies the stored state never holds
-one, so every way of dropping the early step is the NVMe one (the transaction aborts; nothing to put
-back).
+one, so every way of dropping the early step is the NVMe one (the transaction aborts; nothing to put back).
 
 **Memory.** Copies kept for the commit (``staged``) cannot be let go before it, so they count against
 the early step's cap from the start of each backward: ``reserve`` bytes (every record of the layout in
-CPU memory, every param partition in CPU memory) are added to what it holds when it begins; if those
+CPU memory, every param partition in CPU memory) count with what it holds from when it begins; if those
 alone pass the cap, no early step begins and `engine.stats()` says so (`too_big`).
 
 **Versions.** What the commit checks did not move since backward read it: a memory partition's is the
@@ -37,7 +36,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .. import memory
 from ..gradients.gradstore import MemoryGrads, NvmeGrads, store_of
 from ..memory import ENGINE_COPY
 from ..parts.params import _REGISTRY, MemoryStore, NvmeStore, ParamState, param_state
@@ -202,7 +200,7 @@ def same_records(es: EarlyStep) -> bool:
 
 def stage(es: EarlyStep, i: int, st: ParamState, copy: torch.Tensor) -> None:
     """Param ``i``'s records are all updated: its copy (a memory partition) waits for the commit, already
-    counted in ``staged``; its gradient is let go."""
+    counted in ``staged``; the early step lets go of its gradient (a kept one stays in its store)."""
     nbytes = copy.numel() * copy.element_size()
     es.held -= 2 * nbytes  # the copy moves to ``staged`` (reserved at the start), the gradient goes
     es.holding.add(-2 * nbytes)
@@ -217,10 +215,6 @@ def swap_in(swaps: list[tuple[Any, str, torch.Tensor]]) -> None:
             store.replace(key, copy)
         else:
             store.put(key, copy)
-
-
-def new_holding() -> memory.Holding:
-    return memory.Holding("early_step")
 
 
 def _same(now: tuple[Any, int], seen: tuple[Any, int]) -> bool:
