@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import GradientsNotKeptError
-from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads
+from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, store_of
 from ..parts.params import ParamState, param_state
+from . import early_memory
 from .early_pipeline import _empty, _ps
 from .optim import OffloadedAdamW
 from .speculation import Guess
@@ -97,10 +98,11 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
         drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
         return False
     txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, list(es.seeds), es.dropped
-    kept = list(es.kept)
+    kept, swaps = list(es.kept), es.swaps
     gs = es.gs
 
     def counters() -> None:
+        early_memory.swap_in(swaps)  # copies in CPU memory become the records and partitions
         for i in ready:
             es.opt.records.set_step(i, steps[i] + 1)
         es.opt.last_grad_norm = None
@@ -211,24 +213,16 @@ def check_kept(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> N
 
 
 def same_grads(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
-    with_grad = {
-        es.index.get(id(p)) for p, st in items if st.grad_store is not None and st.grad_store.has(st)
-    }
+    with_grad = {es.index.get(id(p)) for p, st in items if store_of(st).has(st)}
     with_grad.discard(None)
     deferred = es.factor is None  # its records are updated at the step: none yet
     return with_grad == set(es.ready) and (deferred or all(es.left[i] == 0 for i in es.ready))
 
 
 def same_versions(es: EarlyStep) -> bool:
-    store = es.records
-    for name, physical in es.versions.items():
-        if store.ns._live.get(name) != physical or name in store.ns._pending:
-            return False
-    for st, _, _, physical in es.ready.values():
-        ns = _ps(st).ns
-        if ns._live.get(st.key) != physical or st.key in ns._pending:
-            return False
-    return True
+    return early_memory.same_records(es) and all(
+        early_memory.unchanged(st, seen) for st, _, _, seen in es.ready.values()
+    )
 
 
 def reset(es: EarlyStep) -> None:
@@ -269,6 +263,9 @@ def reset(es: EarlyStep) -> None:
     es.copies = deque()
     es.copying = 0
     es.write_ahead = 0
+    es.staged = 0
+    es.swaps = []
+    es.kept_mem.clear()
 
 
 _NONE = Guess(1.0, keep=False, sums=False, ranks=1)

@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ..gradients.gradstore import NvmeGrads
 from ..parts.gather import no_torch_function
-from ..parts.params import ParamState, local_slice
-from .early_pipeline import _ps
+from ..parts.params import GradStore, ParamState, local_slice
+from . import early_memory
 
 if TYPE_CHECKING:
     from .earlystep import EarlyStep
@@ -34,12 +33,12 @@ def take_later(es: EarlyStep, i: int, p: torch.Tensor, st: ParamState, part: tor
         data = p.data.reshape(-1)
         if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
             data = local_slice(data, st.rank, st.partition_numel)
-        copy = es._alloc(st, data)
+        copy = early_memory.alloc(st, data)
         param_copy = dev.d2h(data.contiguous(), copy)
         part = part.reshape(-1).contiguous()
         grad_copy = dev.d2h(part, sink.host_buffer(st, part.numel(), part.dtype))
     es.device = dev
-    es.landing.append((i, st, param_copy, grad_copy, _ps(st).ns._live.get(st.key)))
+    es.landing.append((i, st, param_copy, grad_copy, early_memory.version(st)))
     land(es, block=False)
 
 
@@ -53,7 +52,7 @@ def land(es: EarlyStep, block: bool) -> None:
             return
         es.landing.popleft()
         copy, grad = dev.synchronize(param_copy), dev.synchronize(grad_copy)
-        placed = es._place(st, grad, cast(NvmeGrads, es.gs).add_fp32)
+        placed = es._place(st, grad, cast(GradStore, es.gs).add_fp32)
         if placed is None:
             return
         es._arrive(i, st, copy, placed, version, es.task)

@@ -12,6 +12,7 @@ from ..memory import ENGINE_COPY
 from ..parts.gather import no_torch_function
 from ..parts.params import NvmeStore, ParamState
 from ..store.storage import _memcpy
+from . import early_memory
 from .optim._layout import SubGroup
 
 if TYPE_CHECKING:
@@ -23,7 +24,10 @@ def read_ahead(es: EarlyStep) -> None:
     are: those of a record some of whose params have theirs, then the order the last backward completed
     them in (`_order`). Waiting for a record's last gradient to read it left the disk idle while
     backward computed and held backward while it read: 0.6–0.9 s of a 2 GiB step. At most all slots but
-    one are so taken, so a record that completes out of that order always finds one."""
+    one are so taken, so a record that completes out of that order always finds one. Records in CPU
+    memory are copied when complete (`early_memory.start`): nothing to read ahead."""
+    if early_memory.cpu_records(es):
+        return
     room = es.records.ring_size - 1
     while es.upcoming and len(es.early) < room:
         sg = es.upcoming[0]
@@ -41,6 +45,8 @@ def read_ahead(es: EarlyStep) -> None:
 
 def start(es: EarlyStep, sg: SubGroup) -> tuple[SubGroup, torch.Tensor, torch.Tensor, Any]:
     """Issue the read of ``sg``'s record into a free ring slot (waiting for one if none is)."""
+    if early_memory.cpu_records(es):
+        return early_memory.start(es, sg)
     store = es.records
     if not es.free:
         if not es.ring:
@@ -74,20 +80,23 @@ def pump(es: EarlyStep, keep: int) -> None:
         grads = {i: es.ready[i][2] for i in steps}
         targets = {i: es.ready[i][1] for i in steps}
         es.opt.records.update(sg, rec, steps, grads, cast(float, es.factor), es.txn, targets=targets)
-        store = es.records
-        es.writes.append((buf, store.ns.put(store._name(sg), rec, es.txn, held=0)))  # a ring slot
+        early_memory.write(es, sg, buf, rec)
         for i in steps:
             es.left[i] -= 1
             if es.left[i] == 0:
                 st, copy, _, _ = es.ready[i]
+                if early_memory.in_memory(st):  # kept for the commit
+                    early_memory.stage(es, i, st, copy)
+                    es.ready[i] = (st, _empty, _empty, es.ready[i][3])
+                    es.dropped += 0 if es.keeping else 1
+                    continue
                 nbytes = copy.numel() * copy.element_size()
                 # Bounded here (`write_ahead`), not by the storage's write queue: backward goes on while
                 # a sub-group's worth of copies is written, and waits only past two of them.
                 w = _ps(st).ns.put(st.key, copy, es.txn, held=0)
                 es.holding.add(-nbytes)  # the gradient
                 es.ready[i] = (st, _empty, _empty, es.ready[i][3])  # the write holds the copy
-                if not es.keeping:
-                    es.dropped += 1  # that gradient is gone: no falling back from here on
+                es.dropped += 0 if es.keeping else 1  # that gradient is gone: no falling back from here on
                 kept = es._seed(i, copy)
                 small = 0 if kept else _small(copy)  # moved from ``holding`` to ``writing``
                 es.copies.append((0 if kept else nbytes, small, w))
@@ -142,10 +151,10 @@ def keep_as_seed(es: EarlyStep, p: torch.Tensor, st: ParamState) -> None:
     """A micro-batch before the boundary: no step will change ``p`` before the next forward, which
     takes it first (`seed_plan`): a copy of it is kept for `take_micro_seeds`."""
     data = p.data.reshape(-1)
-    copy = es._alloc(st, data)
+    copy = early_memory.alloc(st, data)
     with no_torch_function():
         _memcpy(copy, data)
-    es.micro.append((p, copy, _ps(st).ns._live.get(st.key)))
+    es.micro.append((p, copy, early_memory.version(st)))
     es.held += copy.numel() * copy.element_size()
     es.seeded += copy.numel()
     es.holding.add(_small(copy))

@@ -4,6 +4,8 @@ are made live by `Engine.step` — or dropped, and the step runs as usual.
 Why: with params, gradients and AdamW states on NVMe, an ordinary step reads every param partition, its
 gradient and its record, and writes the record and the partition back, while in backward the param is still
 gathered and its gradient is there: updating then saves reading both (benches/README.md, "Training step").
+States, params or both in CPU memory run it too (`zswap.step.early_memory`): the step's param reads are
+saved where params are on NVMe, and the update overlaps backward wherever they are.
 
 What it keeps:
 
@@ -22,7 +24,8 @@ What it keeps:
   go, and changes nothing; until `Engine.zero_grad` every `Engine.step` raises (`check_kept`). Where the
   step may need them (`Guess.keep`) they are stored too, in memory within ``room`` (written past it).
 - **All or nothing.** Records and partitions are written copy-on-write into one `zswap.store.storage`
-  transaction of its own; in-memory state never changes (the kernel updates copies). `Engine.step`
+  transaction of its own; in-memory state never changes (the kernel updates copies; those of records and
+  partitions in CPU memory are swapped into their store by the commit, `early_memory`). `Engine.step`
   commits it only if nothing it depended on moved since (`early_commit.prepare`): the params with
   gradients, each param group's hyper-parameters, the step counters, the sub-group layout, the stored
   versions of every partition and record it read, and every write landed.
@@ -31,11 +34,12 @@ What it keeps:
   forward starts without a read; in a micro-batch before an accumulation boundary the same params are kept
   as they are (`take_micro_seeds`). Resident params (``max_in_cpu``, persistent) keep their updated copies
   as their gathered copies (`take_resident`).
-- **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held it gives
-  up. The record buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself
-  (``write_ahead``: two sub-groups' params in flight). Copies of `ENGINE_COPY` bytes and more are buffers of
-  the param stores' fetch pools, counted in the scheduler's live budget while held (`lent`); smaller ones
-  are ordinary tensors on `holding` / `writing`, so `zswap.Engine.stats` has every byte on one line.
+- **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held (with
+  the copies kept in CPU memory for the commit, reserved as backward begins) it gives up. The record
+  buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself (``write_ahead``:
+  two sub-groups' params in flight). Copies of `ENGINE_COPY` bytes and more are buffers of the NVMe param
+  stores' fetch pools, counted in the scheduler's live budget while held (`lent`); the others are ordinary
+  tensors on `holding` / `writing` / `kept_mem`, so `zswap.Engine.stats` has every byte on one line.
 - **Reads ahead.** A record is read before its last gradient comes, into a free slot of the ring, in the
   order the last backward completed them (`early_pipeline.read_ahead`; all slots but one).
 """
@@ -53,17 +57,16 @@ from torch.autograd import Variable
 
 from .. import memory
 from ..errors import GradientsNotKeptError, SwapIOError
-from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, _Alive, _dead
-from ..memory import ENGINE_COPY
+from ..gradients.gradstore import NOT_KEPT, RESTART, MemoryGrads, NvmeGrads, _Alive, _dead, store_of
+from ..memory import ENGINE_COPY as ENGINE_COPY  # (tests and docs name it here)
 from ..parts.gather import no_torch_function
-from ..parts.params import ParamState, Status, local_slice
+from ..parts.params import GradStore, NvmeStore, ParamState, Status, local_slice
 from ..store.storage import Transaction, _memcpy
-from . import early_commit, early_device, early_pipeline, speculation
+from . import early_commit, early_device, early_memory, early_pipeline, speculation
 from .early_commit import _hyper, _wanted
-from .early_pipeline import _ps, _small
+from .early_memory import plain
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
-from .optim._store import NvmeStore as RecordStore
 from .speculation import ACCUMULATES, MICRO_BATCH, Guess
 from .stepping import Tally
 
@@ -93,7 +96,7 @@ class EarlyStep:
     guess: Guess
     factor: float | None
     """The gradient scale the updates run with: the guess's, or, deferred, the step's (`finish_at`)."""
-    gs: NvmeGrads | None
+    gs: GradStore | None
     txn: Any
     hyper: list[tuple[Any, ...]]
     layout: tuple[SubGroup, ...]
@@ -104,8 +107,8 @@ class EarlyStep:
     """A compute device's copies of param partitions and gradients in flight (`early_device`)."""
     device: Any
     left: dict[int, int]
-    ready: dict[int, tuple[ParamState, torch.Tensor, torch.Tensor, str | None]]
-    versions: dict[str, str | None]
+    ready: dict[int, tuple[ParamState, torch.Tensor, torch.Tensor, Any]]
+    versions: dict[str, Any]
     ring: list[torch.Tensor]
     free: deque[torch.Tensor]
     reads: deque[tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
@@ -125,6 +128,10 @@ class EarlyStep:
     `ENGINE_COPY`, write; a seed's are 0, it stays in ``held``), counted with ``held`` against `cap` until
     they land. Those under `ENGINE_COPY` are ordinary tensors, on `writing`; the others are fetch-pool
     buffers, lent to the scheduler while their write is unsettled (`in_flight`, `lent`)."""
+    staged: int
+    """Bytes reserved for copies kept in CPU memory until the commit (`zswap.step.early_memory`)."""
+    swaps: list[tuple[Any, str, torch.Tensor]]
+    """Those copies, with the store and key each replaces at the commit (`early_memory.swap_in`)."""
 
     def __init__(
         self,
@@ -163,7 +170,7 @@ class EarlyStep:
         """Why the last early step was dropped after it had let go of gradients it did not keep (those
         gradients are gone until `Engine.zero_grad`); "" when none were lost."""
         self._committed_seeds: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.records = cast(RecordStore, optimizer.records.store)  # for_engine: on NVMe
+        self.records: Any = optimizer.records.store  # on NVMe or in CPU memory (`early_memory`)
         self.index = {id(p): i for i, p in enumerate(optimizer.records.params)}
         self.commits = 0
         """Steps made live by `commit` (for tests and benchmarks)."""
@@ -178,8 +185,9 @@ class EarlyStep:
         (no param of theirs got a gradient)."""
         self._order: list[str] = []
         """The order the last backward that reached its end completed its records in: the next one's guess."""
-        self.holding = memory.Holding("early_step")  # gradients and small copies held (`_as_tensors`)
+        self.holding = memory.Holding("early_step")  # gradients and plain copies held (`plain`)
         self.writing = memory.Holding("early_step")  # small copies whose writes are in flight (`copies`)
+        self.kept_mem = memory.Holding("early_step")  # copies kept in CPU memory for the commit (`swaps`)
         self._outer: Callable[[], object] = _dead  # the backward in progress, while it runs (`_begin`)
         self.ended = True
         """Whether that backward reached its end (its final callback ran)."""
@@ -253,7 +261,7 @@ class EarlyStep:
             raise _Void(error)
         early_commit.hand_back(gs, held)  # still in memory: stored now, as they would have been
         for st, g in landed:
-            cast(NvmeGrads, gs).add_fp32(st, g)
+            store_of(st).add_fp32(st, g)
 
     def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int, sink: Any) -> bool:
         if self.state != "idle" and task != self.task:
@@ -271,9 +279,9 @@ class EarlyStep:
         if self.state == "idle":
             self._begin(st, task)
         if self.state == "summing" and sink is None:  # before the boundary: summed in memory within `room`
-            cast(NvmeGrads, st.grad_store).add(st, part, self.allowance)
+            store_of(st).add(st, part, self.allowance)
             if id(p) in self.seeding and st.status is Status.AVAILABLE and st.world_size == 1:
-                early_pipeline.keep_as_seed(self, p, st)
+                early_pipeline.keep_as_seed(self, p, st)  # (`seeding` has NVMe params only)
             return True
         if self.state != "running":
             return False
@@ -317,22 +325,22 @@ class EarlyStep:
         data = p.data.reshape(-1)
         if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
             data = local_slice(data, st.rank, st.partition_numel)
-        copy = self._alloc(st, data)
+        copy = early_memory.alloc(st, data)
         with no_torch_function():
             _memcpy(copy, data)  # one thread: a torch copy here wakes its pool against the kernel's
-        self._arrive(i, st, copy, part, _ps(st).ns._live.get(st.key), task)
+        self._arrive(i, st, copy, part, early_memory.version(st), task)
 
     def _arrive(
-        self, i: int, st: ParamState, copy: torch.Tensor, part: torch.Tensor, version: str | None, task: int
+        self, i: int, st: ParamState, copy: torch.Tensor, part: torch.Tensor, version: Any, task: int
     ) -> None:
         """Param ``i``'s partition (``copy``, ours to update) and gradient are on the host: wait for the
         rest of its records, update those that are complete."""
         self.txn.scratch(copy)
         self.ready[i] = (st, copy, part.reshape(-1), version)
         self.held += 2 * copy.numel() * copy.element_size()
-        self.holding.add(_as_tensors(copy))
+        self.holding.add(copy.numel() * copy.element_size() + plain(st, copy))  # gradient, plain copy
         self._land_copies(self.write_ahead)
-        if self.held + self.copying > self.cap:
+        if self.held + self.copying + self.staged > self.cap:
             self._give_up(
                 task, f"it held more than its cap of {self.cap} bytes of param copies and gradients"
             )
@@ -349,7 +357,7 @@ class EarlyStep:
         self._read_ahead()
 
     def _begin(self, st: ParamState, task: int) -> None:
-        gs = st.grad_store
+        gs = store_of(st)
         if task == -1:
             return  # a gradient added outside a backward
         # The callback holds ``alive`` until autograd drops it with its graph task: at the end of this
@@ -362,28 +370,34 @@ class EarlyStep:
         self.allowance = self.room()
         if isinstance(guess, str):
             self.state, self.task, self.why = "off", task, guess
-            if guess == MICRO_BATCH and isinstance(gs, NvmeGrads):
+            if guess == MICRO_BATCH and isinstance(gs, NvmeGrads | MemoryGrads):
                 self.state = "summing"  # and the next forward's first params kept as they are (seeds)
-                self.seeding = self.seed_plan() if self.seed_numel > 0 else frozenset()
+                self.seeding = early_memory.on_nvme(self.seed_plan() if self.seed_numel > 0 else frozenset())
             return
         if self.accumulates and not guess.sums:
             self.state, self.task, self.why = "off", task, ACCUMULATES
             return
-        if isinstance(gs, NvmeGrads) and gs._meta and not guess.sums:
-            gs.wanted = True  # a second backward before the step: "auto" keeps applied gradients from now on
-        if not isinstance(gs, NvmeGrads) or (gs._meta and not guess.sums):
+        again = early_memory.has_grads(self, gs) and not guess.sums  # a second backward before the step
+        if isinstance(gs, NvmeGrads) and again:
+            gs.wanted = True  # "auto" keeps applied gradients from now on
+        if again:
             self.state, self.task = "off", task
             self.why = "a second backward before engine.step() (gradient_accumulation_steps is 1)"
             return
+        too_big = early_memory.too_big(self)
+        if too_big:
+            self.state, self.task, self.why = "off", task, too_big
+            return
         self.task, self.gs, self.state, self.guess = task, gs, "running", guess
         self.factor = guess.factor
-        self.keeping = guess.keep or bool(self.keep())
+        self.keeping = guess.keep or early_memory.keeps(gs) or bool(self.keep())
         self.lost = ""
-        self.seeding = self.seed_plan() if self.seed_numel > 0 and guess.ranks == 1 else frozenset()
+        seeds = self.seed_plan() if self.seed_numel > 0 and guess.ranks == 1 else ()
+        self.seeding = early_memory.on_nvme(seeds)
         self.staying = self.resident()
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
-        self.txn.uses(self.records.storage)
+        early_memory.uses(self)
         self.hyper = _hyper(self.opt)
         self.layout = tuple(self.opt.records.sub_groups)
         self.steps = list(self.opt.records.steps)
@@ -430,15 +444,6 @@ class EarlyStep:
 
     def _finish(self) -> None:
         early_pipeline.finish(self)
-
-    def _alloc(self, st: ParamState, like: torch.Tensor) -> torch.Tensor:
-        if like.numel() * like.element_size() >= ENGINE_COPY:  # page-aligned: written without a bounce copy
-            # From the param store's fetch pool: a buffer a released param gave back (backward lets go of
-            # one of the same shape at about every gradient), so copies and seeds take the memory of the
-            # gathered params they replace rather than adding to it; free again once written, or once
-            # the seed it became is released.
-            return _ps(st)._buffer(like.numel(), like.dtype)
-        return torch.empty(like.numel(), dtype=like.dtype)
 
     def _ready(self, sg: SubGroup) -> None:
         """Every param of ``sg`` with a gradient has it: its record is updated once read."""
@@ -557,12 +562,6 @@ class _Void(Exception):
         self.error = error
 
 
-def _as_tensors(copy: torch.Tensor) -> int:
-    """Bytes one ready param holds as ordinary tensors: its gradient, and its copy under `ENGINE_COPY`
-    (the copy's share is let go when it is written and not kept as a seed, or when its seed goes)."""
-    return copy.numel() * copy.element_size() + _small(copy)
-
-
 def for_engine(engine: Any) -> EarlyStep | None:
     """The early step for a `zswap.Engine` whose setup allows one (see the module docstring), else None
     (``engine._early_off`` says why: `zswap.step.speculation.why_not`)."""
@@ -575,7 +574,9 @@ def for_engine(engine: Any) -> EarlyStep | None:
     model = sum(st.partition_numel * st.dtype.itemsize for _, st in engine._items)
     early = EarlyStep(
         opt,
-        speculation.planner(engine, opt, ranks, holds_all=2 * model <= allowed.early_step),
+        speculation.planner(
+            engine, opt, ranks, holds_all=2 * model + early_memory.bound(opt) <= allowed.early_step
+        ),
         allowed.early_step,
         # `Scheduler.seed_plan` keeps seeds within the live budget with the next pass's first read
         # (benches/README.md, "Bytes per step").
@@ -590,7 +591,8 @@ def for_engine(engine: Any) -> EarlyStep | None:
     # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and
     # zeroed, then unmapped: at 2 GiB that was 1.2 s of a 10 s step (benches/README.md, "Bytes per step").
     for store in {id(st.store): st.store for _, st in engine._items}.values():
-        store.widen_pool(early.cap)
+        if isinstance(store, NvmeStore):
+            store.widen_pool(early.cap)
     # While held (waiting for their record, kept as seeds, or being written) those copies count in the
     # scheduler's live budget (`zswap.fetch.prefetch.Lender`: `lent` and `settle`).
     engine._sched.lend(early)

@@ -27,8 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..gradients.gradstore import NvmeGrads
-from ..parts.params import NvmeStore
+from . import early_memory
 from .optim import OffloadedAdamW
 
 MICRO_BATCH = "a micro-batch before the accumulation boundary"
@@ -106,12 +105,6 @@ def why_not(engine: Any, optimizer: Any) -> str:
         return "no optimizer"
     if not isinstance(optimizer, OffloadedAdamW):
         return f"the optimizer is {type(optimizer).__name__}, not zswap's OffloadedAdamW"
-    if optimizer.tier != "nvme":
-        return "the optimizer states are not on NVMe (offload_optimizer.device)"
     if not engine._items:
         return "no param is managed"
-    if any(not isinstance(st.store, NvmeStore) for _, st in engine._items):
-        return "some params are not on NVMe (offload_param.device)"
-    if any(not isinstance(st.grad_store, NvmeGrads) for _, st in engine._items):
-        return "some gradients are not kept on NVMe"
-    return ""
+    return early_memory.why_not(engine, optimizer)  # NVMe or CPU memory, in any combination

@@ -41,6 +41,7 @@ class CpuStore:
 
     def __init__(self, *, pin_memory: bool = False) -> None:
         self._records: dict[str, torch.Tensor] = {}
+        self._writes: dict[str, int] = {}  # walks that could change each record (`version`)
         # Page-locked records only help copies to and from a GPU; without CUDA there is nothing to pin for.
         self.pin = pin_memory and torch.cuda.is_available()
 
@@ -59,7 +60,23 @@ class CpuStore:
                         txn.on_abort(functools.partial(self._records.pop, sg.key, None))
             elif write and txn is not None:
                 txn.save(rec)
+            if write:
+                self._writes[sg.key] = self._writes.get(sg.key, 0) + 1
             fn(sg, rec)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """The stored record of sub-group ``key`` itself (None: never written)."""
+        return self._records.get(key)
+
+    def version(self, key: str) -> tuple[torch.Tensor | None, int]:
+        """What ``key``'s record is now: the stored tensor and how many walks could have written it, so
+        a record changed in place (a step, a state loaded) or replaced compares different."""
+        return self._records.get(key), self._writes.get(key, 0)
+
+    def replace(self, key: str, record: torch.Tensor) -> None:
+        """Make ``record`` sub-group ``key``'s record (the early step's updated copy, at its commit)."""
+        self._records[key] = record
+        self._writes[key] = self._writes.get(key, 0) + 1
 
     def close(self) -> None:
         self._records.clear()

@@ -1,0 +1,221 @@
+"""The early step where optimizer states, params or gradients stay in CPU memory (`zswap.step.earlystep`).
+
+Tiers: records in `zswap.step.optim._store.CpuStore` (``offload_optimizer.device: cpu``), param partitions
+in a `zswap.parts.params.MemoryStore` (``offload_param.device: cpu``), gradients in memory
+(`zswap.gradients.gradstore.MemoryGrads`, with states in CPU memory). Each combination with NVMe ones runs
+the same pipeline; only what "read", "write" and "version" mean for a memory tier is here.
+
+**Copies, swapped in at the commit — not the undo log.** A memory tier's record or partition is updated in a
+copy of it (the record read into a new tensor, the param's gathered partition copied as on NVMe), and the
+copies are kept until `Engine.step`: its commit puts each in its store in place of the old tensor
+(`CpuStore.replace`, `MemoryStore.put`: no bytes copied but into a pinned partition; nothing there can
+fail), an abort drops them. The undo log would cost the same memory (it saves a copy of everything it lets
+change) but would change the live records and partitions in backward: between backward and step
+``optimizer.state_dict()``, ``save_checkpoint``, ``GatheredParameters`` and the ordinary step that redoes a
+dropped one would see, or have to put back, speculative values. With copies the stored state never holds
+one, so every way of dropping the early step is the NVMe one (the transaction aborts; nothing to put back).
+
+**Memory.** Copies kept for the commit (``staged``) cannot be let go before it, so they count against
+the early step's cap from the start of each backward: ``reserve`` bytes (every record of the layout in
+CPU memory, every param partition in CPU memory) count with what it holds from when it begins; if those
+alone pass the cap, no early step begins and `engine.stats()` says so (`too_big`).
+
+**Versions.** What the commit checks did not move since backward read it: a memory partition's is the
+stored tensor and its in-place version counter (`torch.Tensor._version`: a gathered single-rank
+partition is the stored tensor itself, so a write to ``p.data`` is seen too); a CPU record's is the
+stored tensor and `CpuStore.version`'s write count.
+
+**Gradients in memory** are always kept (``keeping``): they are the store's tensors, nothing is saved by
+letting them go, and kept, every drop falls back to the ordinary step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from ..gradients.gradstore import MemoryGrads, NvmeGrads, store_of
+from ..memory import ENGINE_COPY
+from ..parts.params import _REGISTRY, MemoryStore, NvmeStore, ParamState, param_state
+from ..store.storage import _memcpy
+from .optim._layout import SubGroup, needs_master
+from .optim._store import CpuStore
+
+if TYPE_CHECKING:
+    from .earlystep import EarlyStep
+
+
+def why_not(engine: Any, optimizer: Any) -> str:
+    """Why the params, states and gradients of ``engine`` allow no early step ("" where they do)."""
+    if optimizer.tier not in ("nvme", "cpu"):
+        return f"the optimizer states are on tier {optimizer.tier!r}"
+    for _, st in engine._items:
+        if st.tier not in ("nvme", "cpu") or not isinstance(st.store, NvmeStore | MemoryStore):
+            return "some params stay on their device (offload_param.device none)"
+        if not isinstance(store_of(st), NvmeGrads | MemoryGrads):
+            return f"some gradients are kept in a {type(store_of(st)).__name__}"
+    return ""
+
+
+def in_memory(st: ParamState) -> bool:
+    """Whether ``st``'s partition is kept in CPU memory (updated in a copy swapped in at the commit)."""
+    return not isinstance(st.store, NvmeStore)
+
+
+def on_nvme(ids: Iterable[int]) -> frozenset[int]:
+    """Those of the params ``ids`` whose partitions are on NVMe (the only ones kept as seeds: a memory
+    partition is gathered from its store with no read)."""
+    return frozenset(i for i in ids if (st := _REGISTRY.get(i)) is not None and not in_memory(st))
+
+
+def cpu_records(es: EarlyStep) -> bool:
+    return isinstance(es.records, CpuStore)
+
+
+def reserve(es: EarlyStep) -> int:
+    """Bytes of copies a step over the layout keeps for the commit at most (see the module docstring)."""
+    total = sum(sg.record_numel * 4 for sg in es.opt.records.sub_groups) if cpu_records(es) else 0
+    for p in es.opt.records.params:
+        st = param_state(p)
+        if st is not None and in_memory(st):
+            total += st.partition_numel * st.dtype.itemsize
+    return total
+
+
+def bound(optimizer: Any) -> int:
+    """`reserve` once every param of ``optimizer`` has its record (for a deferred step's planning)."""
+    total = 0
+    for i, p in enumerate(optimizer.records.params):
+        st = param_state(p)
+        if optimizer.tier == "cpu":
+            total += optimizer.state_numel(i) * 4 * (3 if needs_master(p) else 2)
+        if st is not None and in_memory(st):
+            total += st.partition_numel * st.dtype.itemsize
+    return total
+
+
+def too_big(es: EarlyStep) -> str:
+    """Why no early step begins for this backward ("" if one may): its copies kept for the commit alone
+    pass its cap. Otherwise they are counted in ``staged`` from now on."""
+    es.staged = reserve(es)
+    if es.staged > es.cap:
+        why = (
+            f"the copies of the optimizer records and params kept in CPU memory ({es.staged} bytes) "
+            f"exceed the early step's cap of {es.cap} bytes"
+        )
+        es.staged = 0
+        return why
+    return ""
+
+
+def uses(es: EarlyStep) -> None:
+    """Declare the early step's transaction's I/O on the records' storage (none for CPU records)."""
+    if not cpu_records(es):
+        es.txn.uses(es.records.storage)
+
+
+def keeps(gs: object) -> bool:
+    """Whether gradients of ``gs`` are always kept by the early step (in memory: see the docstring)."""
+    return isinstance(gs, MemoryGrads)
+
+
+def has_grads(es: EarlyStep, gs: object) -> bool:
+    """Whether ``gs`` already holds gradients when a backward begins (a second backward before the step)."""
+    if isinstance(gs, NvmeGrads):
+        return bool(gs._meta)
+    return any((st := param_state(p)) is not None and st.grad is not None for p in es.opt.records.params)
+
+
+def version(st: ParamState) -> Any:
+    """``st``'s stored partition as it is now (see the module docstring)."""
+    if isinstance(st.store, NvmeStore):
+        return st.store.ns._live.get(st.key)
+    part = st.store.load(st.key, st.partition_numel, st.dtype)[0]
+    return part, part._version
+
+
+def unchanged(st: ParamState, seen: Any) -> bool:
+    if isinstance(st.store, NvmeStore):
+        ns = st.store.ns
+        return bool(ns._live.get(st.key) == seen and st.key not in ns._pending)
+    return _same(version(st), seen)
+
+
+def alloc(st: ParamState, like: torch.Tensor) -> torch.Tensor:
+    """A buffer for a copy of ``st``'s partition: from the fetch pool for large NVMe ones (page-aligned:
+    written without a bounce copy; backward lets go of one of the same shape at about every gradient, so
+    copies and seeds take the memory of the gathered params they replace), else a new tensor."""
+    if isinstance(st.store, NvmeStore) and like.numel() * like.element_size() >= ENGINE_COPY:
+        return st.store._buffer(like.numel(), like.dtype)
+    return torch.empty(like.numel(), dtype=like.dtype)
+
+
+def plain(st: ParamState, copy: torch.Tensor) -> int:
+    """Bytes of ``st``'s copy that are an ordinary tensor (the rest is a fetch-pool buffer)."""
+    nbytes = copy.numel() * copy.element_size()
+    return nbytes if in_memory(st) or nbytes < ENGINE_COPY else 0
+
+
+# -- records -----------------------------------------------------------------------------------------
+
+
+def start(es: EarlyStep, sg: SubGroup) -> tuple[SubGroup, torch.Tensor, torch.Tensor, Any]:
+    """``sg``'s record in a copy of its own (zeros if it was never written), counted in ``staged``."""
+    store = cast(CpuStore, es.records)
+    rec = torch.empty(sg.record_numel, dtype=torch.float32, pin_memory=store.pin)
+    es.kept_mem.add(rec.nbytes)
+    es.versions[sg.key] = store.version(sg.key)
+    stored = store.get(sg.key)
+    if stored is None:
+        rec.zero_()
+    else:
+        _memcpy(rec, stored)
+    es.txn.scratch(rec)
+    return sg, rec, rec, None
+
+
+def write(es: EarlyStep, sg: SubGroup, buf: torch.Tensor, rec: torch.Tensor) -> None:
+    """``sg``'s updated record: written copy-on-write on NVMe (its ring slot freed once landed), kept for
+    the commit in CPU memory."""
+    store = es.records
+    if isinstance(store, CpuStore):
+        es.swaps.append((store, sg.key, rec))
+    else:
+        es.writes.append((buf, store.ns.put(store._name(sg), rec, es.txn, held=0)))  # a ring slot
+
+
+def same_records(es: EarlyStep) -> bool:
+    """Every record the early step read is still the one stored (nothing wrote it since)."""
+    store = es.records
+    if isinstance(store, CpuStore):
+        return all(_same(store.version(key), seen) for key, seen in es.versions.items())
+    ns = store.ns
+    return all(ns._live.get(name) == seen and name not in ns._pending for name, seen in es.versions.items())
+
+
+# -- params ------------------------------------------------------------------------------------------
+
+
+def stage(es: EarlyStep, i: int, st: ParamState, copy: torch.Tensor) -> None:
+    """Param ``i``'s records are all updated: its copy (a memory partition) waits for the commit, already
+    counted in ``staged``; the early step lets go of its gradient (a kept one stays in its store)."""
+    nbytes = copy.numel() * copy.element_size()
+    es.held -= 2 * nbytes  # the copy moves to ``staged`` (reserved at the start), the gradient goes
+    es.holding.add(-2 * nbytes)
+    es.kept_mem.add(nbytes)
+    es.swaps.append((st.store, st.key, copy))
+
+
+def swap_in(swaps: list[tuple[Any, str, torch.Tensor]]) -> None:
+    """At the commit (nothing here can fail): each kept copy becomes its stored record or partition."""
+    for store, key, copy in swaps:
+        if isinstance(store, CpuStore):
+            store.replace(key, copy)
+        else:
+            store.put(key, copy)
+
+
+def _same(now: tuple[Any, int], seen: tuple[Any, int]) -> bool:
+    return now[0] is seen[0] and now[1] == seen[1]  # by identity: ``==`` on tensors compares elements
