@@ -14,7 +14,7 @@ kinds) and the ratio:
 
 Without fio the crate's bare io_uring loop (`baseline.rs`) is the baseline (one write and one read
 figure for every row). Every figure is the best of `repeat` passes; fio and the engine alternate pass by
-pass so a drifting disk moves both.
+pass so a drifting disk moves both, in an order that turns by one each pass.
 
 Unless given, the block size and queue depth are the engine's own picks for the drive (its request
 limits in sysfs and the page size of engine memory), and fio runs with the same two; the table is
@@ -411,19 +411,23 @@ def run(
     eng_best: dict[str, dict[str, Pass]] = {k: {} for k in _MAKERS}
     load = os.getloadavg()[0]
     info: dict[str, object] = {}
+    contenders = [("fio", k) for k in (_FIO_IOMEM if have_fio else ())] + [("zswap", k) for k in _MAKERS]
     for i in range(repeat):
-        # fio and the engine alternate pass by pass, so a drifting disk moves both.
-        for iomem in _FIO_IOMEM if have_fio else ():
-            if iomem in fio_errors:
+        # fio and the engine alternate pass by pass, so a drifting disk moves both; the order turns by one
+        # each pass, so no contender always runs first or last (a disk's rate drifts within a pass too).
+        shift = i % len(contenders)
+        for who, k in contenders[shift:] + contenders[:shift]:
+            if who == "zswap":
+                got, info = engine_cases(path, size, k, kwargs, progress)
+                _best(eng_best[k], got)
                 continue
-            progress(f"fio iomem={iomem} {i + 1}/{repeat}...")
+            if k in fio_errors:
+                continue
+            progress(f"fio iomem={k} {i + 1}/{repeat}...")
             try:
-                _best(fio_best[iomem], fio_cases(path, size, block_size, queue_depth, iomem))
+                _best(fio_best[k], fio_cases(path, size, block_size, queue_depth, k))
             except RuntimeError as e:  # shmhuge needs reserved hugetlb pages
-                fio_errors[iomem] = str(e)[:160]
-        for kind in _MAKERS:
-            got, info = engine_cases(path, size, kind, kwargs, progress)
-            _best(eng_best[kind], got)
+                fio_errors[k] = str(e)[:160]
     if have_fio:
         base = [
             Rate(0.0, 0.0, f"fio io_uring O_DIRECT iomem={k}", unavailable=fio_errors[k])
