@@ -5,11 +5,11 @@ ordinary step of the same setup in the same run.
 
 Model: 4 × ``Linear(256, 256)`` (1 MiB of fp32 params), which fits the live budget: what the step moves is
 then the whole story (no param is read again for forward or backward). Params and AdamW states on NVMe in a
-fresh directory under ``--path`` (removed at the end). Each setup runs twice in fresh engines: as shipped
-(the engine decides where the update runs: in backward, deferred to the step, or the ordinary step) and with
-``engine.early_step = False`` (the ordinary step, the baseline). Printed: bytes read and written during the
-last optimizer step as multiples of the param bytes, for both, and how the shipped one ran
-(``engine.stats()``'s ``steps_*``). Deterministic: no timing.
+fresh directory under ``--path`` (removed at the end), or in CPU memory where the setup says so. Each setup
+runs twice in fresh engines: as shipped (the engine decides where the update runs: in backward, deferred to
+the step, or the ordinary step) and with ``engine.early_step = False`` (the ordinary step, the baseline).
+Printed: bytes read and written during the last optimizer step as multiples of the param bytes, for both,
+and how the shipped one ran (``engine.stats()``'s ``steps_*``). Deterministic: no timing.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ SETUPS: dict[str, dict[str, Any]] = {
     "CPU, clipping 1e-4 (always bites)": {"gradient_clipping": 1e-4},
     "CPU, GAS 2": {"gradient_accumulation_steps": 2},
     "CPU, max_in_cpu over the model": {"max_in_cpu": True},
+    "CPU, optimizer states in CPU memory": {"states": "cpu"},
+    "CPU, params in CPU memory": {"params": "cpu"},
+    "CPU, params and states in CPU memory": {"params": "cpu", "states": "cpu"},
     "stand-in device": {"device": True},
     "stand-in device, clipping 1e-4": {"device": True, "gradient_clipping": 1e-4},
     "stand-in device, GAS 2": {"device": True, "gradient_accumulation_steps": 2},
@@ -41,8 +44,8 @@ SETUPS: dict[str, dict[str, Any]] = {
 def run(root: Path, setup: dict[str, Any], early: bool, steps: int) -> tuple[float, float, str]:
     d = Path(tempfile.mkdtemp(dir=root))
     cfg: dict[str, Any] = {
-        "offload_param": {"device": "nvme", "nvme_path": str(d)},
-        "offload_optimizer": {"device": "nvme", "nvme_path": str(d)},
+        "offload_param": {"device": setup.get("params", "nvme"), "nvme_path": str(d)},
+        "offload_optimizer": {"device": setup.get("states", "nvme"), "nvme_path": str(d)},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     }
     gas = setup.get("gradient_accumulation_steps", 1)

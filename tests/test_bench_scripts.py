@@ -101,9 +101,9 @@ def test_bench_step_matrix_prints_every_row_with_figures(tmp_path, monkeypatch, 
 
 
 def test_bench_step_setups_prints_every_setup_at_the_fast_path_bound(tmp_path, monkeypatch, capsys):
-    """Every setup of issue 29's table moves at most the fast path's 2 R / 3 W per optimizer step (the
-    stand-in with accumulation reads the params again in its second micro-batch: 3 R), less than its
-    ordinary step; bytes are deterministic."""
+    """Every setup of issue 29's table moves at most the fast path's 2 R / 3 W per optimizer step (with
+    accumulation on the stand-in device too: the second micro-batch's first params are seeded from host
+    copies of the first's), less than its ordinary step; bytes are deterministic."""
     monkeypatch.syspath_prepend(str(BENCHES))
     import bench_step_setups
 
@@ -112,6 +112,7 @@ def test_bench_step_setups_prints_every_setup_at_the_fast_path_bound(tmp_path, m
     assert [r[0][2:] for r in rows] == list(bench_step_setups.SETUPS)
     for r in rows:
         read, written, ord_read, ord_written = map(float, r[1:5])
-        bound = 3.0 if r[0] == "| stand-in device, GAS 2" else 2.0
-        assert read <= bound and written <= 3.0 and read + written < ord_read + ord_written, r
+        assert read <= 2.0 and written <= 3.0, r
+        # Less than the ordinary step, but where that moves nothing either (params and states in memory).
+        assert read + written < ord_read + ord_written or read + written == ord_read + ord_written == 0, r
     assert list(tmp_path.iterdir()) == []

@@ -251,6 +251,7 @@ def reset(es: EarlyStep) -> None:
     es.seeds = deque()
     es.seeded = 0
     es.micro = []
+    es.micro_copies = []
     es.staying = frozenset()
     es.kept = []
     es.ring = []

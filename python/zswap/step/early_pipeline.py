@@ -147,13 +147,19 @@ def land_oldest(es: EarlyStep) -> None:
     es.txn.check()
 
 
-def keep_as_seed(es: EarlyStep, p: torch.Tensor, st: ParamState) -> None:
+def keep_as_seed(es: EarlyStep, p: torch.Tensor, st: ParamState, sink: Any = None) -> None:
     """A micro-batch before the boundary: no step will change ``p`` before the next forward, which
-    takes it first (`seed_plan`): a copy of it is kept for `take_micro_seeds`."""
+    takes it first (`seed_plan`): a copy of it is kept for `take_micro_seeds`. On a compute device
+    (``sink``, a `zswap.gradients.grads.GradSink`) the gathered param is the stored partition on the
+    device: it is copied to the host on the copy stream (the device holds both ends until it completed),
+    and `landed_micro` waits for it."""
     data = p.data.reshape(-1)
     copy = early_memory.alloc(st, data)
     with no_torch_function():
-        _memcpy(copy, data)
+        if sink is None:
+            _memcpy(copy, data)
+        else:
+            es.micro_copies.append((sink.device, sink.device.d2h(data.contiguous(), copy)))
     es.micro.append((p, copy, early_memory.version(st)))
     es.held += copy.numel() * copy.element_size()
     es.seeded += copy.numel()
@@ -163,6 +169,13 @@ def keep_as_seed(es: EarlyStep, p: torch.Tensor, st: ParamState) -> None:
         es.seeded -= old.numel()
         es.held -= old.numel() * old.element_size()
         es.holding.add(-_small(old))
+
+
+def landed_micro(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, str | None]]:
+    """The micro-batch seeds `keep_as_seed` made, every device-to-host copy among them completed."""
+    for dev, copy in es.micro_copies:
+        dev.synchronize(copy)
+    return es.micro
 
 
 def finish(es: EarlyStep) -> None:

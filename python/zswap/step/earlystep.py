@@ -32,8 +32,8 @@ What it keeps:
 - **Seeds.** Updated copies of the params the next pass would start gathered (`Scheduler.seed_plan`) are
   kept past their write and handed to `zswap.fetch.prefetch.Scheduler.seed` after the commit, so the next
   forward starts without a read; in a micro-batch before an accumulation boundary the same params are kept
-  as they are (`take_micro_seeds`). Resident params (``max_in_cpu``, persistent) keep their updated copies
-  as their gathered copies (`take_resident`).
+  as they are (`take_micro_seeds`; on a device, copied to the host). Resident params keep their updated
+  copies as their gathered copies (`take_resident`).
 - **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held (with
   the copies kept in CPU memory for the commit, reserved as backward begins) it gives up. The record
   buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself (``write_ahead``:
@@ -87,6 +87,7 @@ class EarlyStep:
     """Gradients of this backward applied and let go without being stored (``keeping`` false)."""
     micro: list[tuple[torch.Tensor, torch.Tensor, str | None]]
     """Copies of params kept before an accumulation boundary for the next forward (`keep_as_seed`)."""
+    micro_copies: list[Any]  # (device, copy): a compute device's to the host, landing (`landed_micro`)
     staying: frozenset[int]
     """`resident()` when this backward began."""
     kept: list[tuple[torch.Tensor, torch.Tensor]]
@@ -103,8 +104,7 @@ class EarlyStep:
     steps: list[int]
     by_param: dict[int, list[SubGroup]]
     waiting: dict[str, int]
-    landing: deque[tuple[int, ParamState, Any, Any, str | None]]
-    """A compute device's copies of param partitions and gradients in flight (`early_device`)."""
+    landing: deque[tuple[int, ParamState, Any, Any, str | None]]  # a device's copies in flight
     device: Any
     left: dict[int, int]
     ready: dict[int, tuple[ParamState, torch.Tensor, torch.Tensor, Any]]
@@ -222,7 +222,7 @@ class EarlyStep:
     def take_micro_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
         """At a micro-step (no optimizer step): the copies `early_pipeline.keep_as_seed` made, each valid
         while nothing wrote its partition, for `zswap.fetch.prefetch.Scheduler.seed`."""
-        micro = self.micro if self.state == "summing" and self.ended else []
+        micro = early_pipeline.landed_micro(self) if self.state == "summing" and self.ended else []
         self._reset()
         return early_commit.unchanged_seeds(micro)
 
@@ -278,11 +278,12 @@ class EarlyStep:
             self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
         if self.state == "idle":
             self._begin(st, task)
-        if self.state == "summing" and sink is None:  # before the boundary: summed in memory within `room`
-            store_of(st).add(st, part, self.allowance)
+        if self.state == "summing":  # before the boundary: summed in memory within `room` (or landed)
             if id(p) in self.seeding and st.status is Status.AVAILABLE and st.world_size == 1:
-                early_pipeline.keep_as_seed(self, p, st)  # (`seeding` has NVMe params only)
-            return True
+                early_pipeline.keep_as_seed(self, p, st, sink)  # (`seeding` has NVMe params only)
+            if sink is None:
+                store_of(st).add(st, part, self.allowance)
+            return sink is None
         if self.state != "running":
             return False
         i = self.index.get(id(p))
