@@ -234,8 +234,8 @@ class ClipsLate(Regressor):
             self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
 
 
-class ManualClips(Regressor):
-    """Manual optimization clipping at 0.05 (below the norm) on odd steps, between backward and step."""
+class Manual(Regressor):
+    """Manual optimization: the module calls backward and step itself."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -247,10 +247,20 @@ class ManualClips(Regressor):
         loss = nn.functional.mse_loss(self(batch[0]), batch[1])
         self.losses.append(loss.detach().clone())
         self.manual_backward(loss)
-        if self.trainer.global_step % 2:
-            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        self.before_step(opt)
         opt.step()
         return loss
+
+    def before_step(self, opt: Any) -> None:
+        """Between ``manual_backward`` and ``opt.step()``."""
+
+
+class ManualClips(Manual):
+    """Manual optimization clipping at 0.05 (below the norm) on odd steps, between backward and step."""
+
+    def before_step(self, opt: Any) -> None:
+        if self.trainer.global_step % 2:
+            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
 
 
 # (Trainer arguments, the module, samples: 44 is 11 batches, an epoch whose last window is one batch)
@@ -448,23 +458,6 @@ def test_accumulation_in_the_config_must_agree_with_the_trainer(tmp_path):
     agreeing = _config(tmp_path, train_batch_size=8, train_micro_batch_size_per_gpu=4)
     again, _ = _fit(ZswapStrategy(agreeing), accumulate_grad_batches=2)
     _assert_same_run(again, ref, 2 * STEPS)
-
-
-class Manual(Regressor):
-    """Manual optimization: the module calls backward and step itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(self(batch[0]), batch[1])
-        self.losses.append(loss.detach().clone())
-        self.manual_backward(loss)
-        opt.step()
-        return loss
 
 
 def test_manual_optimization_equals_plain_trainer(tmp_path):

@@ -311,27 +311,11 @@ impl UringWorker {
         }
         let kernel_owned = inflight > queued;
         if let Some(a) = self.ahead.take() {
-            let dir = &a.job.store.files[a.job.path].dir;
-            let err = Error::io(
-                Op::Submit,
-                errno,
-                dir,
-                a.job.file_offset,
-                a.job.io_len as u64,
-            );
-            a.job.finish(Err(err), &ctx.counters);
+            fail_unsent(a.job, errno, 0, ctx);
         }
         for slot in 0..self.slots.len() {
             if let Some(s) = self.slots[slot].take() {
-                let dir = &s.job.store.files[s.job.path].dir;
-                let err = Error::io(
-                    Op::Submit,
-                    errno,
-                    dir,
-                    s.job.file_offset + s.done as u64,
-                    (s.job.io_len - s.done) as u64,
-                );
-                s.job.finish(Err(err), &ctx.counters);
+                fail_unsent(s.job, errno, s.done, ctx);
             }
         }
         if kernel_owned {
@@ -357,15 +341,7 @@ impl UringWorker {
                     self.finish_read(read, ctx);
                 }
             } else if let Some(s) = self.slots[slot].take() {
-                let dir = &s.job.store.files[s.job.path].dir;
-                let err = Error::io(
-                    Op::Submit,
-                    errno,
-                    dir,
-                    s.job.file_offset,
-                    s.job.io_len as u64,
-                );
-                s.job.finish(Err(err), &ctx.counters);
+                fail_unsent(s.job, errno, 0, ctx);
                 self.free.push(slot);
                 self.bufs.extend(s.buf);
             }
@@ -448,8 +424,15 @@ fn fail_rest_if_last(errno: i32, ctx: &WorkerCtx) {
         return;
     }
     while let Some(job) = ctx.rx.recv() {
-        let dir = job.store.files[job.path].dir.clone();
-        let err = Error::io(Op::Submit, errno, &dir, job.file_offset, job.io_len as u64);
-        job.finish(Err(err), &ctx.counters);
+        fail_unsent(job, errno, 0, ctx);
     }
+}
+
+/// Fails `job` with a broken ring's `errno`, naming the range from `done` bytes into the block on (what
+/// the kernel never transferred).
+fn fail_unsent(job: BlockJob, errno: i32, done: usize, ctx: &WorkerCtx) {
+    let dir = &job.store.files[job.path].dir;
+    let off = job.file_offset + done as u64;
+    let err = Error::io(Op::Submit, errno, dir, off, (job.io_len - done) as u64);
+    job.finish(Err(err), &ctx.counters);
 }
