@@ -5,7 +5,7 @@ Twins over one model partitioned across both ranks — the early step on, and of
 and AdamW states on NVMe (one swap directory per rank and twin), each rank on its own data. After every
 optimizer step this rank's params (gathered: a collective) and optimizer records are bitwise the twin's,
 for clipping that does not bite, clipping that bites (redone), and gradient accumulation 2; the early one
-committed where it may.
+committed where it may; and the bytes a warm step moves on each rank.
 """
 
 from __future__ import annotations
@@ -68,6 +68,37 @@ def check(root: Path, rank: int, limits: list[float | None], gas: int, expect: l
         ee.close()
 
 
+def bytes_per_step(root: Path, rank: int, gas: int, clip: float | None) -> None:
+    """A model within the live budget: from the second optimizer step on, each rank reads only its records
+    (the next forward's params are its updated partitions, kept: each rank all-gathers them from memory)
+    and writes its partition and records — half the one-rank fast path's 2 R / 3 W of the whole model."""
+    d = root / f"bytes-{gas}-{clip}-{rank}"
+    d.mkdir(parents=True)
+    cfg: dict[str, Any] = {
+        "offload_param": {"device": "nvme", "nvme_path": str(d)},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(d)},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "gradient_accumulation_steps": gas,
+        **({"gradient_clipping": clip} if clip is not None else {}),
+    }
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    e = zswap.initialize(m, cfg)
+    part = sum(zswap.param_state(p).partition_numel * 4 for p in m.parameters())
+    g = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        e.stats(reset=True)
+        for _ in range(gas):
+            e.backward(e(torch.randn(4, 64, generator=g)).square().mean())
+            e.step()
+        s = e.stats()
+        if step > 0:
+            assert (s["bytes_read"], s["bytes_written"]) == (2 * part, 3 * part), (rank, gas, clip, step, s)
+            assert s["steps_in_backward"] + s["steps_deferred"] == 1, (rank, s)
+    e.close()
+
+
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=world)
@@ -78,6 +109,8 @@ def main() -> None:
             check(root / "plain", rank, [None] * 3, 1, [0, 1, 1])
             check(root / "clip", rank, [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6], 1, [0, 1, 0, 0, 0, 1])
             check(root / "gas", rank, [1e6, 1e6, 1e6], 2, [0, 1, 1])
+            for gas, clip in ((1, None), (1, 1.0), (1, 1e-4), (2, 1.0)):
+                bytes_per_step(root, rank, gas, clip)
         dist.barrier()
     finally:
         dist.destroy_process_group()

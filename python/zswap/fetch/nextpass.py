@@ -11,8 +11,9 @@ One entry per param, of either kind:
   elements from its issue. Only stores with I/O (NVMe) are read ahead.
 - **a value in memory** (`NextPass.keep`, `Scheduler.seed`, the *seeds*): updated params already in memory
   when a pass ends (the early step's copies, `zswap.step.earlystep`), gathered from that memory when the
-  next pass begins, with no read. They count in the live budget from then on; until then the reads ahead
-  leave room for them.
+  next pass begins, with no read (over several ranks the value is this rank's partition: it takes the
+  place of the read, and the all-gather runs at the param's step as for any prefetch). They count in the
+  live budget from then on; until then the reads ahead leave room for them.
 
 Each entry carries its *still-valid* check: a read's is that its store still reads the version it read
 (`zswap.parts.params.NvmeStore.version`: every write goes to a new version); a value's is the one its
@@ -194,9 +195,9 @@ class NextPass:
             s, st = e.slot, e.slot.st
             if e.handle is not None:
                 continue
-            if s.persistent or st.status is not Status.NOT_AVAILABLE or st.world_size != 1:
+            if s.persistent or st.status is not Status.NOT_AVAILABLE:
                 continue
-            if e.data.numel() < st.numel or s.numel > room or not e.still_valid():
+            if e.data.numel() < st.partition_numel or s.numel > room or not e.still_valid():
                 continue
             room -= s.numel
             out.append(e)

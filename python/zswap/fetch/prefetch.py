@@ -281,11 +281,15 @@ class Scheduler:
         device first, where there is one), then each read still valid becomes a prefetch of this pass;
         `NextPass.take` drops the rest."""
         entries, dropped = self.next.take(self.budget.max_live - self.live, self.counters)
-        reads = [e for e in entries if e.handle is not None]
+        # A value of a partitioned param is this rank's partition: gathered at its step, when every rank
+        # all-gathers it in step order, as a prefetch whose read is done.
+        reads = [e for e in entries if e.handle is not None or e.slot.st.world_size > 1]
         with no_torch_function():
             for e in entries:
                 s, st = e.slot, e.slot.st
-                if e.handle is None:
+                if e.handle is None and st.world_size > 1:
+                    self.live += s.numel  # a read ahead counted from its issue; this one from now
+                elif e.handle is None:
                     data, dev = e.data, self.device
                     if dev is not None and not dev.passthrough:  # to the compute device, as a fetch crosses
                         data = dev.wait(dev.h2d(data[: st.partition_numel]))
@@ -299,7 +303,8 @@ class Scheduler:
         for e in reads:
             s = e.slot
             s.st.status = Status.INFLIGHT
-            s.loading = Loading([s.item], [(e.data, e.handle)])
+            data = e.data if e.handle is not None else e.data[: s.st.partition_numel]
+            s.loading = Loading([s.item], [(data, e.handle)])
             s.ours = True
             self._prefetched[id(s.p)] = s
             self._prefetched_numel += s.numel

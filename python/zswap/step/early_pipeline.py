@@ -10,7 +10,7 @@ import torch
 
 from ..memory import ENGINE_COPY
 from ..parts.gather import no_torch_function
-from ..parts.params import NvmeStore, ParamState
+from ..parts.params import NvmeStore, ParamState, local_slice
 from ..store.storage import _memcpy
 from . import early_memory
 from .optim._layout import SubGroup
@@ -154,6 +154,8 @@ def keep_as_seed(es: EarlyStep, p: torch.Tensor, st: ParamState, sink: Any = Non
     device: it is copied to the host on the copy stream (the device holds both ends until it completed),
     and `landed_micro` waits for it."""
     data = p.data.reshape(-1)
+    if st.world_size > 1:  # this rank's partition, as stored (the next pass all-gathers it again)
+        data = local_slice(data, st.rank, st.partition_numel)
     copy = early_memory.alloc(st, data)
     with no_torch_function():
         if sink is None:

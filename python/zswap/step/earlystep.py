@@ -279,7 +279,7 @@ class EarlyStep:
         if self.state == "idle":
             self._begin(st, task)
         if self.state == "summing":  # before the boundary: summed in memory within `room` (or landed)
-            if id(p) in self.seeding and st.status is Status.AVAILABLE and st.world_size == 1:
+            if id(p) in self.seeding and st.status is Status.AVAILABLE:
                 early_pipeline.keep_as_seed(self, p, st, sink)  # (`seeding` has NVMe params only)
             if sink is None:
                 store_of(st).add(st, part, self.allowance)
@@ -393,7 +393,7 @@ class EarlyStep:
         self.factor = guess.factor
         self.keeping = guess.keep or early_memory.keeps(gs) or bool(self.keep())
         self.lost = ""
-        seeds = self.seed_plan() if self.seed_numel > 0 and guess.ranks == 1 else ()
+        seeds = self.seed_plan() if self.seed_numel > 0 else ()
         self.seeding = early_memory.on_nvme(seeds)
         self.staying = self.resident()
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
