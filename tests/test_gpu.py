@@ -331,26 +331,40 @@ def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("extra", "limits", "expect"),
+    ("tiers", "extra", "limits", "expect"),
     [
-        ({}, [None] * 4, [0, 1, 1, 1]),
-        ({}, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
-        ({"gradient_accumulation_steps": 2}, [None] * 3, [0, 1, 1]),
-        ({"bf16": {"enabled": True, "check_grad_overflow": True}}, [None] * 4, [0, 1, 1, 1]),
+        (("nvme", "nvme"), {}, [None] * 4, [0, 1, 1, 1]),
+        (("nvme", "nvme"), {}, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
+        (("nvme", "nvme"), {"gradient_accumulation_steps": 2}, [None] * 3, [0, 1, 1]),
+        (
+            ("nvme", "nvme"),
+            {"bf16": {"enabled": True, "check_grad_overflow": True}},
+            [None] * 4,
+            [0, 1, 1, 1],
+        ),
+        (("nvme", "cpu"), {}, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
+        (("cpu", "cpu"), {"gradient_accumulation_steps": 2}, [None] * 3, [0, 1, 1]),
     ],
-    ids=["plain", "clipping", "accumulation", "bf16"],
+    ids=[
+        "plain",
+        "clipping",
+        "accumulation",
+        "bf16",
+        "states-in-memory-clipping",
+        "all-in-memory-accumulation",
+    ],
 )
-def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(extra, limits, expect, tmp_path):
-    """`zswap.step.early_device` on CUDA: params, gradients and AdamW states on NVMe; twins with the
-    early step on and off; params, records and counters equal after every optimizer step, and the early
-    one committed where it may (`engine.stats()["steps_in_backward"]`)."""
+def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(tiers, extra, limits, expect, tmp_path):
+    """`zswap.step.early_device` on CUDA: params and AdamW states on NVMe or in CPU memory (``tiers``);
+    twins with the early step on and off; params, records and counters equal after every optimizer step,
+    and the early one committed where it may (`engine.stats()["steps_in_backward"]`)."""
     from .test_earlystep import state
     from .test_faults import cfg_for, same
 
     gas = extra.get("gradient_accumulation_steps", 1)
     runs = []
     for name, early in (("early", True), ("plain", False)):
-        cfg = cfg_for(tmp_path / name, "nvme", "nvme", **extra)
+        cfg = cfg_for(tmp_path / name, *tiers, **extra)
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", zswap.ZswapWarning)
