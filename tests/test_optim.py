@@ -224,6 +224,47 @@ def test_offloaded_matches_torch(
     opt.close()
 
 
+@pytest.mark.parametrize("tier", TIERS[:2], ids=lambda t: t[0])
+@pytest.mark.parametrize("sub_group_size", [None, 700])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
+def test_offloaded_is_bitwise_torchs_fused_adamw(
+    tier: Any, sub_group_size: int | None, decoupled: bool, tmp_path: Path
+) -> None:
+    """Element for element torch's fused CPU AdamW, the scalar tail of every tensor included (its last
+    ``numel % 8`` elements, which torch computes with another contraction: small gradients, as after
+    clipping, show the difference within a few steps), also where a record splits a param."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [1003, 7, 2050, 9, 16, 33]
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    ref = _twins(params)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    topt = cls(ref, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01, fused=True)
+    opt = _offloaded(
+        params, tier, tmp_path, sub_group_size, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01,
+        decoupled_weight_decay=decoupled,
+    )  # fmt: skip
+    for _ in range(20):
+        grads = [torch.randn(n, generator=g) * 0.02 for n in sizes]
+        _set_grads(params, grads)
+        _set_grads(ref, grads)
+        opt.step()
+        topt.step()
+        assert all(torch.equal(p, r) for p, r in zip(params, ref, strict=True))
+    opt.close()
+
+
+def test_kernel_tail_from_is_checked_and_defaults_to_torchs_tail() -> None:
+    from zswap.step.optim._kernel import torch_tail
+
+    assert [torch_tail(n) for n in (0, 7, 8, 17, 1003)] == [0, 0, 8, 16, 1000]
+    p, gr = torch.zeros(4), torch.ones(4)
+    with pytest.raises(ValueError, match="tail_from must be an int >= 0, got -1"):
+        cpu_adam_step(
+            p, gr, None, torch.zeros(4), torch.zeros(4), step=1, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8,
+            weight_decay=0.0, decoupled=True, tail_from=-1,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("tier", TIERS[:3], ids=lambda t: f"{t[0]}-pipeline={t[1]}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_offloaded_low_precision_params_keep_fp32_master(

@@ -307,3 +307,62 @@ def test_backwards_summed_with_accumulation_steps_1_stop_the_update_in_backward(
     assert "backwards are summed before engine.step()" in s["steps_ordinary_reason"]
     e.close()
     ref_e.close()
+
+
+@pytest.mark.parametrize(
+    ("tiers", "device"),
+    [
+        (("nvme", "nvme"), "cpu"),
+        (("nvme", "cpu"), "cpu"),
+        (("cpu", "cpu"), "cpu"),
+        (("nvme", "nvme"), "standin"),
+    ],
+    ids=["nvme", "states-in-memory", "all-in-memory", "stand-in"],
+)
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip-bites"])
+def test_the_fast_path_is_bitwise_plain_pytorch(tiers, device, gas, clip, tmp_path):
+    """Against plain PyTorch in RAM — fused AdamW after ``clip_grad_norm_`` — not only the early-off twin:
+    params after 5 optimizer steps bitwise equal, each step's norm too, the update made in backward or
+    deferred (clipping at 1.0 bites on every step of this model)."""
+    from .test_ds_clipping import HYPER, Net, inputs
+
+    torch.manual_seed(0)
+    ref = Net()
+    opt = torch.optim.AdamW(
+        ref.parameters(), lr=HYPER["lr"], betas=tuple(HYPER["betas"]), weight_decay=HYPER["weight_decay"],
+        fused=True,
+    )  # fmt: skip
+    xs = inputs(5 * gas)
+    norms = []
+    for s in range(5):
+        for k in range(gas):
+            (ref(xs[s * gas + k]) / gas).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip or float("inf"))))
+        opt.step()
+        opt.zero_grad()
+    d = tmp_path / "swap"
+    d.mkdir()
+    cfg: dict[str, Any] = {
+        "offload_param": {"device": tiers[0], "nvme_path": str(d)},
+        "offload_optimizer": {"device": tiers[1], "nvme_path": str(d)},
+        "optimizer": {"type": "AdamW", "params": HYPER},
+        "gradient_accumulation_steps": gas,
+        **({"gradient_clipping": clip} if clip else {}),
+    }
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = Net()
+    engine = zswap.initialize(model, cfg, device=StandInDevice() if device == "standin" else "cpu")
+    with engine:
+        for s in range(5):
+            for k in range(gas):
+                engine.backward(engine(xs[s * gas + k]))
+                engine.step()
+            if clip:
+                assert engine.last_grad_norm == norms[s], s
+        stats = engine.stats()
+        with zswap.GatheredParameters(list(model.parameters())):
+            got = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(g, r) for g, r in zip(got, ref.parameters(), strict=True))
+    assert stats["steps_in_backward"] + stats["steps_deferred"] == 4  # all but the first, which makes records

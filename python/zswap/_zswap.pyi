@@ -105,9 +105,12 @@ def cpu_adam_step(
     weight_decay: float,
     decoupled: bool,
     grad_scale: float = 1.0,
+    tail_from: int | None = None,
 ) -> None:
     """One Adam/AdamW step over `numel` elements at the given addresses (use `zswap.optim.cpu_adam_step`,
-    which validates the tensors). `master=None`: the float32 param is its own master. Runs without the GIL."""
+    which validates the tensors). `master=None`: the float32 param is its own master. `tail_from`: the
+    elements from that index on are updated as torch's fused AdamW updates a tensor's scalar tail. Runs
+    without the GIL."""
 
 def cpu_adam_isa() -> str:
     """The instruction set the Adam kernel runs on here: "avx512", "avx2" or "portable"."""

@@ -111,6 +111,18 @@ pub fn step(h: &Hyper, state: State<'_>, grad: Grad<'_>, param: Option<Param<'_>
     step_with(Isa::detect(), h, state, grad, param)
 }
 
+/// `step`, the elements from index `tail_from` on updated as torch's fused AdamW updates a tensor's
+/// scalar tail (its last `numel % vector width` elements; see `kernel::update_tail`).
+pub fn step_tail(
+    h: &Hyper,
+    tail_from: usize,
+    state: State<'_>,
+    grad: Grad<'_>,
+    param: Option<Param<'_>>,
+) -> Result<()> {
+    run(Isa::detect(), h, tail_from, state, grad, param)
+}
+
 /// `step` on a given instruction set (tests and benchmarks compare them); an error if this CPU lacks it.
 pub fn step_with(
     isa: Isa,
@@ -119,11 +131,25 @@ pub fn step_with(
     grad: Grad<'_>,
     param: Option<Param<'_>>,
 ) -> Result<()> {
+    run(isa, h, usize::MAX, state, grad, param)
+}
+
+fn run(
+    isa: Isa,
+    h: &Hyper,
+    tail_from: usize,
+    state: State<'_>,
+    grad: Grad<'_>,
+    param: Option<Param<'_>>,
+) -> Result<()> {
     if !isa.available() {
         return bad(format!("this CPU cannot run the {} kernel", isa.name()));
     }
     check(h, &state, &grad, param.as_ref())?;
-    let c = Coeffs::new(h);
+    let c = Coeffs {
+        tail_from,
+        ..Coeffs::new(h)
+    };
     match grad {
         Grad::F32(g) => with_grad(isa, &c, state, g, param),
         Grad::Bf16(g) => with_grad(isa, &c, state, g, param),
@@ -194,7 +220,8 @@ fn par_into<G: Load, P: Store>(isa: Isa, c: &Coeffs, s: State<'_>, g: &[G], p: &
         .zip(s.exp_avg_sq.par_chunks_mut(CHUNK))
         .zip(g.par_chunks(CHUNK))
         .zip(p.par_chunks_mut(CHUNK))
-        .for_each(|((((w, m), v), g), p)| chunk_into(isa, c, w, m, v, g, p));
+        .enumerate()
+        .for_each(|(i, ((((w, m), v), g), p))| chunk_into(isa, &at(c, i), w, m, v, g, p));
 }
 
 fn par_in_place<G: Load>(isa: Isa, c: &Coeffs, s: State<'_>, g: &[G]) {
@@ -206,7 +233,16 @@ fn par_in_place<G: Load>(isa: Isa, c: &Coeffs, s: State<'_>, g: &[G]) {
         .zip(s.exp_avg.par_chunks_mut(CHUNK))
         .zip(s.exp_avg_sq.par_chunks_mut(CHUNK))
         .zip(g.par_chunks(CHUNK))
-        .for_each(|(((w, m), v), g)| chunk_in_place(isa, c, w, m, v, g));
+        .enumerate()
+        .for_each(|(i, (((w, m), v), g))| chunk_in_place(isa, &at(c, i), w, m, v, g));
+}
+
+/// `c` for chunk `i` (its `tail_from` counted from the chunk's first element).
+fn at(c: &Coeffs, i: usize) -> Coeffs {
+    Coeffs {
+        tail_from: c.tail_from.saturating_sub(i * CHUNK),
+        ..*c
+    }
 }
 
 fn chunk_into<G: Load, P: Store>(

@@ -276,6 +276,72 @@ proptest! {
     }
 }
 
+/// `reference` for an element of torch's fused scalar tail (`kernel::update_tail`): only the second
+/// moment's contraction differs.
+fn reference_tail(h: &Hyper, p: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
+    let (_, m_new, _) = reference(h, p, m, v, g);
+    let mut gg = g * h.grad_scale;
+    let mut pp = p;
+    if h.weight_decay != 0.0 {
+        if h.decoupled {
+            pp *= (1.0 - h.lr * h.weight_decay) as f32;
+        } else {
+            gg = pp.mul_add(h.weight_decay as f32, gg);
+        }
+    }
+    let s = h.step as f64;
+    let v = v.mul_add(h.beta2 as f32, ((1.0 - h.beta2) as f32 * gg) * gg);
+    let bc2 = ((1.0 - h.beta2.powf(s)).powf(0.5)) as f32;
+    let d = v.sqrt() / bc2 + h.eps as f32;
+    let step_size = (-(h.lr / (1.0 - h.beta1.powf(s)))) as f32;
+    (pp + step_size * m_new / d, m_new, v)
+}
+
+#[test]
+fn the_tail_takes_torchs_scalar_formula_across_chunks_and_isas() {
+    // The tail starts inside the last chunk, and (second case) before a chunk boundary.
+    let n = 2 * CHUNK + 11;
+    let (base, g) = (data(n, 5), data(n, 6));
+    let h = Hyper {
+        grad_scale: 0.37,
+        ..hyper(3)
+    };
+    for tail_from in [n - 11, CHUNK - 5] {
+        let mut want: Option<[Vec<u32>; 4]> = None;
+        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+            if !isa.available() {
+                continue;
+            }
+            let got = run_with(
+                |h, s, g, p| super::run(isa, h, tail_from, s, g, p).unwrap(),
+                &h,
+                (0, 0),
+                &base,
+                &g,
+            );
+            for i in [0, tail_from - 1, tail_from, n - 1] {
+                let (m0, v0) = (g[i] * 0.5, g[i] * g[i] * 0.25);
+                let f = if i < tail_from {
+                    reference
+                } else {
+                    reference_tail
+                };
+                let (p, m, v) = f(&h, base[i], m0, v0, g[i]);
+                assert_eq!(
+                    [got[0][i], got[1][i], got[2][i]],
+                    [p.to_bits(), m.to_bits(), v.to_bits()],
+                    "{} element {i}",
+                    isa.name()
+                );
+            }
+            match &want {
+                None => want = Some(got),
+                Some(w) => assert!(*w == got, "{} differs from the portable build", isa.name()),
+            }
+        }
+    }
+}
+
 #[test]
 fn parallel_chunks_match_one_sequential_pass() {
     let n = 3 * CHUNK + 123;

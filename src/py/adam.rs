@@ -72,10 +72,12 @@ impl Span {
 ///
 /// Addresses are of contiguous CPU tensors the caller keeps alive (and does not touch) until this
 /// returns; dtypes are 'float32', 'bfloat16' or 'float16' for `param` and `grad`, `float32` for the
-/// rest. Runs without the GIL.
+/// rest. `tail_from`: the elements from that index on are updated as torch's fused AdamW updates a
+/// tensor's scalar tail (None: none). Runs without the GIL.
 #[pyfunction]
 #[pyo3(signature = (numel, param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, *,
-                    step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale=1.0))]
+                    step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale=1.0,
+                    tail_from=None))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn cpu_adam_step(
     py: Python<'_>,
@@ -95,6 +97,7 @@ pub(super) fn cpu_adam_step(
     weight_decay: f64,
     decoupled: bool,
     grad_scale: f32,
+    tail_from: Option<usize>,
 ) -> PyResult<()> {
     let pdt = Dtype::parse("param", param_dtype)?;
     let gdt = Dtype::parse("grad", grad_dtype)?;
@@ -179,7 +182,7 @@ pub(super) fn cpu_adam_step(
                 exp_avg: mm,
                 exp_avg_sq: vv,
             };
-            adam::step(&h, state, grad, param)
+            adam::step_tail(&h, tail_from.unwrap_or(usize::MAX), state, grad, param)
         }
     });
     r.map_err(|e| to_pyerr(py, e))

@@ -25,7 +25,7 @@ import torch
 from ...parts.params import param_state
 from ...store.storage import Transaction, step_transaction
 from ._build import PathArg, Pipeline, check_hyper, config_kwargs, make_store
-from ._kernel import cpu_adam_step
+from ._kernel import cpu_adam_step, torch_tail
 from ._layout import SubGroup, cut, default_sub_group_size
 from ._records import Records
 from ._state import gather_state, scatter_state
@@ -411,7 +411,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 weight_decay=float(group["weight_decay"]),
                 decoupled=bool(group["decoupled_weight_decay"]),
                 grad_scale=scale,
+                tail_from=self._tail_in(seg),
             )
+
+    def _tail_in(self, seg: Any) -> int:
+        """Where, in ``seg``, the scalar tail of its whole param falls in torch's fused AdamW (whose
+        results the kernel reproduces element for element): a partitioned param's tail is that of the
+        full tensor, so only the rank holding its end has one."""
+        p = self._params[seg.param]
+        st = param_state(p)
+        numel, offset = (st.numel, st.rank * st.partition_numel) if st is not None else (p.numel(), 0)
+        return max(0, torch_tail(numel) - offset - seg.start)
 
 
 def _flat(g: torch.Tensor) -> torch.Tensor:
