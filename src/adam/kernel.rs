@@ -28,9 +28,9 @@ pub(crate) struct Coeffs {
     pub eps: f32,
     /// `-lr / (1 - beta1^step)`.
     pub neg_step_size: f32,
-    /// Index (in the slices a loop is given) from which elements take `update_tail`: torch's fused AdamW
-    /// updates the last `numel % vector width` elements of a tensor in a scalar loop that its compiler
-    /// contracts differently. `usize::MAX`: none.
+    /// Index (in the slices a loop is given) from which elements are updated as torch's fused AdamW
+    /// updates the last `numel % 8` elements of a tensor: in a scalar loop its compiler contracts
+    /// differently (`update::<true>`). `usize::MAX`: none.
     pub tail_from: usize,
 }
 
@@ -84,10 +84,12 @@ impl Coeffs {
 }
 
 /// One element: returns the new (master, exp_avg, exp_avg_sq). The order of operations mirrors torch's
-/// single-tensor AdamW on CPU, including where its kernels fuse a multiply-add (`lerp`, `add(alpha=)`,
-/// `addcmul`); checked bit for bit against torch 2.x on AVX-512.
+/// fused AdamW on CPU, including where its kernels fuse a multiply-add (`lerp`, `add(alpha=)`,
+/// `addcmul`); checked bit for bit against torch 2.x on AVX-512. `TAIL`: an element of a tensor's scalar
+/// tail in torch (its last `numel % 8`), whose second moment its compiler contracts the other way (found
+/// element by element against torch 2.15's fused CPU AdamW; every other operation agrees).
 #[inline(always)]
-fn update(c: &Coeffs, p: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
+fn update<const TAIL: bool>(c: &Coeffs, p: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
     // param.mul_(1 - lr * wd)
     let p = p * c.decay;
     // clip_grad_norm_'s grad.mul_(clip_coef), then grad.add(param, alpha=wd)
@@ -95,28 +97,18 @@ fn update(c: &Coeffs, p: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
     // exp_avg.lerp_(grad, 1 - beta1)
     let base = if c.lerp_from_avg { m } else { g };
     let m = c.lerp_w.mul_add(g - m, base);
-    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2): torch's `self + value * t1 * t2`,
-    // which its compiler contracts to fma(value * t1, t2, self).
-    let v = (c.one_minus_beta2 * g).mul_add(g, v * c.beta2);
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2): `self * beta2 + value * t1 * t2`,
+    // contracted to fma(value * t1, t2, self * beta2) in torch's vector loop and to
+    // fma(self, beta2, value * t1 * t2) in its scalar tail.
+    let v = if TAIL {
+        v.mul_add(c.beta2, (c.one_minus_beta2 * g) * g)
+    } else {
+        (c.one_minus_beta2 * g).mul_add(g, v * c.beta2)
+    };
     // (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps). Our sqrt is correctly rounded; torch's (MKL VML) can be
     // one ulp off: the one place where the two may differ by more than a rounding of the same expression.
     let d = v.sqrt() / c.bc2_sqrt + c.eps;
     // param.addcdiv_(exp_avg, denom, value=-step_size)
-    let p = p + c.neg_step_size * m / d;
-    (p, m, v)
-}
-
-/// `update` for an element of a tensor's scalar tail in torch's fused AdamW, whose
-/// `exp_avg_sq * beta2 + (1 - beta2) * grad * grad` is contracted to fma(exp_avg_sq, beta2, ..) instead
-/// (found element by element against torch 2.15's fused CPU AdamW; every other operation agrees).
-#[inline(always)]
-fn update_tail(c: &Coeffs, p: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
-    let p = p * c.decay;
-    let g = p.mul_add(c.l2, g * c.grad_scale);
-    let base = if c.lerp_from_avg { m } else { g };
-    let m = c.lerp_w.mul_add(g - m, base);
-    let v = v.mul_add(c.beta2, (c.one_minus_beta2 * g) * g);
-    let d = v.sqrt() / c.bc2_sqrt + c.eps;
     let p = p + c.neg_step_size * m / d;
     (p, m, v)
 }
@@ -136,14 +128,14 @@ pub(crate) fn into<G: Load, P: Store>(
     let (m, v, g, out) = (&mut m[..n], &mut v[..n], &g[..n], &mut out[..n]);
     let t = c.tail_from.min(n);
     for i in 0..t {
-        let (p, mi, vi) = update(c, w[i], m[i], v[i], g[i].load());
+        let (p, mi, vi) = update::<false>(c, w[i], m[i], v[i], g[i].load());
         w[i] = p;
         m[i] = mi;
         v[i] = vi;
         out[i] = P::store(p);
     }
     for i in t..n {
-        let (p, mi, vi) = update_tail(c, w[i], m[i], v[i], g[i].load());
+        let (p, mi, vi) = update::<true>(c, w[i], m[i], v[i], g[i].load());
         w[i] = p;
         m[i] = mi;
         v[i] = vi;
@@ -158,13 +150,13 @@ pub(crate) fn in_place<G: Load>(c: &Coeffs, w: &mut [f32], m: &mut [f32], v: &mu
     let (m, v, g) = (&mut m[..n], &mut v[..n], &g[..n]);
     let t = c.tail_from.min(n);
     for i in 0..t {
-        let (p, mi, vi) = update(c, w[i], m[i], v[i], g[i].load());
+        let (p, mi, vi) = update::<false>(c, w[i], m[i], v[i], g[i].load());
         w[i] = p;
         m[i] = mi;
         v[i] = vi;
     }
     for i in t..n {
-        let (p, mi, vi) = update_tail(c, w[i], m[i], v[i], g[i].load());
+        let (p, mi, vi) = update::<true>(c, w[i], m[i], v[i], g[i].load());
         w[i] = p;
         m[i] = mi;
         v[i] = vi;

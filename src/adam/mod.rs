@@ -112,7 +112,7 @@ pub fn step(h: &Hyper, state: State<'_>, grad: Grad<'_>, param: Option<Param<'_>
 }
 
 /// `step`, the elements from index `tail_from` on updated as torch's fused AdamW updates a tensor's
-/// scalar tail (its last `numel % vector width` elements; see `kernel::update_tail`).
+/// scalar tail (its last `numel % 8` elements; see `kernel::update`).
 pub fn step_tail(
     h: &Hyper,
     tail_from: usize,

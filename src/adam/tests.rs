@@ -276,7 +276,7 @@ proptest! {
     }
 }
 
-/// `reference` for an element of torch's fused scalar tail (`kernel::update_tail`): only the second
+/// `reference` for an element of torch's fused scalar tail (`kernel::update::<true>`): only the second
 /// moment's contraction differs.
 fn reference_tail(h: &Hyper, p: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
     let (_, m_new, _) = reference(h, p, m, v, g);
