@@ -4,7 +4,8 @@ INIT_FILE SWAP_ROOT``.
 Twins over one model partitioned across both ranks — the early step on, and off — with params, gradients
 and AdamW states on NVMe (one swap directory per rank and twin), each rank on its own data. After every
 optimizer step this rank's params (gathered: a collective) and optimizer records are bitwise the twin's,
-for clipping that does not bite, clipping that bites (redone), and gradient accumulation 2; the early one
+for clipping that does not bite, clipping that bites (redone), and gradient accumulation 2, on the CPU and
+the stand-in device; the early one
 committed where it may; and the bytes a warm step moves on each rank.
 """
 
@@ -23,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zswap
 from tests.test_faults import optim_state, params_of, same
 from tests.test_runtime import TinyLM, ids, sq
+from zswap.device import StandInDevice
 
 
-def twins(root: Path, rank: int, **extra: Any) -> list[tuple[Any, Any]]:
+def twins(root: Path, rank: int, device: bool = False, **extra: Any) -> list[tuple[Any, Any]]:
     out = []
     for name, early in (("early", True), ("plain", False)):
         d = root / f"{name}-{rank}"
@@ -42,14 +44,16 @@ def twins(root: Path, rank: int, **extra: Any) -> list[tuple[Any, Any]]:
         torch.manual_seed(0)
         with zswap.Init(cfg):
             m = TinyLM()
-        e = zswap.initialize(m, cfg)
+        e = zswap.initialize(m, cfg, device=StandInDevice() if device else "cpu")
         e.early_step = early
         out.append((m, e))
     return out
 
 
-def check(root: Path, rank: int, limits: list[float | None], gas: int, expect: list[int]) -> None:
-    runs = twins(root, rank, **({"gradient_accumulation_steps": gas} if gas > 1 else {}))
+def check(
+    root: Path, rank: int, limits: list[float | None], gas: int, expect: list[int], device: bool = False
+) -> None:
+    runs = twins(root, rank, device, **({"gradient_accumulation_steps": gas} if gas > 1 else {}))
     (m, e), (ref, ref_e) = runs
     seen = []
     for step, limit in enumerate(limits):
@@ -109,6 +113,11 @@ def main() -> None:
             check(root / "plain", rank, [None] * 3, 1, [0, 1, 1])
             check(root / "clip", rank, [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6], 1, [0, 1, 0, 0, 0, 1])
             check(root / "gas", rank, [1e6, 1e6, 1e6], 2, [0, 1, 1])
+            # The stand-in device: partitions and gradients land on the host; seeds cross back per rank.
+            check(
+                root / "dev-clip", rank, [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6], 1, [0, 1, 0, 0, 0, 1], device=True
+            )
+            check(root / "dev-gas", rank, [1e6, 1e6, 1e6], 2, [0, 1, 1], device=True)
             for gas, clip in ((1, None), (1, 1.0), (1, 1e-4), (2, 1.0)):
                 bytes_per_step(root, rank, gas, clip)
         dist.barrier()
