@@ -5,8 +5,7 @@ Twins over one model partitioned across both ranks — the early step on, and of
 and AdamW states on NVMe (one swap directory per rank and twin), each rank on its own data. After every
 optimizer step this rank's params (gathered: a collective) and optimizer records are bitwise the twin's,
 for clipping that does not bite, clipping that bites (redone), and gradient accumulation 2, on the CPU and
-the stand-in device; the early one
-committed where it may; and the bytes a warm step moves on each rank.
+the stand-in device; the early one committed where it may; and the bytes a warm step moves on each rank.
 """
 
 from __future__ import annotations
