@@ -113,8 +113,9 @@ fn update<const TAIL: bool>(c: &Coeffs, p: f32, m: f32, v: f32, g: f32) -> (f32,
     (p, m, v)
 }
 
-/// Updates `w`, `m`, `v` in place from `g` and writes the new master, cast, into `out`.
-/// All slices have the same length (checked by the caller; re-sliced here so bounds checks vanish).
+/// Updates `w`, `m`, `v` in place from `g` and writes the new master, cast, into `out`: the elements
+/// before `c.tail_from` as torch's vector loop, the rest as its scalar tail.
+/// All slices have the same length (checked by the caller).
 #[inline(always)]
 pub(crate) fn into<G: Load, P: Store>(
     c: &Coeffs,
@@ -124,18 +125,30 @@ pub(crate) fn into<G: Load, P: Store>(
     g: &[G],
     out: &mut [P],
 ) {
+    let t = c.tail_from.min(w.len());
+    let (w, wt) = w.split_at_mut(t);
+    let (m, mt) = m.split_at_mut(t);
+    let (v, vt) = v.split_at_mut(t);
+    let (g, gt) = g.split_at(t);
+    let (out, outt) = out.split_at_mut(t);
+    span_into::<false, G, P>(c, w, m, v, g, out);
+    span_into::<true, G, P>(c, wt, mt, vt, gt, outt);
+}
+
+/// `into` over one kind of element (`TAIL`); re-sliced so bounds checks vanish.
+#[inline(always)]
+fn span_into<const TAIL: bool, G: Load, P: Store>(
+    c: &Coeffs,
+    w: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[G],
+    out: &mut [P],
+) {
     let n = w.len();
     let (m, v, g, out) = (&mut m[..n], &mut v[..n], &g[..n], &mut out[..n]);
-    let t = c.tail_from.min(n);
-    for i in 0..t {
-        let (p, mi, vi) = update::<false>(c, w[i], m[i], v[i], g[i].load());
-        w[i] = p;
-        m[i] = mi;
-        v[i] = vi;
-        out[i] = P::store(p);
-    }
-    for i in t..n {
-        let (p, mi, vi) = update::<true>(c, w[i], m[i], v[i], g[i].load());
+    for i in 0..n {
+        let (p, mi, vi) = update::<TAIL>(c, w[i], m[i], v[i], g[i].load());
         w[i] = p;
         m[i] = mi;
         v[i] = vi;
@@ -146,17 +159,28 @@ pub(crate) fn into<G: Load, P: Store>(
 /// As `into`, for an `f32` param that is its own master.
 #[inline(always)]
 pub(crate) fn in_place<G: Load>(c: &Coeffs, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[G]) {
+    let t = c.tail_from.min(w.len());
+    let (w, wt) = w.split_at_mut(t);
+    let (m, mt) = m.split_at_mut(t);
+    let (v, vt) = v.split_at_mut(t);
+    let (g, gt) = g.split_at(t);
+    span_in_place::<false, G>(c, w, m, v, g);
+    span_in_place::<true, G>(c, wt, mt, vt, gt);
+}
+
+/// `in_place` over one kind of element (`TAIL`); re-sliced so bounds checks vanish.
+#[inline(always)]
+fn span_in_place<const TAIL: bool, G: Load>(
+    c: &Coeffs,
+    w: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[G],
+) {
     let n = w.len();
     let (m, v, g) = (&mut m[..n], &mut v[..n], &g[..n]);
-    let t = c.tail_from.min(n);
-    for i in 0..t {
-        let (p, mi, vi) = update::<false>(c, w[i], m[i], v[i], g[i].load());
-        w[i] = p;
-        m[i] = mi;
-        v[i] = vi;
-    }
-    for i in t..n {
-        let (p, mi, vi) = update::<true>(c, w[i], m[i], v[i], g[i].load());
+    for i in 0..n {
+        let (p, mi, vi) = update::<TAIL>(c, w[i], m[i], v[i], g[i].load());
         w[i] = p;
         m[i] = mi;
         v[i] = vi;
