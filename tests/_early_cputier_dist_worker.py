@@ -13,46 +13,17 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
-from tests.test_faults import cfg_for, optim_state, params_of, same
-from tests.test_runtime import TinyLM, ids, sq
+from tests._early_dist_worker import check
 
-
-def check(root: Path, rank: int, params: str, states: str) -> None:
-    runs = []
-    for name, early in (("early", True), ("plain", False)):
-        d = root / f"{params}-{states}-{name}-{rank}"
-        d.mkdir(parents=True, exist_ok=True)
-        cfg = cfg_for(d, params, states)
-        torch.manual_seed(0)
-        with zswap.Init(cfg):
-            m = TinyLM()
-        e = zswap.initialize(m, cfg)
-        e.early_step = early
-        runs.append((m, e))
-    (m, e), (ref, ref_e) = runs
-    limits = [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6]
-    seen = []
-    for step, limit in enumerate(limits):
-        for mm, ee in runs:
-            ee.max_grad_norm = limit
-            ee.stats(reset=True)
-            ee.backward(sq(mm(ids(seed=100 * rank + step))))
-            ee.step()
-        s = e.stats()
-        seen.append((s["steps_in_backward"], s["steps_redone"], s["steps_deferred"]))
-        assert same(params_of(m), params_of(ref)), (rank, step)
-        assert same(optim_state(e.optimizer, m), optim_state(ref_e.optimizer, ref)), (rank, step)
-        assert e.last_grad_norm == ref_e.last_grad_norm, (rank, step)
-    want = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 0, 1), (1, 0, 0)]
-    assert seen == want, (rank, params, states, seen)
-    for _, ee in runs:
-        ee.close()
+LIMITS = [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6]
+"""Not biting, biting (redone), then deferred while it bites, then back in backward."""
+WANT = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 0, 1), (1, 0, 0)]
+"""(in backward, redone, deferred) of each step."""
 
 
 def main() -> None:
@@ -62,8 +33,9 @@ def main() -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", zswap.ZswapWarning)
-            for params, states in (("nvme", "cpu"), ("cpu", "nvme"), ("cpu", "cpu")):
-                check(root, rank, params, states)
+            for tiers in (("nvme", "cpu"), ("cpu", "nvme"), ("cpu", "cpu")):
+                seen = check(root / "-".join(tiers), rank, LIMITS, 1, [b for b, _, _ in WANT], tiers=tiers)
+                assert seen == WANT, (rank, tiers, seen)
         dist.barrier()
     finally:
         dist.destroy_process_group()

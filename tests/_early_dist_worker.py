@@ -21,25 +21,20 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
-from tests.test_faults import optim_state, params_of, same
+from tests.test_faults import cfg_for, optim_state, params_of, same
 from tests.test_runtime import TinyLM, ids, sq
 from zswap.device import StandInDevice
 
 
-def twins(root: Path, rank: int, device: bool = False, **extra: Any) -> list[tuple[Any, Any]]:
+def twins(
+    root: Path, rank: int, device: bool = False, tiers: tuple[str, str] = ("nvme", "nvme"), **extra: Any
+) -> list[tuple[Any, Any]]:
+    """The early-step twin and its early-off twin, params and AdamW states on ``tiers``."""
     out = []
     for name, early in (("early", True), ("plain", False)):
         d = root / f"{name}-{rank}"
         d.mkdir(parents=True, exist_ok=True)
-        cfg = {
-            "offload_param": {"device": "nvme", "nvme_path": str(d)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(d)},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_live_parameters": 1500,
-            "sub_group_size": 700,
-            **extra,
-        }
+        cfg = cfg_for(d, *tiers, **extra)
         torch.manual_seed(0)
         with zswap.Init(cfg):
             m = TinyLM()
@@ -50,9 +45,18 @@ def twins(root: Path, rank: int, device: bool = False, **extra: Any) -> list[tup
 
 
 def check(
-    root: Path, rank: int, limits: list[float | None], gas: int, expect: list[int], device: bool = False
-) -> None:
-    runs = twins(root, rank, device, **({"gradient_accumulation_steps": gas} if gas > 1 else {}))
+    root: Path,
+    rank: int,
+    limits: list[float | None],
+    gas: int,
+    expect: list[int],
+    device: bool = False,
+    tiers: tuple[str, str] = ("nvme", "nvme"),
+) -> list[tuple[int, int, int]]:
+    """Steps the twins with each clip limit in turn, bitwise equal after every optimizer step; ``expect``:
+    the early twin's steps made live in backward, step by step. Returns (in backward, redone, deferred) of
+    each step."""
+    runs = twins(root, rank, device, tiers, **({"gradient_accumulation_steps": gas} if gas > 1 else {}))
     (m, e), (ref, ref_e) = runs
     seen = []
     for step, limit in enumerate(limits):
@@ -62,13 +66,15 @@ def check(
             for micro in range(gas):
                 ee.backward(sq(mm(ids(seed=100 * rank + 10 * step + micro))))
                 ee.step()
-        seen.append(e.stats()["steps_in_backward"])
+        s = e.stats()
+        seen.append((s["steps_in_backward"], s["steps_redone"], s["steps_deferred"]))
         assert same(params_of(m), params_of(ref)), (rank, step)
         assert same(optim_state(e.optimizer, m), optim_state(ref_e.optimizer, ref)), (rank, step)
         assert e.last_grad_norm == ref_e.last_grad_norm, (rank, step)
-    assert seen == expect, (rank, limits, gas, seen)
+    assert [b for b, _, _ in seen] == expect, (rank, limits, gas, seen)
     for _, ee in runs:
         ee.close()
+    return seen
 
 
 def bytes_per_step(root: Path, rank: int, gas: int, clip: float | None) -> None:
