@@ -4,8 +4,9 @@ INIT_FILE SWAP_ROOT``.
 Twins over one model partitioned across both ranks — the early step on, and off — with params, gradients
 and AdamW states on NVMe (one swap directory per rank and twin), each rank on its own data. After every
 optimizer step this rank's params (gathered: a collective) and optimizer records are bitwise the twin's,
-for clipping that does not bite, clipping that bites (redone), and gradient accumulation 2, on the CPU and
-the stand-in device; the early one committed where it may; and the bytes a warm step moves on each rank.
+for clipping that does not bite, clipping that bites (redone, then deferred; also past the early step's
+cap, in part), and gradient accumulation 2, on the CPU and the stand-in device; the early one committed
+where it may; and the bytes a warm step moves on each rank.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import zswap
 from tests.test_faults import cfg_for, optim_state, params_of, same
 from tests.test_runtime import TinyLM, ids, sq
 from zswap.device import StandInDevice
+from zswap.step import earlystep
 
 
 def twins(
@@ -52,13 +54,14 @@ def check(
     expect: list[int],
     device: bool = False,
     tiers: tuple[str, str] = ("nvme", "nvme"),
+    partly: list[int] | None = None,
 ) -> list[tuple[int, int, int]]:
     """Steps the twins with each clip limit in turn, bitwise equal after every optimizer step; ``expect``:
-    the early twin's steps made live in backward, step by step. Returns (in backward, redone, deferred) of
-    each step."""
+    the early twin's steps made live in backward, step by step (``partly``: its deferred steps that left
+    records past the cap to the ordinary step). Returns (in backward, redone, deferred) of each step."""
     runs = twins(root, rank, device, tiers, **({"gradient_accumulation_steps": gas} if gas > 1 else {}))
     (m, e), (ref, ref_e) = runs
-    seen = []
+    seen, parts = [], []
     for step, limit in enumerate(limits):
         for mm, ee in runs:
             ee.max_grad_norm = limit
@@ -68,10 +71,12 @@ def check(
                 ee.step()
         s = e.stats()
         seen.append((s["steps_in_backward"], s["steps_redone"], s["steps_deferred"]))
+        parts.append(s["steps_deferred_partly"])
         assert same(params_of(m), params_of(ref)), (rank, step)
         assert same(optim_state(e.optimizer, m), optim_state(ref_e.optimizer, ref)), (rank, step)
         assert e.last_grad_norm == ref_e.last_grad_norm, (rank, step)
     assert [b for b, _, _ in seen] == expect, (rank, limits, gas, seen)
+    assert parts == (partly or [0] * len(limits)), (rank, limits, gas, parts)
     for _, ee in runs:
         ee.close()
     return seen
@@ -123,6 +128,21 @@ def main() -> None:
                 root / "dev-clip", rank, [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6], 1, [0, 1, 0, 0, 0, 1], device=True
             )
             check(root / "dev-gas", rank, [1e6, 1e6, 1e6], 2, [0, 1, 1], device=True)
+            # Past the early step's cap (the live budget alone): a deferred step holds the copies and
+            # gradients that fit, and the records past it take the ordinary step in the same commit.
+            earlystep.CAP_EXTRA, extra = 0, earlystep.CAP_EXTRA
+            for device in (False, True):
+                seen = check(
+                    root / f"cap-{device}",
+                    rank,
+                    [1e6, 1e-3, 1e-3, 1e-3],
+                    1,
+                    [0, 0, 0, 0],
+                    device,
+                    partly=[0, 0, 1, 1],
+                )
+                assert [d for _, _, d in seen] == [0, 0, 1, 1], (rank, seen)
+            earlystep.CAP_EXTRA = extra
             for gas, clip in ((1, None), (1, 1.0), (1, 1e-4), (2, 1.0)):
                 bytes_per_step(root, rank, gas, clip)
         dist.barrier()

@@ -9,6 +9,7 @@ many steps ran in backward, were redone the ordinary way or were dropped for an 
 
 from __future__ import annotations
 
+import errno
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,11 @@ import torch
 import zswap
 from zswap.device import StandInDevice
 from zswap.step import earlystep
+from zswap.train import bridge
 
 from .conftest import run_ranks
 from .test_earlystep import state, twins
-from .test_faults import cfg_for, same
+from .test_faults import cfg_for, engine_of, inject, same
 from .test_runtime import TinyLM, build, engine_for, ids, sq
 
 
@@ -100,18 +102,22 @@ def test_clipping_that_bites_redoes_the_step_from_the_kept_gradients(tmp_path):
     ref_e.close()
 
 
-def test_where_copies_and_gradients_exceed_the_cap_clipping_that_bit_takes_the_ordinary_step(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("device", [False, True], ids=["cpu", "stand-in"])
+def test_where_copies_and_gradients_exceed_the_cap_the_rest_takes_the_ordinary_step_in_the_commit(
+    tmp_path, monkeypatch, device
 ):
+    """A deferred step holds the copies and gradients of the first params backward completes, up to its
+    cap; the records past it are updated the ordinary way within the same commit. Bitwise the ordinary
+    step (`run`), and it reads and writes less than the ordinary twin."""
     monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)  # the cap: the live budget only (1500 elements)
-    limits = [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6]
-    (_, e), (_, ref_e), seen = run(tmp_path, len(limits), clip=lambda step: limits[step])
-    assert counts(seen, "steps_deferred") == [0] * 6
-    assert seen[3]["steps_ordinary_reason"] == (
-        "clipping bit at the last step: this one waits for the norm (the param copies and gradients do "
-        "not fit in the early step's cap to wait for it)"
-    )
-    assert seen[4]["steps_ordinary_reason"] == seen[3]["steps_ordinary_reason"]  # 3 clipped: 4 waits
+    limits = [1e6, 1e6, 1e-3, 1e-3, 1e-3]
+    (_, e), (_, ref_e), seen = run(tmp_path, len(limits), clip=lambda step: limits[step], device=device)
+    assert counts(seen, "steps_deferred") == [0, 0, 0, 1, 1]
+    assert counts(seen, "steps_deferred_partly") == [0, 0, 0, 1, 1]
+    assert seen[2]["steps_ordinary_reason"].startswith("it held more than its cap of 6000 bytes")
+    ordinary = ref_e.stats()
+    assert seen[-1]["bytes_read"] < ordinary["bytes_read"]
+    assert seen[-1]["bytes_written"] <= ordinary["bytes_written"]
     e.close()
     ref_e.close()
 
@@ -309,22 +315,11 @@ def test_backwards_summed_with_accumulation_steps_1_stop_the_update_in_backward(
     ref_e.close()
 
 
-@pytest.mark.parametrize(
-    ("tiers", "device"),
-    [
-        (("nvme", "nvme"), "cpu"),
-        (("nvme", "cpu"), "cpu"),
-        (("cpu", "cpu"), "cpu"),
-        (("nvme", "nvme"), "standin"),
-    ],
-    ids=["nvme", "states-in-memory", "all-in-memory", "stand-in"],
-)
-@pytest.mark.parametrize("gas", [1, 2])
-@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip-bites"])
-def test_the_fast_path_is_bitwise_plain_pytorch(tiers, device, gas, clip, tmp_path):
-    """Against plain PyTorch in RAM — fused AdamW after ``clip_grad_norm_`` — not only the early-off twin:
-    params after 5 optimizer steps bitwise equal, each step's norm too, the update made in backward or
-    deferred (clipping at 1.0 bites on every step of this model)."""
+def against_plain_pytorch(
+    tmp_path: Path, tiers: tuple[str, str], device: str, gas: int, clip: float | None, **extra: Any
+) -> dict[str, Any]:
+    """Trains `test_ds_clipping.Net` 5 optimizer steps in plain PyTorch and through zswap (``extra``: more
+    config keys), asserts params and norms bitwise equal, and returns zswap's stats of the whole run."""
     from .test_ds_clipping import HYPER, Net, inputs
 
     torch.manual_seed(0)
@@ -349,6 +344,7 @@ def test_the_fast_path_is_bitwise_plain_pytorch(tiers, device, gas, clip, tmp_pa
         "optimizer": {"type": "AdamW", "params": HYPER},
         "gradient_accumulation_steps": gas,
         **({"gradient_clipping": clip} if clip else {}),
+        **extra,
     }
     torch.manual_seed(0)
     with zswap.Init(cfg):
@@ -365,4 +361,103 @@ def test_the_fast_path_is_bitwise_plain_pytorch(tiers, device, gas, clip, tmp_pa
         with zswap.GatheredParameters(list(model.parameters())):
             got = [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(g, r) for g, r in zip(got, ref.parameters(), strict=True))
+    return stats
+
+
+@pytest.mark.parametrize(
+    ("tiers", "device"),
+    [
+        (("nvme", "nvme"), "cpu"),
+        (("nvme", "cpu"), "cpu"),
+        (("cpu", "cpu"), "cpu"),
+        (("nvme", "nvme"), "standin"),
+    ],
+    ids=["nvme", "states-in-memory", "all-in-memory", "stand-in"],
+)
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip-bites"])
+def test_the_fast_path_is_bitwise_plain_pytorch(tiers, device, gas, clip, tmp_path):
+    """Against plain PyTorch in RAM — fused AdamW after ``clip_grad_norm_`` — not only the early-off twin:
+    params after 5 optimizer steps bitwise equal, each step's norm too, the update made in backward or
+    deferred (clipping at 1.0 bites on every step of this model)."""
+    stats = against_plain_pytorch(tmp_path, tiers, device, gas, clip)
     assert stats["steps_in_backward"] + stats["steps_deferred"] == 4  # all but the first, which makes records
+
+
+@pytest.mark.parametrize("device", ["cpu", "standin"])
+@pytest.mark.parametrize("gas", [1, 2])
+def test_past_the_cap_a_deferred_step_is_bitwise_plain_pytorch(device, gas, tmp_path, monkeypatch):
+    """Clipping that bites on a model whose copies and gradients pass the early step's cap (the live
+    budget of 60 elements alone): each step after the first holds what fits and leaves the rest to the
+    ordinary step in its commit — still bitwise plain PyTorch."""
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
+    stats = against_plain_pytorch(
+        tmp_path, ("nvme", "nvme"), device, gas, 1.0, zero_optimization={"stage3_max_live_parameters": 60}
+    )
+    assert stats["steps_deferred"] == stats["steps_deferred_partly"] == 4
+
+
+def test_a_fault_in_the_ordinary_part_of_a_deferred_step_changes_nothing(tmp_path, monkeypatch):
+    """The records past the cap fail to read at the step: `Engine.step` raises the `SwapIOError` and
+    nothing changed (one transaction for both parts); the next `Engine.step` runs the ordinary step from
+    the stored gradients, bitwise the twin's."""
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
+    (m, e), (ref, ref_e) = twins(tmp_path, keep=False)
+    pairs = [(m, e), (ref, ref_e)]
+    for seed in range(3):  # records made, then clipping bites: the next step is deferred
+        for mm, ee in pairs:
+            ee.max_grad_norm = 1e-3
+            sq(mm(ids(seed=seed))).backward()
+            ee.step()
+    before = state(m, e)
+    for mm in (m, ref):
+        sq(mm(ids(seed=3))).backward()
+    swap = engine_of(m)
+    ordinary_part = bridge.step_indices
+
+    def failing(*args: Any) -> None:  # the first read of the ordinary part fails (after the early part's)
+        inject(swap, "read", errno.EIO, 0)
+        ordinary_part(*args)
+
+    monkeypatch.setattr(bridge, "step_indices", failing)
+    with pytest.raises(zswap.SwapIOError):
+        e.step()
+    monkeypatch.setattr(bridge, "step_indices", ordinary_part)
+    swap._engine.clear_faults()
+    assert same(state(m, e), before)
+    assert e.stats()["steps_deferred"] == e.stats()["steps_deferred_partly"] == 2  # (steps 1 and 2)
+    e.step()
+    ref_e.step()
+    assert same(state(m, e), state(ref, ref_e))
+    e.close()
+    ref_e.close()
+
+
+def test_a_resident_param_past_the_cap_leaves_the_deferred_step_to_the_ordinary_one(tmp_path, monkeypatch):
+    """Resident params (``max_in_cpu``) are stepped in their gathered copies by either step, not by both in
+    one commit: one past the cap of a deferred step gives the whole step to the ordinary one, which says
+    why."""
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
+    runs = []
+    for name, early in (("early", True), ("plain", False)):
+        cfg = cfg_for(tmp_path / name, "nvme", "nvme")
+        cfg["offload_param"]["max_in_cpu"] = 10**9
+        mm, _ = build(TinyLM, cfg)
+        ee = engine_for(mm, cfg, max_grad_norm=1e-3)
+        ee.early_step = early
+        runs.append((mm, ee))
+    (m, e), (ref, ref_e) = runs
+    for step in range(3):
+        for mm, ee in runs:
+            ee.stats(reset=True)
+            ee.backward(sq(mm(ids(seed=step))))
+            ee.step()
+        assert same(state(m, e), state(ref, ref_e)), step
+    s = e.stats()
+    assert (s["steps_deferred"], s["steps_ordinary"]) == (0, 1)
+    assert s["steps_ordinary_reason"] == (
+        "the param copies and gradients did not all fit in the early step's cap, and a resident param "
+        "(offload_param.max_in_cpu) was past it"
+    )
+    e.close()
+    ref_e.close()

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..errors import GradientsNotKeptError
 from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, store_of
 from ..parts.params import ParamState, param_state
+from ..store.storage import within
 from . import early_memory
 from .early_pipeline import _empty, _ps
 from .optim import OffloadedAdamW
@@ -21,6 +22,10 @@ from .speculation import Guess
 
 if TYPE_CHECKING:
     from .earlystep import EarlyStep
+
+Ordinary = Callable[[list[int], float], None]
+"""``ordinary(indices, scale)``: the engine's ordinary step over the optimizer's params ``indices`` with
+gradient scale ``scale``, inside the transaction made current (`zswap.store.storage.within`)."""
 
 
 def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
@@ -34,7 +39,7 @@ def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool
         es.abort()  # that backward's gradients went with it, applied ones included: nothing is lost)
         es.check_kept(items)
         return False
-    why = es._mismatch(items)
+    why = mismatch(es, items)
     if why:
         drop(es, why)
         return False
@@ -74,10 +79,15 @@ def hand_back(gs: object, held: list[tuple[ParamState, torch.Tensor]]) -> None:
             gs.add(st, g)
 
 
-def commit(es: EarlyStep, scale: float | None) -> bool:
+def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None) -> bool:
     """Make the early step `prepare` kept live if ``scale``, the gradient scale the step computed, is
     the one it ran with; True if it did. ``None`` (the gradients are not finite: the step is skipped)
-    or another scale (clipping bit: the ordinary step runs from the kept gradients) drops it."""
+    or another scale (clipping bit: the ordinary step runs from the kept gradients) drops it.
+
+    Deferred, the params it did not hold (`ordinary_part`) are stepped by ``ordinary(indices, scale)``
+    (the engine's ordinary step over those params) inside its transaction: one commit for all. Where that
+    raises, nothing changed (the transaction is aborted) and the error is raised: every gradient is in
+    its store, as after any failed step."""
     if es.state != "running":
         return False
     if scale is None:  # an overflow: the step is skipped and the gradients dropped, applied ones too
@@ -86,13 +96,26 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
         es.abort()
         return False
     deferred = es.guess.factor is None
+    rest: list[int] = []
     if deferred:
+        rest = ordinary_part(es)
+        why = _why_not_part(es, rest, ordinary)
+        if why:
+            drop(es, why)
+            return False
         es.finish_at(scale)  # the update waited for the scale: it runs now, from what backward left held
         if es.state != "running":
             return False  # it gave up: the gradients are in their store, the ordinary step runs
         if not all(es.left[i] == 0 for i in es.ready) or es.reads or es.writes:
             drop(es, "its updates did not all complete at the step")
             return False
+        if rest:
+            try:
+                with within(es.txn):
+                    cast(Ordinary, ordinary)(rest, scale)
+            except BaseException:
+                es.abort()
+                raise
     elif scale != es.guess.factor:
         es.tally.redone += 1
         drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
@@ -126,11 +149,45 @@ def commit(es: EarlyStep, scale: float | None) -> bool:
     es.commits += 1
     if deferred:
         es.tally.deferred += 1
+        es.tally.partly += bool(rest)
     else:
         es.tally.early += 1
     es.why = ""
     es._committed_seeds = seeds
     return True
+
+
+def ordinary_part(es: EarlyStep) -> list[int]:
+    """A deferred step's params left to the ordinary step: those it did not hold (`EarlyStep.passed`) and,
+    transitively, every held one that shares a record with one of them — a record, and a param split
+    over records, is updated by one of the two. Those it held are let go (their gradients are stored)."""
+    rest, todo = set(es.passed), list(es.passed)
+    while todo:
+        for sg in es.by_param.get(todo.pop(), ()):
+            for s in sg.segments:
+                if s.param in es.ready and s.param not in rest:
+                    rest.add(s.param)
+                    todo.append(s.param)
+    for i in rest & es.ready.keys():
+        st, copy, _, _ = es.ready.pop(i)
+        nbytes = copy.numel() * copy.element_size()
+        es.held -= 2 * nbytes
+        es.holding.add(-nbytes - early_memory.plain(st, copy))
+    return sorted(rest)
+
+
+def _why_not_part(es: EarlyStep, rest: list[int], ordinary: Ordinary | None) -> str:
+    """Why a deferred step cannot leave ``rest`` to the ordinary step ("" if it can)."""
+    if not rest:
+        return ""
+    if ordinary is None:
+        return "the param copies and gradients did not all fit in the early step's cap"
+    if any(id(es.opt.records.params[i]) in es.staying for i in rest):
+        return (
+            "the param copies and gradients did not all fit in the early step's cap, and a resident "
+            "param (offload_param.max_in_cpu) was past it"
+        )
+    return ""
 
 
 def second_backward(es: EarlyStep, task: int) -> None:
@@ -187,9 +244,9 @@ def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str
         return "a param group's lr, betas, eps or weight_decay changed between backward and step"
     if tuple(es.opt.records.sub_groups) != es.layout or list(es.opt.records.steps) != es.steps:
         return "the optimizer's sub-groups or step counters changed between backward and step"
-    if not es._same_grads(items):
+    if not same_grads(es, items):
         return "the params with gradients are not those the early step updated"
-    if not es._same_versions():
+    if not same_versions(es):
         return (
             "a param partition or optimizer record was written between backward and step "
             "(GatheredParameters with modifier_rank, a checkpoint load)"
@@ -216,7 +273,7 @@ def same_grads(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> b
     with_grad = {es.index.get(id(p)) for p, st in items if store_of(st).has(st)}
     with_grad.discard(None)
     deferred = es.factor is None  # its records are updated at the step: none yet
-    return with_grad == set(es.ready) and (deferred or all(es.left[i] == 0 for i in es.ready))
+    return with_grad == es.ready.keys() | es.passed and (deferred or all(es.left[i] == 0 for i in es.ready))
 
 
 def same_versions(es: EarlyStep) -> bool:
@@ -266,6 +323,7 @@ def reset(es: EarlyStep) -> None:
     es.write_ahead = 0
     es.staged = 0
     es.swaps = []
+    es.passed = set()
     es.kept_mem.clear()
 
 

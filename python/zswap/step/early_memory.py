@@ -40,7 +40,7 @@ from ..gradients.gradstore import MemoryGrads, NvmeGrads, store_of
 from ..memory import ENGINE_COPY
 from ..parts.params import _REGISTRY, MemoryStore, NvmeStore, ParamState, param_state
 from ..store.storage import _memcpy
-from .optim._layout import SubGroup, needs_master
+from .optim._layout import SubGroup
 from .optim._store import CpuStore
 
 if TYPE_CHECKING:
@@ -79,18 +79,6 @@ def reserve(es: EarlyStep) -> int:
     total = sum(sg.record_numel * 4 for sg in es.opt.records.sub_groups) if cpu_records(es) else 0
     for p in es.opt.records.params:
         st = param_state(p)
-        if st is not None and in_memory(st):
-            total += st.partition_numel * st.dtype.itemsize
-    return total
-
-
-def bound(optimizer: Any) -> int:
-    """`reserve` once every param of ``optimizer`` has its record (for a deferred step's planning)."""
-    total = 0
-    for i, p in enumerate(optimizer.records.params):
-        st = param_state(p)
-        if optimizer.tier == "cpu":
-            total += optimizer.state_numel(i) * 4 * (3 if needs_master(p) else 2)
         if st is not None and in_memory(st):
             total += st.partition_numel * st.dtype.itemsize
     return total

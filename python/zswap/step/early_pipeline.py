@@ -97,7 +97,7 @@ def pump(es: EarlyStep, keep: int) -> None:
                 es.holding.add(-nbytes)  # the gradient
                 es.ready[i] = (st, _empty, _empty, es.ready[i][3])  # the write holds the copy
                 es.dropped += 0 if es.keeping else 1  # that gradient is gone: no falling back from here on
-                kept = es._seed(i, copy)
+                kept = seed(es, i, copy)
                 small = 0 if kept else _small(copy)  # moved from ``holding`` to ``writing``
                 es.copies.append((0 if kept else nbytes, small, w))
                 es.copying += 0 if kept else nbytes

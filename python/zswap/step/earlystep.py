@@ -114,7 +114,7 @@ class EarlyStep:
     reads: deque[tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
     """Records of complete sub-groups, read or being read, in the order they are updated."""
     early: dict[str, tuple[SubGroup, torch.Tensor, torch.Tensor, Any]]
-    """Records read ahead for sub-groups still waiting for gradients (`_read_ahead`)."""
+    """Records read ahead for sub-groups still waiting for gradients (`early_pipeline.read_ahead`)."""
     upcoming: deque[SubGroup]
     """Sub-groups to read ahead, next first."""
     order: list[str]
@@ -132,6 +132,10 @@ class EarlyStep:
     """Bytes reserved for copies kept in CPU memory until the commit (`zswap.step.early_memory`)."""
     swaps: list[tuple[Any, str, torch.Tensor]]
     """Those copies, with the store and key each replaces at the commit (`early_memory.swap_in`)."""
+    passed: set[int]
+    """Deferred: params whose gradient came once the copies and gradients held had reached `cap` (and
+    every later one). Not held: their records take the ordinary step in the commit
+    (`early_commit.ordinary_part`), from their stored gradients."""
 
     def __init__(
         self,
@@ -181,7 +185,7 @@ class EarlyStep:
         self.why = ""
         """Why the last step was not made live by `commit` ("" if it was, or none ran yet)."""
         self.read_ahead = self.read_late = self.read_unused = 0
-        """Records read before their last gradient (`_read_ahead`), at it, and read ahead for nothing
+        """Records read before their last gradient (`early_pipeline.read_ahead`), at it, and read ahead for nothing
         (no param of theirs got a gradient)."""
         self._order: list[str] = []
         """The order the last backward that reached its end completed its records in: the next one's guess."""
@@ -323,6 +327,8 @@ class EarlyStep:
         return stored
 
     def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
+        if self._passes(i, st.partition_numel * st.dtype.itemsize):
+            return
         data = p.data.reshape(-1)
         if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
             data = local_slice(data, st.rank, st.partition_numel)
@@ -336,6 +342,8 @@ class EarlyStep:
     ) -> None:
         """Param ``i``'s partition (``copy``, ours to update) and gradient are on the host: wait for the
         rest of its records, update those that are complete."""
+        if self._passes(i, copy.numel() * copy.element_size()):
+            return
         self.txn.scratch(copy)
         self.ready[i] = (st, copy, part.reshape(-1), version)
         self.held += 2 * copy.numel() * copy.element_size()
@@ -355,7 +363,18 @@ class EarlyStep:
             elif sg.key not in self.early:
                 self.upcoming.appendleft(sg)  # its other params come next: read it before the planned ones
         self._pump(keep=1)
-        self._read_ahead()
+        early_pipeline.read_ahead(self)
+
+    def _passes(self, i: int, nbytes: int) -> bool:
+        """Deferred, whether param ``i`` (a copy of ``nbytes`` and its gradient) is left to the ordinary
+        step: it would take the bytes held past `cap`, or one before it did (`passed`). The first params
+        backward completes are held, as many as fit; the commit steps the rest the ordinary way."""
+        if self.factor is not None:
+            return False
+        if self.passed or self.held + self.copying + self.staged + 2 * nbytes > self.cap:
+            self.passed.add(i)  # its gradient is stored: a deferred step keeps every one (`Guess.keep`)
+            return True
+        return False
 
     def _begin(self, st: ParamState, task: int) -> None:
         gs = store_of(st)
@@ -423,7 +442,7 @@ class EarlyStep:
         try:
             early_device.land(self, block=True)  # a compute device's last copies
             if self.state == "running" and self.factor is not None:
-                self._finish()
+                early_pipeline.finish(self)
         except Exception as exc:
             try:
                 self._give_up(self.task, f"it failed at the end of backward ({exc})", exc)
@@ -436,15 +455,12 @@ class EarlyStep:
         their store, or, once one was let go, the error is raised)."""
         self.factor = scale
         try:
-            self._finish()
+            early_pipeline.finish(self)
         except Exception as exc:
             try:
                 self._give_up(self.task, f"it failed at the step ({exc})", exc)
             except _Void as void:
                 raise void.error from void.error.__cause__
-
-    def _finish(self) -> None:
-        early_pipeline.finish(self)
 
     def _ready(self, sg: SubGroup) -> None:
         """Every param of ``sg`` with a gradient has it: its record is updated once read."""
@@ -455,17 +471,11 @@ class EarlyStep:
         self.reads.append(entry)
         self.order.append(sg.key)
 
-    def _read_ahead(self) -> None:
-        return early_pipeline.read_ahead(self)
-
     def _start(self, sg: SubGroup) -> tuple[SubGroup, torch.Tensor, torch.Tensor, Any]:
         return early_pipeline.start(self, sg)
 
     def _pump(self, keep: int) -> None:
         return early_pipeline.pump(self, keep)
-
-    def _seed(self, i: int, copy: torch.Tensor) -> bool:
-        return early_pipeline.seed(self, i, copy)
 
     def _land_copies(self, limit: int) -> None:
         return early_pipeline.land_copies(self, limit)
@@ -506,8 +516,8 @@ class EarlyStep:
     def prepare(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
         return early_commit.prepare(self, items)
 
-    def commit(self, scale: float | None) -> bool:
-        return early_commit.commit(self, scale)
+    def commit(self, scale: float | None, ordinary: Callable[[list[int], float], None] | None = None) -> bool:
+        return early_commit.commit(self, scale, ordinary)
 
     def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
         return early_commit.take_seeds(self)
@@ -518,17 +528,8 @@ class EarlyStep:
         out, self._committed_resident = {id(p): c for p, c in self._committed_resident}, []
         return out
 
-    def _mismatch(self, items: list[tuple[torch.Tensor, ParamState]]) -> str:
-        return early_commit.mismatch(self, items)
-
     def check_kept(self, items: list[tuple[torch.Tensor, ParamState]]) -> None:
         return early_commit.check_kept(self, items)
-
-    def _same_grads(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
-        return early_commit.same_grads(self, items)
-
-    def _same_versions(self) -> bool:
-        return early_commit.same_versions(self)
 
     def zero_grad(self) -> None:
         """`Engine.zero_grad`: drop the early step in progress; gradients dropped between a backward and
@@ -572,12 +573,9 @@ def for_engine(engine: Any) -> EarlyStep | None:
         return None
     allowed = engine.sizing.allowances  # `zswap.memory.Allowances`: sized once with the live budget
     ranks = max(st.world_size for _, st in engine._items)
-    model = sum(st.partition_numel * st.dtype.itemsize for _, st in engine._items)
     early = EarlyStep(
         opt,
-        speculation.planner(
-            engine, opt, ranks, holds_all=2 * model + early_memory.bound(opt) <= allowed.early_step
-        ),
+        speculation.planner(engine, opt, ranks),
         allowed.early_step,
         # `Scheduler.seed_plan` keeps seeds within the live budget with the next pass's first read
         # (benches/README.md, "Bytes per step").

@@ -52,7 +52,8 @@ class Guess:
     """The gradient scale the updates run with: ``1 / loss scale`` (clipping assumed not to bite);
     `Engine.step` commits only if the scale it computes is exactly this float. ``None``: *deferred* —
     the param copies and gradients are held through backward and every record is updated at the step,
-    with the scale it computed (clipping bit at the last step, and both fit in the early step's cap)."""
+    with the scale it computed (clipping bit at the last step); those past the early step's cap are not
+    held, their records updated by the ordinary step within the same commit (`EarlyStep.passed`)."""
     keep: bool
     """The gradients are stored too (in memory within the early step's ``room``, written past it): the
     step may need them — clipping may bite (the ordinary step then runs from them), or, accumulating, a
@@ -65,10 +66,9 @@ class Guess:
     gathered param and no seeds are kept (`zswap.fetch.prefetch.Scheduler.seed` takes one rank's only)."""
 
 
-def planner(engine: Any, optimizer: Any, ranks: int, holds_all: bool) -> Callable[[], Guess | str]:
+def planner(engine: Any, optimizer: Any, ranks: int) -> Callable[[], Guess | str]:
     """``plan()`` for the early step of ``engine`` (a `zswap.Engine`) over ``optimizer``: the `Guess` for
-    the step the next backward leads to, or why no early step can run for it. ``holds_all``: a copy of
-    every param partition and its gradient fit in the early step's cap together (a deferred step)."""
+    the step the next backward leads to, or why no early step can run for it."""
     ids = engine._ids
 
     def plan() -> Guess | str:
@@ -85,13 +85,8 @@ def planner(engine: Any, optimizer: Any, ranks: int, holds_all: bool) -> Callabl
             return MICRO_BATCH
         clipping = engine.max_grad_norm is not None or engine.clipping_after_backward
         sums = engine._gas > 1 or ends is not None  # a window of one (an epoch's last) sums nothing
-        if clipping and engine._clipped:
-            if holds_all:  # gradients stored as well: the norm and a fallback need nothing more
-                return Guess(None, keep=True, sums=sums, ranks=ranks)
-            return (
-                "clipping bit at the last step: this one waits for the norm (the param copies and "
-                "gradients do not fit in the early step's cap to wait for it)"
-            )
+        if clipping and engine._clipped:  # gradients stored as well: the norm and the part past the cap
+            return Guess(None, keep=True, sums=sums, ranks=ranks)  # (`EarlyStep.passed`) need them
         loss_scale = engine.loss_scale if engine._scaled_backward else 1.0
         return Guess(1.0 / loss_scale, keep=clipping or sums, sums=sums, ranks=ranks)
 

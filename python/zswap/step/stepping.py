@@ -32,13 +32,16 @@ class Tally:
     """How the optimizer steps ran since `initialize` (or the last ``Engine.stats(reset=True)``), for
     `Engine.stats` (``steps_*``): made live from the early step's work in backward (``early``), or from
     the param copies and gradients it held since backward, updated at the step once the clip factor was
-    known (``deferred``: clipping bit at the last step, `zswap.step.speculation`); run the
+    known (``deferred``: clipping bit at the last step, `zswap.step.speculation`; of them ``partly``
+    held only the copies that fit its cap, the records past it updated the ordinary way in the same
+    commit); run the
     ordinary way after backward (``ordinary``; ``reason``: why the last one was, "" while none was), of
     which ``redone`` had an early step dropped because clipping bit (its factor was not the one assumed);
     early steps dropped because the gradients were not finite (``overflow``: the step is skipped)."""
 
     early: int = 0
     deferred: int = 0
+    partly: int = 0
     ordinary: int = 0
     redone: int = 0
     overflow: int = 0
@@ -50,13 +53,14 @@ class Tally:
             self.reason = why
 
     def reset(self) -> None:
-        self.early = self.deferred = self.ordinary = self.redone = self.overflow = 0
+        self.early = self.deferred = self.partly = self.ordinary = self.redone = self.overflow = 0
         self.reason = ""
 
     def stats(self) -> dict[str, Any]:
         return {
             "steps_in_backward": self.early,
             "steps_deferred": self.deferred,
+            "steps_deferred_partly": self.partly,
             "steps_ordinary": self.ordinary,
             "steps_redone": self.redone,
             "steps_overflow_dropped": self.overflow,

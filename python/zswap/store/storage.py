@@ -384,6 +384,17 @@ def current() -> Transaction | None:
 
 
 @contextlib.contextmanager
+def within(txn: Transaction) -> Iterator[Transaction]:
+    """Make ``txn`` current for the block: a `step_transaction` inside it joins ``txn``, whose owner
+    commits or aborts it."""
+    token = _CURRENT.set(txn)
+    try:
+        yield txn
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
 def step_transaction() -> Iterator[Transaction]:
     """The current transaction, or a new one made current for the block: committed when the block
     ends (its `commit` may raise), aborted when it raises. A joined transaction is left to its owner."""

@@ -63,6 +63,16 @@ def step_partitions(
     resident.regather(held)
 
 
+def step_indices(
+    optimizer: Any, items: list[Item], chunk: int, indices: list[int], grad_scale: float
+) -> None:
+    """`step_partitions` over the params ``indices`` of ``optimizer`` (an `OffloadedAdamW`: its
+    ``records.params``) only: the ordinary part of a deferred early step (`zswap.step.early_commit.commit`),
+    in its transaction."""
+    wanted = {id(optimizer.records.params[i]) for i in indices}
+    step_partitions(optimizer, [(p, st) for p, st in items if id(p) in wanted], (), chunk, grad_scale)
+
+
 def _step_all(
     optimizer: Any,
     items: list[Item],

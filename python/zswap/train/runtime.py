@@ -9,6 +9,7 @@ and ``loss.backward()`` work as on a plain model. The old path ``zswap.runtime``
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -238,7 +239,10 @@ class Engine:
         scale, self.last_grad_norm = grads.global_scale(
             self._items, others, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
         )
-        committed = early is not None and early.commit(scale)  # updated in backward already
+        # Updated in backward already; deferred, what did not fit its cap is stepped here, in its commit.
+        committed = early is not None and early.commit(
+            scale, functools.partial(bridge.step_indices, self.optimizer, self._items, chunk)
+        )
         self._clipped = scale is not None and scale != 1.0 / loss_scale  # the next step's guess
         if committed:
             assert early is not None
