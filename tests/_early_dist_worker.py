@@ -29,14 +29,22 @@ from zswap.step import earlystep
 
 
 def twins(
-    root: Path, rank: int, device: bool = False, tiers: tuple[str, str] = ("nvme", "nvme"), **extra: Any
+    root: Path,
+    rank: int,
+    device: bool = False,
+    tiers: tuple[str, str] = ("nvme", "nvme"),
+    resident: bool = False,
+    **extra: Any,
 ) -> list[tuple[Any, Any]]:
-    """The early-step twin and its early-off twin, params and AdamW states on ``tiers``."""
+    """The early-step twin and its early-off twin, params and AdamW states on ``tiers`` (``resident``:
+    about half the params kept gathered, ``max_in_cpu``)."""
     out = []
     for name, early in (("early", True), ("plain", False)):
         d = root / f"{name}-{rank}"
         d.mkdir(parents=True, exist_ok=True)
         cfg = cfg_for(d, *tiers, **extra)
+        if resident:
+            cfg["offload_param"]["max_in_cpu"] = 3000  # of 7280 elements
         torch.manual_seed(0)
         with zswap.Init(cfg):
             m = TinyLM()
@@ -55,11 +63,14 @@ def check(
     device: bool = False,
     tiers: tuple[str, str] = ("nvme", "nvme"),
     partly: list[int] | None = None,
+    resident: bool = False,
 ) -> list[tuple[int, int, int]]:
     """Steps the twins with each clip limit in turn, bitwise equal after every optimizer step; ``expect``:
     the early twin's steps made live in backward, step by step (``partly``: its deferred steps that left
     records past the cap to the ordinary step). Returns (in backward, redone, deferred) of each step."""
-    runs = twins(root, rank, device, tiers, **({"gradient_accumulation_steps": gas} if gas > 1 else {}))
+    runs = twins(
+        root, rank, device, tiers, resident, **({"gradient_accumulation_steps": gas} if gas > 1 else {})
+    )
     (m, e), (ref, ref_e) = runs
     seen, parts = [], []
     for step, limit in enumerate(limits):
@@ -76,7 +87,7 @@ def check(
         assert same(optim_state(e.optimizer, m), optim_state(ref_e.optimizer, ref)), (rank, step)
         assert e.last_grad_norm == ref_e.last_grad_norm, (rank, step)
     assert [b for b, _, _ in seen] == expect, (rank, limits, gas, seen)
-    assert parts == (partly or [0] * len(limits)), (rank, limits, gas, parts)
+    assert parts == (partly or [0] * len(limits)), (rank, limits, gas, parts, seen)
     for _, ee in runs:
         ee.close()
     return seen
@@ -131,15 +142,16 @@ def main() -> None:
             # Past the early step's cap (the live budget alone): a deferred step holds the copies and
             # gradients that fit, and the records past it take the ordinary step in the same commit.
             earlystep.CAP_EXTRA, extra = 0, earlystep.CAP_EXTRA
-            for device in (False, True):
+            for device, resident in ((False, False), (True, False), (False, True)):
                 seen = check(
-                    root / f"cap-{device}",
+                    root / f"cap-{device}-{resident}",
                     rank,
                     [1e6, 1e-3, 1e-3, 1e-3],
                     1,
                     [0, 0, 0, 0],
                     device,
                     partly=[0, 0, 1, 1],
+                    resident=resident,
                 )
                 assert [d for _, _, d in seen] == [0, 0, 1, 1], (rank, seen)
             earlystep.CAP_EXTRA = extra

@@ -99,9 +99,8 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
     rest: list[int] = []
     if deferred:
         rest = ordinary_part(es)
-        why = _why_not_part(es, rest, ordinary)
-        if why:
-            drop(es, why)
+        if rest and ordinary is None:
+            drop(es, "the param copies and gradients did not all fit in the early step's cap")
             return False
         es.finish_at(scale)  # the update waited for the scale: it runs now, from what backward left held
         if es.state != "running":
@@ -174,20 +173,6 @@ def ordinary_part(es: EarlyStep) -> list[int]:
         es.held -= 2 * nbytes
         es.holding.add(-nbytes - early_memory.plain(st, copy))
     return sorted(rest)
-
-
-def _why_not_part(es: EarlyStep, rest: list[int], ordinary: Ordinary | None) -> str:
-    """Why a deferred step cannot leave ``rest`` to the ordinary step ("" if it can)."""
-    if not rest:
-        return ""
-    if ordinary is None:
-        return "the param copies and gradients did not all fit in the early step's cap"
-    if any(id(es.opt.records.params[i]) in es.staying for i in rest):
-        return (
-            "the param copies and gradients did not all fit in the early step's cap, and a resident "
-            "param (offload_param.max_in_cpu) was past it"
-        )
-    return ""
 
 
 def second_backward(es: EarlyStep, task: int) -> None:

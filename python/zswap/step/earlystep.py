@@ -185,8 +185,8 @@ class EarlyStep:
         self.why = ""
         """Why the last step was not made live by `commit` ("" if it was, or none ran yet)."""
         self.read_ahead = self.read_late = self.read_unused = 0
-        """Records read before their last gradient (`early_pipeline.read_ahead`), at it, and read ahead for nothing
-        (no param of theirs got a gradient)."""
+        """Records read before their last gradient (`early_pipeline.read_ahead`), at it, and read ahead
+        for nothing (no param of theirs got a gradient)."""
         self._order: list[str] = []
         """The order the last backward that reached its end completed its records in: the next one's guess."""
         self.holding = memory.Holding("early_step")  # gradients and plain copies held (`plain`)

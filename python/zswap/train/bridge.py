@@ -64,13 +64,20 @@ def step_partitions(
 
 
 def step_indices(
-    optimizer: Any, items: list[Item], chunk: int, indices: list[int], grad_scale: float
+    optimizer: Any,
+    items: list[Item],
+    chunk: int,
+    held: dict[int, resident.Held],
+    indices: list[int],
+    grad_scale: float,
 ) -> None:
     """`step_partitions` over the params ``indices`` of ``optimizer`` (an `OffloadedAdamW`: its
     ``records.params``) only: the ordinary part of a deferred early step (`zswap.step.early_commit.commit`),
-    in its transaction."""
+    in its transaction. Resident params among them are stepped in their ``held`` copies, which the caller
+    gives back after the commit (`resident.refresh`, the same on every rank) or its abort."""
     wanted = {id(optimizer.records.params[i]) for i in indices}
-    step_partitions(optimizer, [(p, st) for p, st in items if id(p) in wanted], (), chunk, grad_scale)
+    mine = [(p, st) for p, st in items if id(p) in wanted]
+    _step_all(optimizer, mine, (), chunk, grad_scale, {k: h for k, h in held.items() if k in wanted})
 
 
 def _step_all(

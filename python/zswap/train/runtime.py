@@ -240,9 +240,13 @@ class Engine:
             self._items, others, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
         )
         # Updated in backward already; deferred, what did not fit its cap is stepped here, in its commit.
-        committed = early is not None and early.commit(
-            scale, functools.partial(bridge.step_indices, self.optimizer, self._items, chunk)
-        )
+        try:
+            committed = early is not None and early.commit(
+                scale, functools.partial(bridge.step_indices, self.optimizer, self._items, chunk, held)
+            )
+        except BaseException:
+            resident.reinstall(held)  # as they were: the step's transaction was aborted
+            raise
         self._clipped = scale is not None and scale != 1.0 / loss_scale  # the next step's guess
         if committed:
             assert early is not None
