@@ -344,6 +344,7 @@ def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
         ),
         (("nvme", "cpu"), {}, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
         (("cpu", "cpu"), {"gradient_accumulation_steps": 2}, [None] * 3, [0, 1, 1]),
+        (("nvme", "nvme"), {"past_cap": True}, [1e6, 1e-3, 1e-3, 1e-3], [0, 0, 0, 0]),
     ],
     ids=[
         "plain",
@@ -352,15 +353,26 @@ def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
         "bf16",
         "states-in-memory-clipping",
         "all-in-memory-accumulation",
+        "clipping-past-the-cap",
     ],
 )
-def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(tiers, extra, limits, expect, tmp_path):
+def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(
+    tiers, extra, limits, expect, tmp_path, monkeypatch
+):
     """`zswap.step.early_device` on CUDA: params and AdamW states on NVMe or in CPU memory (``tiers``);
     twins with the early step on and off; params, records and counters equal after every optimizer step,
-    and the early one committed where it may (`engine.stats()["steps_in_backward"]`)."""
+    and the early one committed where it may (`engine.stats()["steps_in_backward"]`). ``past_cap``: the
+    early step's cap is the live budget alone, so the deferred steps (clipping bit at the step before)
+    hold part of the copies and leave the rest to the ordinary step in their commit."""
+    from zswap.step import earlystep
+
     from .test_earlystep import state
     from .test_faults import cfg_for, same
 
+    extra = dict(extra)
+    past_cap = extra.pop("past_cap", False)
+    if past_cap:
+        monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
     gas = extra.get("gradient_accumulation_steps", 1)
     runs = []
     for name, early in (("early", True), ("plain", False)):
@@ -383,7 +395,9 @@ def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(tiers, extra,
                 ee.backward(sq(mm(ids(seed=10 * step + micro).to(CUDA)).float()))
                 ee.step()
         seen.append(e.stats()["steps_in_backward"])
+        partly = e.stats()["steps_deferred_partly"]
         assert same(state(m, e), state(ref, ref_e)), step
+        assert partly == (past_cap and step >= 2), step
     assert seen == expect
     for _, ee in runs:
         ee.close()
