@@ -21,6 +21,7 @@ import torch
 import zswap
 from zswap import GatheredParameters, full_grad
 from zswap.errors import GradientsNotKeptError
+from zswap.step import early_pipeline
 
 from .test_earlystep import model_bytes, state, train
 from .test_faults import cfg_for, engine_of, grads_of, inject, same
@@ -232,26 +233,27 @@ def test_the_cap_reached_before_any_gradient_was_let_go_falls_back(tmp_path):
         ee.close()
 
 
-def test_the_cap_reached_after_a_gradient_was_let_go_fails_that_backward(tmp_path):
+def test_the_cap_reached_after_a_gradient_was_let_go_fails_that_backward(tmp_path, monkeypatch):
     (m, e), (ref, ref_e) = twins(tmp_path)
     pairs = [(m, e), (ref, ref_e)]
     train(pairs, 0)
     before = state(m, e)
     early = e._early
-    seed = early._seed
+    seed = early_pipeline.seed
 
-    def then_cap(i: int, copy: torch.Tensor) -> None:  # right after the first gradient was let go
-        seed(i, copy)
+    def then_cap(es: Any, i: int, copy: torch.Tensor) -> bool:  # right after the first gradient was let go
+        kept = seed(es, i, copy)
         early.cap = 0
+        return kept
 
-    early._seed = then_cap
+    monkeypatch.setattr(early_pipeline, "seed", then_cap)
     stop = r"the early step had to stop in this backward \(it held more than its cap of 0 bytes"
     with pytest.raises(GradientsNotKeptError, match=stop) as info:
         sq(m(ids(seed=1))).backward()
     assert "this backward counts for nothing" in str(info.value) and RESTART in str(info.value)
     assert all(full_grad(p) is None for p in m.parameters())  # counted for nothing
     assert same(state(m, e), before)
-    del early._seed  # the method again
+    monkeypatch.setattr(early_pipeline, "seed", seed)
     early.cap = 1 << 40
     train(pairs, 1)  # run again: the same as the twin's
     train(pairs, 2)
