@@ -71,12 +71,13 @@ def held_grads(es: EarlyStep) -> list[tuple[ParamState, torch.Tensor]]:
     return [] if es.keeping else [(st, g) for st, _, g, _ in es.ready.values() if g is not _empty]
 
 
-def hand_back(gs: object, held: list[tuple[ParamState, torch.Tensor]]) -> None:
-    """Store ``held`` (`held_grads`) as the sink would have, their notes as applied taken back."""
+def hand_back(gs: object, held: list[tuple[ParamState, torch.Tensor]], room: int = 0) -> None:
+    """Store ``held`` (`held_grads`) as the sink would have, their notes as applied taken back (``room``:
+    bytes of them the stash may keep in memory past its cap, `NvmeGrads.add`)."""
     if isinstance(gs, NvmeGrads):
         for st, g in held:
             gs.unapply(st)
-            gs.add(st, g)
+            gs.add(st, g, room)
 
 
 def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None) -> bool:
@@ -84,10 +85,10 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
     the one it ran with; True if it did. ``None`` (the gradients are not finite: the step is skipped)
     or another scale (clipping bit: the ordinary step runs from the kept gradients) drops it.
 
-    Deferred, the params it did not hold (`ordinary_part`) are stepped by ``ordinary(indices, scale)``
-    (the engine's ordinary step over those params) inside its transaction: one commit for all. Where that
-    raises, nothing changed (the transaction is aborted) and the error is raised: every gradient is in
-    its store, as after any failed step."""
+    Deferred, the params it did not hold (`ordinary_part`) are stepped first by ``ordinary(indices,
+    scale)`` (the engine's ordinary step over those params) inside its transaction: one commit for all.
+    Where that raises, nothing changed (the transaction is aborted), the gradients it held go to their
+    store, and the error is raised: as after any failed ordinary step."""
     if es.state != "running":
         return False
     if scale is None:  # an overflow: the step is skipped and the gradients dropped, applied ones too
@@ -102,19 +103,21 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
         if rest and ordinary is None:
             drop(es, "the param copies and gradients did not all fit in the early step's cap")
             return False
+        if rest:  # first, while every gradient it holds can still go to its store
+            try:
+                with within(es.txn):
+                    cast(Ordinary, ordinary)(rest, scale)
+            except BaseException:
+                held, gs, room = held_grads(es), es.gs, es.allowance
+                es.abort()
+                hand_back(gs, held, room)
+                raise
         es.finish_at(scale)  # the update waited for the scale: it runs now, from what backward left held
         if es.state != "running":
             return False  # it gave up: the gradients are in their store, the ordinary step runs
         if not all(es.left[i] == 0 for i in es.ready) or es.reads or es.writes:
             drop(es, "its updates did not all complete at the step")
             return False
-        if rest:
-            try:
-                with within(es.txn):
-                    cast(Ordinary, ordinary)(rest, scale)
-            except BaseException:
-                es.abort()
-                raise
     elif scale != es.guess.factor:
         es.tally.redone += 1
         drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
@@ -156,10 +159,23 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
     return True
 
 
+def passes(es: EarlyStep, i: int, nbytes: int, landed: bool = False) -> bool:
+    """Deferred, whether param ``i`` (a copy of ``nbytes`` and its gradient) is left to the ordinary
+    step: the first params backward completes are held, as many as fit in the cap; the rest
+    (`EarlyStep.passed`, from the first that did not; ``landed``: taken before, landed from a device now)
+    are not."""
+    if es.factor is not None:
+        return False
+    if (es.passed and not landed) or es.held + es.copying + es.staged + 2 * nbytes > es.cap:
+        es.passed.add(i)  # its gradient goes to its store like any the early step does not take
+        return True
+    return False
+
+
 def ordinary_part(es: EarlyStep) -> list[int]:
     """A deferred step's params left to the ordinary step: those it did not hold (`EarlyStep.passed`) and,
     transitively, every held one that shares a record with one of them — a record, and a param split
-    over records, is updated by one of the two. Those it held are let go (their gradients are stored)."""
+    over records, is updated by one of the two. Those it held are let go, their gradients stored."""
     rest, todo = set(es.passed), list(es.passed)
     while todo:
         for sg in es.by_param.get(todo.pop(), ()):
@@ -167,11 +183,15 @@ def ordinary_part(es: EarlyStep) -> list[int]:
                 if s.param in es.ready and s.param not in rest:
                     rest.add(s.param)
                     todo.append(s.param)
+    back = []
     for i in rest & es.ready.keys():
-        st, copy, _, _ = es.ready.pop(i)
+        st, copy, g, _ = es.ready.pop(i)
         nbytes = copy.numel() * copy.element_size()
         es.held -= 2 * nbytes
         es.holding.add(-nbytes - early_memory.plain(st, copy))
+        back.append((st, g))
+    if not es.keeping:
+        hand_back(es.gs, back, es.allowance)  # held, not stored: the ordinary part reads them there
     return sorted(rest)
 
 
@@ -222,6 +242,8 @@ def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str
             "loss scaling, gradient_accumulation_steps or the optimizer changed since backward)"
         )
     if not es.ready:
+        if es.passed:
+            return "the first param copy and gradient did not fit in the early step's cap"
         return "it updated no record (the first step makes the optimizer's records)"
     if es.reads or es.writes or es.early:
         return "its transfers did not all settle in backward"

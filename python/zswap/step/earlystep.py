@@ -231,8 +231,10 @@ class EarlyStep:
         return early_commit.unchanged_seeds(micro)
 
     def summing_room(self) -> int:
-        """``allowance`` in a micro-batch before the accumulation boundary, else 0 (device landings)."""
-        return self.allowance if self.state == "summing" else 0
+        """``allowance`` in a micro-batch before the accumulation boundary or past a deferred step's cap,
+        else 0 (device landings)."""
+        deferred = self.state == "running" and self.factor is None
+        return self.allowance if self.state == "summing" or deferred else 0
 
     def _give_up(
         self,
@@ -297,6 +299,10 @@ class EarlyStep:
             why = "a second gradient for one param" if i in self.ready else "a param not gathered"
             self._give_up(task, why)
             return False
+        if early_commit.passes(self, i, st.partition_numel * st.dtype.itemsize):  # for the ordinary part
+            if sink is None:
+                store_of(st).add(st, part, self.allowance)  # (a device's lands within `summing_room`)
+            return sink is None
         if sink is not None:
             early_device.take_later(self, i, p, st, part, sink)
             return True
@@ -327,8 +333,6 @@ class EarlyStep:
         return stored
 
     def _take(self, i: int, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int) -> None:
-        if self._passes(i, st.partition_numel * st.dtype.itemsize):
-            return
         data = p.data.reshape(-1)
         if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
             data = local_slice(data, st.rank, st.partition_numel)
@@ -342,7 +346,9 @@ class EarlyStep:
     ) -> None:
         """Param ``i``'s partition (``copy``, ours to update) and gradient are on the host: wait for the
         rest of its records, update those that are complete."""
-        if self._passes(i, copy.numel() * copy.element_size()):
+        if early_commit.passes(self, i, copy.numel() * copy.element_size(), landed=True):  # a device's
+            if not self.keeping:
+                early_commit.hand_back(self.gs, [(st, part)], self.allowance)  # noted as applied: stored
             return
         self.txn.scratch(copy)
         self.ready[i] = (st, copy, part.reshape(-1), version)
@@ -364,17 +370,6 @@ class EarlyStep:
                 self.upcoming.appendleft(sg)  # its other params come next: read it before the planned ones
         self._pump(keep=1)
         early_pipeline.read_ahead(self)
-
-    def _passes(self, i: int, nbytes: int) -> bool:
-        """Deferred, whether param ``i`` (a copy of ``nbytes`` and its gradient) is left to the ordinary
-        step: it would take the bytes held past `cap`, or one before it did (`passed`). The first params
-        backward completes are held, as many as fit; the commit steps the rest the ordinary way."""
-        if self.factor is not None:
-            return False
-        if self.passed or self.held + self.copying + self.staged + 2 * nbytes > self.cap:
-            self.passed.add(i)  # its gradient is stored: a deferred step keeps every one (`Guess.keep`)
-            return True
-        return False
 
     def _begin(self, st: ParamState, task: int) -> None:
         gs = store_of(st)

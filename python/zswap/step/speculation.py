@@ -57,7 +57,9 @@ class Guess:
     keep: bool
     """The gradients are stored too (in memory within the early step's ``room``, written past it): the
     step may need them — clipping may bite (the ordinary step then runs from them), or, accumulating, a
-    param with earlier micro-batches' gradient may get none in this backward."""
+    param with earlier micro-batches' gradient may get none in this backward. A deferred step holds its
+    gradients until the step and applies them there: it hands them to their store only where it is
+    dropped or leaves their records to the ordinary step (`early_commit.ordinary_part`)."""
     sums: bool
     """Earlier micro-batches of this step left gradients in the store: each is summed with this
     backward's as the store sums them, and the stored sum is applied."""
@@ -85,8 +87,8 @@ def planner(engine: Any, optimizer: Any, ranks: int) -> Callable[[], Guess | str
             return MICRO_BATCH
         clipping = engine.max_grad_norm is not None or engine.clipping_after_backward
         sums = engine._gas > 1 or ends is not None  # a window of one (an epoch's last) sums nothing
-        if clipping and engine._clipped:  # gradients stored as well: the norm and the part past the cap
-            return Guess(None, keep=True, sums=sums, ranks=ranks)  # (`EarlyStep.passed`) need them
+        if clipping and engine._clipped:  # deferred: the gradients it holds are applied at the step only
+            return Guess(None, keep=sums, sums=sums, ranks=ranks)
         loss_scale = engine.loss_scale if engine._scaled_backward else 1.0
         return Guess(1.0 / loss_scale, keep=clipping or sums, sums=sums, ranks=ranks)
 
