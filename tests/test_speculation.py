@@ -237,6 +237,27 @@ def test_bf16_on_a_compute_device(tmp_path):
     ref_e.close()
 
 
+@pytest.mark.parametrize("device", [False, True], ids=["cpu", "stand-in"])
+@pytest.mark.parametrize("past_cap", [False, True], ids=["within-the-cap", "past-the-cap"])
+def test_bf16_deferred_steps(device, past_cap, tmp_path, monkeypatch):
+    """bf16 params (fp32 master weights in the records) with the overflow check, clipping biting from the
+    second step: deferred steps — past the cap in part — bitwise the ordinary step (`run`)."""
+    if past_cap:
+        monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
+    limits = [1e6, 1e-3, 1e-3, 1e-3]
+    (_, e), (_, ref_e), seen = run(
+        tmp_path,
+        len(limits),
+        clip=lambda step: limits[step],
+        device=device,
+        bf16={"enabled": True, "check_grad_overflow": True},
+    )
+    assert counts(seen, "steps_deferred") == [0, 0, 1, 1]
+    assert counts(seen, "steps_deferred_partly") == [0, 0, past_cap, past_cap]
+    e.close()
+    ref_e.close()
+
+
 def test_after_a_step_whose_clipping_bit_the_update_waits_for_the_norm_holding_copies(tmp_path):
     """Deferred: clipping bit at the last step, and every param copy and gradient fits in the early
     step's cap: they are held through backward and every record is updated at the step with the scale
