@@ -305,13 +305,15 @@ def test_the_next_forward_starts_from_the_params_the_early_step_kept(tmp_path):
 @pytest.mark.parametrize("extra", [{}, {"gradient_accumulation_steps": 2}])
 def test_with_clipping_the_norm_comes_from_backward_and_no_gradient_is_read_for_it(extra, tmp_path):
     """Clipping on NVMe gradients, every one written: the norm of each stored gradient is taken in
-    backward (of the sum, with accumulation), so the step reads the gradients once (for the update) rather
-    than twice; norm, params and records are bitwise those of the step that reads them for it."""
+    backward (of the sum, with accumulation), so the ordinary step reads the gradients once (for the
+    update) rather than twice; norm, params and records are bitwise those of the step that reads them for
+    it. (The early step, off here, holds the gradients of a step it defers and notes their norms itself.)"""
     runs = []
     for name in ("backward", "read"):
         cfg = cfg_for(tmp_path / name, "nvme", "nvme", gradient_clipping=0.05, **extra)
         m, _ = build(TinyLM, cfg)
         e = engine_for(m, cfg)
+        e.early_step = False
         e.grad_stash_bytes = 0
         if name == "read":
             for gs in e._grad_stores:

@@ -156,16 +156,18 @@ class NvmeGrads(GradStore):
         """The engine key holding ``st``'s committed gradient (None: none)."""
         return self.ns._live.get(self.key(st))
 
-    def applied(self, st: ParamState, grad: torch.Tensor) -> None:
+    def applied(self, st: ParamState, grad: torch.Tensor, norm: bool = False) -> None:
         """Note that this backward gave ``st`` its first gradient ``grad``, which `zswap.earlystep` applies
         and does not keep (see the module docstring); its norm is noted as `add` notes it, for the step's
-        overflow check. `unapply` takes the note back."""
+        overflow check and clipping, and always with ``norm`` (an update deferred to the step, which
+        needs the norm of every gradient even where clipping is decided after backward, and cannot read
+        this one). `unapply` takes the note back."""
         gen = self._generation()
         if gen._error is not None:
             return
         key = self.key(st)
         self._gen_meta[key] = (grad.numel(), grad.dtype)
-        self._note_norm(key, grad)
+        self._note_norm(key, grad, norm)
         self._gen_applied.add(key)
 
     def unapply(self, st: ParamState) -> None:
@@ -243,8 +245,8 @@ class NvmeGrads(GradStore):
         self.ns.put(key, part, gen)
         return part
 
-    def _note_norm(self, key: str, value: torch.Tensor) -> None:
-        if self.norms_wanted():
+    def _note_norm(self, key: str, value: torch.Tensor, always: bool = False) -> None:
+        if always or self.norms_wanted():
             self._gen_norms[key] = torch.linalg.vector_norm(value, 2.0, dtype=torch.float32)
         else:
             self._gen_norms.pop(key, None)

@@ -325,7 +325,7 @@ class EarlyStep:
         back from here on). The gradient to apply; ``None`` once this backward's writes failed (its end
         raises; the early step gave up)."""
         if not self.keeping:
-            cast(NvmeGrads, self.gs).applied(st, part)
+            cast(NvmeGrads, self.gs).applied(st, part, norm=self.factor is None)  # deferred: read no more
             return part
         stored = add(st, part, self.allowance if self.guess.keep else 0)
         if stored is None:
