@@ -142,12 +142,17 @@ def main() -> None:
             # Past the early step's cap (the live budget alone): a deferred step holds the copies and
             # gradients that fit, and the records past it take the ordinary step in the same commit.
             earlystep.CAP_EXTRA, extra = 0, earlystep.CAP_EXTRA
-            for device, resident in ((False, False), (True, False), (False, True)):
+            for device, resident, gas in (
+                (False, False, 1),
+                (True, False, 1),
+                (False, True, 1),
+                (False, False, 2),
+            ):
                 seen = check(
-                    root / f"cap-{device}-{resident}",
+                    root / f"cap-{device}-{resident}-{gas}",
                     rank,
                     [1e6, 1e-3, 1e-3, 1e-3],
-                    1,
+                    gas,
                     [0, 0, 0, 0],
                     device,
                     partly=[0, 0, 1, 1],
