@@ -27,6 +27,7 @@ from .conftest import run_ranks
 from .test_earlystep import model_bytes, state
 from .test_faults import cfg_for, engine_of, inject, same
 from .test_runtime import TinyLM, build, engine_for, ids, sq
+from .test_speculation import resident_twins
 
 SETUPS = [("nvme", "cpu"), ("cpu", "nvme"), ("cpu", "cpu")]
 """(offload_param.device, offload_optimizer.device)"""
@@ -340,26 +341,9 @@ def test_two_ranks_update_their_partitions_in_backward_bitwise(tmp_path):
 def test_resident_params_with_states_in_memory_read_nothing(clip, tmp_path):
     """``offload_param.max_in_cpu`` covering the model, states in CPU memory: the updated copies become
     the gathered copies at the commit, so a warm step reads nothing and writes the params once."""
-    runs = []
-    for name, early in (("early", True), ("plain", False)):
-        cfg = cfg_for(tmp_path / name, "nvme", "cpu", stage3_max_live_parameters=100_000)
-        cfg["offload_param"]["max_in_cpu"] = 10**9
-        m, _ = build(TinyLM, cfg)
-        e = engine_for(m, cfg, max_grad_norm=clip)
-        e.early_step = early
-        runs.append((m, e))
-    (m, e), (ref, ref_e) = runs
-    for step in range(4):
-        for mm, ee in runs:
-            ee.stats(reset=True)
-            ee.backward(sq(mm(ids(seed=step))))
-            ee.step()
-        s = e.stats()
-        assert same(state(m, e), state(ref, ref_e)), step
+    s, nbytes = resident_twins(tmp_path, "cpu", clip)
     assert s["steps_in_backward"] + s["steps_deferred"] == 1
-    assert (s["bytes_read"], s["bytes_written"]) == (0, model_bytes(m))
-    for _, ee in runs:
-        ee.close()
+    assert (s["bytes_read"], s["bytes_written"]) == (0, nbytes)
 
 
 @pytest.mark.parametrize("change", ["lr", "written"])

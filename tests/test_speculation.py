@@ -301,10 +301,19 @@ def test_resident_params_are_updated_in_backward_and_read_no_more(clip, past_cap
     it in their gathered copies)."""
     if past_cap:
         monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
+    s, nbytes = resident_twins(tmp_path, "nvme", clip, live=1500 if past_cap else 100_000)
+    assert s["steps_in_backward"] + s["steps_deferred"] == 1
+    assert s["steps_deferred_partly"] == past_cap
+    assert (s["bytes_read"], s["bytes_written"]) == (2 * nbytes, 3 * nbytes)
+
+
+def resident_twins(tmp_path: Path, states: str, clip: float | None, live: int = 100_000) -> tuple[Any, int]:
+    """Twins (the early step on, off) with every param resident (``max_in_cpu``), params on NVMe and the
+    AdamW states on ``states``, ``stage3_max_live_parameters`` ``live``: 4 steps, bitwise alike after each.
+    Returns the early twin's stats of the last step and the params' bytes."""
     runs = []
     for name, early in (("early", True), ("plain", False)):
-        d = tmp_path / name
-        cfg = cfg_for(d, "nvme", "nvme", stage3_max_live_parameters=1500 if past_cap else 100_000)
+        cfg = cfg_for(tmp_path / name, "nvme", states, stage3_max_live_parameters=live)
         cfg["offload_param"]["max_in_cpu"] = 10**9
         mm, _ = build(TinyLM, cfg)
         ee = engine_for(mm, cfg, max_grad_norm=clip)
@@ -319,11 +328,9 @@ def test_resident_params_are_updated_in_backward_and_read_no_more(clip, past_cap
             ee.step()
         s = e.stats()  # before `state` reads the records itself
         assert same(state(m, e), state(ref, ref_e)), step
-    assert s["steps_in_backward"] + s["steps_deferred"] == 1
-    assert s["steps_deferred_partly"] == past_cap
-    assert (s["bytes_read"], s["bytes_written"]) == (2 * nbytes, 3 * nbytes)
     e.close()
     ref_e.close()
+    return s, nbytes
 
 
 def test_backwards_summed_with_accumulation_steps_1_stop_the_update_in_backward(tmp_path):
