@@ -1,0 +1,162 @@
+"""The step pipeline on model shapes that bend its bookkeeping, against plain PyTorch in RAM (fused AdamW or
+Adam after ``clip_grad_norm_``): tied weights (one record, one gradient summed from two uses), frozen params
+(no gradient, no record), and a branch taken on every other step (a param whose gradient is missing on half
+the steps: plain PyTorch leaves it and its moments alone then, and so must the update in backward). Params
+after 5 optimizer steps and every step's gradient norm must be bitwise equal, and the steps after the first
+must have taken the fast path (in backward, or deferred where clipping bites) wherever the setup allows it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zswap
+from zswap.device import StandInDevice
+
+from .conftest import run_ranks
+
+VOCAB, STEPS = 11, 5
+
+
+class Shaped(nn.Module):
+    def __init__(self, kind: str, width: int = 16) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(VOCAB, width)
+        self.a = nn.Linear(width, 2 * width)
+        self.b = nn.Linear(2 * width, width)
+        self.c = nn.Linear(width, width, bias=False)  # used by "branch" on even steps only
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        if kind == "tied":
+            self.head.weight = self.emb.weight
+        if kind == "frozen":
+            self.a.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.b(torch.tanh(self.a(h)))
+        if self.kind == "branch" and step % 2 == 0:
+            h = h + self.c(h)
+        logits = self.head(self.ln(h)).flatten(0, 1)
+        return nn.functional.cross_entropy(logits, ids.roll(1, 1).flatten()) * 30  # norms well above 1
+
+
+def batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (3, 5), generator=g) for _ in range(n)]
+
+
+def plain(
+    kind: str, adam: str, gas: int, clip: float | None, world: int = 1
+) -> tuple[list[torch.Tensor], list[float]]:
+    """Params after 5 optimizer steps in RAM and each step's norm. ``world`` > 1: DDP's gradients —
+    rank r's micro-batch i is ``batches(...)[i * world + r]``, each micro-batch's gradients averaged over
+    the ranks, then summed over the micro-batches (as zswap adds each averaged partition)."""
+    torch.manual_seed(0)
+    ref = Shaped(kind)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    cls = torch.optim.AdamW if adam == "AdamW" else torch.optim.Adam
+    opt = cls(trainable, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01, fused=True)
+    xs, norms = batches(STEPS * gas * world), []
+    for s in range(STEPS):
+        total: list[torch.Tensor | None] = [None] * len(trainable)
+        for k in range(gas):
+            ranks = []
+            for r in range(world):
+                (ref(xs[(s * gas + k) * world + r], s) / gas).backward()
+                ranks.append([p.grad for p in trainable])
+                ref.zero_grad(set_to_none=True)
+            for i, gs in enumerate(zip(*ranks, strict=True)):
+                if gs[0] is not None:
+                    avg = gs[0] if world == 1 else sum(gs[1:], gs[0]) / world
+                    total[i] = avg if total[i] is None else total[i] + avg
+        for p, g in zip(trainable, total, strict=True):
+            p.grad = g
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, clip)))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in ref.parameters()], norms
+
+
+def through_zswap(
+    tmp_path: Path, kind: str, adam: str, setup: dict[str, Any], mine: list[torch.Tensor] | None = None
+) -> tuple[list[torch.Tensor], list[float | None], dict[str, Any]]:
+    """Params after 5 optimizer steps, each step's norm where clipping, and the stats; ``mine``: this
+    rank's micro-batches (default `batches`)."""
+    gas, clip = setup["gas"], setup["clip"]
+    params: dict[str, Any] = {"device": setup["tiers"][0], "nvme_path": str(tmp_path)}
+    if setup.get("max_in_cpu"):
+        params["max_in_cpu"] = setup["max_in_cpu"]
+    cfg: dict[str, Any] = {
+        "offload_param": params,
+        "offload_optimizer": {"device": setup["tiers"][1], "nvme_path": str(tmp_path)},
+        "optimizer": {
+            "type": adam,
+            # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false; torch.optim.Adam does not
+            "params": {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.01}
+            | ({"adam_w_mode": False} if adam == "Adam" else {}),
+        },
+        "gradient_accumulation_steps": gas,
+        **({"gradient_clipping": clip} if clip else {}),
+    }
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = Shaped(kind)
+    device = StandInDevice() if setup["device"] == "standin" else "cpu"
+    xs = mine or batches(STEPS * gas)
+    norms: list[float | None] = []
+    with zswap.initialize(model, cfg, device=device) as engine:
+        for s in range(STEPS):
+            for k in range(gas):
+                engine.backward(model(xs[s * gas + k], s))
+                engine.step()
+            if clip:
+                norms.append(engine.last_grad_norm)
+        stats = engine.stats()
+        with zswap.GatheredParameters(list(model.parameters())):
+            got = [p.detach().clone() for p in model.parameters()]
+    return got, norms, stats
+
+
+SETUPS: dict[str, dict[str, Any]] = {
+    "nvme": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": None},
+    "nvme-clip-bites-gas2": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 2, "clip": 1.0},
+    "stand-in-clip-idle": {"tiers": ("nvme", "nvme"), "device": "standin", "gas": 1, "clip": 1e6},
+    "stand-in-clip-bites": {"tiers": ("nvme", "cpu"), "device": "standin", "gas": 1, "clip": 1.0},
+    "some-resident-gas3": {
+        "tiers": ("nvme", "cpu"),
+        "device": "cpu",
+        "gas": 3,
+        "clip": None,
+        "max_in_cpu": 300,
+    },
+    "all-in-memory-clip": {"tiers": ("cpu", "cpu"), "device": "cpu", "gas": 1, "clip": 5.0},
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
+@pytest.mark.parametrize("kind", ["tied", "frozen", "branch"])
+def test_model_shapes_train_bitwise_plain_pytorch(kind, setup, tmp_path):
+    adam = "Adam" if setup.startswith("stand-in") else "AdamW"
+    want, want_norms = plain(kind, adam, SETUPS[setup]["gas"], SETUPS[setup]["clip"])
+    got, norms, stats = through_zswap(tmp_path, kind, adam, SETUPS[setup])
+    assert norms == want_norms
+    differ = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not torch.equal(g, w)]
+    assert differ == [], (kind, setup)
+    # the first step makes the optimizer's records; every later one takes the fast path
+    assert stats["steps_ordinary"] == 1, stats["steps_ordinary_reason"]
+    assert stats["steps_in_backward"] + stats["steps_deferred"] == STEPS - 1
+
+
+@pytest.mark.dist
+def test_model_shapes_over_two_ranks_match_ddp(tmp_path):
+    """See `_step_shapes_dist_worker.py`: DDP's averaged gradients as the reference, bitwise where clipping
+    does not bite."""
+    run_ranks(Path(__file__).with_name("_step_shapes_dist_worker.py"), tmp_path)
