@@ -41,7 +41,7 @@ def check(kind: str, name: str, rank: int, world: int, root: Path) -> None:
     d.mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
-        got, norms, stats = through_zswap(d, kind, "AdamW", setup, mine)
+        got, norms, stats = through_zswap(d, kind, setup, mine)
     assert stats["steps_ordinary"] == 1, (kind, name, stats["steps_ordinary_reason"])
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-6, atol=0)
     if clip == 1.0:  # bites on every step

@@ -86,11 +86,11 @@ def plain(
 
 
 def through_zswap(
-    tmp_path: Path, kind: str, adam: str, setup: dict[str, Any], mine: list[torch.Tensor] | None = None
+    tmp_path: Path, kind: str, setup: dict[str, Any], mine: list[torch.Tensor] | None = None
 ) -> tuple[list[torch.Tensor], list[float | None], dict[str, Any]]:
     """Params after 5 optimizer steps, each step's norm where clipping, and the stats; ``mine``: this
     rank's micro-batches (default `batches`)."""
-    gas, clip = setup["gas"], setup["clip"]
+    gas, clip, adam = setup["gas"], setup["clip"], setup.get("adam", "AdamW")
     params: dict[str, Any] = {"device": setup["tiers"][0], "nvme_path": str(tmp_path)}
     if setup.get("max_in_cpu"):
         params["max_in_cpu"] = setup["max_in_cpu"]
@@ -125,11 +125,24 @@ def through_zswap(
     return got, norms, stats
 
 
+# "adam": the optimizer type (default "AdamW")
 SETUPS: dict[str, dict[str, Any]] = {
     "nvme": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": None},
     "nvme-clip-bites-gas2": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 2, "clip": 1.0},
-    "stand-in-clip-idle": {"tiers": ("nvme", "nvme"), "device": "standin", "gas": 1, "clip": 1e6},
-    "stand-in-clip-bites": {"tiers": ("nvme", "cpu"), "device": "standin", "gas": 1, "clip": 1.0},
+    "stand-in-clip-idle": {
+        "tiers": ("nvme", "nvme"),
+        "device": "standin",
+        "gas": 1,
+        "clip": 1e6,
+        "adam": "Adam",
+    },
+    "stand-in-clip-bites": {
+        "tiers": ("nvme", "cpu"),
+        "device": "standin",
+        "gas": 1,
+        "clip": 1.0,
+        "adam": "Adam",
+    },
     "some-resident-gas3": {
         "tiers": ("nvme", "cpu"),
         "device": "cpu",
@@ -144,9 +157,9 @@ SETUPS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
 @pytest.mark.parametrize("kind", ["tied", "frozen", "branch"])
 def test_model_shapes_train_bitwise_plain_pytorch(kind, setup, tmp_path):
-    adam = "Adam" if setup.startswith("stand-in") else "AdamW"
-    want, want_norms = plain(kind, adam, SETUPS[setup]["gas"], SETUPS[setup]["clip"])
-    got, norms, stats = through_zswap(tmp_path, kind, adam, SETUPS[setup])
+    chosen = SETUPS[setup]
+    want, want_norms = plain(kind, chosen.get("adam", "AdamW"), chosen["gas"], chosen["clip"])
+    got, norms, stats = through_zswap(tmp_path, kind, chosen)
     assert norms == want_norms
     differ = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not torch.equal(g, w)]
     assert differ == [], (kind, setup)
