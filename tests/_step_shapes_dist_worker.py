@@ -5,7 +5,8 @@ Each rank trains `Shaped` (tied weights, a branch taken on every other step) on 
 reference is plain PyTorch on DDP's averaged gradients. Without clipping, or with clipping that does not
 bite, params are bitwise equal. The global norm is built from each rank's partition norms (DDP's
 ``clip_grad_norm_`` takes each whole gradient's norm), so it agrees to rounding, and where clipping bites
-so do the params.
+so do the params. An lr set between backward and step on every step defers every step after the first,
+bitwise too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
-from tests.test_step_shapes import STEPS, batches, plain, through_zswap
+from tests.test_step_shapes import STEPS, batches, plain, through_zswap, warmup_cosine
 
 SETUPS: dict[str, dict[str, Any]] = {
     "nvme": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": None},
@@ -32,19 +33,26 @@ SETUPS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def check(kind: str, name: str, rank: int, world: int, root: Path) -> None:
+def check(kind: str, name: str, rank: int, world: int, root: Path, scheduled: bool = False) -> None:
+    """``scheduled``: the lr set between backward and step on every step (`warmup_cosine`): every step
+    after the first is deferred."""
     setup = SETUPS[name]
     gas, clip = setup["gas"], setup["clip"]
-    want, want_norms = plain(kind, "AdamW", gas, clip, world)
+    lr_at = warmup_cosine if scheduled else None
+    want, want_norms = plain(kind, "AdamW", gas, clip, world, lr_at=lr_at)
     mine = batches(STEPS * gas * world)[rank::world]
-    d = root / f"{kind}-{name}-{rank}"
+    d = root / f"{kind}-{name}-{rank}{'-scheduled' if scheduled else ''}"
     d.mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
-        got, norms, stats = through_zswap(d, kind, setup, mine)
+        got, norms, stats = through_zswap(d, kind, setup, mine, lr_at=lr_at)
     assert stats["steps_ordinary"] == 1, (kind, name, stats["steps_ordinary_reason"])
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-6, atol=0)
-    if clip == 1.0:  # bites on every step
+    if scheduled and clip != 1.0:
+        assert stats["steps_deferred"] == STEPS - 1, (kind, name, stats)
+        differ = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not torch.equal(g, w)]
+        assert differ == [], (kind, name, "scheduled")
+    elif clip == 1.0:  # bites on every step
         assert stats["steps_deferred"] == STEPS - 1, (kind, name, stats)
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"{kind} {name} param {i}")
@@ -62,6 +70,7 @@ def main() -> None:
         for kind in ("tied", "branch"):
             for name in SETUPS:
                 check(kind, name, rank, world, root)
+        check("tied", "nvme", rank, world, root, scheduled=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()

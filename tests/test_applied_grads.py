@@ -468,7 +468,8 @@ def test_keep_applied_grads_takes_true_false_or_auto_and_refuses_anything_else(t
 def test_auto_keeps_them_after_the_error_so_the_same_change_then_falls_back(tmp_path):
     """ "auto" (the default): an lr change between backward and step raises once, and the error says "auto"
     keeps the gradients from the next backward on; it does: after zero_grad the same kind of change falls
-    back to the ordinary step, bitwise the twin's."""
+    back to the ordinary step, bitwise the twin's. The step after one that changed the lr is deferred (its
+    update waits for the step, and takes the lr set there); after one without a change, in backward."""
     pairs, before, e = _before_step(tmp_path, keep="auto")  # type: ignore[arg-type]
     (m, _), (ref, ref_e) = pairs
     assert e.keep_applied_grads == "auto" and not e._keeps_applied_grads()
@@ -484,10 +485,18 @@ def test_auto_keeps_them_after_the_error_so_the_same_change_then_falls_back(tmp_
         sq(mm(ids(seed=1))).backward()  # kept this time
     for _, ee in pairs:
         ee.optimizer.param_groups[0]["lr"] = 1e-2  # changed between backward and step again
+        ee.step()  # deferred, after the change that raised: updated here, with this lr
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 1 and e.stats()["steps_deferred"] == 1
+    train(pairs, 2)  # deferred too (the step before it changed the lr), and it changes nothing
+    train(pairs, 4)  # so this one runs in backward again, gradients kept
+    assert same(state(m, e), state(ref, ref_e))
+    assert e.stats()["steps_deferred"] == 2 and e.stats()["steps_in_backward"] == 1
+    for mm, ee in pairs:
+        sq(mm(ids(seed=3))).backward()
+        ee.optimizer.param_groups[0]["lr"] = 2e-2
         ee.step()  # the early one falls back to the ordinary step instead of raising
     assert same(state(m, e), state(ref, ref_e))
-    assert e._early.commits == 0
-    train(pairs, 2)  # and goes on early, gradients kept
-    assert same(state(m, e), state(ref, ref_e)) and e._early.commits == 1
+    assert e._early.commits == 3 and "a param group's lr" in e._early.why
     for _, ee in pairs:
         ee.close()

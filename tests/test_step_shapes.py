@@ -8,6 +8,8 @@ must have taken the fast path (in backward, or deferred where clipping bites) wh
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +54,18 @@ def batches(n: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (3, 5), generator=g) for _ in range(n)]
 
 
+def warmup_cosine(step: int) -> float:
+    """A learning rate per optimizer step, as training scripts set it between backward and step."""
+    return 1e-2 * min(1.0, (step + 1) / 2) * (0.5 + 0.5 * math.cos(math.pi * step / STEPS))
+
+
 def plain(
-    kind: str, adam: str, gas: int, clip: float | None, world: int = 1
+    kind: str,
+    adam: str,
+    gas: int,
+    clip: float | None,
+    world: int = 1,
+    lr_at: Callable[[int], float] | None = None,
 ) -> tuple[list[torch.Tensor], list[float]]:
     """Params after 5 optimizer steps in RAM and each step's norm. ``world`` > 1: DDP's gradients —
     rank r's micro-batch i is ``batches(...)[i * world + r]``, each micro-batch's gradients averaged over
@@ -80,16 +92,24 @@ def plain(
             p.grad = g
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, clip)))
+        if lr_at is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(s)
         opt.step()
         opt.zero_grad()
     return [p.detach() for p in ref.parameters()], norms
 
 
 def through_zswap(
-    tmp_path: Path, kind: str, setup: dict[str, Any], mine: list[torch.Tensor] | None = None
+    tmp_path: Path,
+    kind: str,
+    setup: dict[str, Any],
+    mine: list[torch.Tensor] | None = None,
+    lr_at: Callable[[int], float] | None = None,
 ) -> tuple[list[torch.Tensor], list[float | None], dict[str, Any]]:
     """Params after 5 optimizer steps, each step's norm where clipping, and the stats; ``mine``: this
-    rank's micro-batches (default `batches`)."""
+    rank's micro-batches (default `batches`); ``lr_at``: the lr each optimizer step takes, set on the
+    optimizer's param groups between the boundary backward and its step."""
     gas, clip, adam = setup["gas"], setup["clip"], setup.get("adam", "AdamW")
     params: dict[str, Any] = {"device": setup["tiers"][0], "nvme_path": str(tmp_path)}
     if setup.get("max_in_cpu"):
@@ -116,6 +136,9 @@ def through_zswap(
         for s in range(STEPS):
             for k in range(gas):
                 engine.backward(model(xs[s * gas + k], s))
+                if lr_at is not None and k == gas - 1:
+                    for g in engine.optimizer.param_groups:
+                        g["lr"] = lr_at(s)
                 engine.step()
             if clip:
                 norms.append(engine.last_grad_norm)
@@ -166,6 +189,23 @@ def test_model_shapes_train_bitwise_plain_pytorch(kind, setup, tmp_path):
     # the first step makes the optimizer's records; every later one takes the fast path
     assert stats["steps_ordinary"] == 1, stats["steps_ordinary_reason"]
     assert stats["steps_in_backward"] + stats["steps_deferred"] == STEPS - 1
+
+
+@pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
+def test_an_lr_set_between_backward_and_step_on_every_step_is_the_one_applied(setup, tmp_path):
+    """A schedule applied by hand between backward and step (``g["lr"] = lr_at(step)`` right before
+    ``optimizer.step()``, as many training scripts do): the first step sees the lr move since its backward
+    began, so every later one defers its update to the step, where it takes the lr just set — bitwise plain
+    PyTorch, no error, and none of them the ordinary step."""
+    chosen = SETUPS[setup]
+    adam = chosen.get("adam", "AdamW")
+    want, want_norms = plain("tied", adam, chosen["gas"], chosen["clip"], lr_at=warmup_cosine)
+    got, norms, stats = through_zswap(tmp_path, "tied", chosen, lr_at=warmup_cosine)
+    assert norms == want_norms
+    differ = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not torch.equal(g, w)]
+    assert differ == [], setup
+    assert stats["steps_ordinary"] == 1, stats["steps_ordinary_reason"]
+    assert stats["steps_deferred"] == STEPS - 1, stats
 
 
 @pytest.mark.dist

@@ -32,7 +32,17 @@ def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool
     """At `Engine.step`, before the step computes its gradient scale: keep the early step only if it is
     the step the engine would take now, whatever that scale (see the module docstring); True if kept.
     Otherwise it is dropped, or, where it let go of gradients the ordinary step needs, this raises
-    `GradientsNotKeptError`."""
+    `GradientsNotKeptError`. Notes whether the hyper-parameters moved since the backward began
+    (`EarlyStep.hypers_moved`), for the next step's plan."""
+    moved = es.begun_hyper is not None and _hyper(es.opt) != es.begun_hyper
+    es.begun_hyper = None
+    try:
+        return _prepare(es, items)
+    finally:
+        es.hypers_moved = moved  # after `mismatch`, which compares the plan of this step's backward
+
+
+def _prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
     if es.state != "running" or not es.ended:  # not begun, dropped, or its backward raised (then
         if es.state == "running":
             es.why = "its backward did not reach its end"
@@ -247,7 +257,8 @@ def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str
         return "it updated no record (the first step makes the optimizer's records)"
     if es.reads or es.writes or es.early:
         return "its transfers did not all settle in backward"
-    if _hyper(es.opt) != es.hyper:
+    # Deferred, every record is updated at the step, with the hyper-parameters it finds then.
+    if es.guess.factor is not None and _hyper(es.opt) != es.hyper:
         return "a param group's lr, betas, eps or weight_decay changed between backward and step"
     if tuple(es.opt.records.sub_groups) != es.layout or list(es.opt.records.steps) != es.steps:
         return "the optimizer's sub-groups or step counters changed between backward and step"

@@ -9,8 +9,10 @@ will use if clipping does not bite — ``1 / loss scale`` exactly, the float the
 the two are the same float. A different factor (clipping bit) drops the staged update and the ordinary step
 runs from the kept gradients; non-finite gradients drop it and the step is skipped, as it would have been.
 Either way the result is bitwise the ordinary step's. After a step whose clipping bit, the next one is
-not speculated (the factor will most likely differ again): the ordinary step runs until a step finds
-clipping inactive.
+not speculated (the factor will most likely differ again) but *deferred*: the copies and gradients are
+held through backward and every record updated at the step, with its factor, until a step finds clipping
+inactive. So is the step after one whose param groups' hyper-parameters changed between backward and step
+(a schedule applied right before ``step()``): deferred, the update takes the values set there.
 
 With gradient accumulation the update runs in the boundary micro-batch's backward: the micro-batches
 before it have their gradients summed in the store (in memory within the early step's ``room``, written
@@ -87,7 +89,10 @@ def planner(engine: Any, optimizer: Any, ranks: int) -> Callable[[], Guess | str
             return MICRO_BATCH
         clipping = engine.max_grad_norm is not None or engine.clipping_after_backward
         sums = engine._gas > 1 or ends is not None  # a window of one (an epoch's last) sums nothing
-        if clipping and engine._clipped:  # deferred: the gradients it holds are applied at the step only
+        # Deferred (the gradients it holds are applied at the step only): after a step whose clipping bit,
+        # or one whose hyper-parameters were set between backward and step (a schedule applied there).
+        moved = engine._early is not None and engine._early.hypers_moved
+        if (clipping and engine._clipped) or moved:
             return Guess(None, keep=sums, sums=sums, ranks=ranks)
         loss_scale = engine.loss_scale if engine._scaled_backward else 1.0
         return Guess(1.0 / loss_scale, keep=clipping or sums, sums=sums, ranks=ranks)
