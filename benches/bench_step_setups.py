@@ -35,6 +35,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "CPU, clipping 1e6 (never bites)": {"gradient_clipping": 1e6},
     "CPU, clipping 1e-4 (always bites)": {"gradient_clipping": 1e-4},
     "CPU, GAS 2": {"gradient_accumulation_steps": 2},
+    "CPU, lr set between backward and step": {"lr_before_step": True},
     "CPU, max_in_cpu over the model": {"max_in_cpu": True},
     "CPU, optimizer states in CPU memory": {"states": "cpu"},
     "CPU, params in CPU memory": {"params": "cpu"},
@@ -100,10 +101,13 @@ def _run(
     nbytes = sum(zswap.param_state(p).numel * 4 for p in model.parameters())  # the whole model's
     g = torch.Generator().manual_seed(seed)
     with engine:
-        for _ in range(steps):
+        for step in range(steps):
             engine.stats(reset=True)
             for _ in range(gas):
                 engine.backward(engine(torch.randn(8, 256, generator=g)).square().mean())
+                if setup.get("lr_before_step"):  # a schedule applied right before the step
+                    for group in engine.optimizer.param_groups:
+                        group["lr"] = 1e-3 / (1 + step)
                 engine.step()
             s = engine.stats()
     shutil.rmtree(d, ignore_errors=True)

@@ -34,7 +34,7 @@ def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool
     Otherwise it is dropped, or, where it let go of gradients the ordinary step needs, this raises
     `GradientsNotKeptError`. Notes whether the hyper-parameters moved since the backward began
     (`EarlyStep.hypers_moved`), for the next step's plan."""
-    moved = es.begun_hyper is not None and _hyper(es.opt) != es.begun_hyper
+    moved = es.begun_hyper is not None and hyper_seen(es.opt) != es.begun_hyper
     es.begun_hyper = None
     try:
         return _prepare(es, items)
@@ -353,6 +353,12 @@ def _hyper(opt: OffloadedAdamW) -> list[tuple[Any, ...]]:
         (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"], g["decoupled_weight_decay"])
         for g in opt.param_groups
     ]
+
+
+def hyper_seen(opt: OffloadedAdamW) -> tuple[list[tuple[Any, ...]], list[int]]:
+    """Each param group's hyper-parameters and how many times they were assigned (`ParamGroup.writes`):
+    changed between two calls if either differs."""
+    return _hyper(opt), [getattr(g, "writes", 0) for g in opt.param_groups]
 
 
 def _wanted(gs: object) -> None:

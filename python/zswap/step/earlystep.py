@@ -198,11 +198,13 @@ class EarlyStep:
         self.accumulates = False
         """A second backward came before `Engine.step` with ``gradient_accumulation_steps`` 1: none is
         begun any more (`speculation.ACCUMULATES`)."""
-        self.begun_hyper: list[tuple[Any, ...]] | None = None
-        """Each param group's hyper-parameters when the last backward began (`_begin`), for `prepare`."""
+        self.begun_hyper: tuple[list[tuple[Any, ...]], list[int]] | None = None
+        """The param groups' hyper-parameters and assignment counts when the last backward began
+        (`early_commit.hyper_seen`, at `_begin`), for `prepare`."""
         self.hypers_moved = False
-        """The last step found them changed since its backward began (a learning rate set between
-        ``backward`` and ``step``): the next step's update waits for the step (`speculation.planner`)."""
+        """The last step found them set since its backward began (a learning rate assigned between
+        ``backward`` and ``step``, even to the same value): the next step's update waits for the step
+        (`speculation.planner`)."""
         self._reset()
 
     # -- backward side ---------------------------------------------------------------------------------
@@ -380,7 +382,7 @@ class EarlyStep:
         gs = store_of(st)
         if task == -1:
             return  # a gradient added outside a backward
-        self.begun_hyper = _hyper(self.opt)
+        self.begun_hyper = early_commit.hyper_seen(self.opt)
         # The callback holds ``alive`` until autograd drops it with its graph task: at the end of this
         # backward, or when it raised. While it is held, a gradient of another task is of a backward run
         # inside this one, not of the next.

@@ -11,8 +11,8 @@ runs from the kept gradients; non-finite gradients drop it and the step is skipp
 Either way the result is bitwise the ordinary step's. After a step whose clipping bit, the next one is
 not speculated (the factor will most likely differ again) but *deferred*: the copies and gradients are
 held through backward and every record updated at the step, with its factor, until a step finds clipping
-inactive. So is the step after one whose param groups' hyper-parameters changed between backward and step
-(a schedule applied right before ``step()``): deferred, the update takes the values set there.
+inactive. So is the step after one whose param groups' hyper-parameters were assigned between backward and
+step (a schedule applied right before ``step()``): deferred, the update takes the values set there.
 
 With gradient accumulation the update runs in the boundary micro-batch's backward: the micro-batches
 before it have their gradients summed in the store (in memory within the early step's ``room``, written
@@ -90,7 +90,7 @@ def planner(engine: Any, optimizer: Any, ranks: int) -> Callable[[], Guess | str
         clipping = engine.max_grad_norm is not None or engine.clipping_after_backward
         sums = engine._gas > 1 or ends is not None  # a window of one (an epoch's last) sums nothing
         # Deferred (the gradients it holds are applied at the step only): after a step whose clipping bit,
-        # or one whose hyper-parameters were set between backward and step (a schedule applied there).
+        # or one whose hyper-parameters were assigned between backward and step (a schedule applied there).
         moved = engine._early is not None and engine._early.hypers_moved
         if (clipping and engine._clipped) or moved:
             return Guess(None, keep=sums, sums=sums, ranks=ranks)

@@ -65,6 +65,23 @@ def config_kwargs(
     return kwargs, owned
 
 
+HYPER_KEYS = frozenset({"lr", "betas", "eps", "weight_decay", "decoupled_weight_decay"})
+
+
+class ParamGroup(dict[str, Any]):
+    """A param group of `OffloadedAdamW`: a dict, as torch's, that also counts the assignments to its
+    hyper-parameters (``group["lr"] = ...``), same value or not. The early step reads the count to tell a
+    loop that sets them between backward and step — from its first step, when the value set may still
+    equal the one it replaces (`zswap.step.early_commit.prepare`)."""
+
+    writes = 0
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key in HYPER_KEYS:
+            self.writes += 1
+
+
 def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if isinstance(lr, torch.Tensor):
         lr = float(lr)

@@ -24,7 +24,7 @@ import torch
 
 from ...parts.params import param_state
 from ...store.storage import Transaction, step_transaction
-from ._build import PathArg, Pipeline, check_hyper, config_kwargs, make_store
+from ._build import ParamGroup, PathArg, Pipeline, check_hyper, config_kwargs, make_store
 from ._kernel import cpu_adam_step, torch_tail
 from ._layout import SubGroup, cut, default_sub_group_size
 from ._records import Records
@@ -145,7 +145,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         merged = {**self.defaults, **param_group}
         check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
-        super().add_param_group(param_group)
+        super().add_param_group(ParamGroup(param_group))  # torch keeps the dict it is given
         added = self.param_groups[-1]["params"]
         self._params.extend(added)
         self._group_of.extend([len(self.param_groups) - 1] * len(added))
