@@ -44,6 +44,11 @@ def warn_if_launch_without_dist(group: ProcessGroup | None) -> None:
         )
 
 
+def is_gloo(group: ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group) runs on gloo, the CPU backend."""
+    return bool(torch.distributed.get_backend(group) == "gloo")
+
+
 def all_gather_flat(out: torch.Tensor, local: torch.Tensor, group: ProcessGroup | None) -> None:
     """Fill ``out`` (world × local.numel() elements) with every rank's ``local``, in rank order."""
     dist = torch.distributed

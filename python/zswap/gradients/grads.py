@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .. import _dist
 from ..device import Alloc, Copy, Device, ReusePool, on_host
 from ..parts.gather import no_torch_function
 from ..parts.params import Item, NvmeStore, ParamState, Status, param_state
@@ -232,6 +233,8 @@ def local_part(st: ParamState, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> None:
+    if _dist.is_gloo(st.group) and _sum_of_slices(out, flat, st):
+        return
     try:
         dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=st.group)
     except (RuntimeError, NotImplementedError) as exc:
@@ -243,6 +246,27 @@ def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> No
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=st.group)
         start = st.rank * st.partition_numel
         out.copy_(total[start : start + st.partition_numel])
+
+
+def _sum_of_slices(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> bool:
+    """gloo's reduce-scatter as one all-to-all — slice r of every rank's ``flat`` to rank r — and a sum of
+    the slices in rank order, ``((s0 + s1) + s2) + ...``: for two ranks the sum DDP's averaged gradients
+    hold, bitwise. gloo's own reduce-scatter costs 1.5–3.3 ms a call on loopback from 4 KiB to 1 MiB, the
+    all-to-all 0.2–0.9 ms (benches/README.md, "The step matrix"), and backward makes one per param.
+    False where this gloo has no all-to-all (every rank fails alike, so the caller's collectives still
+    line up)."""
+    got = torch.empty_like(flat)
+    try:
+        dist.all_to_all_single(got, flat, group=st.group)
+    except (RuntimeError, NotImplementedError) as exc:
+        if "support" not in str(exc).lower() and "implement" not in str(exc).lower():
+            raise
+        return False
+    parts = got.view(st.world_size, st.partition_numel)
+    torch.add(parts[0], parts[1], out=out)
+    for r in range(2, st.world_size):
+        out.add_(parts[r])
+    return True
 
 
 def full_grad(p: torch.Tensor) -> torch.Tensor | None:
