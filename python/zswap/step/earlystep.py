@@ -199,12 +199,10 @@ class EarlyStep:
         """A second backward came before `Engine.step` with ``gradient_accumulation_steps`` 1: none is
         begun any more (`speculation.ACCUMULATES`)."""
         self.begun_hyper: tuple[list[tuple[Any, ...]], list[int]] | None = None
-        """The param groups' hyper-parameters and assignment counts when the last backward began
-        (`early_commit.hyper_seen`, at `_begin`), for `prepare`."""
+        """`early_commit.hyper_seen` when the last backward began (`_begin`), for `prepare`."""
         self.hypers_moved = False
-        """The last step found them set since its backward began (a learning rate assigned between
-        ``backward`` and ``step``, even to the same value): the next step's update waits for the step
-        (`speculation.planner`)."""
+        """The last step found them assigned since its backward began (an lr set between ``backward`` and
+        ``step``, even to the same value): the next step's update waits for the step (`speculation`)."""
         self._reset()
 
     # -- backward side ---------------------------------------------------------------------------------
