@@ -32,7 +32,7 @@ def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool
     """At `Engine.step`, before the step computes its gradient scale: keep the early step only if it is
     the step the engine would take now, whatever that scale (see the module docstring); True if kept.
     Otherwise it is dropped, or, where it let go of gradients the ordinary step needs, this raises
-    `GradientsNotKeptError`. Notes whether the hyper-parameters moved since the backward began
+    `GradientsNotKeptError`. Notes whether the hyper-parameters were assigned since the backward began
     (`EarlyStep.hypers_moved`), for the next step's plan."""
     moved = es.begun_hyper is not None and hyper_seen(es.opt) != es.begun_hyper
     es.begun_hyper = None
