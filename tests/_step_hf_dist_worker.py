@@ -20,8 +20,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
-from tests._hf_archs import ARCHS, Arch
-from tests.test_step_hf import HYPER, STEPS, through_zswap
+from tests._hf_archs import ARCHS
+from tests.test_step_hf import STEPS, plain, through_zswap
 
 SETUPS: dict[str, dict[str, Any]] = {
     "nvme": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": None},
@@ -30,40 +30,9 @@ SETUPS: dict[str, dict[str, Any]] = {
 }
 
 
-def plain_ddp(arch: Arch, setup: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Rank r's micro-batch i is ``arch.loss_inputs(...)`` number ``i * world + r`` with seed ``100 + i *
-    world + r``; each micro-batch's gradients are averaged over the ranks, then summed over micro-batches."""
-    gas, clip = setup["gas"], setup["clip"]
-    torch.manual_seed(0)
-    ref = arch.build().train()
-    params = list(ref.parameters())
-    opt = torch.optim.AdamW(params, **HYPER, fused=True)
-    norms = []
-    for s in range(STEPS):
-        total: list[torch.Tensor | None] = [None] * len(params)
-        for k in range(gas):
-            ranks = []
-            for r in range(world):
-                i = (s * gas + k) * world + r
-                torch.manual_seed(100 + i)
-                (ref(**arch.loss_inputs(i + 1)).loss / gas).backward()
-                ranks.append([p.grad for p in params])
-                ref.zero_grad(set_to_none=True)
-            for j, gs in enumerate(zip(*ranks, strict=True)):
-                avg = sum(gs[1:], gs[0]) / world
-                total[j] = avg if total[j] is None else total[j] + avg
-        for p, g in zip(params, total, strict=True):
-            p.grad = g
-        if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach() for n, p in ref.named_parameters()}, norms
-
-
 def check(name: str, setup_name: str, rank: int, world: int, root: Path) -> None:
     arch, setup = ARCHS[name], SETUPS[setup_name]
-    want, want_norms = plain_ddp(arch, setup, world)
+    want, want_norms = plain(arch, setup, world)
     d = root / f"{name}-{setup_name}-{rank}"
     d.mkdir()
     mine = [(i + 1, 100 + i) for i in range(rank, STEPS * setup["gas"] * world, world)]

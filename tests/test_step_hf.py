@@ -83,19 +83,35 @@ def micro_batches(gas: int) -> list[tuple[int, int]]:
     return [(i + 1, 100 + i) for i in range(STEPS * gas)]
 
 
-def plain(arch: Arch, setup: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float]]:
+def plain(arch: Arch, setup: dict[str, Any], world: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Params after the steps in RAM and each step's norm. ``world`` > 1: DDP's gradients — rank r's
+    micro-batch i is `micro_batches`' number ``i * world + r``, each micro-batch's gradients averaged over
+    the ranks, then summed over the micro-batches (as zswap adds each averaged partition); one rank: the
+    same sum autograd accumulates."""
     gas, clip = setup["gas"], setup["clip"]
     torch.manual_seed(0)
     ref = arch.build().train()
-    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
-    xs, norms = micro_batches(gas), []
+    params = list(ref.parameters())
+    opt = torch.optim.AdamW(params, **HYPER, fused=True)
+    xs, norms = micro_batches(gas * world), []
     for s in range(STEPS):
+        total: list[torch.Tensor | None] = [None] * len(params)
         for k in range(gas):
-            inputs, dropout = xs[s * gas + k]
-            torch.manual_seed(dropout)  # the same dropout masks
-            (ref(**arch.loss_inputs(inputs)).loss / gas).backward()
+            ranks = []
+            for r in range(world):
+                inputs, dropout = xs[(s * gas + k) * world + r]
+                torch.manual_seed(dropout)  # the same dropout masks
+                (ref(**arch.loss_inputs(inputs)).loss / gas).backward()
+                ranks.append([p.grad for p in params])
+                ref.zero_grad(set_to_none=True)
+            for j, gs in enumerate(zip(*ranks, strict=True)):
+                if gs[0] is not None:
+                    avg = gs[0] if world == 1 else sum(gs[1:], gs[0]) / world
+                    total[j] = avg if total[j] is None else total[j] + avg
+        for p, g in zip(params, total, strict=True):
+            p.grad = g
         if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         opt.step()
         opt.zero_grad()
     return {n: p.detach() for n, p in ref.named_parameters()}, norms

@@ -238,7 +238,7 @@ def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> No
     try:
         dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=st.group)
     except (RuntimeError, NotImplementedError) as exc:
-        if "support" not in str(exc).lower() and "implement" not in str(exc).lower():
+        if not _unsupported(exc):
             raise
         # A backend without a flat reduce-scatter (gloo before torch 2.5): all-reduce, keep this rank's
         # slice. Every rank takes the same branch, so the collectives still line up.
@@ -259,7 +259,7 @@ def _sum_of_slices(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> boo
     try:
         dist.all_to_all_single(got, flat, group=st.group)
     except (RuntimeError, NotImplementedError) as exc:
-        if "support" not in str(exc).lower() and "implement" not in str(exc).lower():
+        if not _unsupported(exc):
             raise
         return False
     parts = got.view(st.world_size, st.partition_numel)
@@ -267,6 +267,12 @@ def _sum_of_slices(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> boo
     for r in range(2, st.world_size):
         out.add_(parts[r])
     return True
+
+
+def _unsupported(exc: BaseException) -> bool:
+    """Whether a collective failed because this backend does not have it (not for another reason)."""
+    text = str(exc).lower()
+    return "support" in text or "implement" in text
 
 
 def full_grad(p: torch.Tensor) -> torch.Tensor | None:

@@ -35,11 +35,11 @@ def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool
     `GradientsNotKeptError`. Notes whether the hyper-parameters were assigned since the backward began
     (`EarlyStep.hypers_moved`), for the next step's plan."""
     moved = es.begun_hyper is not None and hyper_seen(es.opt) != es.begun_hyper
-    es.begun_hyper = None
     try:
         return _prepare(es, items)
     finally:
         es.hypers_moved = moved  # after `mismatch`, which compares the plan of this step's backward
+        es.begun_hyper = None
 
 
 def _prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
@@ -258,7 +258,8 @@ def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str
     if es.reads or es.writes or es.early:
         return "its transfers did not all settle in backward"
     # Deferred, every record is updated at the step, with the hyper-parameters it finds then.
-    if es.guess.factor is not None and _hyper(es.opt) != es.hyper:
+    begun = es.begun_hyper  # taken as this backward began (`EarlyStep._begin`)
+    if es.guess.factor is not None and (begun is None or _hyper(es.opt) != begun[0]):
         return "a param group's lr, betas, eps or weight_decay changed between backward and step"
     if tuple(es.opt.records.sub_groups) != es.layout or list(es.opt.records.steps) != es.steps:
         return "the optimizer's sub-groups or step counters changed between backward and step"
@@ -307,7 +308,6 @@ def reset(es: EarlyStep) -> None:
     es.task = -1
     es.gs = None
     es.txn = None
-    es.hyper = []
     es.layout = ()
     es.steps = []
     es.by_param = {}

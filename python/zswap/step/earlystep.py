@@ -63,7 +63,7 @@ from ..parts.gather import no_torch_function
 from ..parts.params import GradStore, NvmeStore, ParamState, Status, local_slice
 from ..store.storage import Transaction, _memcpy
 from . import early_commit, early_device, early_memory, early_pipeline, speculation
-from .early_commit import _hyper, _wanted
+from .early_commit import _wanted
 from .early_memory import plain
 from .optim import OffloadedAdamW
 from .optim._layout import SubGroup
@@ -99,7 +99,6 @@ class EarlyStep:
     """The gradient scale the updates run with: the guess's, or, deferred, the step's (`finish_at`)."""
     gs: GradStore | None
     txn: Any
-    hyper: list[tuple[Any, ...]]
     layout: tuple[SubGroup, ...]
     steps: list[int]
     by_param: dict[int, list[SubGroup]]
@@ -419,7 +418,6 @@ class EarlyStep:
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         early_memory.uses(self)
-        self.hyper = _hyper(self.opt)
         self.layout = tuple(self.opt.records.sub_groups)
         self.steps = list(self.opt.records.steps)
         self.by_param = {}
