@@ -36,6 +36,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "CPU, clipping 1e-4 (always bites)": {"gradient_clipping": 1e-4},
     "CPU, GAS 2": {"gradient_accumulation_steps": 2},
     "CPU, lr set between backward and step": {"lr_before_step": True},
+    "CPU, lr set there at the last step only": {"lr_at_last": True},
     "CPU, max_in_cpu over the model": {"max_in_cpu": True},
     "CPU, optimizer states in CPU memory": {"states": "cpu"},
     "CPU, params in CPU memory": {"params": "cpu"},
@@ -108,6 +109,9 @@ def _run(
                 if setup.get("lr_before_step"):  # a schedule applied right before the step
                     for group in engine.optimizer.param_groups:
                         group["lr"] = 1e-3 / (1 + step)
+                if setup.get("lr_at_last") and step == steps - 1:  # a milestone: redone at the step
+                    for group in engine.optimizer.param_groups:
+                        group["lr"] = 1e-4
                 engine.step()
             s = engine.stats()
     shutil.rmtree(d, ignore_errors=True)

@@ -6,7 +6,7 @@ reference is plain PyTorch on DDP's averaged gradients. Without clipping, or wit
 bite, params are bitwise equal. The global norm is built from each rank's partition norms (DDP's
 ``clip_grad_norm_`` takes each whole gradient's norm), so it agrees to rounding, and where clipping bites
 so do the params. An lr set between backward and step on every step defers every step after the first,
-bitwise too.
+bitwise too; hyper-parameters first set there at a milestone are redone at that step, bitwise too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
-from tests.test_step_shapes import STEPS, batches, plain, through_zswap, warmup_cosine
+from tests.test_step_shapes import STEPS, batches, milestone, plain, through_zswap, warmup_cosine
 
 SETUPS: dict[str, dict[str, Any]] = {
     "nvme": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": None},
@@ -33,15 +33,16 @@ SETUPS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def check(kind: str, name: str, rank: int, world: int, root: Path, scheduled: bool = False) -> None:
-    """``scheduled``: the lr set between backward and step on every step (`warmup_cosine`): every step
-    after the first is deferred."""
+def check(kind: str, name: str, rank: int, world: int, root: Path, scheduled: str = "") -> None:
+    """``scheduled`` "every": the lr set between backward and step on every step (`warmup_cosine`): every
+    step after the first is deferred; "milestone": lr, eps and weight decay set there at step 3 only
+    (`milestone`): that step is redone at the step."""
     setup = SETUPS[name]
     gas, clip = setup["gas"], setup["clip"]
-    lr_at = warmup_cosine if scheduled else None
+    lr_at = {"": None, "every": warmup_cosine, "milestone": milestone("AdamW")}[scheduled]
     want, want_norms = plain(kind, "AdamW", gas, clip, world, lr_at=lr_at)
     mine = batches(STEPS * gas * world)[rank::world]
-    d = root / f"{kind}-{name}-{rank}{'-scheduled' if scheduled else ''}"
+    d = root / f"{kind}-{name}-{rank}-{scheduled}"
     d.mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
@@ -49,7 +50,10 @@ def check(kind: str, name: str, rank: int, world: int, root: Path, scheduled: bo
     assert stats["steps_ordinary"] == 1, (kind, name, stats["steps_ordinary_reason"])
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-6, atol=0)
     if scheduled and clip != 1.0:
-        assert stats["steps_deferred"] == STEPS - 1, (kind, name, stats)
+        if scheduled == "every":
+            assert stats["steps_deferred"] == STEPS - 1, (kind, name, stats)
+        else:  # the milestone's step redone at the step, the one after it deferred
+            assert (stats["steps_hypers_redone"], stats["steps_deferred"]) == (1, 1), (kind, name, stats)
         differ = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not torch.equal(g, w)]
         assert differ == [], (kind, name, "scheduled")
     elif clip == 1.0:  # bites on every step
@@ -70,7 +74,8 @@ def main() -> None:
         for kind in ("tied", "branch"):
             for name in SETUPS:
                 check(kind, name, rank, world, root)
-        check("tied", "nvme", rank, world, root, scheduled=True)
+        check("tied", "nvme", rank, world, root, scheduled="every")
+        check("tied", "nvme", rank, world, root, scheduled="milestone")
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -97,6 +97,11 @@ def _lr(pairs: Any) -> None:
         ee.optimizer.param_groups[0]["lr"] = 3e-2
 
 
+def _betas(pairs: Any) -> None:  # the moments depend on them: the update in backward cannot be redone
+    for _, ee in pairs:
+        ee.optimizer.param_groups[0]["betas"] = (0.8, 0.99)
+
+
 def _clip(pairs: Any) -> None:
     for _, ee in pairs:
         ee.max_grad_norm = 0.05
@@ -115,7 +120,7 @@ def _steps(pairs: Any) -> None:  # the optimizer's step counter moved (a load_st
 
 
 CHANGES = {
-    "lr": (_lr, "a param group's lr, betas, eps or weight_decay changed between backward and step"),
+    "betas": (_betas, "a param group's betas, Adam (L2) weight_decay or decoupled_weight_decay changed"),
     "clipping": (_clip, "the early step is no longer allowed for this step"),
     "written": (_write, "a param partition or optimizer record was written between backward and step"),
     "counters": (_steps, "the optimizer's sub-groups or step counters changed between backward and step"),
@@ -134,7 +139,7 @@ def test_a_change_between_backward_and_step_raises_and_changes_nothing(change, t
             e.step()
         assert why in str(info.value) and RESTART in str(info.value)
         assert same(state(m, e), expected)
-    if change in ("lr", "clipping"):  # the others changed stored state themselves
+    if change in ("betas", "clipping"):  # the others changed stored state themselves
         assert same(expected, before)
     with pytest.raises(GradientsNotKeptError, match="was applied to the optimizer in backward"):
         full_grad(next(m.parameters()))
@@ -168,6 +173,26 @@ def test_with_keep_applied_grads_a_change_falls_back_to_the_ordinary_step(change
     train(pairs, 3)
     assert same(state(m, e), state(ref, ref_e))
     assert e._early.commits >= 1
+    for _, ee in pairs:
+        ee.close()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_an_lr_eps_or_weight_decay_set_between_backward_and_step_is_redone_at_the_step(keep, tmp_path):
+    """The update in backward ran with the old values and let its gradients go (or kept them): the step
+    recomputes the params from the moments it staged, with the values set — bitwise the ordinary step's,
+    no error, the early step made live; the steps after it are too."""
+    pairs, _, e = _before_step(tmp_path, keep=keep)
+    (m, _), (ref, ref_e) = pairs
+    for _, ee in pairs:
+        ee.optimizer.param_groups[0].update(lr=3e-2, eps=1e-6, weight_decay=0.2)
+        ee.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 1 and e.stats()["steps_hypers_redone"] == 1
+    train(pairs, 2)  # deferred: the step before it set them
+    train(pairs, 3)  # in backward again
+    assert same(state(m, e), state(ref, ref_e))
+    assert e._early.commits == 3 and e.stats()["steps_hypers_redone"] == 1
     for _, ee in pairs:
         ee.close()
 
@@ -395,6 +420,37 @@ def test_a_failed_commit_raises_or_falls_back_and_changes_nothing(keep, tmp_path
         ee.close()
 
 
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_failed_redo_for_an_lr_set_after_backward_raises_or_falls_back_and_changes_nothing(
+    op, keep, tmp_path
+):
+    """A transfer of the redo at the step fails (its first read of a staged record, or its first write of a
+    recomputed partition): not kept, the step raises naming the redo and nothing changed; kept, the
+    ordinary step runs instead, with the lr set."""
+    pairs, before, e = _before_step(tmp_path, keep)
+    (m, _), (ref, ref_e) = pairs
+    _lr(pairs)
+    inject(engine_of(m), op, errno.EIO, 0)
+    if keep:
+        for _, ee in pairs:
+            ee.step()
+        assert same(state(m, e), state(ref, ref_e)) and e.stats()["steps_hypers_redone"] == 0
+    else:
+        with pytest.raises(
+            GradientsNotKeptError, match=r"the early step's redo at the step .* failed"
+        ) as info:
+            e.step()
+        assert RESTART in str(info.value)
+        assert same(state(m, e), before)
+        for _, ee in pairs:
+            ee.zero_grad()
+    train(pairs, 2)
+    assert same(state(m, e), state(ref, ref_e))
+    for _, ee in pairs:
+        ee.close()
+
+
 # -- "auto": kept once wanted ------------------------------------------------------------------------------
 
 
@@ -466,20 +522,20 @@ def test_keep_applied_grads_takes_true_false_or_auto_and_refuses_anything_else(t
 
 
 def test_auto_keeps_them_after_the_error_so_the_same_change_then_falls_back(tmp_path):
-    """ "auto" (the default): an lr change between backward and step raises once, and the error says "auto"
+    """ "auto" (the default): a betas change between backward and step raises once, and the error says "auto"
     keeps the gradients from the next backward on; it does: after zero_grad the same kind of change falls
-    back to the ordinary step, bitwise the twin's. The step after one that changed the lr is deferred (its
+    back to the ordinary step, bitwise the twin's. The step after one that changed them is deferred (its
     update waits for the step, and takes the lr set there); after one without a change, in backward."""
     pairs, before, e = _before_step(tmp_path, keep="auto")  # type: ignore[arg-type]
     (m, _), (ref, ref_e) = pairs
     assert e.keep_applied_grads == "auto" and not e._keeps_applied_grads()
-    _lr([(m, e)])
-    with pytest.raises(GradientsNotKeptError, match="a param group's lr") as info:
+    _betas([(m, e)])
+    with pytest.raises(GradientsNotKeptError, match="a param group's betas") as info:
         e.step()
     text = str(info.value)
     assert RESTART in text and '(engine.keep_applied_grads is False, or "auto", the default, before' in text
     assert same(state(m, e), before) and e._keeps_applied_grads()
-    _lr([(ref, ref_e)])
+    _betas([(ref, ref_e)])
     for mm, ee in pairs:
         ee.zero_grad()
         sq(mm(ids(seed=1))).backward()  # kept this time
@@ -494,9 +550,9 @@ def test_auto_keeps_them_after_the_error_so_the_same_change_then_falls_back(tmp_
     assert e.stats()["steps_deferred"] == 2 and e.stats()["steps_in_backward"] == 1
     for mm, ee in pairs:
         sq(mm(ids(seed=3))).backward()
-        ee.optimizer.param_groups[0]["lr"] = 2e-2
+        ee.optimizer.param_groups[0]["betas"] = (0.85, 0.99)
         ee.step()  # the early one falls back to the ordinary step instead of raising
     assert same(state(m, e), state(ref, ref_e))
-    assert e._early.commits == 3 and "a param group's lr" in e._early.why
+    assert e._early.commits == 3 and "a param group's betas" in e._early.why
     for _, ee in pairs:
         ee.close()

@@ -104,7 +104,7 @@ def test_bench_step_setups_prints_every_setup_at_the_fast_path_bound(tmp_path, m
     """Every setup of issue 29's table moves at most the fast path's 2 R / 3 W per optimizer step (with
     accumulation on the stand-in device too: the second micro-batch's first params are seeded from host
     copies of the first's; 2 ranks: half of it per rank), less than its ordinary step; bytes are
-    deterministic."""
+    deterministic. The lr set at the last step only is redone there: that once, the ordinary step's bytes."""
     monkeypatch.syspath_prepend(str(BENCHES))
     import bench_step_setups
 
@@ -113,6 +113,9 @@ def test_bench_step_setups_prints_every_setup_at_the_fast_path_bound(tmp_path, m
     assert [r[0][2:] for r in rows] == list(bench_step_setups.SETUPS)
     for r in rows:
         read, written, ord_read, ord_written = map(float, r[1:5])
+        if "last step only" in r[0]:  # ran in backward, its params redone at the step
+            assert (read, written, r[5]) == (5.0, 4.0, "1/0/0 |") and read <= ord_read + 0.02, r
+            continue
         share = 0.5 if r[0].startswith("| 2 ranks") else 1.0  # per rank: its half of the model
         assert read <= 2.0 * share and written <= 3.0 * share, r
         # Less than the ordinary step, but where that moves nothing either (params and states in memory).

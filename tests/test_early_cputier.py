@@ -212,39 +212,45 @@ def test_what_happens_between_backward_and_step_is_honoured(setup, tmp_path):
     for mm, ee in runs:
         ee.backward(sq(mm(ids(seed=0))))
         ee.step()
-    for mm, ee in runs:  # an lr change between backward and step: the step uses it
+    for mm, ee in runs:  # an lr change between backward and step: the step redoes the update with it
         ee.backward(sq(mm(ids(seed=1))))
         ee.optimizer.param_groups[0]["lr"] = 3e-2
         ee.step()
-    check(0)
+    check(1)
+    assert e.stats()["steps_hypers_redone"] == 1
+    for mm, ee in runs:  # betas set: deferred (the step before set the lr), so updated at the step
+        ee.backward(sq(mm(ids(seed=9))))
+        ee.optimizer.param_groups[0]["betas"] = (0.8, 0.99)
+        ee.step()
+    check(2)
     for mm, ee in runs:  # a second backward accumulates: no early step
         sq(mm(ids(seed=2))).backward()
         sq(mm(ids(seed=3))).backward()
         ee.step()
-    check(0)
+    check(2)
     for mm, ee in runs:  # zero_grad drops the early step with the gradients
         sq(mm(ids(seed=4))).backward()
         ee.zero_grad()
         sq(mm(ids(seed=5))).backward()
         ee.step()
-    check(1)
+    check(3)
     for mm, ee in runs:  # a param rewritten between backward and step is what the step updates
         sq(mm(ids(seed=6))).backward()
         first = next(mm.parameters())
         with GatheredParameters([first], modifier_rank=0):
             first.data.mul_(0.5)
         ee.step()
-    check(1)
+    check(3)
     for mm, ee in runs:  # the optimizer's state loaded between backward and step: records written
         sq(mm(ids(seed=7))).backward()
         ee.optimizer.load_state_dict(ee.optimizer.state_dict())
         ee.step()
-    check(1)
+    check(3)
     assert "written between backward and step" in e.stats()["steps_ordinary_reason"]
     for mm, ee in runs:
         sq(mm(ids(seed=8))).backward()
         ee.step()
-    check(2)
+    check(4)
     for _, ee in runs:
         ee.close()
 
@@ -346,12 +352,13 @@ def test_resident_params_with_states_in_memory_read_nothing(clip, tmp_path):
     assert (s["bytes_read"], s["bytes_written"]) == (0, nbytes)
 
 
-@pytest.mark.parametrize("change", ["lr", "written"])
+@pytest.mark.parametrize("change", ["lr", "betas", "written"])
 @pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)
 def test_a_change_after_backward_with_applied_gradients_not_kept(setup, change, tmp_path):
     """``keep_applied_grads`` false: gradients on NVMe (states there) were let go in backward, so a change
     between backward and step raises `GradientsNotKeptError` and changes nothing, as with everything on
-    NVMe; gradients in memory are kept, so the ordinary step runs instead, bitwise the twin's."""
+    NVMe; gradients in memory are kept, so the ordinary step runs instead, bitwise the twin's. An lr
+    change is redone at the step from the staged moments on every tier: made live, bitwise the twin's."""
     runs = twins(tmp_path, setup)
     (m, e), (ref, ref_e) = runs
     for mm, ee in runs:
@@ -360,11 +367,21 @@ def test_a_change_after_backward_with_applied_gradients_not_kept(setup, change, 
         ee.backward(sq(mm(ids(seed=1))))
         if change == "lr":
             ee.optimizer.param_groups[0]["lr"] = 3e-2
+        elif change == "betas":
+            ee.optimizer.param_groups[0]["betas"] = (0.8, 0.99)
         else:
             first = next(mm.parameters())
             with GatheredParameters([first], modifier_rank=0):
                 first.data.mul_(0.5)
     before = state(m, e)
+    if change == "lr":
+        for _, ee in runs:
+            ee.step()
+        assert same(state(m, e), state(ref, ref_e))
+        assert e._early.commits == 1 and e.stats()["steps_hypers_redone"] == 1
+        for _, ee in runs:
+            ee.close()
+        return
     if setup[1] == "nvme":
         with pytest.raises(GradientsNotKeptError, match=r"engine\.step\(\)"):
             e.step()

@@ -123,9 +123,11 @@ def through_zswap(
     tmp_path: Path,
     early: bool = True,
     batches: list[tuple[int, int]] | None = None,
+    hypers_at: dict[int, dict[str, float]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float | None], list[float], dict[str, Any]]:
     """Params after the steps, each step's norm, each micro-batch's loss, and the stats; ``batches``: this
-    rank's micro-batches (default `micro_batches`)."""
+    rank's micro-batches (default `micro_batches`); ``hypers_at[step]``: set on every param group between
+    that step's last backward and its ``step()``."""
     gas = setup["gas"]
     cfg = config(tmp_path, setup)
     torch.manual_seed(0)
@@ -143,6 +145,10 @@ def through_zswap(
                 loss = model(**arch.loss_inputs(inputs)).loss
                 losses.append(float(loss.detach()))
                 engine.backward(loss)
+                if k == gas - 1:
+                    for g in engine.optimizer.param_groups:
+                        for key, value in (hypers_at or {}).get(s, {}).items():
+                            g[key] = value
                 engine.step()
             norms.append(engine.last_grad_norm)
         stats = engine.stats()
@@ -181,6 +187,26 @@ def test_hf_architectures_in_low_precision_step_in_backward_as_the_ordinary_step
     assert norms == want_norms
     assert [n for n, w in want.items() if not torch.equal(got[n], w)] == []
     assert_fast_after_the_first(stats)
+
+
+@pytest.mark.parametrize("optimizer_tier", ["nvme", "cpu"])
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_hypers_set_at_a_milestone_are_redone_on_fp32_masters(half, optimizer_tier, tmp_path):
+    """Low precision keeps each param's fp32 master in its record: an lr, eps and weight decay first set
+    between backward and step at step 3 redo that step's masters from the committed record's and the
+    staged moments — bitwise the ordinary step given the same values."""
+    chosen = {"tiers": ("nvme", optimizer_tier), "device": "cpu", "gas": 1, "clip": None, "half": half}
+    at = {3: {"lr": 3e-4, "eps": 1e-6, "weight_decay": 0.05}}
+    (tmp_path / "early").mkdir()
+    (tmp_path / "ordinary").mkdir()
+    got, _, losses, stats = through_zswap(ARCHS["qwen2"], chosen, tmp_path / "early", hypers_at=at)
+    want, _, want_losses, _ = through_zswap(
+        ARCHS["qwen2"], chosen, tmp_path / "ordinary", early=False, hypers_at=at
+    )
+    assert losses == want_losses
+    assert [n for n, w in want.items() if not torch.equal(got[n], w)] == []
+    assert_fast_after_the_first(stats)
+    assert stats["steps_hypers_redone"] == 1, stats
 
 
 @pytest.mark.dist

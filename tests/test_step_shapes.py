@@ -66,6 +66,19 @@ def warmup_cosine(step: int) -> float:
 
 SCHEDULES = {"warmup-cosine": warmup_cosine, "cosine": cosine}
 
+Hypers = float | dict[str, float] | None
+"""What a schedule sets at a step: an lr, several hyper-parameters, or nothing."""
+
+
+def _hypers(value: Hypers) -> dict[str, float]:
+    return {} if value is None else {"lr": value} if isinstance(value, float) else value
+
+
+def milestone(adam: str) -> Callable[[int], Hypers]:
+    """Nothing set until step 3, where the lr, eps and (AdamW's decoupled) weight decay change."""
+    new = {"lr": 3e-3, "eps": 1e-6} | ({"weight_decay": 0.1} if adam == "AdamW" else {})
+    return lambda step: new if step == 3 else None
+
 
 def plain(
     kind: str,
@@ -73,7 +86,7 @@ def plain(
     gas: int,
     clip: float | None,
     world: int = 1,
-    lr_at: Callable[[int], float] | None = None,
+    lr_at: Callable[[int], Hypers] | None = None,
 ) -> tuple[list[torch.Tensor], list[float]]:
     """Params after 5 optimizer steps in RAM and each step's norm. ``world`` > 1: DDP's gradients —
     rank r's micro-batch i is ``batches(...)[i * world + r]``, each micro-batch's gradients averaged over
@@ -102,7 +115,7 @@ def plain(
             norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, clip)))
         if lr_at is not None:
             for g in opt.param_groups:
-                g["lr"] = lr_at(s)
+                g.update(_hypers(lr_at(s)))
         opt.step()
         opt.zero_grad()
     return [p.detach() for p in ref.parameters()], norms
@@ -113,7 +126,7 @@ def through_zswap(
     kind: str,
     setup: dict[str, Any],
     mine: list[torch.Tensor] | None = None,
-    lr_at: Callable[[int], float] | None = None,
+    lr_at: Callable[[int], Hypers] | None = None,
 ) -> tuple[list[torch.Tensor], list[float | None], dict[str, Any]]:
     """Params after 5 optimizer steps, each step's norm where clipping, and the stats; ``mine``: this
     rank's micro-batches (default `batches`); ``lr_at``: the lr each optimizer step takes, set on the
@@ -146,7 +159,8 @@ def through_zswap(
                 engine.backward(model(xs[s * gas + k], s))
                 if lr_at is not None and k == gas - 1:
                     for g in engine.optimizer.param_groups:
-                        g["lr"] = lr_at(s)
+                        for key, value in _hypers(lr_at(s)).items():
+                            g[key] = value
                 engine.step()
             if clip:
                 norms.append(engine.last_grad_norm)
@@ -215,6 +229,24 @@ def test_an_lr_set_between_backward_and_step_on_every_step_is_the_one_applied(se
     assert differ == [], setup
     assert stats["steps_ordinary"] == 1, stats["steps_ordinary_reason"]
     assert stats["steps_deferred"] == STEPS - 1, stats
+
+
+@pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
+def test_hypers_first_set_between_backward_and_step_after_steps_without_are_applied(setup, tmp_path):
+    """The lr, eps and decoupled weight decay set right before ``step()`` at step 3 only (a decay from a
+    milestone on): that step's update already ran in backward with the old values and let its gradients
+    go; the step recomputes its params from the moments it staged — bitwise plain PyTorch, no error.
+    Where clipping bites, the step was deferred anyway (the update waited for the step)."""
+    chosen = SETUPS[setup]
+    adam = chosen.get("adam", "AdamW")
+    want, want_norms = plain("tied", adam, chosen["gas"], chosen["clip"], lr_at=milestone(adam))
+    got, norms, stats = through_zswap(tmp_path, "tied", chosen, lr_at=milestone(adam))
+    assert norms == want_norms
+    differ = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not torch.equal(g, w)]
+    assert differ == [], setup
+    assert stats["steps_ordinary"] == 1, stats["steps_ordinary_reason"]
+    bites = chosen["clip"] is not None and chosen["clip"] < 10
+    assert stats["steps_hypers_redone"] == (0 if bites else 1), stats
 
 
 @pytest.mark.dist

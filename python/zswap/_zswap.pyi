@@ -10,6 +10,7 @@ __all__ = [
     "Handle",
     "__version__",
     "cpu_adam_isa",
+    "cpu_adam_redo",
     "cpu_adam_step",
     "crc32c",
     "io_uring_available",
@@ -111,6 +112,26 @@ def cpu_adam_step(
     which validates the tensors). `master=None`: the float32 param is its own master. `tail_from`: the
     elements from that index on are updated as torch's fused AdamW updates a tensor's scalar tail. Runs
     without the GIL."""
+
+def cpu_adam_redo(
+    numel: int,
+    param: int,
+    param_dtype: str,
+    master: int | None,
+    exp_avg: int,
+    exp_avg_sq: int,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:
+    """One Adam/AdamW step run again from moments that already hold its gradient: the master (the float32
+    param itself with `master=None`) from its value before the step, cast into `param` (use
+    `zswap.step.optim._kernel.cpu_adam_redo`, which validates the tensors). Runs without the GIL."""
 
 def cpu_adam_isa() -> str:
     """The instruction set the Adam kernel runs on here: "avx512", "avx2" or "portable"."""

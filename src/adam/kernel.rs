@@ -105,12 +105,42 @@ fn update<const TAIL: bool>(c: &Coeffs, p: f32, m: f32, v: f32, g: f32) -> (f32,
     } else {
         (c.one_minus_beta2 * g).mul_add(g, v * c.beta2)
     };
+    (descend(c, p, m, v), m, v)
+}
+
+/// The bias-corrected step of a decayed master `p` from this step's moments: `update`'s last part, and
+/// all of `redo`, so the two agree bit for bit.
+#[inline(always)]
+fn descend(c: &Coeffs, p: f32, m: f32, v: f32) -> f32 {
     // (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps). Our sqrt is correctly rounded; torch's (MKL VML) can be
     // one ulp off: the one place where the two may differ by more than a rounding of the same expression.
     let d = v.sqrt() / c.bc2_sqrt + c.eps;
     // param.addcdiv_(exp_avg, denom, value=-step_size)
-    let p = p + c.neg_step_size * m / d;
-    (p, m, v)
+    p + c.neg_step_size * m / d
+}
+
+/// The master after this step from the master before it and moments that already hold this step's
+/// gradient (`m`, `v` as `update` returned them): `update`'s master, bit for bit, for any lr, eps and
+/// decoupled weight decay — the only coefficients the moments do not depend on. Written cast into `out`.
+#[inline(always)]
+pub(crate) fn redo_into<P: Store>(c: &Coeffs, w: &mut [f32], m: &[f32], v: &[f32], out: &mut [P]) {
+    let n = w.len();
+    let (m, v, out) = (&m[..n], &v[..n], &mut out[..n]);
+    for i in 0..n {
+        let p = descend(c, w[i] * c.decay, m[i], v[i]);
+        w[i] = p;
+        out[i] = P::store(p);
+    }
+}
+
+/// As `redo_into`, for an `f32` param that is its own master.
+#[inline(always)]
+pub(crate) fn redo_in_place(c: &Coeffs, w: &mut [f32], m: &[f32], v: &[f32]) {
+    let n = w.len();
+    let (m, v) = (&m[..n], &v[..n]);
+    for i in 0..n {
+        w[i] = descend(c, w[i] * c.decay, m[i], v[i]);
+    }
 }
 
 /// Updates `w`, `m`, `v` in place from `g` and writes the new master, cast, into `out`: the elements
@@ -219,6 +249,26 @@ pub(crate) mod avx512 {
     ) {
         super::in_place(c, w, m, v, g)
     }
+
+    /// # Safety
+    /// As for `into`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(crate) unsafe fn redo_into<P: Store>(
+        c: &Coeffs,
+        w: &mut [f32],
+        m: &[f32],
+        v: &[f32],
+        out: &mut [P],
+    ) {
+        super::redo_into(c, w, m, v, out)
+    }
+
+    /// # Safety
+    /// As for `into`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(crate) unsafe fn redo_in_place(c: &Coeffs, w: &mut [f32], m: &[f32], v: &[f32]) {
+        super::redo_in_place(c, w, m, v)
+    }
 }
 
 /// The loops compiled for AVX2 with FMA.
@@ -251,5 +301,25 @@ pub(crate) mod avx2 {
         g: &[G],
     ) {
         super::in_place(c, w, m, v, g)
+    }
+
+    /// # Safety
+    /// As for `into`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn redo_into<P: Store>(
+        c: &Coeffs,
+        w: &mut [f32],
+        m: &[f32],
+        v: &[f32],
+        out: &mut [P],
+    ) {
+        super::redo_into(c, w, m, v, out)
+    }
+
+    /// # Safety
+    /// As for `into`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn redo_in_place(c: &Coeffs, w: &mut [f32], m: &[f32], v: &[f32]) {
+        super::redo_in_place(c, w, m, v)
     }
 }

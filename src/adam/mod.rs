@@ -158,6 +158,87 @@ fn run(
     Ok(())
 }
 
+/// The master (and `param`) after this step, from the master before it and moments that already hold
+/// this step's gradient — the same step run again with another lr, eps or decoupled weight decay, the
+/// coefficients the moments do not depend on (`Hyper::grad_scale` is not used). Bit for bit what `step`
+/// gives for the master with those coefficients. All slices have the same length.
+pub fn redo(
+    h: &Hyper,
+    master: &mut [f32],
+    exp_avg: &[f32],
+    exp_avg_sq: &[f32],
+    param: Option<Param<'_>>,
+) -> Result<()> {
+    redo_with(Isa::detect(), h, master, exp_avg, exp_avg_sq, param)
+}
+
+/// `redo` on a given instruction set (tests compare them); an error if this CPU lacks it.
+pub fn redo_with(
+    isa: Isa,
+    h: &Hyper,
+    master: &mut [f32],
+    exp_avg: &[f32],
+    exp_avg_sq: &[f32],
+    param: Option<Param<'_>>,
+) -> Result<()> {
+    if !isa.available() {
+        return bad(format!("this CPU cannot run the {} kernel", isa.name()));
+    }
+    let n = master.len();
+    let plen = param.as_ref().map(|p| match p {
+        Param::F32(p) => p.len(),
+        Param::Bf16(p) => p.len(),
+        Param::F16(p) => p.len(),
+    });
+    if exp_avg.len() != n || exp_avg_sq.len() != n || plen.is_some_and(|l| l != n) {
+        return bad(format!(
+            "adam redo: lengths differ: master {n}, exp_avg {}, exp_avg_sq {}, param {plen:?}",
+            exp_avg.len(),
+            exp_avg_sq.len()
+        ));
+    }
+    check_hyper(h)?;
+    let c = Coeffs::new(h);
+    match param {
+        None => par_redo(master, exp_avg, exp_avg_sq, |w, m, v| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa.available()` confirmed these CPU features above.
+            Isa::Avx512 => unsafe { kernel::avx512::redo_in_place(&c, w, m, v) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { kernel::avx2::redo_in_place(&c, w, m, v) },
+            _ => kernel::redo_in_place(&c, w, m, v),
+        }),
+        Some(Param::F32(p)) => par_redo_into(isa, &c, master, exp_avg, exp_avg_sq, p),
+        Some(Param::Bf16(p)) => par_redo_into(isa, &c, master, exp_avg, exp_avg_sq, p),
+        Some(Param::F16(p)) => par_redo_into(isa, &c, master, exp_avg, exp_avg_sq, p),
+    }
+    Ok(())
+}
+
+fn par_redo(w: &mut [f32], m: &[f32], v: &[f32], f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync) {
+    w.par_chunks_mut(CHUNK)
+        .zip(m.par_chunks(CHUNK))
+        .zip(v.par_chunks(CHUNK))
+        .for_each(|((w, m), v)| f(w, m, v));
+}
+
+fn par_redo_into<P: Store>(isa: Isa, c: &Coeffs, w: &mut [f32], m: &[f32], v: &[f32], p: &mut [P]) {
+    w.par_chunks_mut(CHUNK)
+        .zip(m.par_chunks(CHUNK))
+        .zip(v.par_chunks(CHUNK))
+        .zip(p.par_chunks_mut(CHUNK))
+        .for_each(|(((w, m), v), p)| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `redo_with` returned early unless `isa.available()` confirmed these CPU features.
+            Isa::Avx512 => unsafe { kernel::avx512::redo_into(c, w, m, v, p) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { kernel::avx2::redo_into(c, w, m, v, p) },
+            _ => kernel::redo_into(c, w, m, v, p),
+        });
+}
+
 fn bad<T>(msg: String) -> Result<T> {
     Err(Error::InvalidArgument(msg))
 }
@@ -182,6 +263,10 @@ fn check(h: &Hyper, s: &State<'_>, g: &Grad<'_>, p: Option<&Param<'_>>) -> Resul
             s.exp_avg_sq.len()
         ));
     }
+    check_hyper(h)
+}
+
+fn check_hyper(h: &Hyper) -> Result<()> {
     if h.step == 0 {
         return bad("adam: step counts from 1 (the step being taken)".into());
     }

@@ -111,32 +111,12 @@ pub(super) fn cpu_adam_step(
         .transpose()?;
     let m = Span::new("exp_avg", exp_avg, numel, 4)?;
     let v = Span::new("exp_avg_sq", exp_avg_sq, numel, 4)?;
-    // Every span but `grad` is written, so any overlap would alias a `&mut` (undefined behaviour).
     let all: Vec<Span> = [Some(p), Some(g), w, Some(m), Some(v)]
         .into_iter()
         .flatten()
         .collect();
-    for (i, a) in all.iter().enumerate() {
-        for b in &all[i + 1..] {
-            if a.overlaps(b) {
-                return Err(bad(format!(
-                    "{} and {} share memory; each must be a separate tensor",
-                    a.name, b.name
-                )));
-            }
-        }
-    }
-    if numel == 0 {
+    if numel == 0 || !usable(py, &all, &["grad"])? {
         return Ok(()); // an empty tensor's address may be null, which no slice may hold
-    }
-    // Mapped, and writable for every span the kernel writes: a bad address is an error, not a SIGSEGV.
-    for s in &all {
-        let access = if s.name == "grad" {
-            memcheck::Access::Read
-        } else {
-            memcheck::Access::Write
-        };
-        memcheck::check(s.name, s.addr, s.len, access).map_err(|e| to_pyerr(py, e))?;
     }
     let h = Hyper {
         lr,
@@ -188,6 +168,114 @@ pub(super) fn cpu_adam_step(
     r.map_err(|e| to_pyerr(py, e))
 }
 
+/// Whether the kernel may run over `spans` (false: they are empty); an error where two share memory or
+/// one is not mapped (writable, except those named in `read_only`). Every written span must be apart from
+/// every other, or a `&mut` would alias (undefined behaviour); a bad address is an error, not a SIGSEGV.
+fn usable(py: Python<'_>, spans: &[Span], read_only: &[&str]) -> PyResult<bool> {
+    for (i, a) in spans.iter().enumerate() {
+        for b in &spans[i + 1..] {
+            if a.overlaps(b) {
+                return Err(bad(format!(
+                    "{} and {} share memory; each must be a separate tensor",
+                    a.name, b.name
+                )));
+            }
+        }
+    }
+    if spans.iter().all(|s| s.len == 0) {
+        return Ok(false);
+    }
+    for s in spans {
+        let access = if read_only.contains(&s.name) {
+            memcheck::Access::Read
+        } else {
+            memcheck::Access::Write
+        };
+        memcheck::check(s.name, s.addr, s.len, access).map_err(|e| to_pyerr(py, e))?;
+    }
+    Ok(true)
+}
+
+/// One Adam/AdamW step over `numel` elements run again from moments that already hold its gradient:
+/// the master (`param` itself with `master=None`) is set from its value before the step and `exp_avg`,
+/// `exp_avg_sq` (read only) with this `lr`, `eps` and decoupled `weight_decay`, and cast into `param`;
+/// bit for bit what `cpu_adam_step` gives with them (`crate::adam::redo`). Runs without the GIL.
+#[pyfunction]
+#[pyo3(signature = (numel, param, param_dtype, master, exp_avg, exp_avg_sq, *,
+                    step, lr, beta1, beta2, eps, weight_decay, decoupled))]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn cpu_adam_redo(
+    py: Python<'_>,
+    numel: usize,
+    param: usize,
+    param_dtype: &str,
+    master: Option<usize>,
+    exp_avg: usize,
+    exp_avg_sq: usize,
+    step: u64,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    decoupled: bool,
+) -> PyResult<()> {
+    let pdt = Dtype::parse("param", param_dtype)?;
+    if master.is_none() && pdt != Dtype::F32 {
+        return Err(bad("a bfloat16/float16 param needs a float32 master".into()));
+    }
+    let p = Span::new("param", param, numel, pdt.size())?;
+    let w = master
+        .map(|a| Span::new("master", a, numel, 4))
+        .transpose()?;
+    let m = Span::new("exp_avg", exp_avg, numel, 4)?;
+    let v = Span::new("exp_avg_sq", exp_avg_sq, numel, 4)?;
+    let all: Vec<Span> = [Some(p), w, Some(m), Some(v)]
+        .into_iter()
+        .flatten()
+        .collect();
+    if numel == 0 || !usable(py, &all, &["exp_avg", "exp_avg_sq"])? {
+        return Ok(());
+    }
+    let h = Hyper {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        decoupled,
+        step,
+        grad_scale: 1.0,
+    };
+    let r = py.detach(move || {
+        // SAFETY: as in `cpu_adam_step`: each span is `numel` elements of its dtype at a non-null aligned
+        // address (`Span::new`) of a tensor the Python caller keeps alive and untouched during this call
+        // (`zswap.step.optim._kernel.cpu_adam_redo`), no two overlap (`usable`), so the `&mut` slices are
+        // unique; every bit pattern is a valid `f32`, `Bf16` and `F16`.
+        unsafe {
+            let f32_mut = |s: Span| std::slice::from_raw_parts_mut(s.addr as *mut f32, numel);
+            let f32_ref = |s: Span| std::slice::from_raw_parts(s.addr as *const f32, numel);
+            let (master, param) = match w {
+                None => (f32_mut(p), None),
+                Some(w) => {
+                    let out = match pdt {
+                        Dtype::F32 => Param::F32(f32_mut(p)),
+                        Dtype::Bf16 => {
+                            Param::Bf16(std::slice::from_raw_parts_mut(p.addr as *mut Bf16, numel))
+                        }
+                        Dtype::F16 => {
+                            Param::F16(std::slice::from_raw_parts_mut(p.addr as *mut F16, numel))
+                        }
+                    };
+                    (f32_mut(w), Some(out))
+                }
+            };
+            adam::redo(&h, master, f32_ref(m), f32_ref(v), param)
+        }
+    });
+    r.map_err(|e| to_pyerr(py, e))
+}
+
 /// The instruction set `cpu_adam_step` runs on here: "avx512", "avx2" or "portable".
 #[pyfunction]
 pub(super) fn cpu_adam_isa() -> &'static str {
@@ -197,6 +285,7 @@ pub(super) fn cpu_adam_isa() -> &'static str {
 /// Adds this file's functions to the extension module.
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_adam_step, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_adam_redo, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_adam_isa, m)?)?;
     Ok(())
 }

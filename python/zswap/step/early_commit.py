@@ -15,7 +15,7 @@ from ..errors import GradientsNotKeptError
 from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, store_of
 from ..parts.params import ParamState, param_state
 from ..store.storage import within
-from . import early_memory
+from . import early_memory, early_rehyper
 from .early_pipeline import _empty, _ps
 from .optim import OffloadedAdamW
 from .speculation import Guess
@@ -143,16 +143,22 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
         es.opt.last_grad_norm = None
 
     txn.on_commit(counters)
-    es._reset()
+    rehyper, what = es.rehyper, "redo at the step for the hyper-parameters set after backward"
     try:
+        if rehyper:
+            early_rehyper.redo(es, rehyper)  # before `_reset`: it reads what the early step staged
+        what = "writes"
+        es._reset()
         txn.commit()
     except Exception as exc:
-        es.aborts += 1  # commit aborted itself: nothing changed
+        es._reset()
+        txn.abort()  # a commit that failed aborted itself already; a failed redo did not
+        es.aborts += 1  # nothing changed
         if dropped:
-            es.lost = f"its writes failed ({exc})"
+            es.lost = f"its {what} failed ({exc})"
             _wanted(gs)
             raise GradientsNotKeptError(
-                f"engine.step(): the early step's writes failed ({exc}) and it applied this step's "
+                f"engine.step(): the early step's {what} failed ({exc}) and it applied this step's "
                 f"gradients in backward without keeping them {NOT_KEPT}, so the ordinary step cannot run "
                 f"instead. {RESTART}"
             ) from exc
@@ -164,6 +170,7 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
         es.tally.partly += bool(rest)
     else:
         es.tally.early += 1
+        es.tally.rehyped += bool(rehyper)
     es.why = ""
     es._committed_seeds = seeds
     return True
@@ -257,10 +264,18 @@ def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str
         return "it updated no record (the first step makes the optimizer's records)"
     if es.reads or es.writes or es.early:
         return "its transfers did not all settle in backward"
-    # Deferred, every record is updated at the step, with the hyper-parameters it finds then.
+    # Deferred, every record is updated at the step, with the hyper-parameters it finds then; else
+    # changes the moments do not depend on are redone at the commit (`early_rehyper`).
     begun = es.begun_hyper  # taken as this backward began (`EarlyStep._begin`)
-    if es.guess.factor is not None and (begun is None or _hyper(es.opt) != begun[0]):
-        return "a param group's lr, betas, eps or weight_decay changed between backward and step"
+    es.rehyper = []
+    if es.guess.factor is not None:
+        changed = None if begun is None else early_rehyper.changed_groups(begun[0], _hyper(es.opt))
+        if changed is None:
+            return (
+                "a param group's betas, Adam (L2) weight_decay or decoupled_weight_decay changed between "
+                "backward and step"
+            )
+        es.rehyper = changed
     if tuple(es.opt.records.sub_groups) != es.layout or list(es.opt.records.steps) != es.steps:
         return "the optimizer's sub-groups or step counters changed between backward and step"
     if not same_grads(es, items):

@@ -199,6 +199,8 @@ class EarlyStep:
         begun any more (`speculation.ACCUMULATES`)."""
         self.begun_hyper: tuple[list[tuple[Any, ...]], list[int]] | None = None
         """`early_commit.hyper_seen` when the last backward began (`_begin`), for `prepare`."""
+        self.rehyper: list[int] = []
+        """Param groups whose lr, eps or decoupled weight decay changed since backward (`early_rehyper`)."""
         self.hypers_moved = False
         """The last step found them assigned since its backward began (an lr set between ``backward`` and
         ``step``, even to the same value): the next step's update waits for the step (`speculation`)."""

@@ -12,7 +12,9 @@ Either way the result is bitwise the ordinary step's. After a step whose clippin
 not speculated (the factor will most likely differ again) but *deferred*: the copies and gradients are
 held through backward and every record updated at the step, with its factor, until a step finds clipping
 inactive. So is the step after one whose param groups' hyper-parameters were assigned between backward and
-step (a schedule applied right before ``step()``): deferred, the update takes the values set there.
+step (a schedule applied right before ``step()``): deferred, the update takes the values set there. A
+first such assignment of lr, eps or a decoupled weight decay, after steps without, is redone at the step
+from the staged moments (`zswap.step.early_rehyper`).
 
 With gradient accumulation the update runs in the boundary micro-batch's backward: the micro-batches
 before it have their gradients summed in the store (in memory within the early step's ``room``, written

@@ -37,7 +37,9 @@ class Tally:
     commit); run the
     ordinary way after backward (``ordinary``; ``reason``: why the last one was, "" while none was), of
     which ``redone`` had an early step dropped because clipping bit (its factor was not the one assumed);
-    early steps dropped because the gradients were not finite (``overflow``: the step is skipped)."""
+    early steps dropped because the gradients were not finite (``overflow``: the step is skipped). Of the
+    ``early`` ones, ``rehyped`` had their params recomputed at the step for an lr, eps or decoupled weight
+    decay assigned between backward and step (`zswap.step.early_rehyper`)."""
 
     early: int = 0
     deferred: int = 0
@@ -45,6 +47,7 @@ class Tally:
     ordinary: int = 0
     redone: int = 0
     overflow: int = 0
+    rehyped: int = 0
     reason: str = ""
 
     def ordinary_step(self, why: str, scale: float | None) -> None:
@@ -54,6 +57,7 @@ class Tally:
 
     def reset(self) -> None:
         self.early = self.deferred = self.partly = self.ordinary = self.redone = self.overflow = 0
+        self.rehyped = 0
         self.reason = ""
 
     def stats(self) -> dict[str, Any]:
@@ -63,6 +67,7 @@ class Tally:
             "steps_deferred_partly": self.partly,
             "steps_ordinary": self.ordinary,
             "steps_redone": self.redone,
+            "steps_hypers_redone": self.rehyped,
             "steps_overflow_dropped": self.overflow,
             "steps_ordinary_reason": self.reason,
         }

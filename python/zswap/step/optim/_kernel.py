@@ -129,6 +129,63 @@ def cpu_adam_step(
     torch.autograd.graph.increment_version(param)
 
 
+def cpu_adam_redo(
+    param: torch.Tensor,
+    master: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:
+    """`cpu_adam_step` run again with another ``lr``, ``eps`` or decoupled ``weight_decay``, from the
+    moments the first run left: ``exp_avg`` and ``exp_avg_sq`` (read only) already hold this step's
+    gradient, ``master`` (``param`` itself where it is float32 and ``master`` is ``None``) is the value
+    *before* the step; the new master goes there, cast into ``param``. Bitwise the master and param a
+    `cpu_adam_step` with these hyper-parameters gives — the moments do not depend on lr, eps or a
+    decoupled weight decay (betas and Adam's L2 weight decay they do: a change of those cannot be redone
+    this way). `step`: the step's number, as given to that `cpu_adam_step`."""
+    param = _tensor("param", param)
+    exp_avg = _tensor("exp_avg", exp_avg)
+    exp_avg_sq = _tensor("exp_avg_sq", exp_avg_sq)
+    _dtype("param", param, tuple(_PARAM_DTYPES))
+    _dtype("exp_avg", exp_avg, (torch.float32,))
+    _dtype("exp_avg_sq", exp_avg_sq, (torch.float32,))
+    if master is None:
+        if param.dtype != torch.float32:
+            raise ValueError(f"a {param.dtype} param needs a float32 master (master=None is for float32)")
+    else:
+        master = _tensor("master", master)
+        _dtype("master", master, (torch.float32,))
+    n = param.numel()
+    for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t is not None and t.numel() != n:
+            raise ValueError(f"{name} has {t.numel()} elements but param has {n}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the step being taken), got {step!r}")
+    _zswap.cpu_adam_redo(
+        n,
+        param.data_ptr(),
+        _PARAM_DTYPES[param.dtype],
+        None if master is None else master.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        step=step,
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        decoupled=bool(decoupled),
+    )
+    torch.autograd.graph.increment_version(param)
+
+
 def kernel_isa() -> str:
     """The instruction set `cpu_adam_step` uses on this CPU: "avx512", "avx2" or "portable"."""
     return _zswap.cpu_adam_isa()
