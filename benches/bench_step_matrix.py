@@ -2,6 +2,7 @@
 
     python benches/bench_step_matrix.py [--size 1GiB] [--steps 4] [--rows PATTERNS] [--path DIR]
                                         [--deepspeed-python PATH | --no-deepspeed] [--timeout S]
+                                        [--malloc-tuning on|off]
 
 The matrix of issue 29 (item 7): compute {``cpu``; ``standin``: `zswap.device.StandInDevice`, the suite's
 model of CUDA, given to ``zswap.initialize(device=...)``} × ranks {1, 2: gloo, one spawned process each} ×
@@ -31,6 +32,10 @@ records; the second is the first an early step can speculate from a step before 
   accelerator (it has no stand-in device: its row of a (ranks, clipping, dtype) group serves both compute
   kinds), run by `_ds_step.py` under ``--deepspeed-python`` (default: this interpreter); bytes are those
   its aio handles moved. vs DS: zswap's moved ÷ DeepSpeed's (target ≤ 0.6) and the step times' ratio;
+- peak RSS (each contender's line as it finishes, per rank): ``VmHWM`` of each worker process. With
+  ``--malloc-tuning off`` zswap's workers run with ``ZSWAP_MALLOC_TUNING=0``: glibc keeps freed CPU tensors
+  on its heap instead of returning those of 256 KiB and more to the kernel (`zswap.memory`), which is what
+  the memory bound costs in step time (the baselines are unchanged: they never tune);
 - steps b/d/r/o: of all the row's steps, rank 0's made live in backward / deferred to the step / redone
   because clipping bit / run the ordinary way (``engine.stats()``'s ``steps_*``); why the last ordinary
   one was is printed under the table.
@@ -239,10 +244,23 @@ def worker(args: argparse.Namespace, size: int) -> None:
         res = ram_worker(row, size, args.steps, args.rank, row.ranks)
     else:
         res = zswap_worker(row, size, args.path, args.steps, args.rank)
+    res["peak_rss"] = peak_rss()
     print("RESULT " + json.dumps(res), flush=True)
     sys.stderr.flush()
     # torch 2.15's gloo sometimes aborts in C++ teardown after a rank's work is done (tests/_worker_exit.py)
     os._exit(0)
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (``VmHWM``), bytes; 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 # -- the parent: spawning, summing up, printing ------------------------------------------------------------
@@ -307,13 +325,13 @@ def spawn_ranks(
 
 
 def run_ranks(
-    kind: str, row: Row, size: int, path: Path, steps: int, timeout: float
+    kind: str, row: Row, size: int, path: Path, steps: int, timeout: float, env: dict[str, str] | None = None
 ) -> list[dict[str, Any]] | str:
     me = [sys.executable, str(Path(__file__).resolve()), "--size", str(size), "--steps", str(steps)]
     me += ["--path", str(path), "--row", row.name, "--worker", kind, "--init", str(path / "init")]
     path.mkdir(parents=True, exist_ok=True)
     cmds = [[*me, "--rank", str(r)] for r in range(row.ranks)]
-    return spawn_ranks(cmds, [_env()] * row.ranks, path / "logs", timeout)
+    return spawn_ranks(cmds, [_env(env)] * row.ranks, path / "logs", timeout)
 
 
 def run_deepspeed(
@@ -357,6 +375,8 @@ class Summary(NamedTuple):
     written: list[float]
     wall: float
     early: dict[str, Any]
+    rss: list[int]
+    """Each rank's peak resident set, bytes (0: not reported)."""
 
 
 def summarize(ranks: list[dict[str, Any]]) -> Summary:
@@ -372,6 +392,7 @@ def summarize(ranks: list[dict[str, Any]]) -> Summary:
         [med(r, "bytes_written") for r in ranks],
         float(statistics.median(walls)),
         ranks[0].get("early", {}),
+        [int(r.get("peak_rss", 0)) for r in ranks],
     )
 
 
@@ -384,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deepspeed-python", default=sys.executable, help="an interpreter with DeepSpeed")
     ap.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per contender and row")
+    ap.add_argument(
+        "--malloc-tuning",
+        choices=["on", "off"],
+        default="on",
+        help="off: zswap's workers run with ZSWAP_MALLOC_TUNING=0 (glibc's own mmap threshold, no trim)",
+    )
     ap.add_argument("--worker", choices=["zswap", "ram"], help=argparse.SUPPRESS)
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -421,6 +448,8 @@ def measure(args: argparse.Namespace, size: int, rows: list[Row], root: Path) ->
     ds_version = None if args.no_deepspeed else deepspeed_version(args.deepspeed_python)
     ds_note = "not run (--no-deepspeed)" if args.no_deepspeed else "not installed"
     say(f"  DeepSpeed: {ds_version or ds_note}" + (f" ({args.deepspeed_python})" if ds_version else ""))
+    if args.malloc_tuning == "off":
+        say("  zswap's workers: ZSWAP_MALLOC_TUNING=0 (glibc's dynamic mmap threshold, no trim)")
     groups: dict[tuple[int, float, str], list[Row]] = {}
     for r in rows:
         groups.setdefault(r.group, []).append(r)
@@ -449,16 +478,18 @@ def contend(args: argparse.Namespace, kind: str, row: Row, size: int, root: Path
     if kind == "deepspeed":
         res = run_deepspeed(args.deepspeed_python, row, size, d, args.steps, args.timeout)
     else:
-        res = run_ranks(kind, row, size, d, args.steps, args.timeout)
+        tuning = {"ZSWAP_MALLOC_TUNING": "0"} if kind == "zswap" and args.malloc_tuning == "off" else {}
+        res = run_ranks(kind, row, size, d, args.steps, args.timeout, tuning)
     shutil.rmtree(d, ignore_errors=True)
     if isinstance(res, str):
         say(f"  {name}: failed: {res}")
         return res
     got = summarize(res)
     read, written = ("/".join(f"{b / 1e9:.3f}" for b in bs) for bs in (got.read, got.written))
+    rss = "/".join(f"{b / 2**20:,.0f}" for b in got.rss)
     say(
         f"  {name}: done ({time.perf_counter() - t0:.0f} s): {got.wall:.2f} s/step, "
-        f"GB read {read}, written {written}"
+        f"GB read {read}, written {written}, peak RSS {rss} MiB"
     )
     return got
 

@@ -5,7 +5,8 @@ Every rank makes the same-seeded gradients of every rank, so each knows what the
 `zswap.gradients.grads.local_part` gives this rank (gloo: one all-to-all, the slices summed in rank order)
 must be bitwise ``((g0 + g1) + g2 + ...) / world`` of its slice, for sizes the world divides and sizes it
 pads (zeros past the end), float32 and bfloat16; and, in float32, agree with gloo's own reduce-scatter to
-rounding.
+rounding. A param's all-gather with a scratch buffer (gloo: one all-to-all of the partition repeated per
+rank) must be every rank's partition in rank order, bitwise.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from zswap import _dist
 from zswap.gradients.grads import local_part
 
 
@@ -29,7 +31,14 @@ def grad_of(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def check(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
     part_numel = -(-numel // world)
-    st = SimpleNamespace(world_size=world, rank=rank, partition_numel=part_numel, group=None)
+    st = SimpleNamespace(
+        world_size=world,
+        rank=rank,
+        partition_numel=part_numel,
+        group=None,
+        store=None,
+        device=torch.device("cpu"),
+    )
     got = local_part(st, grad_of(rank, numel, dtype))  # type: ignore[arg-type]
     padded = [torch.cat([grad_of(r, numel, dtype), torch.zeros(part_numel * world - numel, dtype=dtype)])
               for r in range(world)]  # fmt: skip
@@ -45,6 +54,12 @@ def check(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, theirs / world)
 
 
+def check_gather(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
+    out = torch.full((numel * world,), 7, dtype=dtype)
+    _dist.all_gather_flat(out, grad_of(rank, numel, dtype), None, lambda n, d: torch.empty(n, dtype=d))
+    assert torch.equal(out, torch.cat([grad_of(r, numel, dtype) for r in range(world)])), (rank, numel)
+
+
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=world)
@@ -52,6 +67,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             for numel in (world * 1000, world * 1000 + 1, 7, 1):
                 check(rank, world, numel, dtype)
+                check_gather(rank, world, numel, dtype)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -18,6 +18,6 @@ def test_two_ranks_each_hold_half_and_gather_the_whole(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_gradient_reduce_scatter_on_gloo_sums_the_ranks_in_rank_order(world, tmp_path):
+def test_gloo_reduce_scatter_and_all_gather_keep_rank_order_bitwise(world, tmp_path):
     """See `_reduce_dist_worker.py`."""
     run_ranks(Path(__file__).with_name("_reduce_dist_worker.py"), tmp_path, world=world)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import _dist
 from ..device import Alloc, Copy, Device, ReusePool, on_host
-from ..parts.gather import no_torch_function
+from ..parts.gather import host_buffers, no_torch_function
 from ..parts.params import Item, NvmeStore, ParamState, Status, param_state
 from .gradstore import LOW_PRECISION, MemoryGrads, NvmeGrads, store_of
 
@@ -238,7 +238,7 @@ def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> No
     try:
         dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=st.group)
     except (RuntimeError, NotImplementedError) as exc:
-        if not _unsupported(exc):
+        if not _dist.unsupported(exc):
             raise
         # A backend without a flat reduce-scatter (gloo before torch 2.5): all-reduce, keep this rank's
         # slice. Every rank takes the same branch, so the collectives still line up.
@@ -255,11 +255,12 @@ def _sum_of_slices(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> boo
     all-to-all 0.2–0.9 ms (benches/README.md, "The step matrix"), and backward makes one per param.
     False where this gloo has no all-to-all (every rank fails alike, so the caller's collectives still
     line up)."""
-    got = torch.empty_like(flat)
+    pooled = host_buffers(st)
+    got = pooled(flat.numel(), flat.dtype) if pooled else torch.empty_like(flat)
     try:
         dist.all_to_all_single(got, flat, group=st.group)
     except (RuntimeError, NotImplementedError) as exc:
-        if not _unsupported(exc):
+        if not _dist.unsupported(exc):
             raise
         return False
     parts = got.view(st.world_size, st.partition_numel)
@@ -267,12 +268,6 @@ def _sum_of_slices(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> boo
     for r in range(2, st.world_size):
         out.add_(parts[r])
     return True
-
-
-def _unsupported(exc: BaseException) -> bool:
-    """Whether a collective failed because this backend does not have it (not for another reason)."""
-    text = str(exc).lower()
-    return "support" in text or "implement" in text
 
 
 def full_grad(p: torch.Tensor) -> torch.Tensor | None:

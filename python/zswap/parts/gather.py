@@ -23,7 +23,17 @@ import torch
 from .. import _dist
 from ..device import Copy, Device
 from ..errors import ZswapError, ZswapWarning
-from .params import Item, ParamState, Status, Store, local_slice, param_state, partition_numel, register
+from .params import (
+    Item,
+    NvmeStore,
+    ParamState,
+    Status,
+    Store,
+    local_slice,
+    param_state,
+    partition_numel,
+    register,
+)
 from .runners import open_runners
 
 if TYPE_CHECKING:
@@ -152,8 +162,14 @@ def finish_fetch(loading: Loading, *, private: bool, device: Device | None = Non
                     local = device.wait(copy if copy is not None else device.h2d(local))
                     copied = True
                 if st.world_size > 1:
-                    full = torch.empty(st.partition_numel * st.world_size, dtype=st.dtype, device=st.device)
-                    _dist.all_gather_flat(full, local, st.group)
+                    pooled = host_buffers(st)
+                    numel = st.partition_numel * st.world_size
+                    full = (
+                        pooled(numel, st.dtype)
+                        if pooled
+                        else torch.empty(numel, dtype=st.dtype, device=st.device)
+                    )
+                    _dist.all_gather_flat(full, local, st.group, pooled)
                 elif local.device != st.device:
                     full = local.to(st.device)
                 else:
@@ -165,6 +181,17 @@ def finish_fetch(loading: Loading, *, private: bool, device: Device | None = Non
             raise
         finally:
             loading.loads, loading.copies = [], []
+
+
+def host_buffers(st: ParamState) -> Any:
+    """``alloc(numel, dtype)`` for a collective's host buffers of ``st`` (its gathered full tensor, the
+    all-to-alls' scratch): the fetch pool of its NVMe store, reused once nothing holds them (within the
+    pool's limit), instead of new pages faulted in and zeroed at every collective (`zswap.memory`'s fixed
+    mmap threshold); ``None`` for a param gathered on a device or kept in CPU memory (new tensors)."""
+    store = st.store
+    if st.device.type != "cpu" or not isinstance(store, NvmeStore):
+        return None
+    return store._buffer
 
 
 def cancel_fetch(loading: Loading, device: Device | None = None) -> None:
