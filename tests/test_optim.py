@@ -15,6 +15,7 @@ import torch
 import zswap
 from zswap.errors import ConfigError, ZswapWarning
 from zswap.optim import OffloadedAdamW, cpu_adam_step, kernel_isa
+from zswap.step.optim._kernel import cpu_adam_redo
 
 TOL = {"rtol": 1e-6, "atol": 1e-7}
 SHAPES = [(64, 33), (33,), (7,), (1000,), (5, 5, 5)]
@@ -192,6 +193,51 @@ def test_kernel_rejects_aliased_tensors() -> None:
     args, kw = _kernel_args(m=buf[:8], v=buf[4:12])
     with pytest.raises(ValueError, match="exp_avg and exp_avg_sq share memory"):
         cpu_adam_step(*args, **kw)
+
+
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_step_redone_from_its_moments_is_the_step_with_the_new_values(pdtype: torch.dtype) -> None:
+    """`cpu_adam_redo`: from the moments a step left (they do not depend on lr, eps or decoupled weight
+    decay) and the master before it, the master and param a step with new values gives, bitwise — across
+    the kernel's chunks and torch's scalar tail."""
+    n = (1 << 16) + 1003
+    g0 = torch.Generator().manual_seed(5)
+    p0 = torch.randn(n, generator=g0).to(pdtype)
+    m0, v0, g = (
+        torch.randn(n, generator=g0) * 0.1,
+        torch.rand(n, generator=g0) * 1e-2,
+        torch.randn(n, generator=g0),
+    )
+    old = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.01}
+    new = {"lr": 3e-4, "eps": 1e-6, "weight_decay": 0.1}
+
+    def full(values: dict[str, float]) -> list[torch.Tensor]:
+        p, w, m, v = p0.clone(), p0.float(), m0.clone(), v0.clone()
+        master = None if pdtype == torch.float32 else w
+        cpu_adam_step(p, g, master, m, v, step=7, beta1=0.9, beta2=0.99, decoupled=True, **values)
+        return [p, w, m, v]
+
+    ran, want = full(old), full(new)
+    assert torch.equal(ran[2], want[2]) and torch.equal(ran[3], want[3])
+    p, w = p0.clone(), p0.float()
+    master = None if pdtype == torch.float32 else w
+    cpu_adam_redo(p, master, ran[2], ran[3], step=7, beta1=0.9, beta2=0.99, decoupled=True, **new)
+    assert torch.equal(p, want[0]) and (master is None or torch.equal(w, want[1]))
+    assert not torch.equal(ran[0], want[0])  # the values moved it elsewhere
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        ({"param": torch.zeros(8, dtype=torch.bfloat16)}, "needs a float32 master"),
+        ({"v": torch.zeros(7)}, "exp_avg_sq has 7 elements"),
+        ({"step": 0}, "step must be an int >= 1"),
+    ],
+)
+def test_a_redo_rejects_bad_inputs(over: dict[str, Any], match: str) -> None:
+    (param, _, master, m, v), kw = _kernel_args(**over)
+    with pytest.raises(ValueError, match=match):
+        cpu_adam_redo(param, master, m, v, **kw)
 
 
 # -- OffloadedAdamW against torch --------------------------------------------------------------------

@@ -142,21 +142,7 @@ pub(super) fn cpu_adam_step(
                 Dtype::Bf16 => Grad::Bf16(std::slice::from_raw_parts(g.addr as *const Bf16, numel)),
                 Dtype::F16 => Grad::F16(std::slice::from_raw_parts(g.addr as *const F16, numel)),
             };
-            let (master, param) = match w {
-                None => (f32_mut(p), None),
-                Some(w) => {
-                    let out = match pdt {
-                        Dtype::F32 => Param::F32(f32_mut(p)),
-                        Dtype::Bf16 => {
-                            Param::Bf16(std::slice::from_raw_parts_mut(p.addr as *mut Bf16, numel))
-                        }
-                        Dtype::F16 => {
-                            Param::F16(std::slice::from_raw_parts_mut(p.addr as *mut F16, numel))
-                        }
-                    };
-                    (f32_mut(w), Some(out))
-                }
-            };
+            let (master, param) = master_and_param(pdt, p, w, numel);
             let state = State {
                 master,
                 exp_avg: mm,
@@ -253,27 +239,45 @@ pub(super) fn cpu_adam_redo(
         // (`zswap.step.optim._kernel.cpu_adam_redo`), no two overlap (`usable`), so the `&mut` slices are
         // unique; every bit pattern is a valid `f32`, `Bf16` and `F16`.
         unsafe {
-            let f32_mut = |s: Span| std::slice::from_raw_parts_mut(s.addr as *mut f32, numel);
             let f32_ref = |s: Span| std::slice::from_raw_parts(s.addr as *const f32, numel);
-            let (master, param) = match w {
-                None => (f32_mut(p), None),
-                Some(w) => {
-                    let out = match pdt {
-                        Dtype::F32 => Param::F32(f32_mut(p)),
-                        Dtype::Bf16 => {
-                            Param::Bf16(std::slice::from_raw_parts_mut(p.addr as *mut Bf16, numel))
-                        }
-                        Dtype::F16 => {
-                            Param::F16(std::slice::from_raw_parts_mut(p.addr as *mut F16, numel))
-                        }
-                    };
-                    (f32_mut(w), Some(out))
-                }
-            };
+            let (master, param) = master_and_param(pdt, p, w, numel);
             adam::redo(&h, master, f32_ref(m), f32_ref(v), param)
         }
     });
     r.map_err(|e| to_pyerr(py, e))
+}
+
+/// The master the kernel updates and the param it is cast into: `param` itself (an `f32` param is its
+/// own master) when there is no `master` span.
+///
+/// # Safety
+/// As for the slices of `cpu_adam_step`: `p` (of `pdt`) and `w` are `numel` elements at aligned, live
+/// addresses no other slice of the call overlaps.
+unsafe fn master_and_param<'a>(
+    pdt: Dtype,
+    p: Span,
+    w: Option<Span>,
+    numel: usize,
+) -> (&'a mut [f32], Option<Param<'a>>) {
+    // SAFETY: the caller's contract above.
+    unsafe {
+        let f32_mut = |s: Span| std::slice::from_raw_parts_mut(s.addr as *mut f32, numel);
+        match w {
+            None => (f32_mut(p), None),
+            Some(w) => {
+                let out = match pdt {
+                    Dtype::F32 => Param::F32(f32_mut(p)),
+                    Dtype::Bf16 => {
+                        Param::Bf16(std::slice::from_raw_parts_mut(p.addr as *mut Bf16, numel))
+                    }
+                    Dtype::F16 => {
+                        Param::F16(std::slice::from_raw_parts_mut(p.addr as *mut F16, numel))
+                    }
+                };
+                (f32_mut(w), Some(out))
+            }
+        }
+    }
 }
 
 /// The instruction set `cpu_adam_step` runs on here: "avx512", "avx2" or "portable".

@@ -357,6 +357,7 @@ def reset(es: EarlyStep) -> None:
     es.staged = 0
     es.swaps = []
     es.passed = set()
+    es.rehyper = []
     es.kept_mem.clear()
 
 

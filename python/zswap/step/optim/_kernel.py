@@ -36,6 +36,31 @@ def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None
         raise TypeError(f"{name} must be {names}; got {t.dtype}")
 
 
+def _state(
+    param: object, master: object, exp_avg: object, exp_avg_sq: object, step: object
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The kernel's param and state tensors, checked (see `cpu_adam_step`), and its step number."""
+    param = _tensor("param", param)
+    exp_avg = _tensor("exp_avg", exp_avg)
+    exp_avg_sq = _tensor("exp_avg_sq", exp_avg_sq)
+    _dtype("param", param, tuple(_PARAM_DTYPES))
+    _dtype("exp_avg", exp_avg, (torch.float32,))
+    _dtype("exp_avg_sq", exp_avg_sq, (torch.float32,))
+    if master is None:
+        if param.dtype != torch.float32:
+            raise ValueError(f"a {param.dtype} param needs a float32 master (master=None is for float32)")
+    else:
+        master = _tensor("master", master)
+        _dtype("master", master, (torch.float32,))
+    n = param.numel()
+    for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if isinstance(t, torch.Tensor) and t.numel() != n:
+            raise ValueError(f"{name} has {t.numel()} elements but param has {n}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the step being taken), got {step!r}")
+    return param, master if isinstance(master, torch.Tensor) else None, exp_avg, exp_avg_sq
+
+
 def cpu_adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -78,29 +103,12 @@ def cpu_adam_step(
     Right after a parallel torch op, torch's OpenMP workers spin-wait on the same cores for a few
     milliseconds; ``OMP_WAIT_POLICY=PASSIVE`` in the environment avoids sharing the cores with them.
     """
-    param = _tensor("param", param)
+    param, master, exp_avg, exp_avg_sq = _state(param, master, exp_avg, exp_avg_sq, step)
     grad = _tensor("grad", grad)
-    exp_avg = _tensor("exp_avg", exp_avg)
-    exp_avg_sq = _tensor("exp_avg_sq", exp_avg_sq)
-    floats = tuple(_PARAM_DTYPES)
-    _dtype("param", param, floats)
-    _dtype("grad", grad, floats)
-    _dtype("exp_avg", exp_avg, (torch.float32,))
-    _dtype("exp_avg_sq", exp_avg_sq, (torch.float32,))
-    if master is None:
-        if param.dtype != torch.float32:
-            raise ValueError(f"a {param.dtype} param needs a float32 master (master=None is for float32)")
-    else:
-        master = _tensor("master", master)
-        _dtype("master", master, (torch.float32,))
+    _dtype("grad", grad, tuple(_PARAM_DTYPES))
     if grad.shape != param.shape:
         raise ValueError(f"grad shape {tuple(grad.shape)} differs from param shape {tuple(param.shape)}")
     n = param.numel()
-    for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t is not None and t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements but param has {n}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (the step being taken), got {step!r}")
     if tail_from is None:
         tail_from = torch_tail(n)
     if isinstance(tail_from, bool) or not isinstance(tail_from, int) or tail_from < 0:
@@ -150,26 +158,9 @@ def cpu_adam_redo(
     `cpu_adam_step` with these hyper-parameters gives — the moments do not depend on lr, eps or a
     decoupled weight decay (betas and Adam's L2 weight decay they do: a change of those cannot be redone
     this way). `step`: the step's number, as given to that `cpu_adam_step`."""
-    param = _tensor("param", param)
-    exp_avg = _tensor("exp_avg", exp_avg)
-    exp_avg_sq = _tensor("exp_avg_sq", exp_avg_sq)
-    _dtype("param", param, tuple(_PARAM_DTYPES))
-    _dtype("exp_avg", exp_avg, (torch.float32,))
-    _dtype("exp_avg_sq", exp_avg_sq, (torch.float32,))
-    if master is None:
-        if param.dtype != torch.float32:
-            raise ValueError(f"a {param.dtype} param needs a float32 master (master=None is for float32)")
-    else:
-        master = _tensor("master", master)
-        _dtype("master", master, (torch.float32,))
-    n = param.numel()
-    for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t is not None and t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements but param has {n}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (the step being taken), got {step!r}")
+    param, master, exp_avg, exp_avg_sq = _state(param, master, exp_avg, exp_avg_sq, step)
     _zswap.cpu_adam_redo(
-        n,
+        param.numel(),
         param.data_ptr(),
         _PARAM_DTYPES[param.dtype],
         None if master is None else master.data_ptr(),
