@@ -42,6 +42,22 @@ pub enum Param<'a> {
     F16(&'a mut [F16]),
 }
 
+impl Param<'_> {
+    /// Elements of the param.
+    pub fn len(&self) -> usize {
+        match self {
+            Param::F32(p) => p.len(),
+            Param::Bf16(p) => p.len(),
+            Param::F16(p) => p.len(),
+        }
+    }
+
+    /// Whether it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The optimizer state of one tensor (or of a contiguous slice of one), all `f32`, updated in place.
 #[derive(Debug)]
 pub struct State<'a> {
@@ -185,11 +201,7 @@ pub fn redo_with(
         return bad(format!("this CPU cannot run the {} kernel", isa.name()));
     }
     let n = master.len();
-    let plen = param.as_ref().map(|p| match p {
-        Param::F32(p) => p.len(),
-        Param::Bf16(p) => p.len(),
-        Param::F16(p) => p.len(),
-    });
+    let plen = param.as_ref().map(Param::len);
     if exp_avg.len() != n || exp_avg_sq.len() != n || plen.is_some_and(|l| l != n) {
         return bad(format!(
             "adam redo: lengths differ: master {n}, exp_avg {}, exp_avg_sq {}, param {plen:?}",
@@ -200,15 +212,7 @@ pub fn redo_with(
     check_hyper(h)?;
     let c = Coeffs::new(h);
     match param {
-        None => par_redo(master, exp_avg, exp_avg_sq, |w, m, v| match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `isa.available()` confirmed these CPU features above.
-            Isa::Avx512 => unsafe { kernel::avx512::redo_in_place(&c, w, m, v) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Isa::Avx2 => unsafe { kernel::avx2::redo_in_place(&c, w, m, v) },
-            _ => kernel::redo_in_place(&c, w, m, v),
-        }),
+        None => par_redo_in_place(isa, &c, master, exp_avg, exp_avg_sq),
         Some(Param::F32(p)) => par_redo_into(isa, &c, master, exp_avg, exp_avg_sq, p),
         Some(Param::Bf16(p)) => par_redo_into(isa, &c, master, exp_avg, exp_avg_sq, p),
         Some(Param::F16(p)) => par_redo_into(isa, &c, master, exp_avg, exp_avg_sq, p),
@@ -216,11 +220,19 @@ pub fn redo_with(
     Ok(())
 }
 
-fn par_redo(w: &mut [f32], m: &[f32], v: &[f32], f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync) {
+fn par_redo_in_place(isa: Isa, c: &Coeffs, w: &mut [f32], m: &[f32], v: &[f32]) {
     w.par_chunks_mut(CHUNK)
         .zip(m.par_chunks(CHUNK))
         .zip(v.par_chunks(CHUNK))
-        .for_each(|((w, m), v)| f(w, m, v));
+        .for_each(|((w, m), v)| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `redo_with` returned early unless `isa.available()` confirmed these CPU features.
+            Isa::Avx512 => unsafe { kernel::avx512::redo_in_place(c, w, m, v) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { kernel::avx2::redo_in_place(c, w, m, v) },
+            _ => kernel::redo_in_place(c, w, m, v),
+        });
 }
 
 fn par_redo_into<P: Store>(isa: Isa, c: &Coeffs, w: &mut [f32], m: &[f32], v: &[f32], p: &mut [P]) {
@@ -250,11 +262,7 @@ fn check(h: &Hyper, s: &State<'_>, g: &Grad<'_>, p: Option<&Param<'_>>) -> Resul
         Grad::Bf16(g) => g.len(),
         Grad::F16(g) => g.len(),
     };
-    let plen = p.map(|p| match p {
-        Param::F32(p) => p.len(),
-        Param::Bf16(p) => p.len(),
-        Param::F16(p) => p.len(),
-    });
+    let plen = p.map(Param::len);
     if s.exp_avg.len() != n || s.exp_avg_sq.len() != n || glen != n || plen.is_some_and(|l| l != n)
     {
         return bad(format!(

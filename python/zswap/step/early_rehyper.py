@@ -110,7 +110,7 @@ def _record(es: EarlyStep, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor | N
     (the value before the step; ``None`` for a record never written)."""
     if cpu_records(es):
         store = cast(CpuStore, es.records)
-        staged = next(t for s, key, t in es.swaps if s is store and key == sg.key)
+        staged = _swapped(es, store, sg.key)
         committed = store.get(sg.key)
         before = None if committed is None else sg.parts(committed)[2]
         return staged, before
@@ -123,6 +123,11 @@ def _record(es: EarlyStep, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor | N
     committed = _scratch(es, 1, sg.record_numel)
     store.ns.read(name, committed).wait()  # no transaction: the live version
     return staged, sg.parts(committed)[2]
+
+
+def _swapped(es: EarlyStep, store: object, key: str) -> torch.Tensor:
+    """The updated copy of ``key`` in ``store`` (a tier in CPU memory) the commit will swap in."""
+    return next(t for s, k, t in es.swaps if s is store and k == key)
 
 
 def _scratch(es: EarlyStep, k: int, numel: int) -> torch.Tensor:
@@ -145,8 +150,7 @@ def _before(st: ParamState) -> torch.Tensor:
 def _restage_param(es: EarlyStep, i: int, st: ParamState, value: torch.Tensor) -> None:
     """Param ``i``'s recomputed partition replaces the staged one, and every copy kept of it."""
     if not isinstance(st.store, NvmeStore):  # its updated copy waits for the commit in ``swaps``
-        copy = next(t for s, key, t in es.swaps if s is st.store and key == st.key)
-        copy.copy_(value)
+        _swapped(es, st.store, st.key).copy_(value)
         return
     st.store.ns.put(st.key, value, es.txn).settle()
     p = es.opt.records.params[i]

@@ -56,8 +56,9 @@ class Tally:
             self.reason = why
 
     def reset(self) -> None:
-        self.early = self.deferred = self.partly = self.ordinary = self.redone = self.overflow = 0
-        self.rehyped = 0
+        self.early = self.deferred = self.partly = self.ordinary = self.redone = self.overflow = (
+            self.rehyped
+        ) = 0
         self.reason = ""
 
     def stats(self) -> dict[str, Any]:
