@@ -226,6 +226,21 @@ def test_a_step_redone_from_its_moments_is_the_step_with_the_new_values(pdtype: 
     assert not torch.equal(ran[0], want[0])  # the values moved it elsewhere
 
 
+def test_param_groups_count_every_way_of_assigning_a_hyper_parameter() -> None:
+    """The early step tells a loop that sets the lr between backward and step by these counts, the value
+    set being the old one or not: item assignment, ``update`` and ``|=`` alike; other keys do not count."""
+    opt = OffloadedAdamW([torch.nn.Parameter(torch.zeros(4))], lr=1e-3)
+    g = opt.param_groups[0]
+    before = g.writes
+    g["lr"] = g["lr"]
+    g.update(lr=g["lr"], eps=1e-8)
+    g.update({"weight_decay": 0.0}, name="head")
+    g |= {"betas": g["betas"]}
+    g["name"] = "body"
+    assert g.writes - before == 5 and g["name"] == "body" and isinstance(g, dict)
+    opt.close()
+
+
 @pytest.mark.parametrize(
     ("over", "match"),
     [

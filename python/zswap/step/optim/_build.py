@@ -81,6 +81,15 @@ class ParamGroup(dict[str, Any]):
         if key in HYPER_KEYS:
             self.writes += 1
 
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """``dict.update`` and ``|=`` do not go through `__setitem__`: each key they set does."""
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other: Any) -> ParamGroup:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
 
 def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if isinstance(lr, torch.Tensor):
