@@ -336,6 +336,11 @@ class NvmeStore(Store):
         copies: `zswap.memory.Allowances.early_step`), until `unserve` (the engine's end)."""
         self.pool.limit = self.pool_bytes + nbytes
 
+    def fresh(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A load buffer nothing is read into, for a partition about to be overwritten whole (its values
+        are whatever the buffer held)."""
+        return self._buffer(numel, dtype)
+
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A pooled buffer nothing uses any more, else a new one, pooled while the pool has room."""
         return self.pool.take(numel, dtype)[0]

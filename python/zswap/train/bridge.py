@@ -154,6 +154,11 @@ def _step_batch(
     own_undo: bool,
     held: dict[int, resident.Held],
 ) -> None:
+    # A param the optimizer only writes (`OffloadedAdamW.overwrites`: stepped from its master) gets a
+    # buffer nothing is read into (a bf16 param's ordinary step read its 2 bytes beside its gradient and
+    # 12 of record), and is not written back if the optimizer skipped the step: the buffer holds no value.
+    unread = optimizer.overwrites([p for p, _ in batch]) if isinstance(optimizer, OffloadedAdamW) else set()
+    skipped = getattr(optimizer, "skipped_steps", 0)
     with no_torch_function():
         loads: list[tuple[torch.Tensor, Any]] = []
         try:
@@ -162,17 +167,20 @@ def _step_batch(
             # store's partition).
             for p, st in batch:
                 h = held.get(id(p))
-                loads.append(
-                    st.store.load(st.key, st.partition_numel, st.dtype) if h is None else (h.part, None)
-                )
+                if h is not None:
+                    loads.append((h.part, None))
+                elif id(p) in unread and isinstance(st.store, NvmeStore):
+                    loads.append((st.store.fresh(st.partition_numel, st.dtype), _UNREAD))
+                else:
+                    loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
                 loads.append(store_of(st).load(st))
             for _, handle in loads:
-                if handle is not None:
+                if handle is not None and handle is not _UNREAD:
                     handle.wait()
             for i, (p, _) in enumerate(batch):
                 p.data = loads[2 * i][0]
                 p.grad = grads.step_grad(p, loads[2 * i + 1][0], isinstance(optimizer, OffloadedAdamW))
-                if loads[2 * i][1] is not None:  # read into a scratch buffer: free to change
+                if loads[2 * i][1] is not None:  # read into a scratch buffer (or not read): free to change
                     txn.scratch(p.data)
                 elif not own_undo:
                     txn.save(p.data)  # the stored partition itself: changed in place
@@ -188,19 +196,26 @@ def _step_batch(
                 optimizer.step(grad_scale=grad_scale)
             else:
                 optimizer.step()
-            for p, st in batch:
+            ran = getattr(optimizer, "skipped_steps", 0) == skipped
+            for i, (p, st) in enumerate(batch):
+                if loads[2 * i][1] is _UNREAD and not ran:
+                    continue  # never read, not stepped: the stored value stands
                 h = held.get(id(p))
                 if h is not None and p.data.data_ptr() != h.part.data_ptr():
                     h.part.copy_(p.data.reshape(-1))  # an optimizer that replaced .data: the copy follows
                 st.store.put(st.key, p.data)  # staged in the transaction (in place for memory stores)
         finally:
             for _, handle in loads:
-                if handle is not None:
+                if handle is not None and handle is not _UNREAD:
                     with contextlib.suppress(Exception):
                         handle.wait()  # engine buffers must not be dropped under a running read
             for p, st in batch:
                 grads.clear_step_grad(p, st.dtype)
                 p.data = torch.empty(0, dtype=st.dtype, device=st.device)
+
+
+_UNREAD = object()
+"""The read handle of a param partition `_step_batch` does not read (`OffloadedAdamW.overwrites`)."""
 
 
 SHAPE_DEPENDENT = frozenset(

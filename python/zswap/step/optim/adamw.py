@@ -300,6 +300,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._placed.clear()
         self._steps = [0] * len(self._params)
 
+    def overwrites(self, params: Iterable[torch.Tensor]) -> set[int]:
+        """``id`` of each of ``params`` that its next step here stores whole without reading it: a param
+        with a float32 master past its first step (its records hold the master; the kernel steps that and
+        rounds it into the param, which it only writes). A caller that loads such a param only to have
+        it stepped need not read it (`zswap.train.bridge`), as long as it writes it back only where the
+        step ran (`skipped_steps` unchanged)."""
+        mastered = {s.param for sg in self._sub_groups if sg.has_master for s in sg.segments}
+        index = {id(p): i for i, p in enumerate(self._params)}
+        out = set()
+        for p in params:
+            i = index.get(id(p))
+            if i is not None and i in mastered and self._steps[i] > 0 and p.requires_grad:
+                out.add(id(p))
+        return out
+
     # -- internals -------------------------------------------------------------------------------
 
     def _collect(self) -> list[int]:
