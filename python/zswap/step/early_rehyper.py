@@ -25,7 +25,7 @@ import torch
 
 from ..parts.params import NvmeStore, ParamState
 from .early_memory import cpu_records
-from .optim._kernel import cpu_adam_redo
+from .optim._kernel import cpu_adam_redo, group_hypers
 from .optim._layout import SubGroup
 from .optim._store import CpuStore
 
@@ -68,8 +68,7 @@ def redo(es: EarlyStep, groups: list[int]) -> None:
     for sg in todo:
         staged, master_before = _record(es, sg)
         m, v, w = sg.parts(staged)
-        group = es.opt.param_groups[sg.group]
-        beta1, beta2 = group["betas"]
+        hypers = group_hypers(es.opt.param_groups[sg.group])
         for seg in sg.segments:
             i = seg.param
             if i not in es.ready:
@@ -90,12 +89,7 @@ def redo(es: EarlyStep, groups: list[int]) -> None:
                 m[part],
                 v[part],
                 step=es.steps[i] + 1,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=bool(group["decoupled_weight_decay"]),
+                **hypers,
             )
             left[i] -= 1
             if left[i] == 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -157,7 +157,10 @@ def _step_batch(
     # A param the optimizer only writes (`OffloadedAdamW.overwrites`: stepped from its master) gets a
     # buffer nothing is read into (a bf16 param's ordinary step read its 2 bytes beside its gradient and
     # 12 of record), and is not written back if the optimizer skipped the step: the buffer holds no value.
-    unread = optimizer.overwrites([p for p, _ in batch]) if isinstance(optimizer, OffloadedAdamW) else set()
+    unread: set[int] = set()
+    if isinstance(optimizer, OffloadedAdamW):
+        nvme = [p for p, st in batch if id(p) not in held and isinstance(st.store, NvmeStore)]
+        unread = optimizer.overwrites(nvme)
     skipped = getattr(optimizer, "skipped_steps", 0)
     with no_torch_function():
         loads: list[tuple[torch.Tensor, Any]] = []
@@ -169,19 +172,19 @@ def _step_batch(
                 h = held.get(id(p))
                 if h is not None:
                     loads.append((h.part, None))
-                elif id(p) in unread and isinstance(st.store, NvmeStore):
-                    loads.append((st.store.fresh(st.partition_numel, st.dtype), _UNREAD))
+                elif id(p) in unread:
+                    loads.append((cast(NvmeStore, st.store).fresh(st.partition_numel, st.dtype), None))
                 else:
                     loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
                 loads.append(store_of(st).load(st))
             for _, handle in loads:
-                if handle is not None and handle is not _UNREAD:
+                if handle is not None:
                     handle.wait()
             for i, (p, _) in enumerate(batch):
                 p.data = loads[2 * i][0]
                 p.grad = grads.step_grad(p, loads[2 * i + 1][0], isinstance(optimizer, OffloadedAdamW))
-                if loads[2 * i][1] is not None:  # read into a scratch buffer (or not read): free to change
-                    txn.scratch(p.data)
+                if loads[2 * i][1] is not None or id(p) in unread:  # read into a scratch buffer, or
+                    txn.scratch(p.data)  # not read at all: free to change
                 elif not own_undo:
                     txn.save(p.data)  # the stored partition itself: changed in place
                 if loads[2 * i + 1][1] is not None:
@@ -197,8 +200,8 @@ def _step_batch(
             else:
                 optimizer.step()
             ran = getattr(optimizer, "skipped_steps", 0) == skipped
-            for i, (p, st) in enumerate(batch):
-                if loads[2 * i][1] is _UNREAD and not ran:
+            for p, st in batch:
+                if id(p) in unread and not ran:
                     continue  # never read, not stepped: the stored value stands
                 h = held.get(id(p))
                 if h is not None and p.data.data_ptr() != h.part.data_ptr():
@@ -206,16 +209,12 @@ def _step_batch(
                 st.store.put(st.key, p.data)  # staged in the transaction (in place for memory stores)
         finally:
             for _, handle in loads:
-                if handle is not None and handle is not _UNREAD:
+                if handle is not None:
                     with contextlib.suppress(Exception):
                         handle.wait()  # engine buffers must not be dropped under a running read
             for p, st in batch:
                 grads.clear_step_grad(p, st.dtype)
                 p.data = torch.empty(0, dtype=st.dtype, device=st.device)
-
-
-_UNREAD = object()
-"""The read handle of a param partition `_step_batch` does not read (`OffloadedAdamW.overwrites`)."""
 
 
 SHAPE_DEPENDENT = frozenset(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from ... import _zswap
@@ -175,6 +178,20 @@ def cpu_adam_redo(
         decoupled=bool(decoupled),
     )
     torch.autograd.graph.increment_version(param)
+
+
+def group_hypers(group: Mapping[str, Any]) -> dict[str, Any]:
+    """`cpu_adam_step`'s and `cpu_adam_redo`'s hyper-parameter arguments from a param group: ``lr``,
+    ``beta1``, ``beta2``, ``eps``, ``weight_decay`` and ``decoupled`` (its ``decoupled_weight_decay``)."""
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+        "decoupled": bool(group["decoupled_weight_decay"]),
+    }
 
 
 def kernel_isa() -> str:

@@ -25,7 +25,7 @@ import torch
 from ...parts.params import param_state
 from ...store.storage import Transaction, step_transaction
 from ._build import ParamGroup, PathArg, Pipeline, check_hyper, config_kwargs, make_store
-from ._kernel import cpu_adam_step, torch_tail
+from ._kernel import cpu_adam_step, group_hypers, torch_tail
 from ._layout import SubGroup, cut, default_sub_group_size
 from ._records import Records
 from ._state import gather_state, scatter_state
@@ -396,8 +396,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ) -> None:
         """Run the kernel on each segment of ``sg`` whose param is in ``steps``; the updated weights go to
         the param itself, or to ``targets[i]`` (a flat copy of param i) where given."""
-        group = self.param_groups[sg.group]
-        beta1, beta2 = group["betas"]
+        hypers = group_hypers(self.param_groups[sg.group])
         for seg, (m, v, w) in sg.slices(record):
             step = steps.get(seg.param)
             if step is None:
@@ -419,12 +418,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 m,
                 v,
                 step=step,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=bool(group["decoupled_weight_decay"]),
+                **hypers,
                 grad_scale=scale,
                 tail_from=self._tail_in(seg),
             )
