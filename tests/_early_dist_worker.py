@@ -25,7 +25,7 @@ import zswap
 from tests.test_faults import cfg_for, optim_state, params_of, same
 from tests.test_runtime import TinyLM, ids, sq
 from zswap.device import StandInDevice
-from zswap.step import earlystep
+from zswap.step import early_memory, earlystep
 
 
 def twins(
@@ -37,7 +37,9 @@ def twins(
     **extra: Any,
 ) -> list[tuple[Any, Any]]:
     """The early-step twin and its early-off twin, params and AdamW states on ``tiers`` (``resident``:
-    about half the params kept gathered, ``max_in_cpu``)."""
+    about half the params kept gathered, ``max_in_cpu``; ``d``: TinyLM's width, odd for partitions
+    padded past a param's end)."""
+    d_model = extra.pop("d", 16)
     out = []
     for name, early in (("early", True), ("plain", False)):
         d = root / f"{name}-{rank}"
@@ -47,7 +49,7 @@ def twins(
             cfg["offload_param"]["max_in_cpu"] = 3000  # of 7280 elements
         torch.manual_seed(0)
         with zswap.Init(cfg):
-            m = TinyLM()
+            m = TinyLM(d=d_model)
         e = zswap.initialize(m, cfg, device=StandInDevice() if device else "cpu")
         e.early_step = early
         out.append((m, e))
@@ -64,13 +66,15 @@ def check(
     tiers: tuple[str, str] = ("nvme", "nvme"),
     partly: list[int] | None = None,
     resident: bool = False,
+    **extra: Any,
 ) -> list[tuple[int, int, int]]:
     """Steps the twins with each clip limit in turn, bitwise equal after every optimizer step; ``expect``:
     the early twin's steps made live in backward, step by step (``partly``: its deferred steps that left
-    records past the cap to the ordinary step). Returns (in backward, redone, deferred) of each step."""
-    runs = twins(
-        root, rank, device, tiers, resident, **({"gradient_accumulation_steps": gas} if gas > 1 else {})
-    )
+    records past the cap to the ordinary step; ``extra``: config keys, or TinyLM's ``d``). Returns (in
+    backward, redone, deferred) of each step."""
+    if gas > 1:
+        extra["gradient_accumulation_steps"] = gas
+    runs = twins(root, rank, device, tiers, resident, **extra)
     (m, e), (ref, ref_e) = runs
     seen, parts = [], []
     for step, limit in enumerate(limits):
@@ -139,6 +143,16 @@ def main() -> None:
                 root / "dev-clip", rank, [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6], 1, [0, 1, 0, 0, 0, 1], device=True
             )
             check(root / "dev-gas", rank, [1e6, 1e6, 1e6], 2, [0, 1, 1], device=True)
+            # bf16 (float32 masters in the records): the update only writes a param, so its copy is a
+            # buffer taken at the update — over each rank's partition, padded past an odd param's end
+            # (width 15); every such buffer starts as NaN.
+            alloc = early_memory.alloc
+            early_memory.alloc = lambda st, like: alloc(st, like).fill_(float("nan"))
+            for device in (False, True):
+                limits, expect = [1e6, 1e6, 1e-3, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 0, 1]
+                bf16 = {"enabled": True}
+                check(root / f"bf16-{device}", rank, limits, 1, expect, device, d=15, bf16=bf16)
+            early_memory.alloc = alloc
             # Past the early step's cap (the live budget alone): a deferred step holds the copies and
             # gradients that fit, and the records past it take the ordinary step in the same commit.
             earlystep.CAP_EXTRA, extra = 0, earlystep.CAP_EXTRA

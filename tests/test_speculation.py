@@ -19,7 +19,7 @@ import torch
 
 import zswap
 from zswap.device import StandInDevice
-from zswap.step import earlystep
+from zswap.step import early_memory, earlystep
 from zswap.train import bridge
 
 from .conftest import run_ranks
@@ -254,6 +254,39 @@ def test_bf16_deferred_steps(device, past_cap, tmp_path, monkeypatch):
     )
     assert counts(seen, "steps_deferred") == [0, 0, 1, 1]
     assert counts(seen, "steps_deferred_partly") == [0, 0, past_cap, past_cap]
+    e.close()
+    ref_e.close()
+
+
+def poisoned_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every buffer the early step takes for a param copy starts as NaN: one the update takes for a param
+    it only writes (`early_memory.materialize`) must come out bitwise all the same."""
+    alloc = early_memory.alloc
+    monkeypatch.setattr(early_memory, "alloc", lambda st, like: alloc(st, like).fill_(float("nan")))
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["cpu", "stand-in"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["in-backward", "deferred"])
+def test_bf16_params_are_copied_at_their_update_only(device, deferred, tmp_path, monkeypatch):
+    """A param with a float32 master is only written by its update (the kernel steps the master and
+    rounds it into the param): the early step takes no copy of its value at its gradient but a buffer at
+    the update (`early_memory.copy_of`). Deferred, it holds the gradient alone, so a cap of exactly the
+    gradients' bytes holds every param. Bitwise the ordinary step, from buffers that start as NaN."""
+    poisoned_copies(monkeypatch)
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
+    numel = sum(p.numel() for p in TinyLM().parameters())
+    limits = [1e6, 1e-3, 1e-3, 1e-3] if deferred else [1e6] * 4
+    (_, e), (_, ref_e), seen = run(
+        tmp_path,
+        len(limits),
+        clip=lambda step: limits[step],
+        device=device,
+        bf16={"enabled": True},
+        stage3_max_live_parameters=numel,  # the cap: every bf16 gradient, not one param copy more
+    )
+    assert counts(seen, "steps_in_backward") == [0, 0, 0, 0] if deferred else [0, 1, 1, 1]
+    assert counts(seen, "steps_deferred") == [0, 0, 1, 1] if deferred else [0, 0, 0, 0]
+    assert counts(seen, "steps_deferred_partly") == [0, 0, 0, 0]
     e.close()
     ref_e.close()
 

@@ -119,7 +119,7 @@ def fetch_lines(engine: Any) -> dict[str, int]:
     copies = writing = 0
     if early is not None:
         seeds += [copy for _, copy in early._committed_seeds]
-        held = [c for _, c, _, _ in early.ready.values()] + [c for _, c in early.seeds]
+        held = [c for _, c, _, _ in early.ready.values() if not c.is_meta] + [c for _, c in early.seeds]
         copies = sum(capacity(c.nbytes) for c in held if c.nbytes >= ENGINE_COPY)
         writing = sum(capacity(n - small) for n, small, w in early.copies if n > small and not w.settled)
     lines = {

@@ -177,13 +177,14 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
 
 
 def passes(es: EarlyStep, i: int, nbytes: int, landed: bool = False) -> bool:
-    """Deferred, whether param ``i`` (a copy of ``nbytes`` and its gradient) is left to the ordinary
-    step: the first params backward completes are held, as many as fit in the cap; the rest
+    """Deferred, whether param ``i`` (``nbytes`` held for it: its gradient and copy,
+    `early_memory.holds`) is left to the ordinary step: the first params backward completes are held,
+    as many as fit in the cap; the rest
     (`EarlyStep.passed`, from the first that did not; ``landed``: taken before, landed from a device now)
     are not."""
     if es.factor is not None:
         return False
-    if (es.passed and not landed) or es.held + es.copying + es.staged + 2 * nbytes > es.cap:
+    if (es.passed and not landed) or es.held + es.copying + es.staged + nbytes > es.cap:
         es.passed.add(i)  # its gradient goes to its store like any the early step does not take
         return True
     return False
@@ -203,9 +204,8 @@ def ordinary_part(es: EarlyStep) -> list[int]:
     back = []
     for i in rest & es.ready.keys():
         st, copy, g, _ = es.ready.pop(i)
-        nbytes = copy.numel() * copy.element_size()
-        es.held -= 2 * nbytes
-        es.holding.add(-nbytes - early_memory.plain(st, copy))
+        es.held -= early_memory.held_bytes(copy)
+        es.holding.add(-copy.numel() * copy.element_size() - early_memory.plain(st, copy))
         back.append((st, g))
     if not es.keeping:
         hand_back(es.gs, back, es.allowance)  # held, not stored: the ordinary part reads them there
@@ -344,6 +344,7 @@ def reset(es: EarlyStep) -> None:
     es.micro_copies = []
     es.staying = frozenset()
     es.kept = []
+    es.masters = frozenset()
     es.ring = []
     es.free = deque()
     es.reads = deque()

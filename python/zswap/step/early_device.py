@@ -2,8 +2,9 @@
 
 There the gathered param and its gradient are on the device when the gradient is complete. Both are
 copied to the host on the device's copy stream — the param's partition into the early step's copy (a
-page-aligned fetch-pool buffer, registered with the device where it is large enough), the gradient into a
-landing buffer as `zswap.gradients.grads.GradSink` lands any — and once both have landed the record update
+page-aligned fetch-pool buffer, registered with the device where it is large enough; none for a param the
+update only writes, one with a float32 master: `early_memory.copy_of`), the gradient into a landing
+buffer as `zswap.gradients.grads.GradSink` lands any — and once both have landed the record update
 runs on the host as on the CPU path: the same kernel on the same bytes (the device's gathered param is the
 stored partition, copied over without change; the gradient lands in its own dtype, as the store would
 receive it). Backward never waits for a copy: landed ones are taken at later gradients, the rest at
@@ -33,8 +34,9 @@ def take_later(es: EarlyStep, i: int, p: torch.Tensor, st: ParamState, part: tor
         data = p.data.reshape(-1)
         if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
             data = local_slice(data, st.rank, st.partition_numel)
-        copy = early_memory.alloc(st, data)
-        param_copy = dev.d2h(data.contiguous(), copy)
+        param_copy = None  # made at the update (`early_memory.copy_of`): nothing to copy over
+        if not early_memory.only_written(es, i, st):
+            param_copy = dev.d2h(data.contiguous(), early_memory.alloc(st, data))
         part = part.reshape(-1).contiguous()
         grad_copy = dev.d2h(part, sink.host_buffer(st, part.numel(), part.dtype))
     es.device = dev
@@ -48,10 +50,11 @@ def land(es: EarlyStep, block: bool) -> None:
     dev = es.device
     while es.landing and es.state == "running":
         i, st, param_copy, grad_copy, version = es.landing[0]
-        if not block and not (dev.query(param_copy) and dev.query(grad_copy)):
+        if not block and not ((param_copy is None or dev.query(param_copy)) and dev.query(grad_copy)):
             return
         es.landing.popleft()
-        copy, grad = dev.synchronize(param_copy), dev.synchronize(grad_copy)
+        grad = dev.synchronize(grad_copy)
+        copy = early_memory.unmade(st) if param_copy is None else dev.synchronize(param_copy)
         placed = es._place(st, grad, cast(GradStore, es.gs).add_fp32)
         if placed is None:
             return
@@ -64,6 +67,7 @@ def drain(es: EarlyStep) -> list[tuple[ParamState, torch.Tensor]]:
     out = []
     while es.landing:
         _, st, param_copy, grad_copy, _ = es.landing.popleft()
-        es.device.synchronize(param_copy)  # its buffer must not be reused under a running copy
+        if param_copy is not None:
+            es.device.synchronize(param_copy)  # its buffer must not be reused under a running copy
         out.append((st, es.device.synchronize(grad_copy)))
     return out

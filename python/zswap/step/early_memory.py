@@ -38,6 +38,7 @@ import torch
 
 from ..gradients.gradstore import MemoryGrads, NvmeGrads, store_of
 from ..memory import ENGINE_COPY
+from ..parts.gather import no_torch_function
 from ..parts.params import _REGISTRY, MemoryStore, NvmeStore, ParamState, param_state
 from ..store.storage import _memcpy
 from .optim._layout import SubGroup
@@ -141,9 +142,66 @@ def alloc(st: ParamState, like: torch.Tensor) -> torch.Tensor:
 
 
 def plain(st: ParamState, copy: torch.Tensor) -> int:
-    """Bytes of ``st``'s copy that are an ordinary tensor (the rest is a fetch-pool buffer)."""
+    """Bytes of ``st``'s copy that are an ordinary tensor (the rest is a fetch-pool buffer; a copy not
+    made yet has none)."""
     nbytes = copy.numel() * copy.element_size()
-    return nbytes if in_memory(st) or nbytes < ENGINE_COPY else 0
+    return nbytes if not copy.is_meta and (in_memory(st) or nbytes < ENGINE_COPY) else 0
+
+
+# A param whose records hold its float32 master (past its first step: `OffloadedAdamW.overwrites`) is only
+# written by the update — the kernel steps the master and rounds it into the param — so the early step
+# takes no copy of its value at its gradient: it holds a meta tensor of the partition's shape until the
+# update, which gets a buffer then (`materialize`). Where clipping bites, what is held until the step is
+# the gradient alone: the cap holds twice the params (bf16), and no copy is made at all for the update.
+# Not for a partition in CPU memory: its copy is reserved for the commit from the start anyway (`reserve`).
+
+
+def copy_of(es: EarlyStep, i: int, st: ParamState, data: torch.Tensor) -> torch.Tensor:
+    """Param ``i``'s gathered partition ``data`` as the copy the early step updates: a copy of it, or,
+    where the update only writes it (`masters`), one made at the update."""
+    if only_written(es, i, st):
+        return unmade(st)
+    copy = alloc(st, data)
+    with no_torch_function():
+        _memcpy(copy, data)  # one thread: a torch copy here wakes its pool against the kernel's
+    return copy
+
+
+def unmade(st: ParamState) -> torch.Tensor:
+    """The stand-in for a copy of ``st``'s partition made at the update (a meta tensor: no memory)."""
+    return torch.empty(st.partition_numel, dtype=st.dtype, device="meta")
+
+
+def only_written(es: EarlyStep, i: int, st: ParamState) -> bool:
+    return i in es.masters and not in_memory(st)
+
+
+def holds(es: EarlyStep, i: int, st: ParamState) -> int:
+    """Bytes the early step holds for param ``i`` once it takes its gradient: the gradient, and the copy
+    unless it is made at the update."""
+    nbytes = st.partition_numel * st.dtype.itemsize
+    return nbytes if only_written(es, i, st) else 2 * nbytes
+
+
+def held_bytes(copy: torch.Tensor) -> int:
+    """Bytes held for a param whose copy is ``copy``: it and the gradient (the gradient alone if unmade)."""
+    nbytes = copy.numel() * copy.element_size()
+    return nbytes if copy.is_meta else 2 * nbytes
+
+
+def materialize(es: EarlyStep, i: int) -> None:
+    """Param ``i``'s record is about to be updated: a copy not made yet gets its buffer (values unset: the
+    update writes every element of the partition), after the copies' writes in flight past ``write_ahead``
+    have landed (at the step, a deferred update makes them one after the other)."""
+    st, copy, grad, version = es.ready[i]
+    if not copy.is_meta:
+        return
+    es._land_copies(es.write_ahead)
+    real = alloc(st, copy)
+    es.txn.scratch(real)
+    es.held += real.numel() * real.element_size()
+    es.holding.add(plain(st, real))
+    es.ready[i] = (st, real, grad, version)
 
 
 # -- records -----------------------------------------------------------------------------------------

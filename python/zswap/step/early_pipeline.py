@@ -4,6 +4,7 @@ copies, and the copies kept as seeds for the next pass or let go once written (s
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -17,6 +18,29 @@ from .optim._layout import SubGroup
 
 if TYPE_CHECKING:
     from .earlystep import EarlyStep
+
+
+def plan(es: EarlyStep) -> None:
+    """A backward begins an early step: which records wait for which params, the order to read them in
+    (the last backward's), how much of the copies' writes may be in flight, the params only written."""
+    es.layout = tuple(es.opt.records.sub_groups)
+    es.steps = list(es.opt.records.steps)
+    es.by_param = {}
+    es.waiting = {}
+    for sg in es.layout:
+        es.waiting[sg.key] = len({s.param for s in sg.segments})
+        for s in sg.segments:
+            if sg not in es.by_param.setdefault(s.param, []):
+                es.by_param[s.param].append(sg)
+    es.left = {i: len(sgs) for i, sgs in es.by_param.items()}
+    keys = {sg.key: sg for sg in es.layout}
+    es.upcoming = deque(keys[k] for k in es._order if k in keys)
+    es.order = []
+    params = es.opt.records.params
+    itemsize = max((p.element_size() for p in params), default=4)
+    es.write_ahead = 2 * max((sg.numel for sg in es.layout), default=0) * itemsize
+    only_written = es.opt.overwrites(params)
+    es.masters = frozenset(i for i, p in enumerate(params) if id(p) in only_written)
 
 
 def read_ahead(es: EarlyStep) -> None:
@@ -77,6 +101,8 @@ def pump(es: EarlyStep, keep: int) -> None:
         if handle is not None:
             handle.wait()
         steps = {s.param: es.steps[s.param] + 1 for s in sg.segments if s.param in es.ready}
+        for i in steps:
+            early_memory.materialize(es, i)
         grads = {i: es.ready[i][2] for i in steps}
         targets = {i: es.ready[i][1] for i in steps}
         es.opt.records.update(sg, rec, steps, grads, cast(float, es.factor), es.txn, targets=targets)

@@ -35,7 +35,9 @@ What it keeps:
   as they are (`take_micro_seeds`; on a device, copied to the host). Resident params keep their updated
   copies as their gathered copies (`take_resident`).
 - **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held (with
-  the copies kept in CPU memory for the commit, reserved as backward begins) it gives up. The record
+  the copies kept in CPU memory for the commit, reserved as backward begins) it gives up. A param with a
+  float32 master (bf16 / fp16 past its first step) has no copy taken: the update only writes it, into a
+  buffer taken then (`early_memory.copy_of`). The record
   buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself (``write_ahead``:
   two sub-groups' params in flight). Copies of `ENGINE_COPY` bytes and more are buffers of the NVMe param
   stores' fetch pools, counted in the scheduler's live budget while held (`lent`); the others are ordinary
@@ -59,9 +61,8 @@ from .. import memory
 from ..errors import GradientsNotKeptError, SwapIOError
 from ..gradients.gradstore import NOT_KEPT, RESTART, MemoryGrads, NvmeGrads, _Alive, _dead, store_of
 from ..memory import ENGINE_COPY as ENGINE_COPY  # (tests and docs name it here)
-from ..parts.gather import no_torch_function
 from ..parts.params import GradStore, NvmeStore, ParamState, Status, local_slice
-from ..store.storage import Transaction, _memcpy
+from ..store.storage import Transaction
 from . import early_commit, early_device, early_memory, early_pipeline, speculation
 from .early_commit import _wanted
 from .early_memory import plain
@@ -90,6 +91,8 @@ class EarlyStep:
     micro_copies: list[Any]  # (device, copy): a compute device's to the host, landing (`landed_micro`)
     staying: frozenset[int]
     """`resident()` when this backward began."""
+    masters: frozenset[int]
+    """Params (optimizer indices) the update only writes: copies made at it (`early_memory.copy_of`)."""
     kept: list[tuple[torch.Tensor, torch.Tensor]]
     """Updated copies of resident params, kept for `take_resident`."""
     seeding: frozenset[int]
@@ -305,7 +308,7 @@ class EarlyStep:
             why = "a second gradient for one param" if i in self.ready else "a param not gathered"
             self._give_up(task, why)
             return False
-        if early_commit.passes(self, i, st.partition_numel * st.dtype.itemsize):  # for the ordinary part
+        if early_commit.passes(self, i, early_memory.holds(self, i, st)):  # for the ordinary part
             if sink is None:
                 store_of(st).add(st, part, self.allowance)  # (a device's lands within `summing_room`)
             return sink is None
@@ -342,23 +345,21 @@ class EarlyStep:
         data = p.data.reshape(-1)
         if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
             data = local_slice(data, st.rank, st.partition_numel)
-        copy = early_memory.alloc(st, data)
-        with no_torch_function():
-            _memcpy(copy, data)  # one thread: a torch copy here wakes its pool against the kernel's
-        self._arrive(i, st, copy, part, early_memory.version(st), task)
+        self._arrive(i, st, early_memory.copy_of(self, i, st, data), part, early_memory.version(st), task)
 
     def _arrive(
         self, i: int, st: ParamState, copy: torch.Tensor, part: torch.Tensor, version: Any, task: int
     ) -> None:
         """Param ``i``'s partition (``copy``, ours to update) and gradient are on the host: wait for the
         rest of its records, update those that are complete."""
-        if early_commit.passes(self, i, copy.numel() * copy.element_size(), landed=True):  # a device's
+        if early_commit.passes(self, i, early_memory.held_bytes(copy), landed=True):  # a device's
             if not self.keeping:
                 early_commit.hand_back(self.gs, [(st, part)], self.allowance)  # noted as applied: stored
             return
-        self.txn.scratch(copy)
+        if not copy.is_meta:  # (a copy made at the update: `early_memory.copy_of`)
+            self.txn.scratch(copy)
         self.ready[i] = (st, copy, part.reshape(-1), version)
-        self.held += 2 * copy.numel() * copy.element_size()
+        self.held += early_memory.held_bytes(copy)
         self.holding.add(copy.numel() * copy.element_size() + plain(st, copy))  # gradient, plain copy
         self._land_copies(self.write_ahead)
         if self.held + self.copying + self.staged > self.cap:
@@ -420,21 +421,7 @@ class EarlyStep:
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         early_memory.uses(self)
-        self.layout = tuple(self.opt.records.sub_groups)
-        self.steps = list(self.opt.records.steps)
-        self.by_param = {}
-        self.waiting = {}
-        for sg in self.layout:
-            self.waiting[sg.key] = len({s.param for s in sg.segments})
-            for s in sg.segments:
-                if sg not in self.by_param.setdefault(s.param, []):
-                    self.by_param[s.param].append(sg)
-        self.left = {i: len(sgs) for i, sgs in self.by_param.items()}
-        keys = {sg.key: sg for sg in self.layout}
-        self.upcoming = deque(keys[k] for k in self._order if k in keys)
-        self.order = []
-        itemsize = max((p.element_size() for p in self.opt.records.params), default=4)
-        self.write_ahead = 2 * max((sg.numel for sg in self.layout), default=0) * itemsize
+        early_pipeline.plan(self)
 
     def _end_backward(self, alive: object = None) -> None:
         self._outer, self.ended = _dead, True
