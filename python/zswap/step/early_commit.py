@@ -179,9 +179,8 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
 def passes(es: EarlyStep, i: int, nbytes: int, landed: bool = False) -> bool:
     """Deferred, whether param ``i`` (``nbytes`` held for it: its gradient and copy,
     `early_memory.holds`) is left to the ordinary step: the first params backward completes are held,
-    as many as fit in the cap; the rest
-    (`EarlyStep.passed`, from the first that did not; ``landed``: taken before, landed from a device now)
-    are not."""
+    as many as fit in the cap; the rest (`EarlyStep.passed`, from the first that did not; ``landed``:
+    taken before, landed from a device now) are not."""
     if es.factor is not None:
         return False
     if (es.passed and not landed) or es.held + es.copying + es.staged + nbytes > es.cap:
