@@ -4,7 +4,8 @@ SWAP_ROOT``.
 Each rank trains tiny Hugging Face models (BERT's tied masked-LM head, ALBERT's one layer run in every
 layer) on its own micro-batches with dropout on; the reference is plain PyTorch on DDP's averaged gradients
 (each rank's micro-batch with that rank's seed). Without clipping params are bitwise equal; the norm is
-summed from partition norms, so where clipping bites it agrees to rounding, and so do the params.
+summed from partition norms, so where clipping bites it agrees to rounding, and so do the params. In bf16
+with clipping at 1.0 (the Trainer's default) the reference is the same run with the early step off.
 """
 
 from __future__ import annotations
@@ -49,6 +50,32 @@ def check(name: str, setup_name: str, rank: int, world: int, root: Path) -> None
         assert [n for n, w in want.items() if not torch.equal(got[n], w)] == [], (name, setup_name)
 
 
+LOW_PRECISION: dict[str, dict[str, Any]] = {
+    "bf16-clip-1": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": 1.0, "half": "bf16"},
+    "bf16-stand-in-clip-1": {
+        "tiers": ("nvme", "nvme"), "device": "standin", "gas": 1, "clip": 1.0, "half": "bf16"
+    },
+}  # fmt: skip
+"""The Hugging Face Trainer's usual setup (bf16, ``max_grad_norm`` 1.0) over two ranks."""
+
+
+def check_low(name: str, setup_name: str, rank: int, world: int, root: Path) -> None:
+    """bf16 with fp32 masters: each rank's params, norms and losses bitwise its early-off twin's."""
+    arch, setup = ARCHS[name], LOW_PRECISION[setup_name]
+    mine = [(i + 1, 100 + i) for i in range(rank, STEPS * world, world)]
+    runs = []
+    for early in (True, False):
+        d = root / f"{name}-{setup_name}-{early}-{rank}"
+        d.mkdir()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zswap.ZswapWarning)
+            runs.append(through_zswap(arch, setup, d, early=early, batches=mine))
+    (got, norms, losses, stats), (want, want_norms, want_losses, _) = runs
+    assert (losses, norms) == (want_losses, want_norms), (name, setup_name)
+    assert [n for n, w in want.items() if not torch.equal(got[n], w)] == [], (name, setup_name)
+    assert stats["steps_ordinary"] == 1, (name, setup_name, stats["steps_ordinary_reason"])
+
+
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     init_file, root = sys.argv[3], Path(sys.argv[4])
@@ -57,6 +84,9 @@ def main() -> None:
         for name in ("bert-mlm", "albert-mlm"):
             for setup_name in SETUPS:
                 check(name, setup_name, rank, world, root)
+        for name in ("qwen2", "bert-mlm"):
+            for setup_name in LOW_PRECISION:
+                check_low(name, setup_name, rank, world, root)
         dist.barrier()
     finally:
         dist.destroy_process_group()
