@@ -19,6 +19,7 @@ import torch
 
 import zswap
 from zswap.device import StandInDevice
+from zswap.device.cuda import _Registrations
 from zswap.step import early_memory, earlystep
 from zswap.train import bridge
 
@@ -287,6 +288,36 @@ def test_bf16_params_are_copied_at_their_update_only(device, deferred, tmp_path,
     assert counts(seen, "steps_in_backward") == [0, 0, 0, 0] if deferred else [0, 1, 1, 1]
     assert counts(seen, "steps_deferred") == [0, 0, 1, 1] if deferred else [0, 0, 0, 0]
     assert counts(seen, "steps_deferred_partly") == [0, 0, 0, 0]
+    e.close()
+    ref_e.close()
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
+def test_a_deferred_step_on_a_device_reuses_its_gradients_landing_buffers(half, tmp_path, monkeypatch):
+    """A deferred step holds the gradients a compute device's copies landed in through all of backward,
+    past the live budget the landing pool was sized for: it is widened by what the early step may hold,
+    so warm steps land in buffers already registered with the device (on CUDA each new one is a
+    ``cudaHostRegister``, and its unregistering at the sweep) — none registered after the first deferred
+    step."""
+    registered: dict[int, list[int]] = {}  # each device's registrations, the early twin's first
+
+    def register_alloc(self: StandInDevice, alloc: Any) -> Any:
+        mine = registered.setdefault(id(self), [])
+        return _Registrations(lambda ptr, n: mine.append(n) or True, lambda ptr: None).wrap(alloc)
+
+    monkeypatch.setattr(StandInDevice, "register_alloc", register_alloc)
+    extra: dict[str, Any] = {"bf16": {"enabled": True}} if half else {}
+    limits = [1e6, 1e-3, 1e-3, 1e-3, 1e-3]
+    before = []  # the early twin's registrations before each step (`run` asks it first)
+
+    def clip(step: int) -> float:
+        before.append(len(next(iter(registered.values()))))
+        return limits[step]
+
+    (_, e), (_, ref_e), seen = run(tmp_path, len(limits), clip=clip, device=True, **extra)
+    assert counts(seen, "steps_deferred") == [0, 0, 1, 1, 1]
+    early = [*before[::2], len(next(iter(registered.values())))]  # and after the last step
+    assert early[3] > early[2] and early[5] == early[4] == early[3], early  # steps 2 | 3, 4 deferred
     e.close()
     ref_e.close()
 

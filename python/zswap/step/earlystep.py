@@ -580,6 +580,12 @@ def for_engine(engine: Any) -> EarlyStep | None:
     for store in {id(st.store): st.store for _, st in engine._items}.values():
         if isinstance(store, NvmeStore):
             store.widen_pool(early.cap)
+    # So does the pool a compute device's gradient copies land in: the early step holds them up to its cap
+    # (a deferred step: through all of backward), and those past it wait in memory within the live budget
+    # (`summing_room`). Past the landing pool each would be a new registered mapping, every step.
+    landing = engine._grads.landing
+    if landing is not None:
+        landing.keep(landing.pool_bytes + early.cap + allowed.live)
     # While held (waiting for their record, kept as seeds, or being written) those copies count in the
     # scheduler's live budget (`zswap.fetch.prefetch.Lender`: `lent` and `settle`).
     engine._sched.lend(early)
