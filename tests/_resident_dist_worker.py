@@ -1,10 +1,11 @@
 """One rank of tests/test_resident_step.py's two-rank test: ``python _resident_dist_worker.py RANK WORLD
 INIT_FILE SWAP_ROOT``.
 
-Each rank trains on its own batch twice: params resident (``max_in_cpu`` over the model) and streamed
-(the ordinary path). Both runs reduce-scatter the same gradients, so their params must be bitwise equal;
-a warm resident step loads no param partition from NVMe; each rank's NVMe partition is its slice of the
-gathered copy, and the gathered copies agree across ranks (the other slices refreshed after the step).
+Each rank trains on its own batch twice, on the CPU and on the stand-in device: params resident
+(``max_in_cpu`` over the model) and streamed (the ordinary path). Both runs reduce-scatter the same
+gradients, so their params must be bitwise equal; a warm resident step loads no param partition from NVMe;
+each rank's NVMe partition is its slice of the gathered copy, and the gathered copies agree across ranks
+(the other slices refreshed after the step).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
-from tests.test_resident_step import Net, inputs
+from tests.test_resident_step import Net, compute, inputs
 from zswap import Status, param_state
 from zswap.parts.params import NvmeStore
 
 
-def run(rank: int, world: int, root: Path, max_in_cpu: int, clip: float | None) -> list[torch.Tensor]:
-    path = root / f"rank{rank}-{max_in_cpu}-{clip}"
+def run(
+    rank: int, world: int, root: Path, max_in_cpu: int, clip: float | None, device: str
+) -> list[torch.Tensor]:
+    path = root / f"rank{rank}-{max_in_cpu}-{clip}-{device}"
     path.mkdir()
     cfg: dict[str, Any] = {
         "zero_optimization": {
@@ -47,7 +50,7 @@ def run(rank: int, world: int, root: Path, max_in_cpu: int, clip: float | None) 
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         with zswap.Init(cfg):
             m = Net()
-        engine = zswap.initialize(m, cfg, max_grad_norm=clip)
+        engine = zswap.initialize(m, cfg, max_grad_norm=clip, device=compute(device))
     params = list(m.parameters())
     assert all(param_state(p).world_size == world for p in params)
     with engine:
@@ -84,10 +87,11 @@ def main() -> None:
     init_file, root = sys.argv[3], Path(sys.argv[4])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for clip in (None, 0.5):
-            resident = run(rank, world, root, 10**9, clip)
-            streamed = run(rank, world, root, 0, clip)
-            assert all(torch.equal(a, b) for a, b in zip(resident, streamed, strict=True)), clip
+        for device in ("cpu", "stand-in"):
+            for clip in (None, 0.5):
+                resident = run(rank, world, root, 10**9, clip, device)
+                streamed = run(rank, world, root, 0, clip, device)
+                assert all(torch.equal(a, b) for a, b in zip(resident, streamed, strict=True)), (clip, device)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -343,11 +343,13 @@ def test_two_ranks_update_their_partitions_in_backward_bitwise(tmp_path):
     run_ranks(Path(__file__).with_name("_early_cputier_dist_worker.py"), tmp_path)
 
 
+@pytest.mark.parametrize("device", ["cpu", "stand-in"])
 @pytest.mark.parametrize("clip", [None, 1e6, 1e-3], ids=["off", "not-biting", "biting"])
-def test_resident_params_with_states_in_memory_read_nothing(clip, tmp_path):
+def test_resident_params_with_states_in_memory_read_nothing(clip, device, tmp_path):
     """``offload_param.max_in_cpu`` covering the model, states in CPU memory: the updated copies become
-    the gathered copies at the commit, so a warm step reads nothing and writes the params once."""
-    s, nbytes = resident_twins(tmp_path, "cpu", clip)
+    the gathered copies at the commit (on a compute device, what they are gathered from again), so a warm
+    step reads nothing and writes the params once."""
+    s, nbytes = resident_twins(tmp_path, "cpu", clip, device=device)
     assert s["steps_in_backward"] + s["steps_deferred"] == 1
     assert (s["bytes_read"], s["bytes_written"]) == (0, nbytes)
 

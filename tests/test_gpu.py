@@ -345,6 +345,8 @@ def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
         (("nvme", "cpu"), {}, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
         (("cpu", "cpu"), {"gradient_accumulation_steps": 2}, [None] * 3, [0, 1, 1]),
         (("nvme", "nvme"), {"past_cap": True}, [1e6, 1e-3, 1e-3, 1e-3], [0, 0, 0, 0]),
+        (("nvme", "nvme"), {"resident": True}, [None] * 4, [0, 1, 1, 1]),
+        (("nvme", "cpu"), {"resident": True}, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
     ],
     ids=[
         "plain",
@@ -354,6 +356,8 @@ def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
         "states-in-memory-clipping",
         "all-in-memory-accumulation",
         "clipping-past-the-cap",
+        "resident",
+        "resident-states-in-memory-clipping",
     ],
 )
 def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(
@@ -363,7 +367,9 @@ def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(
     twins with the early step on and off; params, records and counters equal after every optimizer step,
     and the early one committed where it may (`engine.stats()["steps_in_backward"]`). ``past_cap``: the
     early step's cap is the live budget alone, so the deferred steps (clipping bit at the step before)
-    hold part of the copies and leave the rest to the ordinary step in their commit."""
+    hold part of the copies and leave the rest to the ordinary step in their commit. ``resident``: every
+    param kept gathered on the GPU (``max_in_cpu``), stepped from a device-to-host copy and gathered again
+    from its updated partition: no param read in a warm step."""
     from zswap.step import earlystep
 
     from .test_earlystep import state
@@ -371,12 +377,15 @@ def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(
 
     extra = dict(extra)
     past_cap = extra.pop("past_cap", False)
+    resident = extra.pop("resident", False)
     if past_cap:
         monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
     gas = extra.get("gradient_accumulation_steps", 1)
     runs = []
     for name, early in (("early", True), ("plain", False)):
         cfg = cfg_for(tmp_path / name, *tiers, **extra)
+        if resident:
+            cfg["offload_param"]["max_in_cpu"] = 10**9
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", zswap.ZswapWarning)
@@ -396,6 +405,9 @@ def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(
                 ee.step()
         seen.append(e.stats()["steps_in_backward"])
         partly = e.stats()["steps_deferred_partly"]
+        if resident and step > 0:  # the records alone (fp32 AdamW: 2 x the params) where on NVMe
+            nbytes = sum(param_state(p).partition_numel * 4 for p in m.parameters())
+            assert e.stats()["bytes_read"] == (2 * nbytes if tiers[1] == "nvme" else 0), step
         assert same(state(m, e), state(ref, ref_e)), step
         assert partly == (past_cap and step >= 2), step
     assert seen == expect

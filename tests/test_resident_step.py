@@ -14,6 +14,7 @@ from torch import nn
 
 import zswap
 from zswap import Status, SwapIOError, param_state
+from zswap.device import StandInDevice
 from zswap.parts.params import NvmeStore
 
 from .conftest import run_ranks
@@ -62,17 +63,28 @@ def inputs(n: int, dtype: torch.dtype = torch.float32) -> Iterator[torch.Tensor]
         yield torch.randn(8, 12, generator=g).to(dtype)
 
 
+def compute(device: str) -> Any:
+    return StandInDevice() if device == "stand-in" else "cpu"
+
+
 def train(
-    tmp_path: Any, optimizer: str, max_in_cpu: int, clip: float | None, steps: int = 4, **extra: Any
+    tmp_path: Any,
+    optimizer: str,
+    max_in_cpu: int,
+    clip: float | None,
+    steps: int = 4,
+    device: str = "cpu",
+    **extra: Any,
 ) -> tuple[list[torch.Tensor], list[float | None]]:
-    """Params after ``steps`` zswap steps, and each step's gradient norm."""
+    """Params after ``steps`` zswap steps on ``device`` ("cpu" or "stand-in"), and each step's gradient
+    norm."""
     tmp_path.mkdir(exist_ok=True)
     cfg = config(tmp_path, optimizer, max_in_cpu, **extra)
     m, _ = build(Net, cfg)
     dtype = param_state(m.a.weight).dtype
     given = adamw(m.parameters()) if optimizer == "torch" else None
     norms = []
-    with engine_for(m, cfg, optimizer=given, max_grad_norm=clip) as engine:
+    with engine_for(m, cfg, optimizer=given, max_grad_norm=clip, device=compute(device)) as engine:
         for x in inputs(steps, dtype):
             engine.backward(engine(x))
             engine.step()
@@ -101,12 +113,17 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("device", ["cpu", "stand-in"])
 @pytest.mark.parametrize("clip", [None, 0.5, 1e6], ids=["no-clip", "clip-bites", "clip-above-norm"])
 @pytest.mark.parametrize("max_in_cpu", [ALL, 48 * 12 + 48 * 48], ids=["all", "part"])
 @pytest.mark.parametrize("optimizer", ["torch", "cpu", "nvme"])
-def test_resident_params_step_as_the_ordinary_path_and_plain_torch(optimizer, max_in_cpu, clip, tmp_path):
-    got, norms = train(tmp_path / "resident", optimizer, max_in_cpu, clip)
-    ordinary, ordinary_norms = train(tmp_path / "streamed", optimizer, 0, clip)
+def test_resident_params_step_as_the_ordinary_path_and_plain_torch(
+    optimizer, max_in_cpu, clip, device, tmp_path
+):
+    """On a compute device too: there the gathered copy is the device's, so the step takes the host
+    partition from it (no read) and the param is gathered again from the updated partition."""
+    got, norms = train(tmp_path / "resident", optimizer, max_in_cpu, clip, device=device)
+    ordinary, ordinary_norms = train(tmp_path / "streamed", optimizer, 0, clip, device=device)
     assert same(got, ordinary) and norms == ordinary_norms
     want, want_norms = plain(clip)
     if clip is not None:
@@ -134,9 +151,14 @@ def _stored(p: torch.Tensor) -> torch.Tensor:
     return buf.clone()
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["ordinary", "early"])
+@pytest.mark.parametrize("device", ["cpu", "stand-in"])
 @pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
-def test_a_warm_step_reads_nothing_for_resident_params(optimizer, tmp_path, monkeypatch):
-    cfg = config(tmp_path, optimizer, ALL, gradient_clipping=1.0)  # clipping: the ordinary step
+def test_a_warm_step_reads_nothing_for_resident_params(optimizer, device, early, tmp_path, monkeypatch):
+    """The ordinary step and the early one (made live in backward), on the CPU and on a compute device,
+    where the host partitions the step needs come from the device's gathered copies and the params are
+    gathered again from the updated ones."""
+    cfg = config(tmp_path, optimizer, ALL)
     m, _ = build(Net, cfg)
     params = list(m.parameters())
     model_bytes = sum(param_state(p).numel * 4 for p in params)
@@ -147,7 +169,8 @@ def test_a_warm_step_reads_nothing_for_resident_params(optimizer, tmp_path, monk
         loaded.append(key)
         return load(self, key, numel, dtype)
 
-    with engine_for(m, cfg) as engine:
+    with engine_for(m, cfg, device=compute(device)) as engine:
+        engine.early_step = early
         data = list(inputs(5))
         for i, x in enumerate(data):
             if i == 2:  # warm from here on
@@ -158,6 +181,7 @@ def test_a_warm_step_reads_nothing_for_resident_params(optimizer, tmp_path, monk
         s = engine.stats()
         monkeypatch.undo()
         assert loaded == []
+        assert s["steps_in_backward"] == (3 if early else 0)
         if optimizer == "cpu":  # nothing else on NVMe: the whole traffic is the params' write-through
             assert s["bytes_read"] == 0
             assert s["bytes_written"] == 3 * model_bytes
@@ -166,14 +190,17 @@ def test_a_warm_step_reads_nothing_for_resident_params(optimizer, tmp_path, monk
             assert torch.equal(_stored(p), p.data.reshape(-1))
 
 
+@pytest.mark.parametrize("device", ["cpu", "stand-in"])
 @pytest.mark.parametrize("optimizer", ["torch", "cpu"])
-def test_a_failed_write_in_the_step_leaves_the_gathered_copies_as_they_were(optimizer, tmp_path):
+def test_a_failed_write_in_the_step_leaves_the_gathered_copies_as_they_were(optimizer, device, tmp_path):
+    """On a compute device the gathered copies there are given back unchanged (the host partitions the
+    step changed are restored by its undo log, and dropped)."""
     cfg = config(tmp_path, optimizer, ALL)
     m, ref = build(Net, cfg)
     ref_opt = adamw(ref.parameters())
     data = list(inputs(4))
     given = adamw(m.parameters()) if optimizer == "torch" else None
-    with engine_for(m, cfg, optimizer=given) as engine:
+    with engine_for(m, cfg, optimizer=given, device=compute(device)) as engine:
         # The step's own write-through: states in CPU memory would have the update (and its writes) run
         # in backward (a fault there: tests/test_early_cputier.py).
         engine.early_step = False

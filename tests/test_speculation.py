@@ -357,30 +357,38 @@ def test_deferred_steps_with_accumulation(device, tmp_path):
     [(None, False), (1e6, False), (1e-3, False), (1e-3, True)],
     ids=["off", "not-biting", "biting", "biting-past-the-cap"],
 )
-def test_resident_params_are_updated_in_backward_and_read_no_more(clip, past_cap, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "stand-in"])
+def test_resident_params_are_updated_in_backward_and_read_no_more(
+    device, clip, past_cap, tmp_path, monkeypatch
+):
     """``offload_param.max_in_cpu`` covering the model: the early step's updated copies become the
-    gathered copies at the commit, so a warm step reads only the optimizer records (2 × the params' bytes
-    in fp32 AdamW) and writes them and the params (3 ×), clipping that bites included (deferred; past the
-    early step's cap — the live budget alone — in part: the ordinary part steps the resident params past
-    it in their gathered copies)."""
+    gathered copies at the commit (on a compute device, the host values they are gathered again from), so
+    a warm step reads only the optimizer records (2 × the params' bytes in fp32 AdamW) and writes them and
+    the params (3 ×), clipping that bites included (deferred; past the early step's cap — the live budget
+    alone — in part: the ordinary part steps the resident params past it in their gathered copies)."""
     if past_cap:
         monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
-    s, nbytes = resident_twins(tmp_path, "nvme", clip, live=1500 if past_cap else 100_000)
+    s, nbytes = resident_twins(tmp_path, "nvme", clip, live=1500 if past_cap else 100_000, device=device)
     assert s["steps_in_backward"] + s["steps_deferred"] == 1
     assert s["steps_deferred_partly"] == past_cap
     assert (s["bytes_read"], s["bytes_written"]) == (2 * nbytes, 3 * nbytes)
 
 
-def resident_twins(tmp_path: Path, states: str, clip: float | None, live: int = 100_000) -> tuple[Any, int]:
+def resident_twins(
+    tmp_path: Path, states: str, clip: float | None, live: int = 100_000, device: str = "cpu"
+) -> tuple[Any, int]:
     """Twins (the early step on, off) with every param resident (``max_in_cpu``), params on NVMe and the
-    AdamW states on ``states``, ``stage3_max_live_parameters`` ``live``: 4 steps, bitwise alike after each.
-    Returns the early twin's stats of the last step and the params' bytes."""
+    AdamW states on ``states``, ``stage3_max_live_parameters`` ``live``, on ``device`` ("cpu" or
+    "stand-in"): 4 steps, bitwise alike after each. Returns the early twin's stats of the last step and
+    the params' bytes."""
     runs = []
     for name, early in (("early", True), ("plain", False)):
         cfg = cfg_for(tmp_path / name, "nvme", states, stage3_max_live_parameters=live)
         cfg["offload_param"]["max_in_cpu"] = 10**9
         mm, _ = build(TinyLM, cfg)
-        ee = engine_for(mm, cfg, max_grad_norm=clip)
+        ee = engine_for(
+            mm, cfg, max_grad_norm=clip, device=StandInDevice() if device == "stand-in" else "cpu"
+        )
         ee.early_step = early
         runs.append((mm, ee))
     (m, e), (ref, ref_e) = runs

@@ -43,7 +43,7 @@ step is served.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -178,11 +178,15 @@ class Scheduler:
                     self._drop(s)
         self._prefetch()
 
-    def fetch_persistent(self, slots: Sequence[Slot]) -> None:
+    def fetch_persistent(
+        self, slots: Sequence[Slot], values: Mapping[int, torch.Tensor] | None = None
+    ) -> None:
+        """Gather each of ``slots`` not gathered now; ``values`` ({id(param): its partition in host
+        memory, the stored value}) stand for their reads."""
         todo = [s for s in slots if s.st.status is Status.NOT_AVAILABLE]
         if todo:
             t0 = time.perf_counter()
-            finish_fetch(start_fetch([s.item for s in todo]), private=False, device=self.device)
+            finish_fetch(start_fetch([s.item for s in todo], values), private=False, device=self.device)
             self.counters.wait_seconds += time.perf_counter() - t0
             for s in todo:
                 s.ours = True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -113,13 +113,20 @@ class Loading:
     """With a compute `Device`: each partition's host-to-device copy, once started (`advance`)."""
 
 
-def start_fetch(items: Sequence[Item]) -> Loading:
-    """Issue the swap-in of each param's local partition (no wait, no collective); status `INFLIGHT`."""
+def start_fetch(items: Sequence[Item], values: Mapping[int, torch.Tensor] | None = None) -> Loading:
+    """Issue the swap-in of each param's local partition (no wait, no collective); status `INFLIGHT`.
+    ``values``: {id(param): its local partition in host memory}, taken instead of a read (the value
+    *is* the stored partition: the caller says so)."""
+    values = values or {}
     with no_torch_function():
         loading = Loading(list(items), [])
         try:
-            for _, st in loading.items:
+            for p, st in loading.items:
                 st.status = Status.INFLIGHT
+                value = values.get(id(p))
+                if value is not None:
+                    loading.loads.append((value[: st.partition_numel], None))
+                    continue
                 loading.loads.append(st.store.load(st.key, st.partition_numel, st.dtype))
         except BaseException:
             loading.items = loading.items[: len(loading.loads)]

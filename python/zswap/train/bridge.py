@@ -58,8 +58,10 @@ def step_partitions(
     held = held or {}
     try:
         _step_all(optimizer, items, others, chunk, grad_scale, held)
-    finally:
+    except BaseException:
         resident.reinstall(held)
+        raise
+    resident.reinstall(held, committed=True)
     resident.regather(held)
 
 
@@ -171,7 +173,7 @@ def _step_batch(
             for p, st in batch:
                 h = held.get(id(p))
                 if h is not None:
-                    loads.append((h.part, None))
+                    loads.append((h.host(), None))
                 elif id(p) in unread:
                     loads.append((cast(NvmeStore, st.store).fresh(st.partition_numel, st.dtype), None))
                 else:
@@ -204,8 +206,8 @@ def _step_batch(
                 if id(p) in unread and not ran:
                     continue  # never read, not stepped: the stored value stands
                 h = held.get(id(p))
-                if h is not None and p.data.data_ptr() != h.part.data_ptr():
-                    h.part.copy_(p.data.reshape(-1))  # an optimizer that replaced .data: the copy follows
+                if h is not None and p.data.data_ptr() != h.host().data_ptr():
+                    h.host().copy_(p.data.reshape(-1))  # an optimizer that replaced .data: the copy follows
                 st.store.put(st.key, p.data)  # staged in the transaction (in place for memory stores)
         finally:
             for _, handle in loads:

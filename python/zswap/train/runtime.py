@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -250,8 +250,9 @@ class Engine:
         self._clipped = scale is not None and scale != 1.0 / loss_scale  # the next step's guess
         if committed:
             assert early is not None
-            resident.refresh(held, early.take_resident())  # gathered again from the committed copies
-            self._finish_step(scale)
+            updated = early.take_resident()
+            resident.refresh(held, updated)  # gathered again from the committed copies
+            self._finish_step(scale, resident.values(held, updated))  # a device's: from them, no read
             self._sched.seed(early.take_seeds())  # the next forward's first params: no read
             self._sched.read_ahead()  # and the next ones' reads, of the values just committed
             return
@@ -268,7 +269,7 @@ class Engine:
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
             bridge.step_partitions(self.optimizer, self._items, others, chunk, scale, held)
-        self._finish_step(scale)
+        self._finish_step(scale, resident.values(held, {}))
         self._sched.read_ahead()  # the next forward's first reads, of the values just written
 
     def end_micro_batch(self) -> None:
@@ -283,7 +284,7 @@ class Engine:
             self._sched.seed(self._early.take_micro_seeds())
         self._sched.read_ahead()  # nothing was written: the next forward's next reads start now
 
-    def _finish_step(self, scale: float | None) -> None:
+    def _finish_step(self, scale: float | None, updated: Mapping[int, torch.Tensor] | None = None) -> None:
         # The counters, loss scale and schedule move first, with no I/O (no await point) between them and
         # the commit of the weights; `step` holds a Ctrl-C back until they have moved.
         self.global_steps += 1
@@ -293,7 +294,8 @@ class Engine:
         if scale is not None and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()
-        self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
+        # Persistent params the step dropped, gathered again: from ``updated`` (`resident.values`) or read.
+        self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent], updated)
         memory.trim()  # the step's freed tensors back to the kernel before the next forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
