@@ -3,9 +3,9 @@ in train mode (dropout on, the same seeds) through the public API:
 
 - float32: against plain PyTorch in RAM (``clip_grad_norm_`` then ``AdamW(fused=True)``) — every param after
   4 optimizer steps and every norm bitwise, and every step after the first (which makes the optimizer's
-  records) in backward or deferred to the step, in six setups: NVMe/NVMe; clipping that bites on every step
-  with accumulation 2; clipping at 1.0; the device stand-in with states in CPU memory; the stand-in with
-  accumulation 2; params resident by ``max_in_cpu`` with clipping.
+  records) in backward or deferred to the step, in seven setups: NVMe/NVMe; clipping that bites on every
+  step with accumulation 2; clipping at 1.0; the device stand-in with states in CPU memory; the stand-in
+  with accumulation 2; params resident by ``max_in_cpu`` with clipping, on the CPU and on the stand-in.
 - bf16 / fp16 (fp32 master weights in the optimizer's records): the update in backward against the same
   setup's ordinary step (``engine.early_step = False``) — params, losses and norms bitwise.
 
@@ -44,6 +44,13 @@ SETUPS: dict[str, dict[str, Any]] = {
     "stand-in-clip-1": {"tiers": ("nvme", "cpu"), "device": "standin", "gas": 1, "clip": 1.0},
     "stand-in-gas2": {"tiers": ("nvme", "nvme"), "device": "standin", "gas": 2, "clip": None},
     "resident-clip": {"tiers": ("nvme", "cpu"), "device": "cpu", "gas": 1, "clip": 0.5, "max_in_cpu": 2000},
+    "stand-in-resident": {
+        "tiers": ("nvme", "nvme"),
+        "device": "standin",
+        "gas": 1,
+        "clip": 0.5,
+        "max_in_cpu": 2000,
+    },
 }
 FP32_ARCHS = ["bert-mlm", "t5", "albert-mlm", "gemma2", "mamba", "whisper"]
 
