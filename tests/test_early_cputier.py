@@ -17,17 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from zswap import GatheredParameters, SwapIOError
 from zswap.device import StandInDevice
 from zswap.errors import GradientsNotKeptError
-from zswap.step import earlystep
+from zswap.step import early_memory, earlystep
 
 from .conftest import run_ranks
 from .test_earlystep import model_bytes, state
 from .test_faults import cfg_for, engine_of, inject, same
 from .test_runtime import TinyLM, build, engine_for, ids, sq
-from .test_speculation import resident_twins
+from .test_speculation import poisoned_copies, resident_twins
 
 SETUPS = [("nvme", "cpu"), ("cpu", "nvme"), ("cpu", "cpu")]
 """(offload_param.device, offload_optimizer.device)"""
@@ -177,6 +178,40 @@ def test_on_the_stand_in_device(setup, case, tmp_path):
     kwargs, expect = DEVICE_CASES[case]
     seen = run(tmp_path, setup, 5, device=True, **kwargs)
     assert counts(seen, "steps_in_backward") == expect
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["cpu", "stand-in"])
+@pytest.mark.parametrize("clip", [1e6, 1e-3], ids=["in-backward", "deferred"])
+@pytest.mark.parametrize("setup", SETUPS[1:], ids=SETUP_IDS[1:])
+def test_bf16_params_in_memory_are_not_copied_for_their_update(setup, clip, device, tmp_path, monkeypatch):
+    """A bf16 param past its first step is only written by its update (the kernel steps its float32 master
+    and rounds it into the param): with its partition in CPU memory the early step takes a buffer for it at
+    its gradient (reserved for the commit) but copies nothing into it — no host copy, and on a device no
+    device-to-host copy. Bitwise the ordinary step from buffers that start as NaN."""
+    poisoned_copies(monkeypatch)
+    alloc, memcpy, d2h = early_memory.alloc, early_memory._memcpy, StandInDevice.d2h
+    last: list[Any] = [None]  # the buffer the early step took last: a param copy's, made right before
+    into_param: list[bool] = []  # each copy made: whether into a bf16 param's (records are float32)
+
+    def noted(st: Any, like: torch.Tensor) -> torch.Tensor:
+        last[0] = alloc(st, like)
+        return last[0]
+
+    def host_copy(dst: torch.Tensor, src: torch.Tensor) -> Any:
+        into_param.append(dst is last[0] and dst.dtype == torch.bfloat16)
+        return memcpy(dst, src)
+
+    def device_copy(dev: StandInDevice, t: torch.Tensor, out: torch.Tensor) -> Any:
+        into_param.append(out is last[0] and out.dtype == torch.bfloat16)
+        return d2h(dev, t, out)
+
+    monkeypatch.setattr(early_memory, "alloc", noted)
+    monkeypatch.setattr(early_memory, "_memcpy", host_copy)
+    monkeypatch.setattr(StandInDevice, "d2h", device_copy)
+    seen = run(tmp_path, setup, 4, clip=[1e6] + [clip] * 3, device=device, bf16={"enabled": True})
+    assert counts(seen, "steps_in_backward") == ([0, 1, 1, 1] if clip > 1 else [0, 0, 0, 0])
+    assert counts(seen, "steps_deferred") == ([0, 0, 0, 0] if clip > 1 else [0, 0, 1, 1])
+    assert not any(into_param)  # (the old code copied every one: True here from the second step on)
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)

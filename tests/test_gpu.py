@@ -347,6 +347,7 @@ def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
         (("nvme", "nvme"), {"past_cap": True}, [1e6, 1e-3, 1e-3, 1e-3], [0, 0, 0, 0]),
         (("nvme", "nvme"), {"resident": True}, [None] * 4, [0, 1, 1, 1]),
         (("nvme", "cpu"), {"resident": True}, [1e6, 1e6, 1e-3, 1e6, 1e6], [0, 1, 0, 0, 1]),
+        (("cpu", "nvme"), {"bf16": {"enabled": True}}, [None] * 4, [0, 1, 1, 1]),
     ],
     ids=[
         "plain",
@@ -358,6 +359,7 @@ def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
         "clipping-past-the-cap",
         "resident",
         "resident-states-in-memory-clipping",
+        "bf16-params-in-memory",
     ],
 )
 def test_the_step_in_backward_on_cuda_is_bitwise_the_ordinary_step(

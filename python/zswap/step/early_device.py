@@ -34,8 +34,9 @@ def take_later(es: EarlyStep, i: int, p: torch.Tensor, st: ParamState, part: tor
         data = p.data.reshape(-1)
         if st.world_size > 1:  # this rank's partition: its slice, zero past the param's end as stored
             data = local_slice(data, st.rank, st.partition_numel)
-        param_copy = None  # made at the update (`early_memory.copy_of`): nothing to copy over
-        if not early_memory.only_written(es, i, st):
+        # Where the update only writes the param, nothing is copied over (`early_memory.blank`).
+        param_copy: Any = early_memory.blank(es, i, st, data)
+        if param_copy is None:
             param_copy = dev.d2h(data.contiguous(), early_memory.alloc(st, data))
         part = part.reshape(-1).contiguous()
         grad_copy = dev.d2h(part, sink.host_buffer(st, part.numel(), part.dtype))
@@ -50,11 +51,12 @@ def land(es: EarlyStep, block: bool) -> None:
     dev = es.device
     while es.landing and es.state == "running":
         i, st, param_copy, grad_copy, version = es.landing[0]
-        if not block and not ((param_copy is None or dev.query(param_copy)) and dev.query(grad_copy)):
+        ready = isinstance(param_copy, torch.Tensor)  # `early_memory.blank`: no copy to wait for
+        if not block and not ((ready or dev.query(param_copy)) and dev.query(grad_copy)):
             return
         es.landing.popleft()
         grad = dev.synchronize(grad_copy)
-        copy = early_memory.unmade(st) if param_copy is None else dev.synchronize(param_copy)
+        copy = param_copy if ready else dev.synchronize(param_copy)
         placed = es._place(st, grad, cast(GradStore, es.gs).add_fp32)
         if placed is None:
             return
@@ -67,7 +69,7 @@ def drain(es: EarlyStep) -> list[tuple[ParamState, torch.Tensor]]:
     out = []
     while es.landing:
         _, st, param_copy, grad_copy, _ = es.landing.popleft()
-        if param_copy is not None:
+        if not isinstance(param_copy, torch.Tensor):  # (a tensor: `early_memory.blank`, nothing copied)
             es.device.synchronize(param_copy)  # its buffer must not be reused under a running copy
         out.append((st, es.device.synchronize(grad_copy)))
     return out

@@ -153,18 +153,30 @@ def plain(st: ParamState, copy: torch.Tensor) -> int:
 # takes no copy of its value at its gradient: it holds a meta tensor of the partition's shape until the
 # update, which gets a buffer then (`materialize`). Where clipping bites, what is held until the step is
 # the gradient alone: the cap holds twice the params (bf16), and no copy is made at all for the update.
-# Not for a partition in CPU memory: its copy is reserved for the commit from the start anyway (`reserve`).
+# A partition in CPU memory gets its buffer at the gradient (reserved for the commit from the start anyway:
+# `reserve`), but nothing is copied into it (`blank`).
 
 
 def copy_of(es: EarlyStep, i: int, st: ParamState, data: torch.Tensor) -> torch.Tensor:
     """Param ``i``'s gathered partition ``data`` as the copy the early step updates: a copy of it, or,
-    where the update only writes it (`masters`), one made at the update."""
-    if only_written(es, i, st):
-        return unmade(st)
+    where the update only writes it (`masters`), what `blank` gives."""
+    copy = blank(es, i, st, data)
+    if copy is not None:
+        return copy
     copy = alloc(st, data)
     with no_torch_function():
         _memcpy(copy, data)  # one thread: a torch copy here wakes its pool against the kernel's
     return copy
+
+
+def blank(es: EarlyStep, i: int, st: ParamState, data: torch.Tensor) -> torch.Tensor | None:
+    """What stands for param ``i``'s copy where its update only writes it (`masters`): on NVMe a meta
+    tensor (`unmade`: its buffer is taken at the update); in CPU memory a buffer whose values are unset
+    (reserved for the commit from the start, so made now, but nothing is copied into it: no host copy, no
+    device-to-host one). ``None``: the update reads the param, so the copy must hold its value."""
+    if i not in es.masters:
+        return None
+    return alloc(st, data) if in_memory(st) else unmade(st)
 
 
 def unmade(st: ParamState) -> torch.Tensor:
