@@ -158,7 +158,7 @@ def test_a_warm_step_reads_nothing_for_resident_params(optimizer, device, early,
     """The ordinary step and the early one (made live in backward), on the CPU and on a compute device,
     where the host partitions the step needs come from the device's gathered copies and the params are
     gathered again from the updated ones."""
-    cfg = config(tmp_path, optimizer, ALL)
+    cfg = config(tmp_path, optimizer, ALL, **({} if early else {"gradient_clipping": 1.0}))
     m, _ = build(Net, cfg)
     params = list(m.parameters())
     model_bytes = sum(param_state(p).numel * 4 for p in params)

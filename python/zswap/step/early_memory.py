@@ -174,9 +174,9 @@ def blank(es: EarlyStep, i: int, st: ParamState, data: torch.Tensor) -> torch.Te
     tensor (`unmade`: its buffer is taken at the update); in CPU memory a buffer whose values are unset
     (reserved for the commit from the start, so made now, but nothing is copied into it: no host copy, no
     device-to-host one). ``None``: the update reads the param, so the copy must hold its value."""
-    if i not in es.masters:
-        return None
-    return alloc(st, data) if in_memory(st) else unmade(st)
+    if only_written(es, i, st):
+        return unmade(st)
+    return alloc(st, data) if i in es.masters else None
 
 
 def unmade(st: ParamState) -> torch.Tensor:
