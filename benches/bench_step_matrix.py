@@ -2,7 +2,7 @@
 
     python benches/bench_step_matrix.py [--size 1GiB] [--steps 4] [--rows PATTERNS] [--path DIR]
                                         [--deepspeed-python PATH | --no-deepspeed] [--timeout S]
-                                        [--malloc-tuning on|off]
+                                        [--malloc-tuning on|off] [--params nvme|cpu] [--states nvme|cpu]
 
 The matrix of issue 29 (item 7): compute {``cpu``; ``standin``: `zswap.device.StandInDevice`, the suite's
 model of CUDA, given to ``zswap.initialize(device=...)``} × ranks {1, 2: gloo, one spawned process each} ×
@@ -12,10 +12,11 @@ and ``standin/2r/clip-1/bf16``; ``--rows`` keeps those matching any of its comma
 
 Model: `zswap.demo.GPT` of ``--size`` bytes of fp32 params (one shape in every row; a bf16 row builds it in
 bf16 with fp32 master weights), batch 2 × 64 tokens per rank, AdamW (lr 1e-3, no weight decay); params and
-AdamW states on NVMe, each rank in its own directory under a fresh one in ``--path`` (default /var/tmp),
-removed at the end; the demo's knobs (`bench_step_bytes.config`, which DeepSpeed reads too). Every row runs
-in fresh processes. Figures are medians over the steps from the third on (the first places the optimizer
-records; the second is the first an early step can speculate from a step before it):
+AdamW states on NVMe (``--params cpu``, ``--states cpu``: in CPU memory, every contender alike), each rank
+in its own directory under a fresh one in ``--path`` (default /var/tmp), removed at the end; the demo's
+knobs (`bench_step_bytes.config`, which DeepSpeed reads too). Every row runs in fresh processes. Figures
+are medians over the steps from the third on (the first places the optimizer records; the second is the
+first an early step can speculate from a step before it):
 
 - read ×, written ×: bytes per optimizer step through ``engine.stats()``, as multiples of the model's param
   bytes (all params × their dtype's size); with 2 ranks each rank's figure, ``rank 0/rank 1``;
@@ -70,6 +71,8 @@ from bench_step_bytes import config as demo_config  # noqa: E402 (the sibling be
 COMPUTES, RANKS, CLIPS, DTYPES = ("cpu", "standin"), (1, 2), (0.0, 1.0), ("fp32", "bf16")
 MEASURED_FROM = 3
 """Steps before this one are not counted."""
+TIERS = {"offload_param": "nvme", "offload_optimizer": "nvme"}
+"""Where the params and the optimizer states are kept (``--params``, ``--states``), every row alike."""
 
 
 class Row(NamedTuple):
@@ -103,6 +106,9 @@ def say(line: str = "") -> None:
 
 def row_config(path: Path, size: int, clip: float, dtype: str) -> dict[str, Any]:
     cfg = demo_config(path, size)
+    for key, tier in TIERS.items():
+        if tier != "nvme":
+            cfg["zero_optimization"][key] = {"device": tier}
     cfg["gradient_clipping"] = clip
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -148,9 +154,10 @@ def early_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
         if isinstance(v, int) and not isinstance(v, bool):
             b = before.get(key, 0)
             out[label] = v - b if isinstance(b, int) and v >= b else v
-    reason = after.get("steps_ordinary_reason")
-    if isinstance(reason, str) and reason:
-        out["reason"] = reason
+    for label, key in (("reason", "steps_ordinary_reason"), ("part", "steps_partly_reason")):
+        reason = after.get(key)
+        if isinstance(reason, str) and reason:
+            out[label] = reason
     return out
 
 
@@ -329,6 +336,7 @@ def run_ranks(
 ) -> list[dict[str, Any]] | str:
     me = [sys.executable, str(Path(__file__).resolve()), "--size", str(size), "--steps", str(steps)]
     me += ["--path", str(path), "--row", row.name, "--worker", kind, "--init", str(path / "init")]
+    me += ["--params", TIERS["offload_param"], "--states", TIERS["offload_optimizer"]]
     path.mkdir(parents=True, exist_ok=True)
     cmds = [[*me, "--rank", str(r)] for r in range(row.ranks)]
     return spawn_ranks(cmds, [_env(env)] * row.ranks, path / "logs", timeout)
@@ -411,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="off: zswap's workers run with ZSWAP_MALLOC_TUNING=0 (glibc's own mmap threshold, no trim)",
     )
+    ap.add_argument("--params", choices=["nvme", "cpu"], default="nvme", help="where params are kept")
+    ap.add_argument("--states", choices=["nvme", "cpu"], default="nvme", help="where AdamW states are kept")
     ap.add_argument("--worker", choices=["zswap", "ram"], help=argparse.SUPPRESS)
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -421,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     from zswap.cli import _size
 
     size = _size(args.size)
+    TIERS.update(offload_param=args.params, offload_optimizer=args.states)
     if args.worker:
         worker(args, size)
     patterns = [p.strip() for p in args.rows.split(",") if p.strip()]
@@ -442,7 +453,7 @@ def measure(args: argparse.Namespace, size: int, rows: list[Row], root: Path) ->
     say(f"bench_step_matrix: GPT {shape.layers} layers × {shape.width}, {shape.params / 1e6:.1f}M params "
         f"(fp32 {param_bytes(size, 'fp32') / 2**20:,.0f} MiB, bf16 {param_bytes(size, 'bf16') / 2**20:,.0f} "
         f"MiB), batch 2 × {shape.seq} per rank, {args.steps} steps (counted from step {MEASURED_FROM}), "
-        f"dir {root}")  # fmt: skip
+        f"dir {root}; params: {args.params}, AdamW states: {args.states}")  # fmt: skip
     wbw, rbw = bandwidth(root, size)
     say(f"  SwapEngine in {root}: write {wbw:.2f} GB/s, read {rbw:.2f} GB/s (best of 3)")
     ds_version = None if args.no_deepspeed else deepspeed_version(args.deepspeed_python)
@@ -562,6 +573,8 @@ def report(
         cells.append("/".join(str(e[k]) if k in e else "-" for k in STEP_KEYS))
         if "reason" in e:
             notes.append(f"  {r.name}: the last ordinary step's reason: {e['reason']}")
+        if "part" in e:
+            notes.append(f"  {r.name}: the last step made live in part: {e['part']}")
         say("| " + " | ".join(cells) + " |")
     pbs = ", ".join(f"{d} {param_bytes(size, d) / 2**20:,.0f} MiB" for d in DTYPES)
     say("")

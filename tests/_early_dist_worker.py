@@ -66,16 +66,20 @@ def check(
     tiers: tuple[str, str] = ("nvme", "nvme"),
     partly: list[int] | None = None,
     resident: bool = False,
+    cap: int | None = None,
     **extra: Any,
 ) -> list[tuple[int, int, int]]:
     """Steps the twins with each clip limit in turn, bitwise equal after every optimizer step; ``expect``:
     the early twin's steps made live in backward, step by step (``partly``: its deferred steps that left
-    records past the cap to the ordinary step; ``extra``: config keys, or TinyLM's ``d``). Returns (in
-    backward, redone, deferred) of each step."""
+    records past the cap to the ordinary step, or with ``cap`` — the early step's — its steps in backward
+    that did; ``extra``: config keys, or TinyLM's ``d``). Returns (in backward, redone, deferred) of each
+    step."""
     if gas > 1:
         extra["gradient_accumulation_steps"] = gas
     runs = twins(root, rank, device, tiers, resident, **extra)
     (m, e), (ref, ref_e) = runs
+    if cap is not None:
+        e._early.cap = cap
     seen, parts = [], []
     for step, limit in enumerate(limits):
         for mm, ee in runs:
@@ -86,11 +90,11 @@ def check(
                 ee.step()
         s = e.stats()
         seen.append((s["steps_in_backward"], s["steps_redone"], s["steps_deferred"]))
-        parts.append(s["steps_deferred_partly"])
+        parts.append(s["steps_deferred_partly"] if cap is None else s["steps_in_backward_partly"])
         assert same(params_of(m), params_of(ref)), (rank, step)
         assert same(optim_state(e.optimizer, m), optim_state(ref_e.optimizer, ref)), (rank, step)
         assert e.last_grad_norm == ref_e.last_grad_norm, (rank, step)
-    assert [b for b, _, _ in seen] == expect, (rank, limits, gas, seen)
+    assert [b for b, _, _ in seen] == expect, (rank, limits, gas, seen, e.stats()["steps_ordinary_reason"])
     assert parts == (partly or [0] * len(limits)), (rank, limits, gas, parts, seen)
     for _, ee in runs:
         ee.close()

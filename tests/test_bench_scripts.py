@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import zswap
+
 BENCHES = Path(__file__).resolve().parent.parent / "benches"
 ROUND = re.compile(r"round (\d): zswap [\d.]+ s/step, plain [\d.]+ s/step, step/max\(I/O, compute\) [\d.]+×")
 
@@ -70,6 +72,20 @@ def test_bench_step_matrix_reads_how_the_steps_ran(monkeypatch):
     assert (
         bench_step_matrix.early_counts({"steps_ordinary": 9}, {"steps_ordinary": 4})["ordinary"] == 4
     )  # reset
+    part = "the copies … exceed the early step's cap of 9 bytes: 1 of 2 params updated in backward"
+    assert bench_step_matrix.early_counts({}, {**after, "steps_partly_reason": part})["part"] == part
+
+
+@pytest.mark.parametrize("tiers", [("cpu", "nvme"), ("nvme", "cpu"), ("cpu", "cpu")])
+def test_bench_step_matrix_puts_params_and_states_where_asked(tiers, tmp_path, monkeypatch):
+    """``--params`` / ``--states``: the row's config (zswap's and DeepSpeed's) keeps them there."""
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_step_matrix
+
+    monkeypatch.setattr(bench_step_matrix, "TIERS", dict(zip(bench_step_matrix.TIERS, tiers, strict=True)))
+    cfg = zswap.load_config(bench_step_matrix.row_config(tmp_path, 1 << 20, 1.0, "bf16"))
+    assert (cfg.offload_param.device, cfg.offload_optimizer.device) == tiers
+    assert cfg.gradient_clipping == 1.0
 
 
 MATRIX_ROWS = ["cpu/1r/clip-off/fp32", "cpu/1r/clip-1/bf16", "cpu/2r/clip-1/fp32"]

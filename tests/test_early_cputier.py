@@ -13,6 +13,7 @@ its cap it says why; and the exact bytes a warm step moves (resident params incl
 from __future__ import annotations
 
 import errno
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from zswap import GatheredParameters, SwapIOError
 from zswap.device import StandInDevice
 from zswap.errors import GradientsNotKeptError
 from zswap.step import early_memory, earlystep
+from zswap.train import bridge
 
 from .conftest import run_ranks
 from .test_earlystep import model_bytes, state
@@ -58,6 +60,7 @@ def run(
     clip: list[float | None] | None = None,
     loss_mult: list[float] | None = None,
     device: bool = False,
+    cap: int | None = None,
     **extra: Any,
 ) -> list[dict[str, Any]]:
     """Train both twins ``steps`` optimizer steps of ``gas`` micro-batches (``clip[step]``: both
@@ -69,6 +72,8 @@ def run(
     runs = twins(tmp_path, setup, device=device, **extra)
     (m, e), (ref, ref_e) = runs
     assert e._early is not None, e._early_off
+    if cap is not None:
+        e._early.cap = cap
     seen = []
     for step in range(steps):
         for mm, ee in runs:
@@ -291,13 +296,92 @@ def test_what_happens_between_backward_and_step_is_honoured(setup, tmp_path):
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)
-def test_copies_past_the_cap_take_the_ordinary_step_and_say_why(setup, tmp_path, monkeypatch):
+def test_copies_past_any_part_take_the_ordinary_step_and_say_why(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)  # the cap: the live budget only (1500 elements)
     seen = run(tmp_path, setup, 3)
     assert counts(seen, "steps_in_backward") == [0, 0, 0]
     why = seen[-1]["steps_ordinary_reason"]
     assert why.startswith("the copies of the optimizer records and params kept in CPU memory (")
-    assert why.endswith(f"bytes) exceed the early step's cap of {1500 * 4} bytes")
+    assert "bytes) and the param copies and gradients held while backward runs (16384) exceed " in why
+    assert f"exceed the early step's cap of {1500 * 4} bytes, even for the first records backward " in why
+
+
+PART_CAP = 2 * 8192 + 10_000
+"""A cap the copies of a part fit: room for two records' param copies and gradients (TinyLM's widest
+record's params hold 8192 bytes) and 10,000 bytes of copies kept for the commit — in each setup the
+records backward completes first, short of all."""
+
+PART_CASES = {
+    "plain": {},
+    "clipping-bites": {"clip": BITES},
+    "gas-2": {"gas": 2},
+    "gas-2-clipping-bites": {"gas": 2, "clip": [1e6, 1e6, 1e-3, 1e6, 1e6]},
+    "stand-in": {"device": True},
+    "stand-in-clipping-bites": {"device": True, "clip": BITES},
+}
+
+
+@pytest.mark.parametrize("case", PART_CASES, ids=list(PART_CASES))
+@pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)
+def test_copies_past_the_cap_update_the_part_that_fits_in_backward(setup, case, tmp_path):
+    """The records backward completes first are updated in backward, the others by the ordinary step in
+    the same commit: bitwise the ordinary step (`run`) in every case of `zswap.step.speculation`."""
+    kw: dict[str, Any] = PART_CASES[case]
+    steps = len(kw.get("clip", [None] * 4))
+    seen = run(tmp_path, setup, steps, cap=PART_CAP, **kw)
+    clip = kw.get("clip", [None] * steps)
+    bit = [c is not None and c < 1 for c in clip]
+    after_bite = [step > 0 and bit[step - 1] for step in range(steps)]
+    in_backward = [int(step > 0 and not bit[step] and not after_bite[step]) for step in range(steps)]
+    assert counts(seen, "steps_in_backward") == in_backward
+    assert counts(seen, "steps_in_backward_partly") == in_backward
+    why = next(s["steps_partly_reason"] for s in seen if s["steps_in_backward_partly"])
+    assert why.startswith("the copies of the optimizer records and params kept in CPU memory (")
+    found = re.search(rf"cap of {PART_CAP} bytes: (\d+) of 22 params updated in backward$", why)
+    assert found is not None and 0 < int(found[1]) < 22, why
+    assert counts(seen, "steps_deferred") == [int(a) for a in after_bite]
+
+
+@pytest.mark.parametrize("setup", SETUPS[:2], ids=SETUP_IDS[:2])
+def test_a_failed_ordinary_part_changes_nothing(setup, tmp_path, monkeypatch):
+    """The params past the cap take their ordinary step in the early step's commit, in its transaction:
+    where it fails after it changed their records and partitions, nothing changed. Gradients in memory
+    were kept, so the step runs again; on NVMe the part updated in backward let its gradients go, so the
+    step raises `GradientsNotKeptError` and backward runs again. Either way bitwise the twin's. (With
+    both in CPU memory no I/O takes part: nothing can fail there, `Transaction.fallible`.)"""
+    runs = twins(tmp_path, setup)
+    (m, e), (ref, ref_e) = runs
+    e._early.cap = PART_CAP
+    for mm, ee in runs:
+        for seed in range(2):
+            ee.backward(sq(mm(ids(seed=seed))))
+            ee.step()
+    assert e.stats()["steps_in_backward_partly"] == 1
+    before = state(m, e)
+    for mm, ee in runs:
+        ee.backward(sq(mm(ids(seed=2))))
+    ordinary_part = bridge.step_indices
+
+    def failing(*args: Any) -> None:  # every record and partition of the ordinary part written, then a fault
+        ordinary_part(*args)
+        raise OSError(errno.EIO, "injected after the ordinary part")
+
+    monkeypatch.setattr(bridge, "step_indices", failing)
+    kept = setup[1] == "cpu"  # gradients in memory (states there)
+    with pytest.raises(OSError if kept else GradientsNotKeptError) as raised:
+        e.step()
+    monkeypatch.setattr(bridge, "step_indices", ordinary_part)
+    assert same(state(m, e), before)
+    if not kept:
+        assert "the ordinary step of the params past its cap failed ([Errno 5] injected" in str(raised.value)
+        e.zero_grad()
+        e.backward(sq(m(ids(seed=2))))
+    e.step()
+    ref_e.step()
+    assert same(state(m, e), state(ref, ref_e))
+    assert e.stats()["steps_in_backward_partly"] == 1 + (not kept)
+    for _, ee in runs:
+        ee.close()
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=SETUP_IDS)

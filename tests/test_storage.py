@@ -202,6 +202,41 @@ def test_abort_restores_the_undo_log_in_memory_and_spilled(storage, monkeypatch)
     assert not any(k.startswith("u/") for k in list(storage.engine.keys()))
 
 
+@pytest.mark.parametrize("fail", [None, 3], ids=["all-land", "one-fails"])
+def test_spilled_copies_reuse_the_buffers_of_landed_spills(storage, monkeypatch, fail):
+    """Past the memory budget the copies being spilled take at most `UNDO_SPILL_BYTES` (the oldest waited
+    for), each in a landed spill's buffer where one holds it (a smaller copy in part of one): a step that
+    saves every record makes a few buffers, not one per record. The rollback is exact either way — a
+    failed spill keeps its copy (its buffer is not reused) and the step fails."""
+    monkeypatch.setattr(zs, "UNDO_MEMORY_BYTES", 0)
+    monkeypatch.setattr(zs, "SPILL_BUFFER_MIN", 64)
+    monkeypatch.setattr(zs, "UNDO_SPILL_BYTES", 2 * 4000)  # two copies of 1000 floats being spilled
+    made = []
+    empty = storage.engine.empty
+    monkeypatch.setattr(storage.engine, "empty", lambda *a: made.append(a) or empty(*a))
+    txn = zs.Transaction()
+    txn.uses(storage)
+    xs = [t(1000 - 100 * (i % 2), i) for i in range(10)]  # of two sizes: the smaller fits the larger's
+    want = [x.clone() for x in xs]
+    for i, x in enumerate(xs):
+        if i == fail:
+            fault(storage, "write", errno.ENOSPC)
+        txn.save(x)
+        x.fill_(7.0)
+    assert 1 <= len(made) <= 3 + (fail is not None), made  # engine buffers, 10 copies spilled
+    assert txn.undo._spilling <= 2 * 4000
+    if fail is None:
+        txn.undo.settle()
+        assert sum(e[1] is None for e in txn.undo._entries) == 10  # every copy durable, its memory let go
+        txn.abort()
+    else:
+        with pytest.raises(SwapIOError):
+            txn.commit()
+        assert txn.state == "aborted"
+    assert all(torch.equal(x, w) for x, w in zip(xs, want, strict=True))
+    assert not any(k.startswith("u/") for k in list(storage.engine.keys()))
+
+
 def test_a_failed_spill_keeps_its_memory_copy(storage, monkeypatch):
     monkeypatch.setattr(zs, "UNDO_MEMORY_BYTES", 0)
     txn = zs.Transaction()

@@ -107,33 +107,39 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
         es.abort()
         return False
     deferred = es.guess.factor is None
-    rest: list[int] = []
+    if not deferred and scale != es.guess.factor:
+        es.tally.redone += 1
+        drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
+        return False
+    rest = ordinary_part(es)
+    if rest and ordinary is None:
+        drop(es, "the param copies and gradients did not all fit in the early step's cap")
+        return False
+    if rest:  # first, while every gradient it holds can still go to its store
+        try:
+            with within(es.txn):
+                cast(Ordinary, ordinary)(rest, scale)
+        except BaseException as exc:
+            held, gs, room, dropped = held_grads(es), es.gs, es.allowance, es.dropped
+            es.abort()
+            hand_back(gs, held, room)
+            if dropped and isinstance(exc, Exception):  # (in backward: the part it updated let them go)
+                es.lost = f"the ordinary step of the params past its cap failed ({exc})"
+                _wanted(gs)
+                raise GradientsNotKeptError(
+                    f"engine.step(): {es.lost}, and the early step applied this step's other gradients in "
+                    f"backward without keeping them {NOT_KEPT}, so the step cannot run again. {RESTART}"
+                ) from exc
+            raise
     if deferred:
-        rest = ordinary_part(es)
-        if rest and ordinary is None:
-            drop(es, "the param copies and gradients did not all fit in the early step's cap")
-            return False
-        if rest:  # first, while every gradient it holds can still go to its store
-            try:
-                with within(es.txn):
-                    cast(Ordinary, ordinary)(rest, scale)
-            except BaseException:
-                held, gs, room = held_grads(es), es.gs, es.allowance
-                es.abort()
-                hand_back(gs, held, room)
-                raise
         es.finish_at(scale)  # the update waited for the scale: it runs now, from what backward left held
         if es.state != "running":
             return False  # it gave up: the gradients are in their store, the ordinary step runs
         if not all(es.left[i] == 0 for i in es.ready) or es.reads or es.writes:
             drop(es, "its updates did not all complete at the step")
             return False
-    elif scale != es.guess.factor:
-        es.tally.redone += 1
-        drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
-        return False
     txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, list(es.seeds), es.dropped
-    kept, swaps = list(es.kept), es.swaps
+    kept, swaps, part_why = list(es.kept), es.swaps, es.part_why
     gs = es.gs
 
     def counters() -> None:
@@ -170,29 +176,38 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
         es.tally.partly += bool(rest)
     else:
         es.tally.early += 1
+        es.tally.early_partly += bool(rest)
         es.tally.rehyped += bool(rehyper)
+    if rest:
+        es.tally.part_reason = part_why or "the param copies and gradients held past the early step's cap"
     es.why = ""
     es._committed_seeds = seeds
     return True
 
 
 def passes(es: EarlyStep, i: int, nbytes: int, landed: bool = False) -> bool:
-    """Deferred, whether param ``i`` (``nbytes`` held for it: its gradient and copy,
-    `early_memory.holds`) is left to the ordinary step: the first params backward completes are held,
-    as many as fit in the cap; the rest (`EarlyStep.passed`, from the first that did not; ``landed``:
-    taken before, landed from a device now) are not."""
+    """Whether param ``i`` (``nbytes`` held for it: its gradient and copy, `early_memory.holds`) is left
+    to the ordinary step (`EarlyStep.passed`): one outside the part planned as backward began
+    (`early_memory.plan_part`), and, deferred, the first params backward completes are held, as many as
+    fit in the cap, the rest (from the first that did not, ``capped``; ``landed``: taken before, landed
+    from a device now) are not."""
+    if i in es.outside:
+        es.passed.add(i)  # its gradient goes to its store like any the early step does not take
+        return True
     if es.factor is not None:
         return False
-    if (es.passed and not landed) or es.held + es.copying + es.staged + nbytes > es.cap:
-        es.passed.add(i)  # its gradient goes to its store like any the early step does not take
+    if (es.capped and not landed) or es.held + es.copying + es.staged + nbytes > es.cap:
+        es.capped = True
+        es.passed.add(i)
         return True
     return False
 
 
 def ordinary_part(es: EarlyStep) -> list[int]:
-    """A deferred step's params left to the ordinary step: those it did not hold (`EarlyStep.passed`) and,
-    transitively, every held one that shares a record with one of them — a record, and a param split
-    over records, is updated by one of the two. Those it held are let go, their gradients stored."""
+    """The params left to the ordinary step: those it did not hold (`EarlyStep.passed`) and, deferred,
+    transitively every held one that shares a record with one of them — a record, and a param split
+    over records, is updated by one of the two (a part planned as backward began is closed already).
+    Those it held are let go, their gradients stored."""
     rest, todo = set(es.passed), list(es.passed)
     while todo:
         for sg in es.by_param.get(todo.pop(), ()):
@@ -258,8 +273,10 @@ def mismatch(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> str
             "loss scaling, gradient_accumulation_steps or the optimizer changed since backward)"
         )
     if not es.ready:
-        if es.passed:
+        if es.capped:
             return "the first param copy and gradient did not fit in the early step's cap"
+        if es.passed:
+            return "no param of the part it updates got a gradient"
         return "it updated no record (the first step makes the optimizer's records)"
     if es.reads or es.writes or es.early:
         return "its transfers did not all settle in backward"
@@ -357,6 +374,9 @@ def reset(es: EarlyStep) -> None:
     es.staged = 0
     es.swaps = []
     es.passed = set()
+    es.outside = frozenset()
+    es.capped = False
+    es.part_why = ""
     es.rehyper = []
     es.kept_mem.clear()
 

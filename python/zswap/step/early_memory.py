@@ -16,9 +16,13 @@ dropped one would see, or have to put back, speculative values. With copies the 
 one, so every way of dropping the early step is the NVMe one (the transaction aborts; nothing to put back).
 
 **Memory.** Copies kept for the commit (``staged``) cannot be let go before it, so they count against
-the early step's cap from the start of each backward: ``reserve`` bytes (every record of the layout in
-CPU memory, every param partition in CPU memory) count with what it holds from when it begins; if those
-alone pass the cap, no early step begins and `engine.stats()` says so (`too_big`).
+the early step's cap from the start of each backward: the records in CPU memory and the param partitions
+in CPU memory of the params it updates count with what it holds from when it begins. Where those of every
+param pass the cap, it updates a part (`plan_part`): the params whose records backward completes first
+(the last backward's order), as many as leave room for what it holds besides, closed over shared
+records; the others (``outside``) take the ordinary step in the commit, from their stored gradients
+(``steps_in_backward_partly``). Only where not even the first record's fit does no early step begin, and
+`engine.stats()` says why.
 
 **Versions.** What the commit checks did not move since backward read it: a memory partition's is the
 stored tensor and its in-place version counter (`torch.Tensor._version`: a gathered single-rank
@@ -31,6 +35,7 @@ letting them go, and kept, every drop falls back to the ordinary step.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -75,27 +80,82 @@ def cpu_records(es: EarlyStep) -> bool:
     return isinstance(es.records, CpuStore)
 
 
-def reserve(es: EarlyStep) -> int:
-    """Bytes of copies a step over the layout keeps for the commit at most (see the module docstring)."""
-    total = sum(sg.record_numel * 4 for sg in es.opt.records.sub_groups) if cpu_records(es) else 0
-    for p in es.opt.records.params:
-        st = param_state(p)
+def _kept_bytes(es: EarlyStep, sgs: Iterable[SubGroup], params: Iterable[int]) -> int:
+    """Bytes of copies kept for the commit when ``sgs``' records and ``params``' partitions are updated:
+    the records where they are in CPU memory, the partitions of those params kept in CPU memory."""
+    total = sum(sg.record_numel * 4 for sg in sgs) if cpu_records(es) else 0
+    for i in params:
+        st = param_state(es.opt.records.params[i])
         if st is not None and in_memory(st):
             total += st.partition_numel * st.dtype.itemsize
     return total
 
 
-def too_big(es: EarlyStep) -> str:
-    """Why no early step begins for this backward ("" if one may): its copies kept for the commit alone
-    pass its cap. Otherwise they are counted in ``staged`` from now on."""
-    es.staged = reserve(es)
-    if es.staged > es.cap:
-        why = (
-            f"the copies of the optimizer records and params kept in CPU memory ({es.staged} bytes) "
-            f"exceed the early step's cap of {es.cap} bytes"
-        )
+def parts(es: EarlyStep) -> list[tuple[list[SubGroup], set[int]]]:
+    """The layout's records in sets closed over shared params (a param split over records is updated
+    with all of them, a record with all its params), each with its params, in the order backward is
+    expected to complete them: the last backward's (`EarlyStep._order`), then the rest last first."""
+    keys = {sg.key: sg for sg in es.layout}
+    seen = set(es._order)
+    order = [keys[k] for k in es._order if k in keys]
+    order += [sg for sg in reversed(es.layout) if sg.key not in seen]
+    done: set[str] = set()
+    out: list[tuple[list[SubGroup], set[int]]] = []
+    for first in order:
+        if first.key in done:
+            continue
+        sgs, params, todo = [], set(), [first]
+        done.add(first.key)
+        while todo:
+            sg = todo.pop()
+            sgs.append(sg)
+            for s in sg.segments:
+                if s.param in params:
+                    continue
+                params.add(s.param)
+                for other in es.by_param.get(s.param, ()):
+                    if other.key not in done:
+                        done.add(other.key)
+                        todo.append(other)
+        out.append((sgs, params))
+    return out
+
+
+def plan_part(es: EarlyStep) -> str:
+    """Which params this backward's early step updates (see the module docstring): sets ``staged`` (the
+    copies kept for the commit, counted from now on) and ``outside`` (the params left to the ordinary
+    step, whose records it never reads). Why none can be updated, or "" where some can. Needs the layout
+    (`zswap.step.early_pipeline.plan`)."""
+    groups = parts(es)
+    sizes = [_kept_bytes(es, sgs, params) for sgs, params in groups]
+    es.outside = frozenset()
+    es.staged = sum(sizes)
+    # What it holds besides while backward runs: the param copies and gradients waiting for two records at
+    # once (one being completed, and one whose last param is split into it).
+    wait = 0
+    for sg in es.layout:
+        states = [(i, param_state(es.opt.records.params[i])) for i in {s.param for s in sg.segments}]
+        wait = max(wait, sum(holds(es, i, st) for i, st in states if st is not None))
+    if es.staged == 0 or es.staged + 2 * wait <= es.cap:
+        return ""
+    over = (
+        f"the copies of the optimizer records and params kept in CPU memory ({es.staged} bytes) and the "
+        f"param copies and gradients held while backward runs ({2 * wait}) exceed the early step's cap of "
+        f"{es.cap} bytes"
+    )
+    total, inside = 0, set()
+    for (_, params), nbytes in zip(groups, sizes, strict=True):
+        if total + nbytes + 2 * wait > es.cap:
+            break
+        total += nbytes
+        inside |= params
+    if not inside:
         es.staged = 0
-        return why
+        return f"{over}, even for the first records backward completes ({sizes[0]} bytes of copies)"
+    es.staged = total
+    es.outside = frozenset(i for _, params in groups for i in params) - inside
+    es.part_why = f"{over}: {len(inside)} of {len(inside) + len(es.outside)} params updated in backward"
+    es.upcoming = deque(sg for sg in es.upcoming if sg.segments[0].param not in es.outside)  # (closed)
     return ""
 
 

@@ -35,7 +35,8 @@ What it keeps:
   as they are (`take_micro_seeds`; on a device, copied to the host). Resident params keep their updated
   copies as their gathered copies (`take_resident`).
 - **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held (with
-  the copies kept in CPU memory for the commit, reserved as backward begins) it gives up. A param with a
+  the copies kept in CPU memory for the commit, reserved as backward begins: where those of every param
+  would not fit, only a part is updated, `early_memory.plan_part`) it gives up. A param with a
   float32 master (bf16 / fp16 past its first step) has no copy taken: the update only writes it, into a
   buffer taken then (`early_memory.copy_of`). The record
   buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself (``write_ahead``:
@@ -135,9 +136,15 @@ class EarlyStep:
     swaps: list[tuple[Any, str, torch.Tensor]]
     """Those copies, with the store and key each replaces at the commit (`early_memory.swap_in`)."""
     passed: set[int]
-    """Deferred: params whose gradient came once the copies and gradients held had reached `cap` (and
-    every later one). Not held: their records take the ordinary step in the commit
-    (`early_commit.ordinary_part`), from their stored gradients."""
+    """Params not held: those ``outside`` that got a gradient and, deferred, those whose gradient came
+    once the copies and gradients held had reached `cap` (and every later one: ``capped``). Their records
+    take the ordinary step in the commit (`early_commit.ordinary_part`), from their stored gradients."""
+    outside: frozenset[int]
+    """Params outside the part this backward updates (`early_memory.plan_part`; none where all fit)."""
+    capped: bool
+    """Deferred, the copies and gradients held reached `cap`: every later param is passed."""
+    part_why: str
+    """Why ``outside`` is not empty ("" where it is)."""
 
     def __init__(
         self,
@@ -407,7 +414,8 @@ class EarlyStep:
             self.state, self.task = "off", task
             self.why = "a second backward before engine.step() (gradient_accumulation_steps is 1)"
             return
-        too_big = early_memory.too_big(self)
+        early_pipeline.plan(self)
+        too_big = early_memory.plan_part(self)
         if too_big:
             self.state, self.task, self.why = "off", task, too_big
             return
@@ -421,7 +429,6 @@ class EarlyStep:
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         early_memory.uses(self)
-        early_pipeline.plan(self)
 
     def _end_backward(self, alive: object = None) -> None:
         self._outer, self.ended = _dead, True

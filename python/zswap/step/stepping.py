@@ -32,18 +32,22 @@ class Tally:
     """How the optimizer steps ran since `initialize` (or the last ``Engine.stats(reset=True)``), for
     `Engine.stats` (``steps_*``): made live from the early step's work in backward (``early``), or from
     the param copies and gradients it held since backward, updated at the step once the clip factor was
-    known (``deferred``: clipping bit at the last step, `zswap.step.speculation`; of them ``partly``
-    held only the copies that fit its cap, the records past it updated the ordinary way in the same
-    commit); run the
-    ordinary way after backward (``ordinary``; ``reason``: why the last one was, "" while none was), of
-    which ``redone`` had an early step dropped because clipping bit (its factor was not the one assumed);
-    early steps dropped because the gradients were not finite (``overflow``: the step is skipped). Of the
-    ``early`` ones, ``rehyped`` had their params recomputed at the step for an lr, eps or decoupled weight
-    decay assigned between backward and step (`zswap.step.early_rehyper`)."""
+    known (``deferred``: clipping bit at the last step, `zswap.step.speculation`); run the ordinary way
+    after backward (``ordinary``; ``reason``: why the last one was, "" while none was), of which
+    ``redone`` had an early step dropped because clipping bit (its factor was not the one assumed); early
+    steps dropped because the gradients were not finite (``overflow``: the step is skipped). Of the
+    ``early`` ones, ``early_partly`` updated only a part in backward (the copies kept in CPU memory for
+    the commit of every param pass the early step's cap, `zswap.step.early_memory.plan_part`) and
+    ``rehyped`` had their params recomputed at the step for an lr, eps or decoupled weight decay assigned
+    between backward and step (`zswap.step.early_rehyper`); of the ``deferred`` ones ``partly`` held only
+    the copies that fit its cap. Either leaves the other params to the ordinary step in the same commit;
+    ``part_reason`` says why for the last that did."""
 
     early: int = 0
     deferred: int = 0
     partly: int = 0
+    early_partly: int = 0
+    part_reason: str = ""
     ordinary: int = 0
     redone: int = 0
     overflow: int = 0
@@ -56,16 +60,18 @@ class Tally:
             self.reason = why
 
     def reset(self) -> None:
-        self.early = self.deferred = self.partly = self.ordinary = self.redone = self.overflow = (
-            self.rehyped
-        ) = 0
-        self.reason = ""
+        self.early = self.deferred = self.partly = self.early_partly = self.ordinary = self.redone = (
+            self.overflow
+        ) = self.rehyped = 0
+        self.reason = self.part_reason = ""
 
     def stats(self) -> dict[str, Any]:
         return {
             "steps_in_backward": self.early,
             "steps_deferred": self.deferred,
             "steps_deferred_partly": self.partly,
+            "steps_in_backward_partly": self.early_partly,
+            "steps_partly_reason": self.part_reason,
             "steps_ordinary": self.ordinary,
             "steps_redone": self.redone,
             "steps_hypers_redone": self.rehyped,

@@ -16,7 +16,10 @@ every name on its old value. Reads made with the transaction see its staged valu
 makes one the current transaction of the calling context, so nested steps (an optimizer stepped chunk by
 chunk) join it. Memory state that a step changes in place is saved to the transaction's `UndoLog` first:
 copies in memory up to `UNDO_MEMORY_BYTES`, beyond that written to a ``u/`` namespace of a storage taking
-part (every fallible step has one); a copy is dropped only once its spill is durable.
+part (every fallible step has one); a copy is dropped only once its spill is durable, and its buffer
+then takes a later copy (`UNDO_SPILL_BYTES` bound what is being spilled: with optimizer states in CPU
+memory every record is saved each step, and a new buffer per copy faulted in the states' size of fresh
+pages every step — 0.9 M faults, 2–3 s of a 1 GiB bf16 model's 3.6 s step; benches/README.md).
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ bytes an engine has in flight at its default queue depth (16 × 1 MiB), enough t
 deeper queue only raises the peak memory (this was 256 MiB)."""
 UNDO_MEMORY_BYTES = 256 << 20
 """Bytes of rollback copies an `UndoLog` keeps in memory before it spills them to a storage."""
+UNDO_SPILL_BYTES = 256 << 20
+"""Bytes of rollback copies an `UndoLog` has being spilled at once (at least one copy): past them it waits
+for the oldest to land, and takes the next copy into its buffer."""
+SPILL_BUFFER_MIN = 1 << 20
+"""Bytes from which a spilled copy is an engine buffer reused within the step (smaller: a new tensor)."""
 
 
 class Storage:
@@ -284,6 +292,8 @@ class UndoLog:
         self._error: BaseException | None = None
         self._arena: dict[str, Any] | None = None  # the thread's arena, while this log holds it
         self._arena_used = 0
+        self._spare: list[torch.Tensor] = []  # (uint8) buffers of spills that landed: free for the next
+        self._spilling = 0  # bytes of copies being spilled (not landed yet)
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         """A flat copy of ``t``: in the thread's arena while it has room (fresh pages cost a fault each,
@@ -307,26 +317,54 @@ class UndoLog:
                 self._arena["buf"] = have = torch.empty(size, dtype=torch.uint8)
             buf = have[off : off + nbytes]
             self._arena_used = off + nbytes
+        if buf is None and self._spills() and nbytes >= SPILL_BUFFER_MIN:
+            buf = self._spill_buffer(nbytes)
         keep = torch.empty(t.numel(), dtype=t.dtype) if buf is None else buf.view(t.dtype)
         _memcpy(keep, t.detach())
         return keep
+
+    def _spills(self) -> bool:
+        """Whether the next copy past the memory budget is spilled (a storage takes part)."""
+        return self.spill_to is not None and not self.spill_to.closed
+
+    def _spill_buffer(self, nbytes: int) -> torch.Tensor:
+        """A buffer for a copy that will be spilled: a landed spill's (the smallest that holds it), else,
+        after waiting for the oldest spills while `UNDO_SPILL_BYTES` are being spilled, a landed one's or a
+        new engine buffer (page-aligned: written with no bounce copy)."""
+        pending = (e for e in self._entries if e[3] is not None and not e[3].settled)
+        while not self._fits(nbytes) and self._spilling and (oldest := next(pending, None)) is not None:
+            oldest[3].settle()  # (a failed spill keeps its copy: `_error` says so at `settle`)
+        fits = [k for k, b in enumerate(self._spare) if b.numel() >= nbytes]
+        if fits:
+            return self._spare.pop(min(fits, key=lambda k: self._spare[k].numel()))[:nbytes]
+        assert self.spill_to is not None
+        new: torch.Tensor = self.spill_to.engine.empty(nbytes, torch.uint8)
+        return new
+
+    def _fits(self, nbytes: int) -> bool:
+        return any(b.numel() >= nbytes for b in self._spare) or self._spilling + nbytes <= UNDO_SPILL_BYTES
 
     def save(self, t: torch.Tensor) -> None:
         keep = self._copy(t)
         entry: list[Any] = [t, keep, None, None]
         self._entries.append(entry)
         self._held += keep.nbytes
-        if self._held > self.budget and self.spill_to is not None and not self.spill_to.closed:
+        if self._held > self.budget and self._spills():
+            assert self.spill_to is not None
             if self._ns is None:
                 self._ns = self.spill_to.namespace("u")
             name = str(len(self._entries))
             entry[2] = name
+            self._spilling += keep.nbytes
 
             def landed(w: _Write, entry: list[Any] = entry) -> None:
+                self._spilling -= entry[1].nbytes
                 if w.error is None:
                     assert self._ns is not None
                     self._ns.replace(w.name, w.physical)
                     self._held -= entry[1].nbytes
+                    if entry[1].nbytes >= SPILL_BUFFER_MIN:  # (a `_spill_buffer`'s, whole)
+                        self._spare.append(_bytes_of(entry[1]))  # landed: the engine reads it no more
                     entry[1] = None  # durable: the memory copy may go
                 elif self._error is None:
                     self._error = w.error  # the memory copy stays: rollback still works
@@ -367,12 +405,19 @@ class UndoLog:
     def discard(self) -> None:
         self._entries.clear()
         self._held = 0
+        self._spare.clear()
+        self._spilling = 0
         if self._arena is not None:
             self._arena["busy"] = False
             self._arena, self._arena_used = None, 0
         if self._ns is not None:
             self._ns.close()
             self._ns = None
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The whole buffer under ``t`` as bytes."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
 
 
 _CURRENT: contextvars.ContextVar[Transaction | None] = contextvars.ContextVar("zswap_txn", default=None)
