@@ -126,18 +126,20 @@ def plan_part(es: EarlyStep) -> str:
     copies kept for the commit, counted from now on) and ``outside`` (the params left to the ordinary
     step, whose records it never reads). Why none can be updated, or "" where some can. Needs the layout
     (`zswap.step.early_pipeline.plan`)."""
-    groups = parts(es)
-    sizes = [_kept_bytes(es, sgs, params) for sgs, params in groups]
     es.outside = frozenset()
-    es.staged = sum(sizes)
+    es.staged = _kept_bytes(es, es.layout, {s.param for sg in es.layout for s in sg.segments})
+    if es.staged == 0:
+        return ""  # nothing kept in CPU memory: nothing to plan
     # What it holds besides while backward runs: the param copies and gradients waiting for two records at
     # once (one being completed, and one whose last param is split into it).
     wait = 0
     for sg in es.layout:
         states = [(i, param_state(es.opt.records.params[i])) for i in {s.param for s in sg.segments}]
         wait = max(wait, sum(holds(es, i, st) for i, st in states if st is not None))
-    if es.staged == 0 or es.staged + 2 * wait <= es.cap:
+    if es.staged + 2 * wait <= es.cap:
         return ""
+    groups = parts(es)
+    sizes = [_kept_bytes(es, sgs, params) for sgs, params in groups]
     over = (
         f"the copies of the optimizer records and params kept in CPU memory ({es.staged} bytes) and the "
         f"param copies and gradients held while backward runs ({2 * wait}) exceed the early step's cap of "
