@@ -42,6 +42,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "CPU, optimizer states in CPU memory": {"states": "cpu"},
     "CPU, params in CPU memory": {"params": "cpu"},
     "CPU, params and states in CPU memory": {"params": "cpu", "states": "cpu"},
+    "CPU, torch AdamW as optimizer=, clipping 1.0": {"torch_adamw": True, "gradient_clipping": 1.0},
     "stand-in device": {"device": True},
     "stand-in device, clipping 1e-4": {"device": True, "gradient_clipping": 1e-4},
     "stand-in device, GAS 2": {"device": True, "gradient_accumulation_steps": 2},
@@ -104,7 +105,12 @@ def _run(
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         with zswap.Init(cfg):
             model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-        engine = zswap.initialize(model, cfg, device=StandInDevice() if setup.get("device") else "cpu")
+        given = None
+        if setup.get("torch_adamw"):  # the plain-PyTorch way: zswap rebuilds it as its offloaded AdamW
+            del cfg["optimizer"]
+            given = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        device = StandInDevice() if setup.get("device") else "cpu"
+        engine = zswap.initialize(model, cfg, optimizer=given, device=device)
     engine.early_step = early
     nbytes = sum(zswap.param_state(p).numel * 4 for p in model.parameters())  # the whole model's
     g = torch.Generator().manual_seed(seed)

@@ -347,7 +347,9 @@ def test_classes_declared_inside_init_are_partitioned():
         engine.close()
 
 
-def test_a_torch_optimizer_built_before_initialize_trains_as_plain_torch():
+def test_a_torch_optimizer_built_before_initialize_trains_as_plain_fused_torch():
+    """It becomes the engine's offloaded AdamW over the same params (as DeepSpeed hands back its own
+    optimizer wrapper, not the client's), whose kernel gives torch's ``fused=True`` bits."""
     torch.manual_seed(20260728)
     model = nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -355,7 +357,7 @@ def test_a_torch_optimizer_built_before_initialize_trains_as_plain_torch():
     w, b = (t.detach().clone().requires_grad_() for t in (model.weight, model.bias))
     ref = nn.functional.linear(x, w, b)
     ref.sum().backward()
-    ref_opt = torch.optim.AdamW([w, b], lr=0.1)
+    ref_opt = torch.optim.AdamW([w, b], lr=0.1, fused=True)
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "zero_optimization": {
@@ -367,7 +369,8 @@ def test_a_torch_optimizer_built_before_initialize_trains_as_plain_torch():
     }
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config_params=cfg)
     with engine:
-        assert opt is optimizer and param_state(model.weight) is not None
+        assert opt is engine.optimizer and isinstance(opt, zswap.optim.OffloadedAdamW)
+        assert param_state(model.weight) is not None
         out = engine(x.to(engine.device))
         engine.backward(out.sum())
         assert torch.equal(out, ref)

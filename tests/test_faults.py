@@ -32,7 +32,7 @@ from zswap import storage as zs
 from zswap.optim import OffloadedAdamW
 from zswap.params import Status
 
-from .test_runtime import TinyLM, build, engine_for, ids, sq
+from .test_runtime import GivenAdamW, TinyLM, build, engine_for, ids, sq
 
 FAULTS = [("write", errno.ENOSPC), ("write", errno.EIO), ("read", errno.EIO)]
 WHERE = [0.0, 0.5, 1.0]  # the first, a middle and the last transfer of the call
@@ -124,7 +124,7 @@ def _two_runs(tmp_path: Path, params: str, states: str, kind: str) -> tuple[Any,
     for name in ("faulted", "reference"):
         cfg = cfg_for(tmp_path / name, params, states)
         m, _ = build(TinyLM, cfg)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) if kind == "torch" else None
+        opt = GivenAdamW(m.parameters(), lr=1e-2, weight_decay=0.1) if kind == "torch" else None
         engine = engine_for(m, cfg, optimizer=opt)
         engine.early_step = False  # faults in the step itself; the early step's: tests/test_earlystep.py
         engine.prefetch_across_passes = False  # its reads ahead would be the step's last transfers

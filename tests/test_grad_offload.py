@@ -14,7 +14,17 @@ import zswap
 from zswap import SwapIOError, full_grad, param_state
 from zswap.gradstore import NvmeGrads
 
-from .test_runtime import STREAM, TinyLM, assert_same_grads, build, engine_for, ids, sq, train_pass
+from .test_runtime import (
+    STREAM,
+    GivenAdamW,
+    TinyLM,
+    assert_same_grads,
+    build,
+    engine_for,
+    ids,
+    sq,
+    train_pass,
+)
 
 PARAM_TIERS = ("nvme", "cpu")  # params on NVMe (the grads share their engine) or in memory (own engine)
 
@@ -76,7 +86,7 @@ def test_gradient_accumulation_is_bitwise_the_plain_models(param_tier, tmp_path)
 
 def _adamw(kind: str) -> Any:
     if kind == "torch":
-        return lambda params: torch.optim.AdamW(params, lr=1e-2)
+        return lambda params: GivenAdamW(params, lr=1e-2)
     return lambda params: zswap.optim.OffloadedAdamW(params, lr=1e-2, weight_decay=0.01)
 
 
@@ -103,6 +113,35 @@ def test_training_matches_the_plain_model_bitwise(param_tier, kind, tmp_path):
             ref_opt.step()
             ref_opt.zero_grad()
         assert all(full_grad(p) is None for p in m.parameters())
+    with zswap.GatheredParameters(m.parameters()):
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.data, q.data)
+
+
+def test_an_ordinary_step_reads_its_later_chunks_gradients_into_buffers_it_mapped_before(
+    tmp_path, monkeypatch
+):
+    """`NvmeGrads.step_loads`: the step's chunks share their gradient buffers (of a size let go by an
+    earlier chunk: reused; else mapped), unmapped once the step ends; the run stays bitwise PyTorch's."""
+    cfg = config("nvme", tmp_path, stage3_param_persistence_threshold=0, stage3_max_live_parameters=2500)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+    m, ref = build(TinyLM, cfg)
+    ref_opt = _adamw("zswap")(ref.parameters())
+    mapped, loads = [], []
+    alloc, load = NvmeGrads._alloc, NvmeGrads.load
+    monkeypatch.setattr(NvmeGrads, "_alloc", lambda self, n, dtype: mapped.append(n) or alloc(self, n, dtype))
+    monkeypatch.setattr(NvmeGrads, "load", lambda self, st: loads.append(st) or load(self, st))
+    with engine_for(m, cfg) as engine:
+        engine.grad_stash_bytes = 0  # every gradient written, and read by the step
+        engine.early_step = False  # the ordinary step reads them
+        for step in range(2):
+            train_pass(m, ref, ids(seed=step), sq)
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert engine.stats()["mem_grad_buffers"] == 0  # nothing kept past the step
+        assert len(loads) == 2 * len(list(m.parameters()))
+        assert 0 < len(mapped) < len(loads)  # later chunks reuse earlier ones' buffers (one map each before)
     with zswap.GatheredParameters(m.parameters()):
         for p, q in zip(m.parameters(), ref.parameters(), strict=True):
             assert torch.equal(p.data, q.data)

@@ -2,8 +2,9 @@
 
 One mechanism for every pool of same-shape buffers: the fetch pool (`zswap.parts.params.NvmeStore`, whose
 buffers the early step's copies also come from), the compute device's buffers of gathered params
-(`zswap.device.ReusePool`, also the gradient landing buffers) and backward's matmul outputs
-(`zswap.fetch.outputs.OutputPool`). Each user keeps its own pool, its own allocator and its own stats.
+(`zswap.device.ReusePool`, also the gradient landing buffers), backward's matmul outputs
+(`zswap.fetch.outputs.OutputPool`) and an ordinary step's gradient reads (`NvmeGrads.step_loads`). Each
+user keeps its own pool, its own allocator and its own stats.
 
 **The free test** (`is_free`): a buffer is free when nothing but the pool references the tensor object and
 no other tensor shares its storage (the storage's use count is the one it had when made). A view handed out

@@ -24,8 +24,9 @@ backward), raise `GradientsNotKeptError`: its value is gone, and the optimizer r
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from torch.autograd import Variable
 from .. import memory
 from ..errors import ConfigError, GradientsNotKeptError
 from ..parts.params import GradStore, NvmeStore, ParamState
+from ..pool import BufferPool
 from ..store.storage import Transaction, open_dir, storage_for
 
 
@@ -143,6 +145,7 @@ class NvmeGrads(GradStore):
         self._gen_replaced = 0  # bytes of the stash the open generation's sums replace when it commits
         self._applied: set[str] = set()  # committed names whose gradient the early step applied, unkept
         self._gen_applied: set[str] = set()  # the open generation's
+        self._loads: BufferPool | None = None  # `step_loads`' pool while one is open
 
     @property
     def engine(self) -> Any:
@@ -405,9 +408,31 @@ class NvmeGrads(GradStore):
         kept = self._stash.get(key)
         if kept is not None:
             return kept, None  # as `MemoryGrads.load`: the kept tensor itself
-        with memory.purpose("grads"):
-            buf = self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
+        buf = self._alloc(numel, dtype) if self._loads is None else self._loads.take(numel, dtype)[0]
         return buf, self.ns.read(key, buf)
+
+    def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with memory.purpose("grads"):
+            return self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy
+
+    @property
+    def pooling(self) -> bool:
+        """Whether a `step_loads` block is open."""
+        return self._loads is not None
+
+    @contextlib.contextmanager
+    def step_loads(self) -> Iterator[None]:
+        """Within: `load` reuses the buffers of gradients let go (`zswap.pool`'s peak rule), so an ordinary
+        step's later chunks read into the pages earlier chunks mapped instead of mapping (and the kernel
+        zeroing) new ones: that was about 40 % of the busy main-thread time (py-spy) of a 1 GiB fp32 step
+        whose clipping bites, CPU time that a step bound by its CPU (two ranks on two cores) lacks. Unmapped
+        at the end: nothing idles through the next forward and backward."""
+        self._loads = BufferPool(self._alloc)
+        try:
+            yield
+        finally:
+            pool, self._loads = self._loads, None
+            pool.clear()
 
     def clear(self, sts: Iterable[ParamState]) -> None:
         self._commit()

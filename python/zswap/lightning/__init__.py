@@ -3,9 +3,9 @@
 
 Needs the ``lightning`` package (``pip install 'zswap[lightning]'``). Modules: ``_strategy`` (the strategy:
 Lightning's hooks mapped onto ``Init`` / ``initialize`` / the Engine), ``_precision`` (backward, optimizer
-step and clipping through the engine; the param dtype), ``_optim`` (the module's Adam/AdamW turned into
-zswap's offloaded AdamW, its lr schedulers re-pointed), ``_summary`` (the model summary with the real size
-of partitioned params).
+step and clipping through the engine; the param dtype), ``_summary`` (the model summary with the real size
+of partitioned params); the module's Adam/AdamW is turned into zswap's offloaded AdamW, its lr schedulers
+re-pointed, by ``zswap.step.optim.adopt``.
 """
 
 from __future__ import annotations

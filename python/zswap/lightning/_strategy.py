@@ -53,8 +53,8 @@ from ..config import ZswapConfig, load_config, raw_dict
 from ..device import resolve as resolve_device
 from ..errors import ConfigError, ZswapError
 from ..step.optim import OffloadedAdamW
+from ..step.optim.adopt import is_convertible, rebind_schedulers, to_offloaded
 from ..train.runtime import Engine, initialize
-from ._optim import is_convertible, rebind_schedulers, to_offloaded
 from ._parallel import ProcessGroupStrategy
 from ._precision import DTYPES, VALUE_CLIPPING, ZswapPrecision
 from ._summary import use_real_sizes
@@ -207,7 +207,8 @@ class ZswapStrategy(ProcessGroupStrategy):
         if fitting:
             client, schedulers, use_section = self._client_optimizer()
             if is_convertible(client):
-                owned = to_offloaded(client, self.zswap_config)
+                where = f"the {type(client).__name__} from configure_optimizers"
+                owned = to_offloaded(client, self.zswap_config, where)
                 rebind_schedulers([c.scheduler for c in schedulers], client, owned)
         self._close_open(module)
         given = owned if owned is not None else client

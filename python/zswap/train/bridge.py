@@ -18,7 +18,7 @@ from ..gradients import grads, gradstore
 from ..gradients.gradstore import store_of
 from ..parts.gather import no_torch_function
 from ..parts.params import Item, NvmeStore
-from ..step.optim import OffloadedAdamW
+from ..step.optim import OffloadedAdamW, adopt
 from ..store.storage import step_transaction
 from . import resident
 
@@ -92,13 +92,15 @@ def _step_all(
 ) -> None:
     takes_scale = "grad_scale" in inspect.signature(optimizer.step).parameters
     own_undo = bool(getattr(optimizer, "transactional", False))
-    with step_transaction() as txn:
+    with step_transaction() as txn, contextlib.ExitStack() as pooled:
         for _, st in items:
             if isinstance(st.store, NvmeStore):
                 txn.uses(st.store.storage)
             gs = store_of(st)
             if isinstance(gs, gradstore.NvmeGrads):
                 txn.uses(gs.storage)
+                if not gs.pooling:
+                    pooled.enter_context(gs.step_loads())  # later chunks' gradients: into reused buffers
         with no_torch_function():
             if txn.fallible:
                 for p in others:
@@ -227,8 +229,11 @@ depends on its shape or its whole tensor (factored moments, matrix preconditione
 engine steps each param as its flat partition, so they would compute something else, and say nothing."""
 
 
-def build_optimizer(module: nn.Module, cfg: ZswapConfig, given: Any) -> tuple[Any, bool, str]:
-    """(optimizer, built here, why there is none)."""
+def build_optimizer(
+    module: nn.Module, cfg: ZswapConfig, given: Any, schedule: Any = None
+) -> tuple[Any, bool, str]:
+    """(optimizer, built here, why there is none). A given torch Adam / AdamW becomes an `OffloadedAdamW`
+    over its groups (`zswap.step.optim.adopt`), ``schedule`` (an lr scheduler built on it) pointed at that."""
     if given is not None:
         name = type(given).__name__
         if name in SHAPE_DEPENDENT:
@@ -237,6 +242,11 @@ def build_optimizer(module: nn.Module, cfg: ZswapConfig, given: Any) -> tuple[An
                 "param as its flat partition, so it would compute something else: use an element-wise "
                 "optimizer (Adam/AdamW, SGD, RMSprop, …) or add an 'optimizer' section to the config"
             )
+        if adopt.is_convertible(given):  # zswap's kernel computes its fused=True bits, state offloaded
+            owned = adopt.to_offloaded(given, cfg, f"the {name} passed as optimizer=")
+            adopt.hand_over(given, owned)
+            adopt.rebind_schedulers([schedule] if hasattr(schedule, "step") else [], given, owned)
+            return owned, True, ""
         return given, False, ""
     if cfg.optimizer is None:
         return None, False, "no optimizer: pass optimizer= or add an 'optimizer' section to the config"

@@ -177,7 +177,7 @@ class Engine:
         self._io_base = stats.io_counters(self)
         try:
             self.optimizer, self._owns_optimizer, self._no_optimizer = bridge.build_optimizer(
-                module, config, optimizer
+                module, config, optimizer, lr_scheduler
             )
             self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
             self._fp16 = config.dtype == "fp16" or any(p.dtype == torch.float16 for p in module.parameters())

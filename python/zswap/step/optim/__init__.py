@@ -3,7 +3,8 @@ and moments live in CPU memory or on NVMe and are streamed through the kernel su
 
 Module map: ``_kernel`` (`cpu_adam_step`, the checked entry to the Rust kernel), ``_layout`` (sub-groups and
 their records), ``_store`` (CPU and NVMe record stores, the pipelined walk), ``_state`` (state dicts),
-``_build`` (settings checks, `from_config`), ``adamw`` (`OffloadedAdamW`).
+``_build`` (settings checks, `from_config`), ``adamw`` (`OffloadedAdamW`), ``adopt`` (a user's torch
+Adam / AdamW rebuilt as one).
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
-"""The client optimizer a LightningModule returns, turned into zswap's offloaded one.
+"""A plain torch Adam / AdamW handed to zswap, turned into `OffloadedAdamW` over the same param groups.
 
-`configure_optimizers` builds a ``torch.optim.AdamW`` / ``Adam`` over the partitioned params; its state
-would live in RAM in the params' full shapes. As Lightning's DeepSpeed strategy hands its client optimizer
-to DeepSpeed, this module builds an `OffloadedAdamW` with the same param groups and hyperparameters (group
-by group, extra keys such as ``initial_lr`` kept) whose state lives where the config's ``offload_optimizer``
-says, and points the module's lr schedulers at it. Knobs the offloaded kernel does not have (``amsgrad``,
-``maximize``, ``capturable``, ``differentiable``) are refused rather than dropped; ``foreach`` / ``fused``
-only choose torch's implementation (zswap's kernel gives ``fused=True``'s bits) and are dropped.
+`zswap.initialize(optimizer=...)` and `ZswapStrategy` (a LightningModule's ``configure_optimizers``) take a
+``torch.optim.AdamW`` / ``Adam`` built over the partitioned params; kept as it is, its state would live in
+RAM whatever the config's ``offload_optimizer`` says, and the update could not run in backward (it is not
+zswap's kernel). Where DeepSpeed refuses a client optimizer with ZeRO-Offload (unless
+``zero_force_ds_cpu_optimizer: false``) and asks for its CPU Adam, `to_offloaded` builds an `OffloadedAdamW`
+with the same param groups and hyperparameters (group by group, extra keys such as ``initial_lr`` kept)
+whose state lives where ``offload_optimizer`` says; `rebind_schedulers` points lr schedulers at it. Knobs the
+offloaded kernel does not have (``amsgrad``, ``maximize``, ``capturable``, ``differentiable``) are refused
+rather than dropped; ``foreach`` / ``fused`` only choose torch's implementation (zswap's kernel gives
+``fused=True``'s bits) and are dropped.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ..config import ZswapConfig
-from ..errors import ConfigError
-from ..step.optim import OffloadedAdamW
+from ...config import ZswapConfig
+from ...errors import ConfigError
+from .adamw import OffloadedAdamW
 
 _IMPLEMENTATION_ONLY = ("foreach", "fused")
 """torch implementation switches: no effect on the values zswap's kernel computes."""
@@ -34,20 +37,22 @@ def is_convertible(optimizer: Any) -> bool:
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
 
 
-def to_offloaded(optimizer: torch.optim.Optimizer, config: ZswapConfig) -> OffloadedAdamW:
+def to_offloaded(optimizer: torch.optim.Optimizer, config: ZswapConfig, where: str) -> OffloadedAdamW:
     """An `OffloadedAdamW` over ``optimizer``'s param groups with its hyperparameters, its state placed as
     ``config`` (``offload_optimizer``, ``aio``, ``zero_optimization.sub_group_size``) says.
 
     Raises `ConfigError` naming the group and key for a knob it cannot honour, and when ``optimizer``
-    already holds state (it must come straight from ``configure_optimizers``)."""
+    already holds state (it must not have stepped yet). ``where``: how the messages name it ("the AdamW
+    passed as optimizer=")."""
     name = type(optimizer).__name__
     if optimizer.state:
         raise ConfigError(
-            f"the {name} from configure_optimizers already holds state for {len(optimizer.state)} params; "
-            "ZswapStrategy moves a fresh optimizer to zswap's offloaded AdamW and cannot carry state over"
+            f"{where} already holds state for {len(optimizer.state)} params; zswap moves a fresh {name} to "
+            "its offloaded AdamW and cannot carry state over: hand it over before its first step (and "
+            "restore state through engine.load_checkpoint)"
         )
     groups = [
-        _group(name, i, g, decoupled=type(optimizer) is torch.optim.AdamW)
+        _group(where, i, g, decoupled=type(optimizer) is torch.optim.AdamW)
         for i, g in enumerate(optimizer.param_groups)
     ]
     first = groups[0] if groups else {}
@@ -56,12 +61,37 @@ def to_offloaded(optimizer: torch.optim.Optimizer, config: ZswapConfig) -> Offlo
     )
 
 
-def _group(name: str, index: int, group: dict[str, Any], *, decoupled: bool) -> dict[str, Any]:
+def hand_over(old: torch.optim.Optimizer, new: OffloadedAdamW) -> None:
+    """After `to_offloaded`, for a caller who keeps ``old``: its param groups become ``new``'s own dicts (an
+    lr scheduler built on it, or a direct ``old.param_groups[0]["lr"] = …``, sets what ``new`` steps
+    with), and taking or loading its state dict raises naming ``engine.optimizer``: its state would be
+    empty, and saving that would drop the moments without a word (stepping it raises already: the guard
+    on managed params, `zswap.parts.guards`)."""
+    old.param_groups = new.param_groups
+    # What torch's lr scheduler asks before its first step ("optimizer.step() called?"): engine.step()
+    # steps in its place, and a scheduler stepped by hand after it keeps the order torch warns about.
+    old._opt_called = True  # type: ignore[attr-defined]
+    old.register_state_dict_pre_hook(_moved("take its state_dict()"))
+    old.register_load_state_dict_pre_hook(_moved("load a state dict into it"))
+
+
+def _moved(what: str) -> Any:
+    def refuse(optimizer: Any, *_: Any) -> None:
+        raise ConfigError(
+            f"this {type(optimizer).__name__} was handed to zswap, which steps zswap's offloaded AdamW over "
+            f"the same param groups in its place: do not {what}; use engine.step(), engine.optimizer "
+            "(its state_dict / load_state_dict) or engine.save_checkpoint / load_checkpoint"
+        )
+
+    return refuse
+
+
+def _group(where: str, index: int, group: dict[str, Any], *, decoupled: bool) -> dict[str, Any]:
     for key in _REFUSED:
         if group.get(key):
             raise ConfigError(
-                f"{name} param group {index}: {key}=True is not supported by zswap's offloaded AdamW; "
-                f"set {key}=False or use zswap.initialize with your own optimizer"
+                f"{where}, param group {index}: {key}=True is not supported by zswap's offloaded AdamW; "
+                f"set {key}=False"
             )
     out = {k: v for k, v in group.items() if k not in (*_REFUSED, *_IMPLEMENTATION_ONLY)}
     out["params"] = list(group["params"])
