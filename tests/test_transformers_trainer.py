@@ -404,6 +404,48 @@ def test_given_optimizer_no_clipping_and_evaluate(tmp_path):
     trainer.close()
 
 
+def test_a_given_torch_adamw_and_its_scheduler_become_the_engines(tmp_path):
+    """``optimizers=(AdamW, scheduler)``: the AdamW becomes zswap's offloaded AdamW over its groups, its
+    state on NVMe and the update in backward; the scheduler, built on the AdamW, drives it: the losses,
+    norms and learning rates the plain Trainer logs with the same pair."""
+    args = {"lr_scheduler_type": "constant", "warmup_steps": 0}
+    data = _data()
+
+    def pair(params: Any) -> tuple[torch.optim.Optimizer, Any]:
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+    torch.manual_seed(0)
+    ref = _build()
+    given, out = pair(ref.parameters()), _args(tmp_path / "plain", **args)
+    plain = transformers.Trainer(model=ref, args=out, train_dataset=data, optimizers=given)
+    plain.train()
+
+    cfg = _config(tmp_path)
+    del cfg["optimizer"]
+    model = _zswap_model(cfg)
+    trainer = zt.Trainer(
+        model=model,
+        args=_args(tmp_path / "z", **args),
+        train_dataset=data,
+        optimizers=pair(model.parameters()),
+        zswap_config=cfg,
+    )
+    assert isinstance(trainer.engine.optimizer, zswap.optim.OffloadedAdamW)
+    assert trainer.engine.optimizer.tier == "nvme"
+    trainer.train()
+    got, want = _logged(trainer), _logged(plain)
+    assert len(got) == len(want) > 1
+    for (loss, norm, lr), (want_loss, want_norm, want_lr) in zip(got, want, strict=True):
+        assert loss == pytest.approx(want_loss, rel=RTOL)
+        assert norm == pytest.approx(want_norm, rel=RTOL)
+        assert lr == want_lr
+    stats = trainer.engine.stats()
+    assert stats["steps_in_backward"] + stats["steps_deferred"] > 0, stats["steps_ordinary_reason"]
+    _assert_weights(_weights(model), {n: p.detach() for n, p in ref.named_parameters()})
+    trainer.close()
+
+
 def test_shape_dependent_optimizer_is_refused(tmp_path):
     """Adafactor factors a matrix's second moment by rows and columns: over a flat partition it would
     compute something else, silently. Refused, naming what works."""

@@ -63,7 +63,8 @@ def initialize(
     - The config: ``config`` (a path or a dict), or ``config_params`` (its old name), or
       ``args.deepspeed_config`` (``args.deepscale_config``, older still); exactly one of them.
     - ``optimizer``: an optimizer, or a callable taking ``model_parameters`` (default: the model's params)
-      and returning one; else built from the config's ``optimizer`` section over ``model_parameters``
+      and returning one (a plain torch Adam / AdamW becomes an `OffloadedAdamW` over its groups, as in
+      `zswap.initialize`); else built from the config's ``optimizer`` section over ``model_parameters``
       (an `OffloadedAdamW`, closed by ``engine.close()``).
     - ``lr_scheduler``: a scheduler or a callable taking the optimizer; else the config's ``scheduler``.
     - ``training_data``: a dataset, returned as a `torch.utils.data.DataLoader` with the config's micro

@@ -55,8 +55,8 @@ def initialize(
     now, with the config's ``offload_param`` settings (as ``Init(config, module=model)`` would).
     ``config``: a path, mapping, `ZswapConfig` or ``None`` (`zswap.load_config`); its ``zero_optimization``
     knobs size the prefetch and the live budget, each chosen from the model where left out or ``"auto"``.
-    ``optimizer``: used as given; else built from the config's ``optimizer`` section with
-    ``zswap.optim.OffloadedAdamW.from_config``; else none, and `Engine.step` says so.
+    ``optimizer``: a plain torch Adam / AdamW is rebuilt as zswap's `OffloadedAdamW` over its groups, another
+    used as given; else built from the config's ``optimizer`` section; else none, and `Engine.step` says so.
     ``lr_scheduler``: a scheduler (``step()``, ``state_dict()``…; a torch one or `zswap.schedules`), or a
     callable taking the optimizer and returning one; else built from the config's ``scheduler`` section
     (`zswap.schedules`); both at once is a `ConfigError`. Stepped once per applied optimizer step.
