@@ -79,7 +79,8 @@ class Trainer(transformers.Trainer):
             must agree with ``args`` (a `ConfigError` lists those that do not). The caller's mapping is
             never modified.
         everything else: as ``transformers.Trainer``. ``optimizers=(optimizer, scheduler)`` may pass a
-            torch optimizer over the model's params, stepped by the engine as given (its state in memory).
+            torch optimizer over the model's params: an Adam / AdamW becomes zswap's offloaded AdamW over
+            its groups (the scheduler drives it), another is stepped as given (its state in memory).
 
     One process, one device: several ranks (``torchrun``) and ``n_gpu > 1`` are refused, as is ``fp16``
     mixed precision (a gradient scaler cannot see zswap's gradients: build the model in fp16 under
