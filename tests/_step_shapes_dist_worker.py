@@ -30,6 +30,7 @@ SETUPS: dict[str, dict[str, Any]] = {
         "tiers": ("nvme", "cpu"), "device": "cpu", "gas": 2, "clip": 1e6, "max_in_cpu": 300
     },
     "stand-in-clip-bites": {"tiers": ("nvme", "nvme"), "device": "standin", "gas": 1, "clip": 1.0},
+    "torch-adamw-given": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": None, "given": True},
 }  # fmt: skip
 
 

@@ -153,7 +153,13 @@ def through_zswap(
     device = StandInDevice() if setup["device"] == "standin" else "cpu"
     xs = mine or batches(STEPS * gas)
     norms: list[float | None] = []
-    with zswap.initialize(model, cfg, device=device) as engine:
+    given = None
+    if setup.get("given"):  # the plain-PyTorch way: a torch optimizer, which zswap rebuilds as its own
+        del cfg["optimizer"]
+        cls = torch.optim.AdamW if adam == "AdamW" else torch.optim.Adam
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        given = cls(trainable, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
+    with zswap.initialize(model, cfg, optimizer=given, device=device) as engine:
         for s in range(STEPS):
             for k in range(gas):
                 engine.backward(model(xs[s * gas + k], s))
@@ -170,7 +176,7 @@ def through_zswap(
     return got, norms, stats
 
 
-# "adam": the optimizer type (default "AdamW")
+# "adam": the optimizer type (default "AdamW"); "given": a torch one passed to initialize, not the config's
 SETUPS: dict[str, dict[str, Any]] = {
     "nvme": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": None},
     "nvme-clip-bites-gas2": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 2, "clip": 1.0},
@@ -196,6 +202,14 @@ SETUPS: dict[str, dict[str, Any]] = {
         "max_in_cpu": 300,
     },
     "all-in-memory-clip": {"tiers": ("cpu", "cpu"), "device": "cpu", "gas": 1, "clip": 5.0},
+    "torch-adam-given-gas2": {
+        "tiers": ("nvme", "nvme"),
+        "device": "cpu",
+        "gas": 2,
+        "clip": None,
+        "adam": "Adam",
+        "given": True,
+    },
 }
 
 
