@@ -21,10 +21,7 @@ import torch
 from ..config import ZswapConfig
 from ..errors import ConfigError
 from ..step.optim import OffloadedAdamW
-
-_REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
-"""Switches that change what a step computes and that `OffloadedAdamW` does not have: must be off."""
-
+from ..step.optim.adopt import REFUSED, is_convertible
 
 ELEMENTWISE = (
     torch.optim.SGD,
@@ -57,17 +54,17 @@ def check_elementwise(optimizer: Any, where: str) -> None:
 def to_zswap(client: torch.optim.Optimizer, cfg: ZswapConfig) -> Any:
     """The optimizer the engine steps in place of the Trainer's ``client``."""
     conf = cfg.optimizer
-    if conf is None and type(client) not in (torch.optim.Adam, torch.optim.AdamW):
+    if conf is None and not is_convertible(client):
         check_elementwise(client, "the optimizer TrainingArguments.optim builds")
         return client
     name = type(client).__name__
     groups = []
     for i, group in enumerate(client.param_groups):
-        for key in _REFUSED:
+        for key in REFUSED:
             if group.get(key):
                 raise ConfigError(
-                    f"{name} param group {i}: {key}=True is not supported by zswap's offloaded AdamW; "
-                    f"use an optim without it or pass optimizers=(your_optimizer, None)"
+                    f"{name} param group {i}: {key}=True is not supported by zswap's offloaded AdamW "
+                    "(which a torch Adam / AdamW becomes, also one in optimizers=): use an optim without it"
                 )
         if conf is not None:
             decoupled = conf.decoupled_weight_decay

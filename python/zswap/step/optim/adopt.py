@@ -27,7 +27,7 @@ from .adamw import OffloadedAdamW
 
 _IMPLEMENTATION_ONLY = ("foreach", "fused")
 """torch implementation switches: no effect on the values zswap's kernel computes."""
-_REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
+REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
 """Knobs that change what a step computes and that `OffloadedAdamW` does not have: must be off."""
 _OWN_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
 
@@ -87,13 +87,13 @@ def _moved(what: str) -> Any:
 
 
 def _group(where: str, index: int, group: dict[str, Any], *, decoupled: bool) -> dict[str, Any]:
-    for key in _REFUSED:
+    for key in REFUSED:
         if group.get(key):
             raise ConfigError(
                 f"{where}, param group {index}: {key}=True is not supported by zswap's offloaded AdamW; "
                 f"set {key}=False"
             )
-    out = {k: v for k, v in group.items() if k not in (*_REFUSED, *_IMPLEMENTATION_ONLY)}
+    out = {k: v for k, v in group.items() if k not in (*REFUSED, *_IMPLEMENTATION_ONLY)}
     out["params"] = list(group["params"])
     out["betas"] = tuple(float(b) for b in group["betas"])
     # torch >= 2.6 keeps the flag in every group; before, AdamW alone decoupled.
