@@ -29,7 +29,7 @@ from zswap.train import bridge
 from .conftest import run_ranks
 from .test_earlystep import model_bytes, state
 from .test_faults import cfg_for, engine_of, inject, same
-from .test_runtime import TinyLM, build, engine_for, ids, sq
+from .test_runtime import TinyLM, build, engine_for, ids, no_seeds, sq
 from .test_speculation import poisoned_copies, resident_twins
 
 SETUPS = [("nvme", "cpu"), ("cpu", "nvme"), ("cpu", "cpu")]
@@ -393,7 +393,7 @@ def test_a_warm_step_reads_no_param_or_gradient_for_the_step(setup, tmp_path):
     ordinary step's gradients written and read besides; both in memory — nothing."""
     runs = twins(tmp_path, setup)
     (m, e), (ref, ref_e) = runs
-    e._early.seed_numel = 0  # the next forward reads as the twin's (seeds: tests/test_applied_grads.py)
+    no_seeds(e, ref_e)  # the next forward reads as the twin's
     nbytes = model_bytes(m)
     for step in range(4):
         moved = []

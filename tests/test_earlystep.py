@@ -20,7 +20,7 @@ import zswap
 from zswap import GatheredParameters, earlystep, full_grad, param_state
 
 from .test_faults import cfg_for, engine_of, inject, optim_state, params_of, same
-from .test_runtime import TinyLM, build, engine_for, ids, sq
+from .test_runtime import TinyLM, build, engine_for, ids, no_seeds, sq
 
 
 def twins(tmp_path: Path, stash: int | None = None, keep: bool = True, **extra: Any) -> tuple[Any, Any]:
@@ -57,7 +57,7 @@ def train(pairs: Any, seed: int) -> None:
 
 def test_steps_are_bitwise_those_of_the_ordinary_step_and_move_fewer_bytes(tmp_path):
     (m, e), (ref, ref_e) = twins(tmp_path, stash=0)  # every gradient written (tests/test_gradstash.py: kept)
-    e._early.seed_numel = 0  # no params kept for the next forward: its reads as the twin's (tested apart)
+    no_seeds(e, ref_e)  # each forward reads what the step wrote, as the twin's does
     train([(m, e), (ref, ref_e)], 0)  # the first step places the records: never early
     assert e._early is not None and e._early.commits == 0
     nbytes = model_bytes(m)

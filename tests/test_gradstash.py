@@ -25,7 +25,7 @@ from zswap import GatheredParameters, full_grad, param_state
 
 from .test_earlystep import model_bytes, state, train
 from .test_faults import cfg_for, engine_of, grads_of, inject, same
-from .test_runtime import TinyLM, all_released, assert_same_grads, build, engine_for, ids, sq
+from .test_runtime import TinyLM, all_released, assert_same_grads, build, engine_for, ids, no_seeds, sq
 
 ALL = 1 << 30
 
@@ -47,7 +47,7 @@ def twins(tmp_path: Path, stash: int, **extra: Any) -> tuple[Any, Any]:
 
 def test_kept_gradients_are_never_written_and_every_step_is_bitwise_the_written_ones(tmp_path):
     (m, e), (ref, ref_e) = twins(tmp_path, ALL)
-    e._early.seed_numel = 0  # no params kept for the next forward: its reads as the twin's (tested apart)
+    no_seeds(e, ref_e)  # each forward reads what the step wrote, as the twin's does
     train([(m, e), (ref, ref_e)], 0)  # the first step places the records: never early
     grad_bytes = model_bytes(m)
     for seed in range(1, 4):
@@ -253,6 +253,7 @@ def test_the_next_forward_starts_from_the_params_the_early_step_kept(tmp_path):
     pairs = [(m, e), (ref, ref_e)]
     for _, ee in pairs:  # a forward's reads, counted alone: none issued ahead by the step before it
         ee.prefetch_across_passes = False
+    no_seeds(ref_e)  # its forward reads every param (the ordinary step's seeds: tests/test_seeds.py)
     train(pairs, 0)
     for seed in range(1, 4):
         reads = []

@@ -44,9 +44,20 @@ def build(make: Callable[[], nn.Module], cfg: dict[str, Any], seed: int = 0) -> 
 
 
 def engine_for(m: nn.Module, cfg: dict[str, Any], **kwargs: Any) -> zswap.Engine:
+    if kwargs.get("optimizer") is not None:  # the given one steps: the config's section would be refused
+        cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         return zswap.initialize(m, cfg, **kwargs)
+
+
+def no_seeds(*engines: zswap.Engine) -> None:
+    """No updated params kept for the next forward, by the early step or the ordinary one: each forward
+    reads what the step wrote, as a twin's does (seeds: tests/test_applied_grads.py, test_seeds.py)."""
+    for e in engines:
+        if e._early is not None:
+            e._early.seed_numel = 0
+        e._sched.seed_plan = frozenset  # type: ignore[method-assign]
 
 
 def assert_same_grads(m: nn.Module, ref: nn.Module) -> None:

@@ -13,6 +13,7 @@ import torch
 
 import zswap
 from zswap import ConfigError, schedules
+from zswap.step.optim import OffloadedAdamW
 
 from .test_runtime import TinyLM, build, config, engine_for, ids, sq
 
@@ -308,6 +309,26 @@ def test_a_scheduler_section_and_argument_together_are_refused(tmp_path):
         engine_for(m, cfg, optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
     with pytest.raises(ConfigError, match=r"scheduler \(WarmupLR\) needs an optimizer"):
         engine_for(m, cfg)
+
+
+@pytest.mark.parametrize("front", ["zswap", "deepspeed"])
+def test_an_optimizer_section_and_argument_together_are_refused(tmp_path, front):
+    # DeepSpeed steps the passed optimizer and ignores the section without a word; the scheduler pair
+    # is refused above, and so is this one, by both entry points.
+    import zswap.deepspeed
+
+    cfg = {**config("cpu", tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    m, _ = build(TinyLM, cfg)
+    given = [torch.optim.SGD(m.parameters(), lr=1.0), lambda params: torch.optim.SGD(params, lr=1.0)]
+    for opt in given if front == "deepspeed" else given[:1]:
+        with pytest.raises(ConfigError, match=r"optimizer section \(AdamW\) and optimizer= was passed too"):
+            if front == "zswap":
+                zswap.initialize(m, cfg, optimizer=opt)
+            else:
+                zswap.deepspeed.initialize(model=m, config=cfg, optimizer=opt)
+    m.zero_grad()
+    with zswap.initialize(m, cfg) as engine:  # the section alone builds the engine's optimizer
+        assert isinstance(engine.optimizer, OffloadedAdamW)
 
 
 # -- against DeepSpeed's own classes, where it is installed --------------------------------------------

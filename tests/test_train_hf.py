@@ -95,6 +95,9 @@ def test_lr_auto_needs_a_value_where_the_optimizer_is_built(tmp_path):
             m = torch.nn.Linear(4, 4)
     with pytest.raises(zswap.ConfigError, match=r"optimizer\.params\.lr"):
         zswap.initialize(m, cfg)
+    with pytest.raises(zswap.ConfigError, match=r"optimizer section \(AdamW\) and optimizer= was passed too"):
+        zswap.initialize(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))  # the section is read
+    del cfg["optimizer"]
     with zswap.initialize(m, cfg, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)) as engine:
         assert isinstance(engine.optimizer, torch.optim.SGD)
 

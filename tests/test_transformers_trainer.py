@@ -482,3 +482,24 @@ def test_bf16_auto_needs_the_filled_config_at_init(tmp_path):
     (loss, norm, _), *_ = _logged(trainer)
     assert torch.isfinite(torch.tensor([loss, norm])).all()
     trainer.close()
+
+
+@pytest.mark.parametrize("kind", ["optimizer", "scheduler"])
+def test_optimizers_beside_a_config_section_of_their_kind_are_refused(tmp_path, kind):
+    """One of the two would go unused without a word (transformers' DeepSpeed integration drops the passed
+    one; zswap once dropped the section)."""
+    cfg = _config(tmp_path)
+    if kind == "scheduler":
+        del cfg["optimizer"]
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
+    model = _zswap_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = (opt, None if kind == "optimizer" else torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
+    name = "SGD" if kind == "optimizer" else "LambdaLR"
+    with pytest.raises(
+        zswap.ConfigError,
+        match=rf"optimizers= passes an? \w+ \({name}\) and zswap_config has a '{kind}' section",
+    ):
+        zt.Trainer(
+            model=model, args=_args(tmp_path / "z"), train_dataset=_data(), optimizers=given, zswap_config=cfg
+        )

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from ..build.init import Init
-from ..config import load_config
 from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
 from ..train import runtime
+from ..train.bridge import one_optimizer
 from . import zero
 from ._args import refuse, resolve_config
 from ._data import training_dataloader
@@ -65,7 +65,8 @@ def initialize(
     - ``optimizer``: an optimizer, or a callable taking ``model_parameters`` (default: the model's params)
       and returning one (a plain torch Adam / AdamW becomes an `OffloadedAdamW` over its groups, as in
       `zswap.initialize`); else built from the config's ``optimizer`` section over ``model_parameters``
-      (an `OffloadedAdamW`, closed by ``engine.close()``).
+      (an `OffloadedAdamW`, closed by ``engine.close()``). Both at once is a `ConfigError` (DeepSpeed
+      steps the passed one and ignores the section).
     - ``lr_scheduler``: a scheduler or a callable taking the optimizer; else the config's ``scheduler``.
     - ``training_data``: a dataset, returned as a `torch.utils.data.DataLoader` with the config's micro
       batch size (``train_micro_batch_size_per_gpu``, or derived from ``train_batch_size``), shuffled by a
@@ -83,7 +84,7 @@ def initialize(
     refuse("initialize", mpu=(mpu, None), mesh_param=(mesh_param, None))
     if model is None:
         raise TypeError("zswap.deepspeed.initialize requires a model")
-    cfg = load_config(resolve_config(args, config, config_params))
+    cfg = one_optimizer(resolve_config(args, config, config_params), optimizer)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)  # partitioned before an optimizer is built over its params

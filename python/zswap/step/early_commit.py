@@ -23,9 +23,11 @@ from .speculation import Guess
 if TYPE_CHECKING:
     from .earlystep import EarlyStep
 
-Ordinary = Callable[[list[int], float], None]
-"""``ordinary(indices, scale)``: the engine's ordinary step over the optimizer's params ``indices`` with
-gradient scale ``scale``, inside the transaction made current (`zswap.store.storage.within`)."""
+Ordinary = Callable[[list[int], float, frozenset[int]], list[tuple[torch.Tensor, torch.Tensor]]]
+"""``ordinary(indices, scale, seeding)``: the engine's ordinary step over the optimizer's params
+``indices`` with gradient scale ``scale``, inside the transaction made current
+(`zswap.store.storage.within`); returns ``(param, updated partition)`` for those among ``seeding`` (ids:
+the next pass's first params) whose partitions it updated in memory: seeds once committed."""
 
 
 def prepare(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
@@ -96,7 +98,9 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
     or another scale (clipping bit: the ordinary step runs from the kept gradients) drops it.
 
     Deferred, the params it did not hold (`ordinary_part`) are stepped first by ``ordinary(indices,
-    scale)`` (the engine's ordinary step over those params) inside its transaction: one commit for all.
+    scale, seeding)`` (the engine's ordinary step over those params) inside its transaction: one commit
+    for all; the updated partitions it returns are seeds with the early step's own (the params backward
+    completes last, which the ordinary part takes, are those the next forward starts with).
     Where that raises, nothing changed (the transaction is aborted), the gradients it held go to their
     store, and the error is raised: as after any failed ordinary step."""
     if es.state != "running":
@@ -115,10 +119,11 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
     if rest and ordinary is None:
         drop(es, "the param copies and gradients did not all fit in the early step's cap")
         return False
+    part_seeds: list[tuple[torch.Tensor, torch.Tensor]] = []
     if rest:  # first, while every gradient it holds can still go to its store
         try:
             with within(es.txn):
-                cast(Ordinary, ordinary)(rest, scale)
+                part_seeds = cast(Ordinary, ordinary)(rest, scale, es.seeding)
         except BaseException as exc:
             held, gs, room, dropped = held_grads(es), es.gs, es.allowance, es.dropped
             es.abort()
@@ -138,7 +143,7 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
         if not all(es.left[i] == 0 for i in es.ready) or es.reads or es.writes:
             drop(es, "its updates did not all complete at the step")
             return False
-    txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, list(es.seeds), es.dropped
+    txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, [*es.seeds, *part_seeds], es.dropped
     kept, swaps, part_why = list(es.kept), es.swaps, es.part_why
     gs = es.gs
 
@@ -246,8 +251,16 @@ def take_seeds(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, Callable
     (a `GatheredParameters` write-back, a checkpoint load). `zswap.prefetch.Scheduler.seed` gathers
     them from it when the next pass begins."""
     seeds, es._committed_seeds = es._committed_seeds, []
+    return as_seeds(seeds)
+
+
+def as_seeds(
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+    """(param, copy, still valid) for params on NVMe whose stored value ``copy`` is now, just committed:
+    valid until anything writes the partition again."""
     live = [
-        (p, copy, _ps(st).ns._live.get(st.key)) for p, copy in seeds if (st := param_state(p)) is not None
+        (p, copy, _ps(st).ns._live.get(st.key)) for p, copy in copies if (st := param_state(p)) is not None
     ]
     return unchanged_seeds(live)
 

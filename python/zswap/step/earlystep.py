@@ -511,7 +511,7 @@ class EarlyStep:
     def prepare(self, items: list[tuple[torch.Tensor, ParamState]]) -> bool:
         return early_commit.prepare(self, items)
 
-    def commit(self, scale: float | None, ordinary: Callable[[list[int], float], None] | None = None) -> bool:
+    def commit(self, scale: float | None, ordinary: early_commit.Ordinary | None = None) -> bool:
         return early_commit.commit(self, scale, ordinary)
 
     def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ..config import ZswapConfig
+from ..config import ZswapConfig, load_config
 from ..errors import ConfigError
 from ..gradients import grads, gradstore
 from ..gradients.gradstore import store_of
 from ..parts.gather import no_torch_function
 from ..parts.params import Item, NvmeStore
+from ..step.early_commit import as_seeds
 from ..step.optim import OffloadedAdamW, adopt
 from ..store.storage import step_transaction
 from . import resident
@@ -30,8 +31,11 @@ def step_partitions(
     chunk: int,
     grad_scale: float = 1.0,
     held: dict[int, resident.Held] | None = None,
-) -> None:
-    """Step a param-based optimizer on the local partitions of ``items``.
+    seeding: Collection[int] = (),
+) -> list[Seed]:
+    """Step a param-based optimizer on the local partitions of ``items``; returns the seeds of the next
+    pass (`zswap.fetch.prefetch.Scheduler.seed`): the updated partitions on NVMe of the params in
+    ``seeding`` (ids: `Scheduler.seed_plan`), as they were written — its first params, gathered with no read.
 
     While it steps, each managed param with a gradient holds its partition as ``.data`` (1-D, so the
     optimizer's state has the partition's shape, step after step) and its partition gradient as ``.grad``;
@@ -55,14 +59,15 @@ def step_partitions(
     is stepped in place, not read, and written to the store like the others; the copies are gathered
     again when the call returns or raises (new values after a commit, the old ones after an abort).
     """
-    held = held or {}
+    held, kept = held or {}, Kept(seeding)
     try:
-        _step_all(optimizer, items, others, chunk, grad_scale, held)
+        _step_all(optimizer, items, others, chunk, grad_scale, held, kept)
     except BaseException:
         resident.reinstall(held)
         raise
     resident.reinstall(held, committed=True)
     resident.regather(held)
+    return as_seeds(kept.copies)  # committed: the stored values now
 
 
 def step_indices(
@@ -72,14 +77,35 @@ def step_indices(
     held: dict[int, resident.Held],
     indices: list[int],
     grad_scale: float,
-) -> None:
+    seeding: Collection[int] = (),
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`step_partitions` over the params ``indices`` of ``optimizer`` (an `OffloadedAdamW`: its
     ``records.params``) only: the ordinary part of a deferred early step (`zswap.step.early_commit.commit`),
     in its transaction. Resident params among them are stepped in their ``held`` copies, which the caller
-    gives back after the commit (`resident.refresh`, the same on every rank) or its abort."""
+    gives back after the commit (`resident.refresh`, the same on every rank) or its abort. Returns
+    ``(param, updated partition)`` of those in ``seeding`` on NVMe: seeds once the transaction commits."""
     wanted = {id(optimizer.records.params[i]) for i in indices}
     mine = [(p, st) for p, st in items if id(p) in wanted]
-    _step_all(optimizer, mine, (), chunk, grad_scale, {k: h for k, h in held.items() if k in wanted})
+    kept = Kept(seeding)
+    _step_all(optimizer, mine, (), chunk, grad_scale, {k: h for k, h in held.items() if k in wanted}, kept)
+    return kept.copies
+
+
+Seed = tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]
+
+
+class Kept:
+    """The updated partitions an ordinary step keeps for the next pass: those of the params ``seeding``
+    names (its first ones, within the live budget: `Scheduler.seed_plan`) whose partitions are on NVMe —
+    the buffers their writes read from, handed over unchanged (a partition in memory needs no seed)."""
+
+    def __init__(self, seeding: Collection[int]) -> None:
+        self.seeding = seeding
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def offer(self, p: torch.Tensor, st: Any, part: torch.Tensor) -> None:
+        if id(p) in self.seeding and isinstance(st.store, NvmeStore):
+            self.copies.append((p, part))
 
 
 def _step_all(
@@ -89,6 +115,7 @@ def _step_all(
     chunk: int,
     grad_scale: float,
     held: dict[int, resident.Held],
+    kept: Kept,
 ) -> None:
     takes_scale = "grad_scale" in inspect.signature(optimizer.step).parameters
     own_undo = bool(getattr(optimizer, "transactional", False))
@@ -117,7 +144,7 @@ def _step_all(
                         p.grad.mul_(grad_scale)
         todo = [(p, st) for p, st in items if store_of(st).has(st)]
         for i, batch in enumerate(grads.chunks(todo, chunk) or [[]]):  # one step even with no partitions
-            _step_batch(optimizer, batch, grad_scale, takes_scale, txn, own_undo, held)
+            _step_batch(optimizer, batch, grad_scale, takes_scale, txn, own_undo, held, kept)
             if i == 0:
                 for p in others:
                     p.grad = None
@@ -157,6 +184,7 @@ def _step_batch(
     txn: Any,
     own_undo: bool,
     held: dict[int, resident.Held],
+    kept: Kept,
 ) -> None:
     # A param the optimizer only writes (`OffloadedAdamW.overwrites`: stepped from its master) gets a
     # buffer nothing is read into (a bf16 param's ordinary step read its 2 bytes beside its gradient and
@@ -211,6 +239,8 @@ def _step_batch(
                 if h is not None and p.data.data_ptr() != h.host().data_ptr():
                     h.host().copy_(p.data.reshape(-1))  # an optimizer that replaced .data: the copy follows
                 st.store.put(st.key, p.data)  # staged in the transaction (in place for memory stores)
+                if h is None:
+                    kept.offer(p, st, p.data)  # the write's buffer, read-only from here
         finally:
             for _, handle in loads:
                 if handle is not None:
@@ -227,6 +257,18 @@ SHAPE_DEPENDENT = frozenset(
 """Optimizers (by class name: torch's, transformers', and common third-party ones) whose update of a param
 depends on its shape or its whole tensor (factored moments, matrix preconditioners, line searches): the
 engine steps each param as its flat partition, so they would compute something else, and say nothing."""
+
+
+def one_optimizer(config: Any, given: Any) -> ZswapConfig:
+    """``config`` loaded (`load_config`), refused where it has an ``optimizer`` section and an optimizer
+    was ``given`` too: one of them would be dropped without a word (DeepSpeed keeps the given one)."""
+    cfg = load_config(config)
+    if given is not None and cfg.optimizer is not None:
+        raise ConfigError(
+            f"the config has an optimizer section ({cfg.optimizer.type}) and optimizer= was passed too; "
+            "keep one of them"
+        )
+    return cfg
 
 
 def build_optimizer(

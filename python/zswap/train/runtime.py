@@ -55,8 +55,8 @@ def initialize(
     now, with the config's ``offload_param`` settings (as ``Init(config, module=model)`` would).
     ``config``: a path, mapping, `ZswapConfig` or ``None`` (`zswap.load_config`); its ``zero_optimization``
     knobs size the prefetch and the live budget, each chosen from the model where left out or ``"auto"``.
-    ``optimizer``: a plain torch Adam / AdamW is rebuilt as zswap's `OffloadedAdamW` over its groups, another
-    used as given; else built from the config's ``optimizer`` section; else none, and `Engine.step` says so.
+    ``optimizer``: a torch Adam / AdamW becomes zswap's `OffloadedAdamW` over its groups, another is used
+    as given; else built from the config's ``optimizer`` section (both: a `ConfigError`); else none.
     ``lr_scheduler``: a scheduler (``step()``, ``state_dict()``…; a torch one or `zswap.schedules`), or a
     callable taking the optimizer and returning one; else built from the config's ``scheduler`` section
     (`zswap.schedules`); both at once is a `ConfigError`. Stepped once per applied optimizer step.
@@ -67,7 +67,8 @@ def initialize(
     default: the config's ``gradient_clipping`` (DeepSpeed's key; 0 or absent = no clipping, as in
     PyTorch — `zswap.deepspeed.initialize` instead clips at 1.0 when the key is absent, as DeepSpeed does).
     """
-    return build(Engine, model, config, optimizer, lr_scheduler, device, max_grad_norm)
+    cfg = bridge.one_optimizer(config, optimizer)
+    return build(Engine, model, cfg, optimizer, lr_scheduler, device, max_grad_norm)
 
 
 _E = TypeVar("_E", bound="Engine")
@@ -144,8 +145,7 @@ class Engine:
         self.lr_scheduler: Any = None
         """The learning-rate schedule stepped after each applied optimizer step, or ``None``."""
         self.loss_scaler: Any = None
-        """fp16 runs: the `zswap.loss_scale.LossScaler` (with ``state_dict``/``load_state_dict``); else
-        ``None``."""
+        """fp16 runs: the `zswap.loss_scale.LossScaler` (``state_dict``/``load_state_dict``); else None."""
         self._scaled_backward = False  # this accumulation window went through backward(): unscale it
         self.last_grad_norm: float | None = None
         """Global gradient norm seen by the last `step` (when clipping or the fp16 check needed it)."""
@@ -257,20 +257,20 @@ class Engine:
             self._sched.read_ahead()  # and the next ones' reads, of the values just committed
             return
         self._tally.ordinary_step(early.why if early is not None else self._early_off, scale)
+        seeds: list[bridge.Seed] = []
         if scale is None:
             self.skipped_steps += 1
             resident.reinstall(held)  # nothing changed them
-        elif getattr(self.optimizer, "steps_partitions", False):
-            if scale != 1.0:  # clipping or an fp16 loss scale: it must apply the factor, never drop it
-                self.optimizer.step(grad_scale=scale)
-            else:
-                self.optimizer.step()
+        elif getattr(self.optimizer, "steps_partitions", False):  # a factor != 1 is applied, never dropped
+            self.optimizer.step(**({"grad_scale": scale} if scale != 1.0 else {}))
         else:
             if getattr(self.optimizer, "max_grad_norm", None) is not None:
                 chunk = self.sizing.total  # its own clipping must see every gradient in one call
-            bridge.step_partitions(self.optimizer, self._items, others, chunk, scale, held)
+            plan = self._sched.seed_plan()  # the next forward's first params: kept as written, no read
+            seeds = bridge.step_partitions(self.optimizer, self._items, others, chunk, scale, held, plan)
         self._finish_step(scale, resident.values(held, {}))
-        self._sched.read_ahead()  # the next forward's first reads, of the values just written
+        self._sched.seed(seeds)
+        self._sched.read_ahead()  # the next forward's next reads, of the values just written
 
     def end_micro_batch(self) -> None:
         """For a front end that accumulates itself: after a backward `window_ends` said was not a window's

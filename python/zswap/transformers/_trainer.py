@@ -109,6 +109,7 @@ class Trainer(transformers.Trainer):
         # zswap places params and buffers on the compute device itself; a model.to() from Accelerate would
         # move the empty tensors standing for partitioned params. Inputs are moved by the Trainer.
         self.accelerator.device_placement = False
+        _check_given(self.zswap_config, self.optimizer, self.lr_scheduler)
         self.create_optimizer()
 
     # -- optimizer, engine, schedule ---------------------------------------------------------------------
@@ -296,6 +297,20 @@ def _check_schedule(config: dict[str, Any], args: Any) -> None:
             f"for {' and '.join(asked)}: drop the section to use the arguments' schedule, or leave them at "
             "their defaults"
         )
+
+
+def _check_given(config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
+    """An optimizer or scheduler in ``optimizers=`` beside a config section of its kind: one of the two
+    would go unused without a word (transformers' DeepSpeed integration drops the passed one)."""
+    for key, given, what in (
+        ("optimizer", optimizer, "an optimizer"),
+        ("scheduler", scheduler, "a scheduler"),
+    ):
+        if given is not None and config.get(key):
+            raise ConfigError(
+                f"optimizers= passes {what} ({type(given).__name__}) and zswap_config has a '{key}' section, "
+                "which would build another: keep one of them"
+            )
 
 
 def _refuse_running(model: Any) -> None:

@@ -1,0 +1,113 @@
+"""Seeds from the ordinary step (`zswap.train.bridge.step_partitions`, `step_indices`): the partitions a
+step updated in memory and wrote, of the params the next forward starts with (`Scheduler.seed_plan`), are
+kept as they were written and gathered with no read when that forward begins — after an ordinary step
+(a given optimizer, the first step, the early step off) as after the early step's commit, and for the
+ordinary part of a deferred early step (the params past its cap: those backward completes last, the
+first the next forward uses). Counts are exact; logits, params and records bitwise a twin's that reads
+every param."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from zswap import GatheredParameters, param_state
+from zswap.device import StandInDevice
+from zswap.step import earlystep
+
+from .test_earlystep import state
+from .test_faults import cfg_for, same
+from .test_runtime import TinyLM, all_released, build, engine_for, ids, no_seeds, sq
+
+
+def pair(tmp_path: Path, optimizer: str, device: Any = None, **extra: Any) -> list[tuple[Any, Any]]:
+    """(seeded, twin without seeds): the same model and config; ``optimizer``: "sgd" (a torch SGD with
+    momentum, stepped as given), "offloaded" (the config's, early step off) or "deferred" (the config's,
+    early step on, clipping that bites every step)."""
+    runs = []
+    for name in ("seeded", "twin"):
+        cfg = cfg_for(tmp_path / name, "nvme", "nvme", **extra)
+        m, _ = build(TinyLM, cfg)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd" else None
+        e = engine_for(m, cfg, optimizer=opt, device=device)
+        e.early_step = optimizer == "deferred"
+        e.keep_applied_grads = False
+        e.prefetch_across_passes = False  # a forward's reads counted alone: none issued by the step
+        if optimizer == "deferred":
+            e.max_grad_norm = 1e-3
+        runs.append((m, e))
+    no_seeds(runs[1][1])
+    return runs
+
+
+def seeded_bytes(e: Any, m: Any) -> int:
+    plan = e._sched.seed_plan()
+    return sum(param_state(p).partition_numel * p.dtype.itemsize for p in m.parameters() if id(p) in plan)
+
+
+@pytest.mark.parametrize("device", [None, "standin"])
+@pytest.mark.parametrize("optimizer", ["sgd", "offloaded"])
+def test_an_ordinary_step_keeps_the_next_forwards_first_params(optimizer, device, tmp_path):
+    runs = pair(tmp_path, optimizer, StandInDevice() if device else None)
+    (m, e), (twin, _) = runs
+    for it in range(4):
+        reads, outs = [], []
+        for mm, ee in runs:
+            assert all_released(mm)  # kept, not gathered, between step and forward
+            ee.stats(reset=True)
+            outs.append(mm(ids(seed=it)))
+            reads.append(ee.stats()["bytes_read"])
+            sq(outs[-1]).backward()
+            ee.step()
+        assert torch.equal(outs[0], outs[1]), it
+        assert same(state(m, e), state(twin, runs[1][1])), it
+        # After a step the plan's params (the first forward steps within the live budget) are not read.
+        saved = seeded_bytes(e, m) if it else 0
+        assert it == 0 or saved > 0
+        assert reads[1] - reads[0] == saved, (it, reads)
+    for _, ee in runs:
+        ee.close()
+
+
+def test_a_write_back_between_step_and_forward_wins_over_the_kept_value(tmp_path):
+    runs = pair(tmp_path, "offloaded")
+    for it in range(2):
+        for mm, ee in runs:
+            sq(mm(ids(seed=it))).backward()
+            ee.step()
+    first = [next(mm.parameters()) for mm, _ in runs]
+    assert id(first[0]) in runs[0][1]._sched.seed_plan()  # a param the seeded engine kept
+    for p in first:
+        with GatheredParameters([p], modifier_rank=0):
+            p.data.mul_(0.5)
+    outs = [mm(ids(seed=5)) for mm, _ in runs]
+    assert torch.equal(outs[0], outs[1])
+    for _, ee in runs:
+        ee.close()
+
+
+def test_the_ordinary_part_of_a_deferred_step_keeps_the_next_forwards_first_params(tmp_path, monkeypatch):
+    """Past the early step's cap (the live budget alone here) the params backward completes last take the
+    ordinary step in the commit: their updated partitions are the seeds, which before only the part
+    updated in backward gave (and that part is the model's last layers, no use to the next forward)."""
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
+    runs = pair(tmp_path, "deferred")
+    (m, e), (twin, te) = runs
+    for it in range(5):
+        reads = []
+        for mm, ee in runs:
+            ee.stats(reset=True)
+            out = mm(ids(seed=it))
+            reads.append(ee.stats()["bytes_read"])
+            sq(out).backward()
+            ee.step()
+        assert same(state(m, e), state(twin, te)), it
+        if it >= 3:  # records made, clipping seen biting, then deferred with a part past the cap
+            assert e.stats()["steps_deferred_partly"] == te.stats()["steps_deferred_partly"] == 1
+        if it >= 4:
+            assert reads[0] < reads[1], (it, reads)
+    for _, ee in runs:
+        ee.close()
