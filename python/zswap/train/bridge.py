@@ -97,14 +97,32 @@ Seed = tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]
 class Kept:
     """The updated partitions an ordinary step keeps for the next pass: those of the params ``seeding``
     names (its first ones, within the live budget: `Scheduler.seed_plan`) whose partitions are on NVMe —
-    the buffers their writes read from, handed over unchanged (a partition in memory needs no seed)."""
+    the buffers their writes read from, handed over unchanged (a partition in memory needs no seed) — in
+    the step's last chunk only: a buffer kept from an earlier one would be a new one mapped for each later
+    chunk (measured: +104 MiB of fetch buffers at 1 GiB, a live budget's worth), one of the last costs
+    nothing the step did not hold anyway. `order` puts the next forward's first params there."""
 
     def __init__(self, seeding: Collection[int]) -> None:
         self.seeding = seeding
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.taking = False
+        """Whether the chunk being stepped is the last (set by `_step_all`)."""
+
+    def order(self, optimizer: Any, chunks: list[list[Item]]) -> list[list[Item]]:
+        """``chunks`` last to first where seeds are wanted: the next forward's first params, usually the
+        model's first, are then stepped in the last chunk. The same chunks, so an `OffloadedAdamW` walks
+        the same records; not where it still places some: it lays them out in the order it meets them."""
+        if not self.seeding:
+            return chunks
+        if isinstance(optimizer, OffloadedAdamW):
+            index = {id(q): i for i, q in enumerate(optimizer.records.params)}
+            placed = optimizer.records.placed
+            if not all(placed(index[id(p)]) for batch in chunks for p, _ in batch if id(p) in index):
+                return chunks
+        return chunks[::-1]
 
     def offer(self, p: torch.Tensor, st: Any, part: torch.Tensor) -> None:
-        if id(p) in self.seeding and isinstance(st.store, NvmeStore):
+        if self.taking and id(p) in self.seeding and isinstance(st.store, NvmeStore):
             self.copies.append((p, part))
 
 
@@ -143,7 +161,9 @@ def _step_all(
                     if p.grad is not None:
                         p.grad.mul_(grad_scale)
         todo = [(p, st) for p, st in items if store_of(st).has(st)]
-        for i, batch in enumerate(grads.chunks(todo, chunk) or [[]]):  # one step even with no partitions
+        batches = kept.order(optimizer, grads.chunks(todo, chunk)) or [[]]  # one step even with none
+        for i, batch in enumerate(batches):
+            kept.taking = i == len(batches) - 1
             _step_batch(optimizer, batch, grad_scale, takes_scale, txn, own_undo, held, kept)
             if i == 0:
                 for p in others:
