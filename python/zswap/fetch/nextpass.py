@@ -45,6 +45,10 @@ from ..parts.gather import no_torch_function
 from ..parts.params import Status
 from ._trace import Budget, Counters, Slot, Step, Trace
 
+Seed = tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]
+"""A value offered to the next pass: ``(param, its partition, still_valid)``, the partition *being* the
+stored value while ``still_valid()`` (`NextPass.keep`, `zswap.fetch.prefetch.Scheduler.seed`)."""
+
 
 @dataclass(eq=False)
 class Entry:
@@ -123,7 +127,7 @@ class NextPass:
     def keep(
         self,
         trace: Trace | None,
-        seeds: Iterable[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]],
+        seeds: Iterable[Seed],
         counters: Counters,
     ) -> int:
         """Replace the values kept with those of ``seeds`` (``(param, its partition, still_valid)``, the

@@ -60,7 +60,7 @@ from ..parts.gather import (
 from ..parts.params import Status
 from ._trace import Budget, Counters, Slot, Step, StepKey, Trace, guess
 from .lenders import Lender, Lenders
-from .nextpass import Entry, NextPass
+from .nextpass import Entry, NextPass, Seed
 
 __all__ = [
     "Budget", "Counters", "Entry", "Lender", "NextPass", "Scheduler", "Slot", "Step", "StepKey", "Trace"
@@ -250,7 +250,7 @@ class Scheduler:
         self._note_live()
         return len(self.next.reads())
 
-    def seed(self, seeds: Iterable[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]) -> None:
+    def seed(self, seeds: Iterable[Seed]) -> None:
         """Values already in memory for the next pass: ``(param, its partition, still_valid)`` where the
         partition *is* the stored value while ``still_valid()`` (`zswap.step.earlystep`: the updated
         params the step just made live, the last ones backward completed and so the first the next

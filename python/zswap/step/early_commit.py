@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..errors import GradientsNotKeptError
+from ..fetch.nextpass import Seed
 from ..gradients.gradstore import NOT_KEPT, RESTART, NvmeGrads, store_of
 from ..parts.params import ParamState, param_state
 from ..store.storage import within
@@ -245,7 +246,7 @@ def second_backward(es: EarlyStep, task: int) -> None:
     )
 
 
-def take_seeds(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+def take_seeds(es: EarlyStep) -> list[Seed]:
     """(param, its updated partition, still valid) for the params the last `commit` made live whose
     new value is still in memory; ``still_valid()`` is false once anything wrote the partition since
     (a `GatheredParameters` write-back, a checkpoint load). `zswap.prefetch.Scheduler.seed` gathers
@@ -256,7 +257,7 @@ def take_seeds(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, Callable
 
 def as_seeds(
     copies: list[tuple[torch.Tensor, torch.Tensor]],
-) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+) -> list[Seed]:
     """(param, copy, still valid) for params on NVMe whose stored value ``copy`` is now, just committed:
     valid until anything writes the partition again."""
     live = [
@@ -267,10 +268,10 @@ def as_seeds(
 
 def unchanged_seeds(
     copies: list[tuple[torch.Tensor, torch.Tensor, str | None]],
-) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+) -> list[Seed]:
     """(param, copy, still valid) for copies of params' stored partitions taken when their stored value
     was the given version: valid while it still is."""
-    out: list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]] = []
+    out: list[Seed] = []
     for p, copy, version in copies:
         st = param_state(p)
         if st is not None:

@@ -60,6 +60,7 @@ from torch.autograd import Variable
 
 from .. import memory
 from ..errors import GradientsNotKeptError, SwapIOError
+from ..fetch.nextpass import Seed
 from ..gradients.gradstore import NOT_KEPT, RESTART, MemoryGrads, NvmeGrads, _Alive, _dead, store_of
 from ..memory import ENGINE_COPY as ENGINE_COPY  # (tests and docs name it here)
 from ..parts.params import GradStore, NvmeStore, ParamState, Status, local_slice
@@ -239,7 +240,7 @@ class EarlyStep:
             self.abort()
             raise
 
-    def take_micro_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+    def take_micro_seeds(self) -> list[Seed]:
         """At a micro-step (no optimizer step): the copies `early_pipeline.keep_as_seed` made, each valid
         while nothing wrote its partition, for `zswap.fetch.prefetch.Scheduler.seed`."""
         micro = early_pipeline.landed_micro(self) if self.state == "summing" and self.ended else []
@@ -514,7 +515,7 @@ class EarlyStep:
     def commit(self, scale: float | None, ordinary: early_commit.Ordinary | None = None) -> bool:
         return early_commit.commit(self, scale, ordinary)
 
-    def take_seeds(self) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]]:
+    def take_seeds(self) -> list[Seed]:
         return early_commit.take_seeds(self)
 
     def take_resident(self) -> dict[int, torch.Tensor]:

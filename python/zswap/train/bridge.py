@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, cast
 
 import torch
@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import ZswapConfig, load_config
 from ..errors import ConfigError
+from ..fetch.nextpass import Seed
 from ..gradients import grads, gradstore
 from ..gradients.gradstore import store_of
 from ..parts.gather import no_torch_function
@@ -89,9 +90,6 @@ def step_indices(
     kept = Kept(seeding)
     _step_all(optimizer, mine, (), chunk, grad_scale, {k: h for k, h in held.items() if k in wanted}, kept)
     return kept.copies
-
-
-Seed = tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]
 
 
 class Kept:

@@ -23,7 +23,7 @@ from ..build.init import Init
 from ..config import ZswapConfig, load_config
 from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..fetch import outputs
-from ..fetch.prefetch import Slot
+from ..fetch.prefetch import Seed, Slot
 from ..gradients import grads, gradstore
 from ..parts import guards as _guards
 from ..parts.params import Item, ParamState, param_state
@@ -257,7 +257,7 @@ class Engine:
             self._sched.read_ahead()  # and the next ones' reads, of the values just committed
             return
         self._tally.ordinary_step(early.why if early is not None else self._early_off, scale)
-        seeds: list[bridge.Seed] = []
+        seeds: list[Seed] = []
         if scale is None:
             self.skipped_steps += 1
             resident.reinstall(held)  # nothing changed them
