@@ -20,7 +20,7 @@ import zswap
 from zswap import GatheredParameters, earlystep, full_grad, param_state
 
 from .test_faults import cfg_for, engine_of, inject, optim_state, params_of, same
-from .test_runtime import TinyLM, build, engine_for, ids, no_seeds, sq
+from .test_runtime import TinyLM, all_released, build, engine_for, ids, no_seeds, sq
 
 
 def twins(tmp_path: Path, stash: int | None = None, keep: bool = True, **extra: Any) -> tuple[Any, Any]:
@@ -53,6 +53,21 @@ def train(pairs: Any, seed: int) -> None:
     for m, e in pairs:
         sq(m(ids(seed=seed))).backward()
         e.step()
+
+
+def train_counting_forward_reads(pairs: Any, seed: int) -> list[int]:
+    """`train` from models with nothing gathered (kept values are not gathered between step and forward),
+    their logits bitwise alike; returns the bytes each forward read."""
+    reads, outs = [], []
+    for m, e in pairs:
+        assert all_released(m)
+        e.stats(reset=True)
+        outs.append(m(ids(seed=seed)))
+        reads.append(e.stats()["bytes_read"])
+        sq(outs[-1]).backward()
+        e.step()
+    assert torch.equal(outs[0], outs[1]), seed
+    return reads
 
 
 def test_steps_are_bitwise_those_of_the_ordinary_step_and_move_fewer_bytes(tmp_path):

@@ -23,7 +23,7 @@ from torch import nn
 import zswap
 from zswap import GatheredParameters, full_grad, param_state
 
-from .test_earlystep import model_bytes, state, train
+from .test_earlystep import model_bytes, state, train, train_counting_forward_reads
 from .test_faults import cfg_for, engine_of, grads_of, inject, same
 from .test_runtime import TinyLM, all_released, assert_same_grads, build, engine_for, ids, no_seeds, sq
 
@@ -256,16 +256,7 @@ def test_the_next_forward_starts_from_the_params_the_early_step_kept(tmp_path):
     no_seeds(ref_e)  # its forward reads every param (the ordinary step's seeds: tests/test_seeds.py)
     train(pairs, 0)
     for seed in range(1, 4):
-        reads = []
-        outs = []
-        for mm, ee in pairs:
-            assert all_released(mm)  # nothing gathered between step and forward
-            ee.stats(reset=True)
-            outs.append(mm(ids(seed=seed)))
-            reads.append(ee.stats()["bytes_read"])
-            sq(outs[-1]).backward()
-            ee.step()
-        assert torch.equal(outs[0], outs[1]), seed
+        reads = train_counting_forward_reads(pairs, seed)  # nothing gathered between step and forward
         assert same(state(m, e), state(ref, ref_e)), seed
         if seed > 1:  # after a committed early step
             assert reads[0] < reads[1], reads

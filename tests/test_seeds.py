@@ -19,9 +19,9 @@ from zswap.device import StandInDevice
 from zswap.gradients import grads
 from zswap.step import earlystep
 
-from .test_earlystep import state
+from .test_earlystep import state, train_counting_forward_reads
 from .test_faults import cfg_for, same
-from .test_runtime import TinyLM, all_released, build, engine_for, ids, no_seeds, sq
+from .test_runtime import TinyLM, build, engine_for, ids, no_seeds, sq
 
 
 def pair(tmp_path: Path, optimizer: str, device: Any = None, **extra: Any) -> list[tuple[Any, Any]]:
@@ -59,15 +59,7 @@ def test_an_ordinary_step_keeps_the_next_forwards_first_params(optimizer, device
     runs = pair(tmp_path, optimizer, StandInDevice() if device else None)
     (m, e), (twin, _) = runs
     for it in range(4):
-        reads, outs = [], []
-        for mm, ee in runs:
-            assert all_released(mm)  # kept, not gathered, between step and forward
-            ee.stats(reset=True)
-            outs.append(mm(ids(seed=it)))
-            reads.append(ee.stats()["bytes_read"])
-            sq(outs[-1]).backward()
-            ee.step()
-        assert torch.equal(outs[0], outs[1]), it
+        reads = train_counting_forward_reads(runs, it)  # kept, not gathered, between step and forward
         assert same(state(m, e), state(twin, runs[1][1])), it
         # After a step, those of the plan's params (the first forward steps within the live budget) that
         # the step's last chunk updated are not read — from the second step on where the first laid the
