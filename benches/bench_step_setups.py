@@ -46,6 +46,12 @@ SETUPS: dict[str, dict[str, Any]] = {
     "stand-in device": {"device": True},
     "stand-in device, clipping 1e-4": {"device": True, "gradient_clipping": 1e-4},
     "stand-in device, GAS 2": {"device": True, "gradient_accumulation_steps": 2},
+    "stand-in device, bf16, GAS 2, clipping 1e-4": {
+        "device": True,
+        "bf16": True,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1e-4,
+    },
     "stand-in device, max_in_cpu over the model": {"device": True, "max_in_cpu": True},
     "stand-in device, max_in_cpu, states in CPU memory": {
         "device": True,
@@ -100,6 +106,9 @@ def _run(
             cfg[key] = setup[key]
     if setup.get("max_in_cpu"):
         cfg["offload_param"]["max_in_cpu"] = 10**9
+    dtype = torch.bfloat16 if setup.get("bf16") else torch.float32
+    if setup.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
@@ -112,13 +121,13 @@ def _run(
         device = StandInDevice() if setup.get("device") else "cpu"
         engine = zswap.initialize(model, cfg, optimizer=given, device=device)
     engine.early_step = early
-    nbytes = sum(zswap.param_state(p).numel * 4 for p in model.parameters())  # the whole model's
+    nbytes = sum(zswap.param_state(p).numel * dtype.itemsize for p in model.parameters())  # whole model's
     g = torch.Generator().manual_seed(seed)
     with engine:
         for step in range(steps):
             engine.stats(reset=True)
             for _ in range(gas):
-                engine.backward(engine(torch.randn(8, 256, generator=g)).square().mean())
+                engine.backward(engine(torch.randn(8, 256, generator=g).to(dtype)).float().square().mean())
                 if setup.get("lr_before_step"):  # a schedule applied right before the step
                     for group in engine.optimizer.param_groups:
                         group["lr"] = 1e-3 / (1 + step)

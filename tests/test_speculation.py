@@ -352,6 +352,32 @@ def test_deferred_steps_with_accumulation(device, tmp_path):
     ref_e.close()
 
 
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("clip", [1e6, 1e-3], ids=["not-biting", "biting"])
+def test_low_precision_sums_from_a_device_stay_in_memory(clip, half, tmp_path):
+    """On a compute device a float16 / bfloat16 gradient is summed in float32 where it lands
+    (`NvmeGrads.add_fp32`). Within the live budget the boundary micro-batch's sums stay in memory where
+    the first micro-batch's gradients were, and their norms are taken as they are made: a step of two
+    micro-batches moves exactly the bytes of a step of one (before, each sum was written, and read back
+    for the norm)."""
+    moved = []
+    for gas in (1, 2):
+        (_, e), (_, ref_e), seen = run(
+            tmp_path / f"gas{gas}",
+            4,
+            gas=gas,
+            clip=lambda step: clip,
+            device=True,
+            stage3_max_live_parameters=100_000,
+            **{half: {"enabled": True, **({"initial_scale_power": 4} if half == "fp16" else {})}},
+        )
+        assert seen[-1]["steps_in_backward" if clip > 1 else "steps_deferred"] == 1
+        moved.append((seen[-1]["bytes_read"], seen[-1]["bytes_written"]))
+        e.close()
+        ref_e.close()
+    assert moved[1] == moved[0], moved
+
+
 @pytest.mark.parametrize(
     ("clip", "past_cap"),
     [(None, False), (1e6, False), (1e-3, False), (1e-3, True)],

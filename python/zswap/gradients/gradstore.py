@@ -281,10 +281,11 @@ class NvmeGrads(GradStore):
         return True
 
     def add_fp32(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
-        """A partition's first gradient of a step is written in its own dtype (its float32 value is the
-        same, at half the bytes); accumulating into it reads it back, widens it to float32 and writes the
-        float32 sum. `load` then returns float32 or the one low-precision gradient, the same values.
-        Returns the value stored, as `add` does (``room`` as there, for a first or full-precision one)."""
+        """A partition's first gradient of a step is stored in its own dtype (its float32 value is the
+        same, at half the bytes), as `add` stores it; accumulating into it widens it to float32 and adds:
+        the float32 sum is kept in memory where the value it adds to was and ``room`` allows (as `add`
+        keeps a sum), else written. `load` then returns float32 or the one low-precision gradient, the
+        same values. Returns the value stored, as `add` does."""
         key = self.key(st)
         meta = self._gen_meta.get(key) or self._meta.get(key)
         if part.dtype not in LOW_PRECISION or meta is None or self._error is not None:
@@ -292,19 +293,39 @@ class NvmeGrads(GradStore):
         gen = self._generation()
         if gen._error is not None:
             return None
-        stored = self._gen_stash.pop(key, None)  # this generation's own first gradient: summed and written
-        if stored is not None:
-            self.stash_bytes -= stored.nbytes
+        own = self._gen_stash.pop(key, None)  # this generation's own gradient so far: summed in place
+        replaced = 0  # bytes of the committed stash the sum replaces when this backward commits
+        if own is not None:
+            self.stash_bytes -= own.nbytes
+            stored = own
+        elif (old := self._stash.get(key)) is not None:
+            stored, replaced = old, old.nbytes  # read only: it stays as it is until this backward commits
         else:
-            stored = self.engine.empty((meta[0],), meta[1])
+            with memory.purpose("grads"):
+                stored = self.engine.empty((meta[0],), meta[1])
             if not self._read(key, stored, gen):
                 return None
-        acc = stored if meta[1] == torch.float32 else self.engine.empty((meta[0],), torch.float32)
-        if acc is not stored:
+        if stored.dtype == torch.float32 and stored is not self._stash.get(key):
+            acc = stored
+        else:
+            with memory.purpose("grads"):
+                acc = self.engine.empty((meta[0],), torch.float32)
             acc.copy_(stored)
         acc.add_(part.to("cpu") if part.device.type != "cpu" else part)
         self._gen_meta[key] = (acc.numel(), torch.float32)
-        self._gen_norms.pop(key, None)
+        # Kept in memory, as `add` keeps a sum, where the value it adds to was (a first gradient in the
+        # stash) and within ``room``: counted is what the stash holds once this backward commits — each
+        # sum in place of the value it replaces, kept or written (the commit lets those go) — so where
+        # the float32 sums do not all fit, the later ones are kept. Else written (and, for a deferred
+        # step or clipping, read back).
+        self._gen_replaced += replaced
+        self._note_norm(key, acc)  # while in memory: the step reads no gradient for its norm
+        if (own is not None or replaced) and (
+            self.stash_bytes - self._gen_replaced + acc.nbytes <= self.stash_cap + room
+        ):
+            self._gen_stash[key] = acc
+            self._stash_grow(acc.nbytes)
+            return acc
         self.ns.put(key, acc, gen)
         return acc
 
