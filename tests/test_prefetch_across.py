@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import zswap
 from zswap import GatheredParameters, Status, SwapIOError, full_grad, param_state
@@ -18,7 +19,17 @@ from zswap.optim import OffloadedAdamW
 
 from .test_faults import cfg_for, engine_of, inject, optim_state, same, transfers
 from .test_prefetch_guess import STREAM, Deep, assert_adds_up, x
-from .test_runtime import TinyLM, all_released, assert_same_grads, build, config, engine_for, ids, sq
+from .test_runtime import (
+    Block,
+    TinyLM,
+    all_released,
+    assert_same_grads,
+    build,
+    config,
+    engine_for,
+    ids,
+    sq,
+)
 
 LINEAR = 24 * 24 + 24  # elements of one of Deep's Linears
 
@@ -115,6 +126,46 @@ def test_training_reads_the_next_forward_after_the_step_and_is_bitwise(early, tm
             assert torch.equal(p.data, r.data) and torch.equal(q.data, r.data)
     e.close()
     off.close()
+
+
+class TiedGPT(nn.Module):
+    """GPT-2's layout: a token embedding tied to the head, then a position embedding of its own module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(40, 16)
+        self.wpe = nn.Embedding(8, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+        self.head = nn.Linear(16, 40, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def test_a_model_within_the_live_budget_is_read_once_per_step(tmp_path):
+    """With the default budgets a small model fits the live budget: what forward lets go of is kept for
+    backward, the step's updated params seed the next forward, so a warm step reads the AdamW moments
+    alone. The position embedding — whose backward step is followed by the tied embedding's, which was
+    also counted among the params up to it — was let go and read again for backward, every step: each
+    param counts once toward the live budget."""
+    cfg = cfg_for(tmp_path, "nvme", "nvme")
+    del cfg["stage3_max_live_parameters"]
+    m, _ = build(TiedGPT, cfg)
+    e = engine_for(m, cfg)
+    nbytes = sum(param_state(p).numel * 4 for p in m.parameters())
+    for it in range(4):
+        e.stats(reset=True)
+        sq(m(ids(seed=it))).backward()
+        e.step()
+        if it:
+            s = e.stats()
+            moved = (s["bytes_read"], s["bytes_written"], s["steps_in_backward"])
+            assert moved == (2 * nbytes, 3 * nbytes, 1), it
+    e.close()
 
 
 def test_a_write_between_passes_drops_the_stale_reads(tmp_path):

@@ -452,9 +452,7 @@ class Scheduler:
         if in_backward:
             return False
         seen, total = {id(s)}, s.numel
-        if nxt + 1 < len(trace.steps):
-            total += trace.steps[nxt + 1].numel
-        for step in trace.steps[self._pos : nxt]:
+        for step in trace.steps[self._pos : nxt] + trace.steps[nxt + 1 : nxt + 2]:  # each param once
             for o in step.slots:
                 if id(o) not in seen:
                     seen.add(id(o))
