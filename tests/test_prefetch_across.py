@@ -168,6 +168,28 @@ def test_a_model_within_the_live_budget_is_read_once_per_step(tmp_path):
     e.close()
 
 
+def test_a_frozen_param_among_the_first_is_read_in_its_place_between_seeds(tmp_path):
+    """A param the step does not update early in forward (Whisper's encoder starts with a frozen position
+    embedding; a fine-tune freezing its embeddings): the updated params after it are still the next
+    forward's seeds, and it alone is read ahead. A warm iteration reads the trainable params' AdamW moments
+    and the frozen param's bytes (before: the seeds stopped at it, and every param after it was read)."""
+    cfg = cfg_for(tmp_path, "nvme", "nvme")
+    del cfg["stage3_max_live_parameters"]
+    m, _ = build(TiedGPT, cfg)
+    m.wpe.weight.requires_grad_(False)
+    e = engine_for(m, cfg)
+    frozen = param_state(m.wpe.weight).numel * 4
+    trained = sum(param_state(p).numel * 4 for p in m.parameters()) - frozen
+    for it in range(4):
+        e.stats(reset=True)
+        sq(m(ids(seed=it))).backward()
+        e.step()
+        if it:
+            s = e.stats()
+            assert (s["bytes_read"], s["bytes_written"]) == (2 * trained + frozen, 3 * trained), it
+    e.close()
+
+
 def test_a_write_between_passes_drops_the_stale_reads(tmp_path):
     """Between an inference pass and the next: a GatheredParameters block without modifier_rank changes
     nothing stored (the reads ahead are used), one with it and ``load_state_dict`` make them stale (dropped),

@@ -26,10 +26,10 @@ a stale entry. `drop` (`Scheduler.drop_all`: `Engine.step`, checkpoint loads, `z
 forgets them too. A failed read raises, naming the key, at its use in the next pass, as a failed prefetch
 does.
 
-Which params: values are the longest run of the last recorded pass's first forward steps whose params are
-all offered, less its last steps while it and the step after it do not fit in ``max_live`` together (so
-that step's read can still be issued ahead, `plan`); reads follow, from the first step not taken, within
-what the live budget leaves (`room`).
+Which params: values are the offered params of the last recorded pass's first forward steps, as far as
+every param of those steps fits in ``max_live`` with the step after them (so that step's read can still be
+issued ahead, `plan`); a param among them not offered (frozen: the step does not update it) is read ahead
+in its place, and the steps after follow, within what the live budget leaves (`room`).
 """
 
 from __future__ import annotations
@@ -94,27 +94,28 @@ class NextPass:
 
     def plan(self, trace: Trace | None, offered: Container[int] | None) -> dict[int, Slot]:
         """The params, by id, `keep` takes among ``offered`` (``None``: all) along ``trace`` (the last
-        recorded pass of the kind run last)."""
+        recorded pass of the kind run last): those of its first forward steps, as far as every param of
+        those steps fits in ``max_live`` with the step after them. A param not offered (frozen, or one the
+        step did not keep) is read ahead in its place (`read`), and counts beside the values."""
         if trace is None:
             return {}
         run: list[Step] = []
-        taken: dict[int, Slot] = {}
-        after = 0
         for step in trace.steps:
-            if step.key[0] != "F" or (
-                offered is not None
-                and any(id(s.p) not in offered and id(s.p) not in taken for s in step.slots)
-            ):
-                after = sum(s.numel for s in step.slots if id(s.p) not in taken)
+            if step.key[0] != "F":
                 break
             run.append(step)
-            taken.update((id(s.p), s) for s in step.slots)
-        while run and sum(s.numel for s in taken.values()) + after > self.budget.max_live:
-            last = run.pop()
-            keep = {id(s.p) for step in run for s in step.slots}
-            after = sum(s.numel for s in last.slots if id(s.p) not in keep)
-            taken = {k: v for k, v in taken.items() if k in keep}
-        return taken
+        after = trace.steps[len(run)] if len(run) < len(trace.steps) else None
+        while run:
+            needed: dict[int, Slot] = {}
+            for step in run:
+                needed.update((id(s.p), s) for s in step.slots)
+            total = sum(s.numel for s in needed.values())
+            if after is not None:
+                total += sum(s.numel for s in after.slots if id(s.p) not in needed)
+            if total <= self.budget.max_live:
+                return {k: s for k, s in needed.items() if offered is None or k in offered}
+            after = run.pop()
+        return {}
 
     def room(self, used: int) -> int:
         """Elements the reads ahead may take when ``used`` are live or lent: the prefetch bucket, within
