@@ -146,15 +146,34 @@ class TiedGPT(nn.Module):
         return self.head(h)
 
 
-def test_a_model_within_the_live_budget_is_read_once_per_step(tmp_path):
+class SharedBlock(nn.Module):
+    """ALBERT's layout: one block run at every depth, the token embedding tied to the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(40, 16)
+        self.block = Block(16)
+        self.head = nn.Linear(16, 40, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        for _ in range(3):
+            h = self.block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("make", [TiedGPT, SharedBlock])
+def test_a_model_within_the_live_budget_is_read_once_per_step(make, tmp_path):
     """With the default budgets a small model fits the live budget: what forward lets go of is kept for
-    backward, the step's updated params seed the next forward, so a warm step reads the AdamW moments
-    alone. The position embedding — whose backward step is followed by the tied embedding's, which was
-    also counted among the params up to it — was let go and read again for backward, every step: each
-    param counts once toward the live budget."""
+    backward, and a param used again in the same half of the pass (a tied embedding, a block run at every
+    depth) until then; the step's updated params seed the next forward: a warm step reads the AdamW moments
+    alone. Each param counts once toward the live budget: GPT-2's position embedding — whose backward step
+    is followed by the tied embedding's, counted already — and ALBERT's tied embedding — the shared block's
+    steps in between counted at each use — were let go and read again every step."""
     cfg = cfg_for(tmp_path, "nvme", "nvme")
     del cfg["stage3_max_live_parameters"]
-    m, _ = build(TiedGPT, cfg)
+    m, _ = build(make, cfg)
     e = engine_for(m, cfg)
     nbytes = sum(param_state(p).numel * 4 for p in m.parameters())
     for it in range(4):

@@ -5,7 +5,8 @@ the budget and the counters. Plain data and queries on it; `zswap.prefetch.Sched
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,3 +138,16 @@ class Budget:
     bucket: int
     max_live: int
     reuse_distance: int
+
+
+def distinct_numel(steps: Iterable[Step], kept: Iterable[Slot], skip: Slot, limit: int) -> int | None:
+    """Elements of the params of ``kept`` and ``steps`` but ``skip``, each counted once; ``None`` as soon as
+    they pass ``limit`` (the walk stops there: a release asks this along a long trace)."""
+    seen, total = {id(skip)}, 0
+    for o in itertools.chain(kept, (o for step in steps for o in step.slots)):
+        if id(o) not in seen:
+            seen.add(id(o))
+            total += o.numel
+            if total > limit:
+                return None
+    return total

@@ -58,7 +58,7 @@ from ..parts.gather import (
     start_fetch,
 )
 from ..parts.params import Status
-from ._trace import Budget, Counters, Slot, Step, StepKey, Trace, guess
+from ._trace import Budget, Counters, Slot, Step, StepKey, Trace, distinct_numel, guess
 from .lenders import Lender, Lenders
 from .nextpass import Entry, NextPass, Seed
 
@@ -435,11 +435,11 @@ class Scheduler:
         """Whether a param a forward step lets go of stays gathered for its backward: the last modules of
         forward are the first of backward, so what they hold is kept across the boundary when everything
         the steps up to its next use need fits in ``max_live`` with it, and with the step after that use
-        (then nothing has to be evicted to keep it, it is not read again, and the read of the first
-        backward step not kept can still be issued ahead). Only from a forward (outside any backward: a
-        checkpoint's re-run forward inside backward releases as usual) to its backward. A param whose next
-        use is in the same half of the pass (forward to forward, backward to backward: a shared param) is
-        kept within `_kept_shared`'s room instead."""
+        (`_fits`: then nothing has to be evicted to keep it, it is not read again, and the read of the
+        first backward step not kept can still be issued ahead). Only from a forward (outside any
+        backward: a checkpoint's re-run forward inside backward releases as usual) to its backward. A param
+        whose next use is in the same half of the pass (forward to forward, backward to backward: a shared
+        param) is kept within `_kept_shared`'s room, or where it fits so with every param kept now."""
         trace = self._trace
         if not self._on_trace or trace is None:
             return False
@@ -448,18 +448,22 @@ class Scheduler:
             return False
         in_backward = torch._C._current_graph_task_id() >= 0
         if trace.steps[nxt].key[0] == ("B" if in_backward else "F"):
-            return self._kept_shared(s)
-        if in_backward:
-            return False
-        seen, total = {id(s)}, s.numel
-        for step in trace.steps[self._pos : nxt] + trace.steps[nxt + 1 : nxt + 2]:  # each param once
-            for o in step.slots:
-                if id(o) not in seen:
-                    seen.add(id(o))
-                    total += o.numel
-                    if total > self.budget.max_live:
-                        return False
-        return True
+            if self._kept_shared(s):
+                return True
+            # Or where nothing is evicted for it: within the reuse distance, each param between counted
+            # once (ALBERT's block at every depth let its tied embedding go however small the model).
+            steps = trace.steps[self._pos : nxt]
+            if distinct_numel(steps, (), s, self.budget.reuse_distance) is None:
+                return False
+            return self._fits(s, nxt, self._retained.values())
+        return not in_backward and self._fits(s, nxt, ())
+
+    def _fits(self, s: Slot, nxt: int, kept: Iterable[Slot]) -> bool:
+        """Whether ``s``, ``kept`` and the params of the trace's steps from here to step ``nxt`` and of the
+        one after it fit in ``max_live`` together, each counted once."""
+        assert self._trace is not None
+        steps = self._trace.steps[self._pos : nxt] + self._trace.steps[nxt + 1 : nxt + 2]
+        return distinct_numel(steps, kept, s, self.budget.max_live - s.numel) is not None
 
     def _kept_shared(self, s: Slot) -> bool:
         """Whether a param used again later in the same half of the pass (a tied embedding: forward's
