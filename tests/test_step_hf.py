@@ -8,6 +8,7 @@ in train mode (dropout on, the same seeds) through the public API:
   with accumulation 2; params resident by ``max_in_cpu`` with clipping, on the CPU and on the stand-in.
 - bf16 / fp16 (fp32 master weights in the optimizer's records): the update in backward against the same
   setup's ordinary step (``engine.early_step = False``) — params, losses and norms bitwise.
+- Every architecture at the default budgets, which it fits: a warm step moves the fast path's bytes.
 
 The architectures are picked for what they do to the bookkeeping: BERT's masked-LM head ties its decoder
 weight and bias, T5 ties one embedding into three places and keeps its ``wo`` in float32, ALBERT runs one
@@ -214,6 +215,33 @@ def test_hypers_set_at_a_milestone_are_redone_on_fp32_masters(half, optimizer_ti
     assert [n for n, w in want.items() if not torch.equal(got[n], w)] == []
     assert_fast_after_the_first(stats)
     assert stats["steps_hypers_redone"] == 1, stats
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_hf_architectures_within_the_live_budget_move_the_fast_paths_bytes(arch, tmp_path):
+    """Every architecture at the default budgets, which it fits: a warm step reads the AdamW moments of the
+    params it trains and writes them and those params (2 R / 3 W), and reads a param it does not train once
+    (Whisper's frozen position embedding). What is used again later in the pass stays gathered (tied
+    embeddings, ALBERT's block at every depth, a position embedding beside a tied one) and the updated
+    params seed the next forward, around a frozen one too."""
+    a = ARCHS[arch]
+    cfg = config(tmp_path, SETUPS["nvme"])
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = a.build()
+    model.train()
+    with zswap.initialize(model, cfg) as engine:
+        for s in range(3):
+            engine.stats(reset=True)
+            engine.backward(model(**a.loss_inputs(s)).loss)
+            engine.step()
+        stats = engine.stats()
+    sizes = {p.requires_grad: 0 for p in model.parameters()}
+    for p in model.parameters():
+        sizes[p.requires_grad] += zswap.param_state(p).numel * 4
+    trained, frozen = sizes[True], sizes.get(False, 0)
+    assert stats["steps_in_backward"] == 1, stats["steps_ordinary_reason"]
+    assert (stats["bytes_read"], stats["bytes_written"]) == (2 * trained + frozen, 3 * trained)
 
 
 @pytest.mark.dist
