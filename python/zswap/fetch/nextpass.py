@@ -43,7 +43,7 @@ import torch
 
 from ..parts.gather import no_torch_function
 from ..parts.params import Status
-from ._trace import Budget, Counters, Slot, Step, Trace
+from ._trace import Budget, Counters, Slot, Trace
 
 Seed = tuple[torch.Tensor, torch.Tensor, Callable[[], bool]]
 """A value offered to the next pass: ``(param, its partition, still_valid)``, the partition *being* the
@@ -99,23 +99,23 @@ class NextPass:
         step did not keep) is read ahead in its place (`read`), and counts beside the values."""
         if trace is None:
             return {}
-        run: list[Step] = []
-        for step in trace.steps:
+        steps, limit = trace.steps, self.budget.max_live
+        needed: set[int] = set()
+        total, length = 0, 0  # the longest run of forward steps that fits so far
+        for i, step in enumerate(steps):
             if step.key[0] != "F":
                 break
-            run.append(step)
-        after = trace.steps[len(run)] if len(run) < len(trace.steps) else None
-        while run:
-            needed: dict[int, Slot] = {}
-            for step in run:
-                needed.update((id(s.p), s) for s in step.slots)
-            total = sum(s.numel for s in needed.values())
-            if after is not None:
-                total += sum(s.numel for s in after.slots if id(s.p) not in needed)
-            if total <= self.budget.max_live:
-                return {k: s for k, s in needed.items() if offered is None or k in offered}
-            after = run.pop()
-        return {}
+            for s in step.slots:
+                if id(s.p) not in needed:
+                    needed.add(id(s.p))
+                    total += s.numel
+            if total > limit:
+                break  # no longer run fits either
+            after = steps[i + 1].slots if i + 1 < len(steps) else ()
+            if total + sum(s.numel for s in after if id(s.p) not in needed) <= limit:
+                length = i + 1
+        taken = {id(s.p): s for step in steps[:length] for s in step.slots}
+        return {k: s for k, s in taken.items() if offered is None or k in offered}
 
     def room(self, used: int) -> int:
         """Elements the reads ahead may take when ``used`` are live or lent: the prefetch bucket, within
