@@ -163,19 +163,31 @@ class SharedBlock(nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("make", [TiedGPT, SharedBlock])
-def test_a_model_within_the_live_budget_is_read_once_per_step(make, tmp_path):
+@pytest.mark.parametrize(
+    ("make", "frozen"),
+    [(TiedGPT, None), (SharedBlock, None), (TiedGPT, "wpe.weight")],
+    ids=["gpt2-layout", "albert-layout", "frozen-position-embedding"],
+)
+def test_a_model_within_the_live_budget_is_read_once_per_step(make, frozen, tmp_path):
     """With the default budgets a small model fits the live budget: what forward lets go of is kept for
     backward, and a param used again in the same half of the pass (a tied embedding, a block run at every
     depth) until then; the step's updated params seed the next forward: a warm step reads the AdamW moments
-    alone. Each param counts once toward the live budget: GPT-2's position embedding — whose backward step
-    is followed by the tied embedding's, counted already — and ALBERT's tied embedding — the shared block's
-    steps in between counted at each use — were let go and read again every step."""
+    of the params it trains, and a param it does not train once. Each param counts once toward the live
+    budget: GPT-2's position embedding — whose backward step is followed by the tied embedding's, counted
+    already — and ALBERT's tied embedding — the shared block's steps in between counted at each use — were
+    let go and read again every step. A frozen param early in forward (Whisper's encoder starts with one; a
+    fine-tune freezing its embeddings) is read ahead in its place, and the updated params after it are still
+    seeds (they stopped at it, and every param after it was read)."""
     cfg = cfg_for(tmp_path, "nvme", "nvme")
     del cfg["stage3_max_live_parameters"]
     m, _ = build(make, cfg)
+    if frozen is not None:
+        m.get_parameter(frozen).requires_grad_(False)
     e = engine_for(m, cfg)
-    nbytes = sum(param_state(p).numel * 4 for p in m.parameters())
+    nbytes = {p.requires_grad: 0 for p in m.parameters()}
+    for p in m.parameters():
+        nbytes[p.requires_grad] += param_state(p).numel * 4
+    trained, untrained = nbytes[True], nbytes.get(False, 0)
     for it in range(4):
         e.stats(reset=True)
         sq(m(ids(seed=it))).backward()
@@ -183,29 +195,7 @@ def test_a_model_within_the_live_budget_is_read_once_per_step(make, tmp_path):
         if it:
             s = e.stats()
             moved = (s["bytes_read"], s["bytes_written"], s["steps_in_backward"])
-            assert moved == (2 * nbytes, 3 * nbytes, 1), it
-    e.close()
-
-
-def test_a_frozen_param_among_the_first_is_read_in_its_place_between_seeds(tmp_path):
-    """A param the step does not update early in forward (Whisper's encoder starts with a frozen position
-    embedding; a fine-tune freezing its embeddings): the updated params after it are still the next
-    forward's seeds, and it alone is read ahead. A warm iteration reads the trainable params' AdamW moments
-    and the frozen param's bytes (before: the seeds stopped at it, and every param after it was read)."""
-    cfg = cfg_for(tmp_path, "nvme", "nvme")
-    del cfg["stage3_max_live_parameters"]
-    m, _ = build(TiedGPT, cfg)
-    m.wpe.weight.requires_grad_(False)
-    e = engine_for(m, cfg)
-    frozen = param_state(m.wpe.weight).numel * 4
-    trained = sum(param_state(p).numel * 4 for p in m.parameters()) - frozen
-    for it in range(4):
-        e.stats(reset=True)
-        sq(m(ids(seed=it))).backward()
-        e.step()
-        if it:
-            s = e.stats()
-            assert (s["bytes_read"], s["bytes_written"]) == (2 * trained + frozen, 3 * trained), it
+            assert moved == (2 * trained + untrained, 3 * trained, 1), it
     e.close()
 
 
