@@ -446,6 +446,20 @@ def test_a_given_torch_adamw_and_its_scheduler_become_the_engines(tmp_path):
     trainer.close()
 
 
+def test_a_config_section_sets_the_adam_knobs_whatever_optim_builds(tmp_path):
+    """With an ``optimizer`` section the engine steps zswap's AdamW over the Trainer's param groups, also
+    when ``optim`` builds an SGD: the section's betas and eps are the ones stepped with (they were torch's
+    defaults, which an SGD's groups lack), each group's lr and decay as the Trainer made them."""
+    cfg = _config(tmp_path)
+    cfg["optimizer"]["params"].update(betas=[0.8, 0.95], eps=1e-6)
+    args = _args(tmp_path / "o", optim="sgd", adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
+    trainer = zt.Trainer(model=_zswap_model(cfg), args=args, train_dataset=_data(), zswap_config=cfg)
+    groups = trainer.engine.optimizer.param_groups
+    assert [(g["betas"], g["eps"], g["lr"]) for g in groups] == [((0.8, 0.95), 1e-6, 5e-3)] * 2
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.1]  # biases and norms undecayed
+    trainer.close()
+
+
 def test_shape_dependent_optimizer_is_refused(tmp_path):
     """Adafactor factors a matrix's second moment by rows and columns: over a flat partition it would
     compute something else, silently. Refused, naming what works."""

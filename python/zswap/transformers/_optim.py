@@ -66,16 +66,19 @@ def to_zswap(client: torch.optim.Optimizer, cfg: ZswapConfig) -> Any:
                     f"{name} param group {i}: {key}=True is not supported by zswap's offloaded AdamW "
                     "(which a torch Adam / AdamW becomes, also one in optimizers=): use an optim without it"
                 )
-        if conf is not None:
-            decoupled = conf.decoupled_weight_decay
+        if conf is not None:  # the section's Adam knobs, whatever optimizer the arguments built (an SGD
+            # has none: its groups gave torch's defaults in their place); lr and each group's decay agree
+            # with it (`_fill`) and stay the groups'
+            betas, eps, decoupled = conf.betas, conf.eps, conf.decoupled_weight_decay
         else:  # torch >= 2.6 keeps the flag in every group; before, AdamW alone decoupled
+            betas, eps = group["betas"], group["eps"]
             decoupled = bool(group.get("decoupled_weight_decay", type(client) is torch.optim.AdamW))
         groups.append(
             {
                 "params": list(group["params"]),
                 "lr": float(group["lr"]),
-                "betas": tuple(float(b) for b in group.get("betas", (0.9, 0.999))),
-                "eps": float(group.get("eps", 1e-8)),
+                "betas": tuple(float(b) for b in betas),
+                "eps": float(eps),
                 "weight_decay": float(group.get("weight_decay", 0.0)),
                 "decoupled_weight_decay": decoupled,
             }
