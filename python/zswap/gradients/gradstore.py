@@ -294,18 +294,18 @@ class NvmeGrads(GradStore):
         if gen._error is not None:
             return None
         own = self._gen_stash.pop(key, None)  # this generation's own gradient so far: summed in place
-        replaced = 0  # bytes of the committed stash the sum replaces when this backward commits
+        old = None if own is not None else self._stash.get(key)  # committed: read only until this commits
         if own is not None:
             self.stash_bytes -= own.nbytes
             stored = own
-        elif (old := self._stash.get(key)) is not None:
-            stored, replaced = old, old.nbytes  # read only: it stays as it is until this backward commits
+        elif old is not None:
+            stored = old
         else:
             with memory.purpose("grads"):
                 stored = self.engine.empty((meta[0],), meta[1])
             if not self._read(key, stored, gen):
                 return None
-        if stored.dtype == torch.float32 and stored is not self._stash.get(key):
+        if stored.dtype == torch.float32 and old is None:
             acc = stored
         else:
             with memory.purpose("grads"):
@@ -318,9 +318,9 @@ class NvmeGrads(GradStore):
         # sum in place of the value it replaces, kept or written (the commit lets those go) — so where
         # the float32 sums do not all fit, the later ones are kept. Else written (and, for a deferred
         # step or clipping, read back).
-        self._gen_replaced += replaced
+        self._gen_replaced += old.nbytes if old is not None else 0
         self._note_norm(key, acc)  # while in memory: the step reads no gradient for its norm
-        if (own is not None or replaced) and (
+        if (own is not None or old is not None) and (
             self.stash_bytes - self._gen_replaced + acc.nbytes <= self.stash_cap + room
         ):
             self._gen_stash[key] = acc
