@@ -1,6 +1,8 @@
 """One rank of tests/test_ds_checkpoint.py's two-rank scenario (DeepSpeed's ``test_tag_validation.py``):
 ``python _ds_ckpt_worker.py RANK WORLD INIT_FILE TMP``. Ranks passing different tags get an error on every
-rank and nothing is saved; the same tag saves one checkpoint both ranks load."""
+rank and nothing is saved; so do ranks passing different folders, or one folder not on a file system both
+see (a node's local disk: rank 1 made not to see rank 0's temp folder); the same tag saves one checkpoint
+both ranks load."""
 
 from __future__ import annotations
 
@@ -40,6 +42,13 @@ def main() -> None:
                 raise AssertionError("different tags on two ranks were accepted")
             dist.barrier()
             assert not (folder / "latest").exists() and not (folder / "tag-0").exists()
+            try:
+                engine.save_checkpoint(tmp / f"ck{rank}", tag="same")
+            except CheckpointArgumentError as e:
+                assert "every rank must pass the same save_dir, got rank 0: " in str(e), e
+            else:
+                raise AssertionError("different folders on two ranks were accepted")
+            _not_shared(rank, engine, folder)
             engine.save_checkpoint(folder, tag="same")
             try:
                 engine.load_checkpoint(folder, tag=f"same{rank or ''}")
@@ -60,6 +69,23 @@ def main() -> None:
             engine.close()
     finally:
         dist.destroy_process_group()
+
+
+def _not_shared(rank: int, engine: object, folder: Path) -> None:
+    """On rank 1 the temp folder rank 0 creates is not there, as on a node's own disk."""
+    is_dir = Path.is_dir
+    if rank == 1:
+        Path.is_dir = lambda p: False if p.name.startswith(".tmp-") else is_dir(p)  # type: ignore[method-assign]
+    try:
+        engine.save_checkpoint(folder, tag="same")  # type: ignore[attr-defined]
+    except zswap.ZswapError as e:
+        assert "save_dir must be on a file system every rank shares" in str(e), e
+    else:
+        raise AssertionError("a temp folder one rank could not see was accepted")
+    finally:
+        Path.is_dir = is_dir  # type: ignore[method-assign]
+    dist.barrier()
+    assert not (folder / "same").exists()
 
 
 if __name__ == "__main__":

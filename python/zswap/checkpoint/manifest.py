@@ -176,6 +176,17 @@ def same_tag(tag: str | None, what: str, group: Any, world: int) -> None:
         raise CheckpointArgumentError(f"{what}: every rank must pass the same tag, got {listed}")
 
 
+def same_dir(root: Path, what: str, group: Any, world: int) -> None:
+    """`CheckpointArgumentError` on every rank when the ranks name different folders (symlinks and relative
+    paths resolved): every rank writes its files into the one folder rank 0 creates in it."""
+    from ._collective import all_gather
+
+    dirs = all_gather(os.path.realpath(root), group, world)
+    if len(set(dirs)) > 1:
+        listed = ", ".join(f"rank {r}: {d!r}" for r, d in enumerate(dirs))
+        raise CheckpointArgumentError(f"{what}: every rank must pass the same save_dir, got {listed}")
+
+
 def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, str]:
     """(tag folder, tag) for ``tag``, or for the one ``load_dir/latest`` names."""
     root = Path(load_dir)

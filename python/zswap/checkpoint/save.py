@@ -45,6 +45,7 @@ from .manifest import (
     dtype_name,
     file_name,
     persistent_buffers,
+    same_dir,
     same_tag,
 )
 
@@ -66,6 +67,7 @@ def save_checkpoint(
     group, rank, world = group_of(records)
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     same_tag(tag, "save_checkpoint", group, world)
+    same_dir(root, "save_checkpoint", group, world)
     tmp_name: str | None = None
     error: BaseException | None = None
     if rank == 0:
@@ -79,6 +81,12 @@ def save_checkpoint(
     tmp = root / all_gather(tmp_name, group, world)[0]
     try:
         error, report = None, None
+        if not tmp.is_dir():  # the same path, but not one file system (a node's local disk)
+            error = CheckpointArgumentError(
+                f"save_checkpoint: the temp folder {str(tmp)!r} rank 0 created is not there on rank {rank}: "
+                "save_dir must be on a file system every rank shares"
+            )
+        agree(error, "save_checkpoint", group, world)
         try:
             report = _write_rank(engine, records, tmp, rank, world, client_state)
         except OSError as e:
