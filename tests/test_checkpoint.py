@@ -287,6 +287,29 @@ def test_load_module_only_and_without_optimizer_states(saved):
         assert engine.global_steps == 2 and engine.optimizer.state_dict()["state"] == {}
 
 
+@pytest.mark.parametrize("otier", TIERS)
+def test_a_params_state_reset_by_a_load_is_left_out_of_the_next_save(otier, tmp_path):
+    """A checkpoint from before any step resets every param's optimizer state while their records keep
+    their places; a param frozen since, so not stepped again, has none: the next save leaves it out and
+    loads back as it was saved (it used to stop walking that record: "out of their layout order")."""
+    config = cfg(tmp_path, "nvme", otier)
+    m, engine = build(config)
+    with engine:
+        engine.save_checkpoint(tmp_path / "early")
+        train(m, engine)
+        m.net[4].requires_grad_(False)
+        engine.load_checkpoint(tmp_path / "early")
+        train(m, engine, 1)
+        want = snapshot(m, engine)
+        engine.save_checkpoint(tmp_path / "again")
+    assert sorted(want["optim"]["state"]) == [0, 1, 2, 3]  # the last layer's weight and bias: none
+    m2, engine2 = build(config, seed=7)
+    with engine2:
+        m2.net[4].requires_grad_(False)
+        engine2.load_checkpoint(tmp_path / "again")
+        assert same(snapshot(m2, engine2), want)
+
+
 def test_a_torch_optimizer_resumes_exactly(tmp_path):
     config = cfg(tmp_path, "nvme", optimizer=False)
 

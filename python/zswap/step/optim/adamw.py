@@ -266,7 +266,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Calls ``fn(i, start, (exp_avg, exp_avg_sq, master or None))`` for each segment of state (the
         float32 views of elements ``start:start+len`` of param ``i``'s state), record by record, in
         `state_layout` order with a param's segments in increasing ``start``. With ``write`` each record is
-        written back after its visit. ``params``: only the records holding these params."""
+        written back after its visit. ``params``: only the records holding these params. A param placed but
+        with no step taken (its state reset by `restore_layout` from a checkpoint that had none for it) has
+        no state to visit: its first step starts it afresh."""
         wanted = None if params is None else set(params)
         walk = [
             sg for sg in self._sub_groups if wanted is None or any(s.param in wanted for s in sg.segments)
@@ -274,7 +276,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
         def visit(sg: SubGroup, record: torch.Tensor) -> None:
             for seg, views in sg.slices(record):
-                if wanted is None or seg.param in wanted:
+                if (wanted is None or seg.param in wanted) and self._steps[seg.param] > 0:
                     fn(seg.param, seg.start, views)
 
         self._store.stream(walk, visit, write=write)
