@@ -3,8 +3,9 @@ ordinary step of the same setup in the same run.
 
     python benches/bench_step_setups.py [--path DIR] [--steps 5]
 
-Model: 4 × ``Linear(256, 256)`` (1 MiB of fp32 params), which fits the live budget: what the step moves is
-then the whole story (no param is read again for forward or backward). Params and AdamW states on NVMe in a
+Model: 4 × ``Linear(256, 256)`` (1 MiB of fp32 params; one setup with the middle two under reentrant
+activation checkpoints), which fits the live budget: what the step moves is then the whole story (no param
+is read again for forward or backward). Params and AdamW states on NVMe in a
 fresh directory under ``--path`` (removed at the end), or in CPU memory where the setup says so. Each setup
 runs twice in fresh engines: as shipped (the engine decides where the update runs: in backward, deferred to
 the step, or the ordinary step) and with ``engine.early_step = False`` (the ordinary step, the baseline).
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 import zswap
 from zswap.device import StandInDevice
@@ -35,6 +37,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "CPU, clipping 1e6 (never bites)": {"gradient_clipping": 1e6},
     "CPU, clipping 1e-4 (always bites)": {"gradient_clipping": 1e-4},
     "CPU, GAS 2": {"gradient_accumulation_steps": 2},
+    "CPU, reentrant activation checkpointing": {"reentrant": True},
     "CPU, lr set between backward and step": {"lr_before_step": True},
     "CPU, lr set there at the last step only": {"lr_at_last": True},
     "CPU, max_in_cpu over the model": {"max_in_cpu": True},
@@ -91,6 +94,21 @@ def _rank(
     os._exit(0)
 
 
+class _Checkpointed(torch.nn.Module):
+    """The same four layers, the middle two each under a reentrant activation checkpoint (whose backward runs
+    inside the outer one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x)
+        for layer in self.layers[1:3]:
+            x = checkpoint(layer, x, use_reentrant=True)
+        return self.layers[3](x)
+
+
 def _run(
     root: Path, setup: dict[str, Any], early: bool, steps: int, seed: int = 0
 ) -> tuple[float, float, str]:
@@ -113,7 +131,10 @@ def _run(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         with zswap.Init(cfg):
-            model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+            if setup.get("reentrant"):
+                model: torch.nn.Module = _Checkpointed()
+            else:
+                model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
         given = None
         if setup.get("torch_adamw"):  # the plain-PyTorch way: zswap rebuilds it as its offloaded AdamW
             del cfg["optimizer"]

@@ -328,14 +328,15 @@ def test_a_fault_in_backward_either_falls_back_or_fails_that_backward(op, code, 
         ee.close()
 
 
-def test_reentrant_checkpointing_falls_back_without_raising(tmp_path):
-    """A backward inside backward (reentrant activation checkpointing): the early step stops there and
-    hands back what it holds before letting any gradient go, so every step is the ordinary one, exact."""
+def test_reentrant_checkpointing_steps_in_backward(tmp_path):
+    """A backward inside backward (reentrant activation checkpointing) is part of the outer one: the
+    update runs in backward from the second step on, exact (more layouts: tests/test_checkpointed_step.py)."""
     (m, e), (ref, ref_e) = twins(tmp_path, make=lambda: TinyLM(reentrant=True))
     pairs = [(m, e), (ref, ref_e)]
     for seed in range(4):
         train(pairs, seed)
         assert same(state(m, e), state(ref, ref_e)), seed
+    assert e._early.commits == 3
     for _, ee in pairs:
         ee.close()
 

@@ -24,8 +24,10 @@ and inputs also get the hooks that compute their large matmul outputs into reuse
 Activation checkpointing: ``use_reentrant=True`` re-runs the forward inside backward — the forward hooks
 fetch and release as usual and the re-run registers its own backward hooks for the inner backward;
 ``use_reentrant=False`` keeps detached aliases of what the re-run saved, which hold the gathered data
-until its nodes ran. Tied params are one param object in two modules: each use acquires it, and its
-gradient is taken once, after autograd summed every use (`zswap.grads`).
+until its nodes ran — but a tensor that requires no grad (a frozen param) it keeps itself, and compares its
+shape with the first forward's as soon as the re-run returns, so the re-run lets those go only at the next
+backward hook (`_release_forward`). Tied params are one param object in two modules: each use acquires
+it, and its gradient is taken once, after autograd summed every use (`zswap.grads`).
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class ModuleHooks:
         self._saved_hooks_on = False
         self._tasks: set[int] = set()
         self._bw_calls: list[_Call] = []
+        self._recomputed: list[Slot] = []  # (`_release_forward`)
         self._closed = False
         self._bw_expected = False
         self.outputs = BackwardOutputs(enabled=reuse_outputs)
@@ -164,7 +167,7 @@ class ModuleHooks:
             return  # its pre-hook failed before the call was pushed
         call = self._stack.pop()
         try:
-            self.sched.release(call.held)
+            self._release_forward(call.held)
             if (
                 output is not None
                 and torch.is_grad_enabled()
@@ -178,6 +181,24 @@ class ModuleHooks:
                     self.sched.end()  # no backward can follow: release at once, prefetches included
                     if not _raised(output):
                         self.sched.read_ahead()  # the next pass's first reads (prefetch.py, "Across passes")
+
+    def _release_forward(self, held: list[Slot]) -> None:
+        """A forward's release. In a forward re-run inside backward (a checkpoint's recomputation) a param
+        that requires no grad is released at the next backward hook instead: a non-reentrant checkpoint
+        keeps such a tensor itself — no detached alias holding the gathered data, as it keeps for the others
+        — and compares its shape with the first forward's as soon as the re-run returns, before the
+        backward of the modules that use it gathers it again (a frozen block checkpointed at two depths)."""
+        if _graph_task() < 0 or torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            self.sched.release(held)  # not a non-reentrant checkpoint's re-run (no saved-tensor hooks on)
+            return
+        frozen = [s for s in held if not s.p.requires_grad]
+        self._recomputed.extend(frozen)
+        self.sched.release([s for s in held if s.p.requires_grad])
+
+    def _release_recomputed(self) -> None:
+        if self._recomputed:
+            held, self._recomputed = self._recomputed, []
+            self.sched.release(held)
 
     def _kind(self) -> Hashable:
         return torch.is_grad_enabled(), self.root.training
@@ -254,6 +275,7 @@ class ModuleHooks:
         if call.bw_held is not None or self._closed:
             return  # another output of the same call; or hooks left on a graph built before close()
         call.task = self._watch_task()
+        self._release_recomputed()
         call.bw_held = self.sched.acquire(("B", call.info.index), call.info.slots)
         self._bw_calls.append(call)
 
@@ -274,11 +296,13 @@ class ModuleHooks:
         self._bw_calls.append(call)
 
     def _bw_post(self, call: _Call, grad: torch.Tensor) -> None:
+        self._release_recomputed()
         if call.bw_held is not None:
             held, call.bw_held = call.bw_held, None
             self.sched.release(held)
 
     def _backward_done(self, task: int) -> None:
+        self._release_recomputed()
         self._tasks.discard(task)
         if not self._tasks:
             task = -2  # the outermost backward ended (or a forward begins): nothing is held any more
@@ -295,6 +319,7 @@ class ModuleHooks:
             self.sched.release(call.held)
             call.held = []
         self._stack.clear()
+        self._release_recomputed()
         self._exit_mode()
 
 

@@ -213,7 +213,7 @@ class NvmeGrads(GradStore):
             kept.add_(part)
             self._note_norm(key, kept)
             return kept
-        old = self._stash.get(key)
+        old = self._committed(key)
         # Accumulation onto a kept gradient: kept again. Within ``room`` what counts is what the stash
         # holds once this backward commits (the sum replaces ``old``), not the moment both are held.
         if old is not None and (
@@ -266,10 +266,15 @@ class NvmeGrads(GradStore):
         self.stash_bytes += n
         self.stash_peak = max(self.stash_peak, self.stash_bytes)
 
+    def _committed(self, key: str) -> torch.Tensor | None:
+        """``key``'s gradient in the stash as the last commit left it — ``None`` where this backward has a
+        value of its own (its second gradient in one backward, a reentrant checkpoint's: added to that)."""
+        return None if key in self._gen_meta else self._stash.get(key)
+
     def _read(self, key: str, out: torch.Tensor, gen: Transaction) -> bool:
         """Fill ``out`` with ``key``'s gradient so far (from the stash or the storage); False (and the
         generation failed) if the read failed."""
-        kept = self._stash.get(key)
+        kept = self._committed(key)
         if kept is not None:
             out.copy_(kept)
             return True
@@ -294,7 +299,7 @@ class NvmeGrads(GradStore):
         if gen._error is not None:
             return None
         own = self._gen_stash.pop(key, None)  # this generation's own gradient so far: summed in place
-        old = None if own is not None else self._stash.get(key)  # committed: read only until this commits
+        old = None if own is not None else self._committed(key)  # read only until this commits
         if own is not None:
             self.stash_bytes -= own.nbytes
             stored = own

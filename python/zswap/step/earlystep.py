@@ -63,9 +63,9 @@ from ..errors import GradientsNotKeptError, SwapIOError
 from ..fetch.nextpass import Seed
 from ..gradients.gradstore import NOT_KEPT, RESTART, MemoryGrads, NvmeGrads, _Alive, _dead, store_of
 from ..memory import ENGINE_COPY as ENGINE_COPY  # (tests and docs name it here)
-from ..parts.params import GradStore, NvmeStore, ParamState, Status, local_slice
+from ..parts.params import GradStore, ParamState, Status, local_slice
 from ..store.storage import Transaction
-from . import early_commit, early_device, early_memory, early_pipeline, speculation
+from . import early_commit, early_device, early_memory, early_pipeline, nesting
 from .early_commit import _wanted
 from .early_memory import plain
 from .optim import OffloadedAdamW
@@ -202,7 +202,8 @@ class EarlyStep:
         self.holding = memory.Holding("early_step")  # gradients and plain copies held (`plain`)
         self.writing = memory.Holding("early_step")  # small copies whose writes are in flight (`copies`)
         self.kept_mem = memory.Holding("early_step")  # copies kept in CPU memory for the commit (`swaps`)
-        self._outer: Callable[[], object] = _dead  # the backward in progress, while it runs (`_begin`)
+        self._outer: Callable[[], object] = _dead  # the backward in progress, while it runs (`_watch`)
+        self.arrivals = nesting.Arrivals()
         self.ended = True
         """Whether that backward reached its end (its final callback ran)."""
         self.accumulates = False
@@ -288,10 +289,13 @@ class EarlyStep:
 
     def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int, sink: Any) -> bool:
         if self.state != "idle" and task != self.task:
-            if self._outer() is not None:  # that backward still runs: this one runs inside it (reentrant
-                if self.state == "running":  # activation checkpointing): no early step in it
-                    self._give_up(self.task, "a backward ran inside it (reentrant activation checkpointing)")
+            if self._outer() is not None:  # that backward still runs: this one runs inside it, its
+                task = self.task  # gradients are that backward's (`nesting`)
+            elif task < self.task and self.why == nesting.INSIDE:  # the backward the last one ran inside
+                self.task = task  # goes on: off to its end
+                self._watch()
                 return False
+        if self.state != "idle" and task != self.task:
             if self.state == "running" and self.ended:
                 self.accumulates = True  # from now on the update waits for the step (`_begin`)
             if self.state == "running" and self.dropped and self.ended:
@@ -301,6 +305,7 @@ class EarlyStep:
             self.abort()  # another backward: accumulation (then it does not begin), or the one before raised
         if self.state == "idle":
             self._begin(st, task)
+        self.arrivals.note(id(p))
         if self.state == "summing":  # before the boundary: summed in memory within `room` (or landed)
             if id(p) in self.seeding and st.status is Status.AVAILABLE:
                 early_pipeline.keep_as_seed(self, p, st, sink)  # (`seeding` has NVMe params only)
@@ -391,12 +396,8 @@ class EarlyStep:
         if task == -1:
             return  # a gradient added outside a backward
         self.begun_hyper = early_commit.hyper_seen(self.opt)
-        # The callback holds ``alive`` until autograd drops it with its graph task: at the end of this
-        # backward, or when it raised. While it is held, a gradient of another task is of a backward run
-        # inside this one, not of the next.
-        alive = _Alive()
-        self._outer, self.ended = weakref.ref(alive), False
-        Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
+        self._watch()
+        parts = self.arrivals.begin()
         guess = self.plan()
         self.allowance = self.room()
         if isinstance(guess, str):
@@ -404,6 +405,9 @@ class EarlyStep:
             if guess == MICRO_BATCH and isinstance(gs, NvmeGrads | MemoryGrads):
                 self.state = "summing"  # and the next forward's first params kept as they are (seeds)
                 self.seeding = early_memory.on_nvme(self.seed_plan() if self.seed_numel > 0 else frozenset())
+            return
+        if parts or nesting.inside_function_backward():
+            self.state, self.task, self.why = "off", task, nesting.PARTS if parts else nesting.INSIDE
             return
         if self.accumulates and not guess.sums:
             self.state, self.task, self.why = "off", task, ACCUMULATES
@@ -430,6 +434,14 @@ class EarlyStep:
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
         self.txn = Transaction()
         early_memory.uses(self)
+
+    def _watch(self) -> None:
+        """Call `_end_backward` at the end of the backward running now. The callback holds ``alive`` until
+        autograd drops it with its graph task: at the end of this backward, or when it raised. While it is
+        held, a gradient of another task is of a backward run inside this one, not of the next."""
+        alive = _Alive()
+        self._outer, self.ended = weakref.ref(alive), False
+        Variable._execution_engine.queue_callback(lambda: self._end_backward(alive))
 
     def _end_backward(self, alive: object = None) -> None:
         self._outer, self.ended = _dead, True
@@ -558,43 +570,3 @@ class _Void(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def for_engine(engine: Any) -> EarlyStep | None:
-    """The early step for a `zswap.Engine` whose setup allows one (see the module docstring), else None
-    (``engine._early_off`` says why: `zswap.step.speculation.why_not`)."""
-    opt = engine.optimizer
-    engine._early_off = speculation.why_not(engine, opt)
-    if engine._early_off:
-        return None
-    allowed = engine.sizing.allowances  # `zswap.memory.Allowances`: sized once with the live budget
-    ranks = max(st.world_size for _, st in engine._items)
-    early = EarlyStep(
-        opt,
-        speculation.planner(engine, opt, ranks),
-        allowed.early_step,
-        # `Scheduler.seed_plan` keeps seeds within the live budget with the next pass's first read
-        # (benches/README.md, "Bytes per step").
-        seed_numel=allowed.seeds,
-        seed_plan=engine._sched.seed_plan,
-        keep=engine._keeps_applied_grads,
-        room=engine._grad_room,  # gradients a redo or the accumulation needs, kept in memory
-        tally=engine._tally,
-        resident=engine._resident_ids,
-    )
-    # The copies come from the param stores' fetch pools: pooled up to what the early step may hold, they
-    # reuse buffers from step to step. Past the pool each would be a new mapping, its pages faulted in and
-    # zeroed, then unmapped: at 2 GiB that was 1.2 s of a 10 s step (benches/README.md, "Bytes per step").
-    for store in {id(st.store): st.store for _, st in engine._items}.values():
-        if isinstance(store, NvmeStore):
-            store.widen_pool(early.cap)
-    # So does the pool a compute device's gradient copies land in: the early step holds them up to its cap
-    # (a deferred step: through all of backward), and those past it wait in memory within the live budget
-    # (`summing_room`). Past the landing pool each would be a new registered mapping, every step.
-    landing = engine._grads.landing
-    if landing is not None:
-        landing.keep(landing.pool_bytes + early.cap + allowed.live)
-    # While held (waiting for their record, kept as seeds, or being written) those copies count in the
-    # scheduler's live budget (`zswap.fetch.prefetch.Lender`: `lent` and `settle`).
-    engine._sched.lend(early)
-    return early

@@ -104,7 +104,7 @@ def planner(engine: Any, optimizer: Any, ranks: int) -> Callable[[], Guess | str
 
 def why_not(engine: Any, optimizer: Any) -> str:
     """Why ``engine`` has no early step at all ("" if its setup allows one): the setups
-    `zswap.step.earlystep.for_engine` does not build one for."""
+    `zswap.step.early_build.for_engine` does not build one for."""
     if optimizer is None:
         return "no optimizer"
     if not isinstance(optimizer, OffloadedAdamW):

@@ -28,7 +28,7 @@ from ..gradients import grads, gradstore
 from ..parts import guards as _guards
 from ..parts.params import Item, ParamState, param_state
 from ..parts.runners import RUNNERS
-from ..step import earlystep, stepping
+from ..step import early_build, earlystep, stepping
 from . import bridge, resident, resize, stats, wiring
 from .sizing import refuse_meta
 
@@ -188,7 +188,7 @@ class Engine:
             self._check_finite = self._fp16 or (bf16 and config.bf16.check_grad_overflow)
             self.loss_scaler = stepping.loss_scaler(config, self._fp16)
             self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
-            self._early = earlystep.for_engine(self)
+            self._early = early_build.for_engine(self)
             self._grads.hand_first_to(self._early)
             self._io_base = stats.io_counters(self)  # now with the gradients' and the optimizer's engines
         except BaseException:

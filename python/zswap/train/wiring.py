@@ -16,7 +16,7 @@ from ..fetch.prefetch import Counters, Scheduler, Slot
 from ..gradients import grads, gradstore
 from ..parts.params import Item, NvmeStore, managed_params
 from ..parts.runners import open_runners
-from ..step import earlystep
+from ..step import early_build
 
 if TYPE_CHECKING:
     from .runtime import Engine
@@ -130,7 +130,7 @@ def rewired(engine: Engine) -> Iterator[None]:
     finally:
         try:
             wire(engine, counters)
-            engine._early = earlystep.for_engine(engine)  # built over the new items
+            engine._early = early_build.for_engine(engine)  # built over the new items
             engine._grads.hand_first_to(engine._early)
         except BaseException:
             engine.closed = True
