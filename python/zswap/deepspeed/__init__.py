@@ -6,6 +6,7 @@ thing; this module maps DeepSpeed's signatures onto it and nothing more:
 
 - `initialize` returns DeepSpeed's 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``;
 - `zero.Init`, `zero.GatheredParameters`, `zero.register_external_parameter`;
+- `checkpointing.checkpoint` / `non_reentrant_checkpoint` / `configure` (activation checkpointing);
 - `init_distributed` and `add_config_arguments`, which DeepSpeed scripts call around them.
 
 A DeepSpeed keyword zswap has no equivalent for (``mpu``, ``mesh_param``, quantized weights…) is a
@@ -28,7 +29,7 @@ from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
 from ..train import runtime
 from ..train.bridge import one_optimizer
-from . import zero
+from . import checkpointing, zero
 from ._args import refuse, resolve_config
 from ._data import training_dataloader
 from ._engine import DeepSpeedEngine
@@ -168,6 +169,7 @@ __all__ = [
     "GRADIENT_CLIPPING_DEFAULT",
     "DeepSpeedEngine",
     "add_config_arguments",
+    "checkpointing",
     "init_distributed",
     "initialize",
     "zero",
