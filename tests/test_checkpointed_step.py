@@ -29,19 +29,9 @@ from zswap.device import StandInDevice
 from zswap.step import nesting
 
 from .conftest import run_ranks
+from .test_runtime import Block
 
 VOCAB, WIDTH, STEPS = 13, 16, 4
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(WIDTH)
-        self.a = nn.Linear(WIDTH, 2 * WIDTH)
-        self.b = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.b(torch.tanh(self.a(self.ln(h))))
 
 
 class Checkpointed(nn.Module):
@@ -49,7 +39,7 @@ class Checkpointed(nn.Module):
         super().__init__()
         self.layout = layout
         self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(3))
         if layout in ("shared", "frozen-shared"):
             self.blocks[2] = self.blocks[0]
         if layout == "frozen-shared":
