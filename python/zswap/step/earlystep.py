@@ -288,14 +288,13 @@ class EarlyStep:
             store_of(st).add_fp32(st, g)
 
     def _on_grad(self, p: torch.Tensor, st: ParamState, part: torch.Tensor, task: int, sink: Any) -> bool:
+        if self.state != "idle" and task != self.task and self._outer() is not None:
+            task = self.task  # a backward run inside the one in progress: its gradients (`nesting`)
         if self.state != "idle" and task != self.task:
-            if self._outer() is not None:  # that backward still runs: this one runs inside it, its
-                task = self.task  # gradients are that backward's (`nesting`)
-            elif task < self.task and self.why == nesting.INSIDE:  # the backward the last one ran inside
-                self.task = task  # goes on: off to its end
+            if task < self.task and self.why == nesting.INSIDE:  # the backward the last one ran inside goes
+                self.task = task  # on (task ids grow): off to its end
                 self._watch()
                 return False
-        if self.state != "idle" and task != self.task:
             if self.state == "running" and self.ended:
                 self.accumulates = True  # from now on the update waits for the step (`_begin`)
             if self.state == "running" and self.dropped and self.ended:
