@@ -21,7 +21,7 @@ import torch
 import zswap
 from zswap import GatheredParameters, full_grad
 from zswap.errors import GradientsNotKeptError
-from zswap.step import early_pipeline
+from zswap.step import early_memory, early_pipeline
 
 from .test_earlystep import model_bytes, state, train
 from .test_faults import cfg_for, engine_of, grads_of, inject, same
@@ -241,11 +241,18 @@ def test_a_second_backward_before_the_step(keep, tmp_path):
         ee.close()
 
 
-def test_the_cap_reached_before_any_gradient_was_let_go_falls_back(tmp_path):
+def test_the_cap_reached_before_any_gradient_was_let_go_falls_back(tmp_path, monkeypatch):
     (m, e), (ref, ref_e) = twins(tmp_path)
     pairs = [(m, e), (ref, ref_e)]
     train(pairs, 0)
-    e._early.cap = 0  # gives up at the first gradient: it hands it (and any other) to the store
+    plan_part = early_memory.plan_part
+
+    def then_no_room(es: Any, deferred: bool = False) -> str:  # begun (a cap of 0 would not begin it)
+        why = plan_part(es, deferred)
+        es.cap = 0  # gives up at the first gradient: it hands it (and any other) to the store
+        return why
+
+    monkeypatch.setattr(early_memory, "plan_part", then_no_room)
     aborts = e._early.aborts
     for mm, _ in pairs:
         sq(mm(ids(seed=1))).backward()

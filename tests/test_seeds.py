@@ -111,3 +111,62 @@ def test_the_ordinary_part_of_a_deferred_step_keeps_the_next_forwards_first_para
             assert reads[0] < reads[1], (it, reads)
     for _, ee in runs:
         ee.close()
+
+
+def _layers(tmp_path: Path, early: bool, live: int, sub: int) -> tuple[Any, Any]:
+    """16 × Linear(250, 250) (1 M params) on NVMe with ``live`` elements of live budget and records of
+    ``sub`` elements: a record's copies and gradients are large next to the early step's cap."""
+    d = tmp_path / ("early" if early else "twin")
+    cfg = cfg_for(d, "nvme", "nvme", stage3_max_live_parameters=live, sub_group_size=sub)
+    cfg["stage3_prefetch_bucket_size"] = 5 * 10**4
+    m, _ = build(lambda: torch.nn.Sequential(*[torch.nn.Linear(250, 250) for _ in range(16)]), cfg)
+    e = engine_for(m, cfg)
+    e.early_step = early
+    return m, e
+
+
+def _train_layers(m: Any, e: Any, steps: int) -> tuple[list[Any], list[dict[str, Any]]]:
+    """States and stats after each step (one engine at a time: the next-pass seeds are kept only while no
+    other engine runs a pass in between)."""
+    states, seen = [], []
+    for it in range(steps):
+        x = torch.randn(4, 250, generator=torch.Generator().manual_seed(it))
+        e.stats(reset=True)
+        e.backward(m(x).square().mean())
+        e.step()
+        seen.append(e.stats())
+        states.append(state(m, e))
+    return states, seen
+
+
+@pytest.mark.parametrize(
+    ("extra", "live", "sub", "how"),
+    [
+        (0, 10**6, 10**5, "in backward"),  # the seeds fill the live budget: they make way
+        (0, 10**5, 10**5, "refused"),  # one record's copies and gradients alone pass the cap
+        (0, 2 * 10**5, 10**5, "kept"),  # two records at once may pass it: the gradients are kept
+    ],
+)
+def test_the_step_in_backward_never_runs_out_of_room_after_letting_gradients_go(
+    extra, live, sub, how, tmp_path, monkeypatch
+):
+    """The early step's cap holds the next forward's seeds (up to the live budget) and the copies and
+    gradients waiting for their records. Past it, it let go of seeds first and waits for its writes; it
+    does not begin where one record alone passes the cap, and keeps the gradients it applies where two
+    might — so it never stops halfway after letting gradients go (that backward raised
+    `GradientsNotKeptError`). Params and records bitwise a twin's with the ordinary step."""
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", extra)
+    m, e = _layers(tmp_path, True, live, sub)
+    states, seen = _train_layers(m, e, 4)
+    e.close()
+    twin, te = _layers(tmp_path, False, live, sub)
+    want, _ = _train_layers(twin, te, 4)
+    te.close()
+    assert [same(a, b) for a, b in zip(states, want, strict=True)] == [True] * 4
+    if how == "in backward":
+        assert [s["steps_in_backward"] for s in seen] == [0, 1, 1, 1]
+    elif how == "refused":
+        assert [s["steps_in_backward"] for s in seen] == [0, 0, 0, 0]
+        assert seen[-1]["steps_ordinary_reason"].startswith("the param copies and gradients of one optimizer")
+    else:
+        assert e._early.thin

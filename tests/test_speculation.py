@@ -115,7 +115,8 @@ def test_where_copies_and_gradients_exceed_the_cap_the_rest_takes_the_ordinary_s
     (_, e), (_, ref_e), seen = run(tmp_path, len(limits), clip=lambda step: limits[step], device=device)
     assert counts(seen, "steps_deferred") == [0, 0, 0, 1, 1]
     assert counts(seen, "steps_deferred_partly") == [0, 0, 0, 1, 1]
-    assert seen[2]["steps_ordinary_reason"].startswith("it held more than its cap of 6000 bytes")
+    # (in backward the step would have to hold a whole record, 8192 bytes: it does not begin)
+    assert seen[2]["steps_ordinary_reason"].startswith("the param copies and gradients of one optimizer")
     ordinary = ref_e.stats()
     assert seen[-1]["bytes_read"] < ordinary["bytes_read"]
     assert seen[-1]["bytes_written"] <= ordinary["bytes_written"]

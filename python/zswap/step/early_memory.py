@@ -121,21 +121,32 @@ def parts(es: EarlyStep) -> list[tuple[list[SubGroup], set[int]]]:
     return out
 
 
-def plan_part(es: EarlyStep) -> str:
+def plan_part(es: EarlyStep, deferred: bool = False) -> str:
     """Which params this backward's early step updates (see the module docstring): sets ``staged`` (the
     copies kept for the commit, counted from now on) and ``outside`` (the params left to the ordinary
     step, whose records it never reads). Why none can be updated, or "" where some can. Needs the layout
-    (`zswap.step.early_pipeline.plan`)."""
+    (`zswap.step.early_pipeline.plan`). With nothing kept in CPU memory an update in backward (not
+    ``deferred``) gives up once past the cap with no seed left to let go and every write landed
+    (`early_pipeline.make_room`), after it may have let go of gradients: none runs where one record's
+    copies and gradients pass the cap, and ``thin`` is set where two may."""
     es.outside = frozenset()
     es.staged = _kept_bytes(es, es.layout, {s.param for sg in es.layout for s in sg.segments})
-    if es.staged == 0:
-        return ""  # nothing kept in CPU memory: nothing to plan
     # What it holds besides while backward runs: the param copies and gradients waiting for two records at
     # once (one being completed, and one whose last param is split into it).
     wait = 0
     for sg in es.layout:
         states = [(i, param_state(es.opt.records.params[i])) for i in {s.param for s in sg.segments}]
         wait = max(wait, sum(holds(es, i, st) for i, st in states if st is not None))
+    if es.staged == 0:  # nothing kept in CPU memory: the records alone must fit (seeds make way, `make_room`)
+        if deferred:
+            return ""  # (holds what fits the cap, `EarlyStep.passed`: it never gives up for room)
+        if wait > es.cap:
+            return (
+                f"the param copies and gradients of one optimizer record ({wait} bytes) exceed the early "
+                f"step's cap of {es.cap} bytes: a smaller sub_group_size lets the update run in backward"
+            )
+        es.thin = 2 * wait > es.cap  # two records at once may not: keep the gradients
+        return ""
     if es.staged + 2 * wait <= es.cap:
         return ""
     groups = parts(es)

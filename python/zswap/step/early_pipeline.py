@@ -148,11 +148,25 @@ def seed(es: EarlyStep, i: int, copy: torch.Tensor) -> bool:
         es.holding.add(-_small(copy))
         return False
     while es.seeded > es.seed_numel:
-        _, old = es.seeds.popleft()
-        es.seeded -= old.numel()
-        es.held -= old.numel() * old.element_size()
-        es.holding.add(-_small(old))
+        _drop_oldest_seed(es)
     return True
+
+
+def _drop_oldest_seed(es: EarlyStep) -> None:
+    _, old = es.seeds.popleft()
+    es.seeded -= old.numel()
+    es.held -= old.numel() * old.element_size()
+    es.holding.add(-_small(old))
+
+
+def make_room(es: EarlyStep) -> None:
+    """Past the cap: let go of seeds, oldest first (the next forward reads those params instead: their
+    copies were written), then wait for every copy's write in flight — before the early step gives up
+    for want of room, which it cannot fall back from once it let go of applied gradients."""
+    while es.seeds and es.held + es.copying + es.staged > es.cap:
+        _drop_oldest_seed(es)
+    if es.held + es.copying + es.staged > es.cap:
+        land_copies(es, 0)
 
 
 def land_copies(es: EarlyStep, limit: int) -> None:

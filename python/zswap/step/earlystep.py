@@ -36,7 +36,9 @@ What it keeps:
   copies as their gathered copies (`take_resident`).
 - **Memory.** Param copies and gradients wait for the rest of their record; past `cap` bytes held (with
   the copies kept in CPU memory for the commit, reserved as backward begins: where those of every param
-  would not fit, only a part is updated, `early_memory.plan_part`) it gives up. A param with a
+  would not fit, only a part is updated, `early_memory.plan_part`) it lets go of seeds and waits for its
+  writes, then gives up — so it does not begin where one record's copies and gradients pass the cap, and
+  keeps the gradients it applies where two at once might (``thin``). A param with a
   float32 master (bf16 / fp16 past its first step) has no copy taken: the update only writes it, into a
   buffer taken then (`early_memory.copy_of`). The record
   buffers are the optimizer's own ring. Copies' writes are bounded by the early step itself (``write_ahead``:
@@ -146,6 +148,9 @@ class EarlyStep:
     """Deferred, the copies and gradients held reached `cap`: every later param is passed."""
     part_why: str
     """Why ``outside`` is not empty ("" where it is)."""
+    thin: bool
+    """Two records' param copies and gradients may not fit `cap` at once: the gradients it applies are
+    stored too, so that giving up for room falls back to the ordinary step (`early_memory.plan_part`)."""
 
     def __init__(
         self,
@@ -375,6 +380,8 @@ class EarlyStep:
         self.holding.add(copy.numel() * copy.element_size() + plain(st, copy))  # gradient, plain copy
         self._land_copies(self.write_ahead)
         if self.held + self.copying + self.staged > self.cap:
+            early_pipeline.make_room(self)
+        if self.held + self.copying + self.staged > self.cap:
             self._give_up(
                 task, f"it held more than its cap of {self.cap} bytes of param copies and gradients"
             )
@@ -419,13 +426,14 @@ class EarlyStep:
             self.why = "a second backward before engine.step() (gradient_accumulation_steps is 1)"
             return
         early_pipeline.plan(self)
-        too_big = early_memory.plan_part(self)
+        self.thin = False
+        too_big = early_memory.plan_part(self, deferred=guess.factor is None)
         if too_big:
             self.state, self.task, self.why = "off", task, too_big
             return
         self.task, self.gs, self.state, self.guess = task, gs, "running", guess
         self.factor = guess.factor
-        self.keeping = guess.keep or early_memory.keeps(gs) or bool(self.keep())
+        self.keeping = guess.keep or early_memory.keeps(gs) or bool(self.keep()) or self.thin
         self.lost = ""
         seeds = self.seed_plan() if self.seed_numel > 0 else ()
         self.seeding = early_memory.on_nvme(seeds)
