@@ -28,6 +28,7 @@ import zswap
 from zswap.device import StandInDevice
 from zswap.step import nesting
 
+from ._ddp import ddp_grads
 from .conftest import run_ranks
 from .test_runtime import Block
 
@@ -83,30 +84,17 @@ def plain(layout: str, gas: int, clip: float | None, world: int = 1) -> list[lis
             for k in range(gas):
                 (ref(xs[s * gas + k]) / gas).backward()
         else:
-            _ddp_grads(ref, params, xs[s * gas * world : (s + 1) * gas * world], gas, world)
+
+            def backward(k: int, r: int, s: int = s) -> None:
+                (ref(xs[(s * gas + k) * world + r]) / gas).backward()
+
+            ddp_grads(params, gas, world, backward)
         if clip:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt.step()
         opt.zero_grad()
         after.append([p.detach().clone() for p in ref.parameters()])
     return after
-
-
-def _ddp_grads(
-    ref: nn.Module, params: list[nn.Parameter], xs: list[torch.Tensor], gas: int, world: int
-) -> None:
-    total: list[torch.Tensor | None] = [None] * len(params)
-    for k in range(gas):
-        ranks = []
-        for r in range(world):
-            (ref(xs[k * world + r]) / gas).backward()
-            ranks.append([p.grad for p in params])
-            ref.zero_grad(set_to_none=True)
-        for i, gs in enumerate(zip(*ranks, strict=True)):
-            avg = sum(gs[1:], gs[0]) / world
-            total[i] = avg if total[i] is None else total[i] + avg
-    for p, g in zip(params, total, strict=True):
-        p.grad = g
 
 
 def through_zswap(

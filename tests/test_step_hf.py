@@ -27,6 +27,7 @@ import torch
 import zswap
 from zswap.device import StandInDevice
 
+from ._ddp import ddp_grads
 from ._hf_archs import ARCHS, Arch
 from .conftest import run_ranks
 
@@ -103,21 +104,13 @@ def plain(arch: Arch, setup: dict[str, Any], world: int = 1) -> tuple[dict[str, 
     opt = torch.optim.AdamW(params, **HYPER, fused=True)
     xs, norms = micro_batches(gas * world), []
     for s in range(STEPS):
-        total: list[torch.Tensor | None] = [None] * len(params)
-        for k in range(gas):
-            ranks = []
-            for r in range(world):
-                inputs, dropout = xs[(s * gas + k) * world + r]
-                torch.manual_seed(dropout)  # the same dropout masks
-                (ref(**arch.loss_inputs(inputs)).loss / gas).backward()
-                ranks.append([p.grad for p in params])
-                ref.zero_grad(set_to_none=True)
-            for j, gs in enumerate(zip(*ranks, strict=True)):
-                if gs[0] is not None:
-                    avg = gs[0] if world == 1 else sum(gs[1:], gs[0]) / world
-                    total[j] = avg if total[j] is None else total[j] + avg
-        for p, g in zip(params, total, strict=True):
-            p.grad = g
+
+        def backward(k: int, r: int, s: int = s) -> None:
+            inputs, dropout = xs[(s * gas + k) * world + r]
+            torch.manual_seed(dropout)  # the same dropout masks
+            (ref(**arch.loss_inputs(inputs)).loss / gas).backward()
+
+        ddp_grads(params, gas, world, backward)
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         opt.step()

@@ -20,6 +20,7 @@ from torch import nn
 import zswap
 from zswap.device import StandInDevice
 
+from ._ddp import ddp_grads
 from .conftest import run_ranks
 
 VOCAB, STEPS = 11, 5
@@ -98,19 +99,11 @@ def plain(
     opt = cls(trainable, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01, fused=True)
     xs, norms = batches(STEPS * gas * world), []
     for s in range(STEPS):
-        total: list[torch.Tensor | None] = [None] * len(trainable)
-        for k in range(gas):
-            ranks = []
-            for r in range(world):
-                (ref(xs[(s * gas + k) * world + r], s) / gas).backward()
-                ranks.append([p.grad for p in trainable])
-                ref.zero_grad(set_to_none=True)
-            for i, gs in enumerate(zip(*ranks, strict=True)):
-                if gs[0] is not None:
-                    avg = gs[0] if world == 1 else sum(gs[1:], gs[0]) / world
-                    total[i] = avg if total[i] is None else total[i] + avg
-        for p, g in zip(trainable, total, strict=True):
-            p.grad = g
+
+        def backward(k: int, r: int, s: int = s) -> None:
+            (ref(xs[(s * gas + k) * world + r], s) / gas).backward()
+
+        ddp_grads(trainable, gas, world, backward)
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, clip)))
         if lr_at is not None:
