@@ -129,8 +129,10 @@ def plan_part(es: EarlyStep, deferred: bool = False) -> str:
     ``deferred``) gives up once past the cap with no seed left to let go and every write landed
     (`early_pipeline.make_room`), after it may have let go of gradients: none runs where one record's
     copies and gradients pass the cap, and ``thin`` is set where two may."""
-    es.outside = frozenset()
+    es.outside, es.thin = frozenset(), False
     es.staged = _kept_bytes(es, es.layout, {s.param for sg in es.layout for s in sg.segments})
+    if es.staged == 0 and deferred:
+        return ""  # (holds what fits the cap, `EarlyStep.passed`: it never gives up for room)
     # What it holds besides while backward runs: the param copies and gradients waiting for two records at
     # once (one being completed, and one whose last param is split into it).
     wait = 0
@@ -138,8 +140,6 @@ def plan_part(es: EarlyStep, deferred: bool = False) -> str:
         states = [(i, param_state(es.opt.records.params[i])) for i in {s.param for s in sg.segments}]
         wait = max(wait, sum(holds(es, i, st) for i, st in states if st is not None))
     if es.staged == 0:  # nothing kept in CPU memory: the records alone must fit (seeds make way, `make_room`)
-        if deferred:
-            return ""  # (holds what fits the cap, `EarlyStep.passed`: it never gives up for room)
         if wait > es.cap:
             return (
                 f"the param copies and gradients of one optimizer record ({wait} bytes) exceed the early "

@@ -426,7 +426,6 @@ class EarlyStep:
             self.why = "a second backward before engine.step() (gradient_accumulation_steps is 1)"
             return
         early_pipeline.plan(self)
-        self.thin = False
         too_big = early_memory.plan_part(self, deferred=guess.factor is None)
         if too_big:
             self.state, self.task, self.why = "off", task, too_big

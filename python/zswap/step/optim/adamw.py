@@ -270,13 +270,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         with no step taken (its state reset by `restore_layout` from a checkpoint that had none for it) has
         no state to visit: its first step starts it afresh."""
         wanted = None if params is None else set(params)
-        walk = [
-            sg for sg in self._sub_groups if wanted is None or any(s.param in wanted for s in sg.segments)
-        ]
+
+        def visits(i: int) -> bool:
+            return (wanted is None or i in wanted) and self._steps[i] > 0
+
+        walk = [sg for sg in self._sub_groups if any(visits(s.param) for s in sg.segments)]
 
         def visit(sg: SubGroup, record: torch.Tensor) -> None:
             for seg, views in sg.slices(record):
-                if (wanted is None or seg.param in wanted) and self._steps[seg.param] > 0:
+                if visits(seg.param):
                     fn(seg.param, seg.start, views)
 
         self._store.stream(walk, visit, write=write)
