@@ -7,6 +7,8 @@ thing; this module maps DeepSpeed's signatures onto it and nothing more:
 - `initialize` returns DeepSpeed's 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``;
 - `zero.Init`, `zero.GatheredParameters`, `zero.register_external_parameter`;
 - `checkpointing.checkpoint` / `non_reentrant_checkpoint` / `configure` (activation checkpointing);
+- `utils.safe_get_full_fp32_param` and the rest of the tensor-fragment API (a param's float32 value,
+  optimizer state and gradient);
 - `init_distributed` and `add_config_arguments`, which DeepSpeed scripts call around them.
 
 A DeepSpeed keyword zswap has no equivalent for (``mpu``, ``mesh_param``, quantized weights…) is a
@@ -29,7 +31,7 @@ from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
 from ..train import runtime
 from ..train.bridge import one_optimizer
-from . import checkpointing, zero
+from . import checkpointing, utils, zero
 from ._args import refuse, resolve_config
 from ._data import training_dataloader
 from ._engine import DeepSpeedEngine
@@ -172,5 +174,6 @@ __all__ = [
     "checkpointing",
     "init_distributed",
     "initialize",
+    "utils",
     "zero",
 ]

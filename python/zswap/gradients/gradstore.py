@@ -63,6 +63,9 @@ class MemoryGrads(GradStore):
     def has(self, st: ParamState) -> bool:
         return st.grad is not None
 
+    def dtype(self, st: ParamState) -> torch.dtype | None:
+        return None if st.grad is None else st.grad.dtype
+
     def load(self, st: ParamState) -> tuple[torch.Tensor, None]:
         if st.grad is None:
             raise KeyError(st.key)
@@ -412,6 +415,12 @@ class NvmeGrads(GradStore):
         self._commit()
         self._check()
         return self.key(st) in self._meta
+
+    def dtype(self, st: ParamState) -> torch.dtype | None:
+        self._commit()
+        self._check()
+        meta = self._meta.get(self.key(st))
+        return None if meta is None else meta[1]
 
     def norm(self, st: ParamState) -> torch.Tensor | None:
         self._commit()

@@ -65,6 +65,10 @@ class GradStore:
     def has(self, st: ParamState) -> bool:
         raise NotImplementedError
 
+    def dtype(self, st: ParamState) -> torch.dtype | None:
+        """The dtype ``st``'s partition gradient is kept in (``None``: it has none), without reading it."""
+        raise NotImplementedError
+
     def norm(self, st: ParamState) -> torch.Tensor | None:
         """The float32 L2 norm of the partition gradient, if the store computed it when it stored it
         (``torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)``: what `zswap.grads.global_scale` would

@@ -1,0 +1,103 @@
+"""``deepspeed.utils``' tensor-fragment API on zswap: one param's float32 value, optimizer state and
+gradient, read and written outside the step (`zswap.train.fragments` says what each is).
+
+As in DeepSpeed: the ``full`` functions take and give the param's shape and are collectives (every rank
+calls them for the same params in the same order); the ``local`` ones this rank's flat partition; reads
+are float32 copies on the param's device, ``None`` for a param that does not require grad (or, for a
+gradient, with none). Where zswap differs it says so instead of doing less:
+
+- a write to a param that does not require grad, or of an optimizer state or float32 master before the
+  param's first step (zswap makes them at that step), is a `zswap.ZswapError`, not a no-op;
+- writing a float32 param's value is a collective in ``safe_set_local_fp32_param`` too (the whole param
+  is written, from every rank's partition), and changes the param at once;
+- a write between backward and step (and ``safe_set_full_grad``) makes that step the ordinary one: the
+  update made in backward used the old values. The gradients it needs are kept when a gradient was read
+  or written in an earlier step (``engine.keep_applied_grads = "auto"``); otherwise the write raises
+  `zswap.errors.GradientsNotKeptError`, with what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..train import fragments
+
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
+]
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    return fragments.read(param, "fp32", full=True, api="safe_get_full_fp32_param")
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    fragments.write(param, value, "fp32", full=True, api="safe_set_full_fp32_param")
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    return fragments.read(param, optim_state_key, full=True, api="safe_get_full_optimizer_state")
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    fragments.write(param, value, optim_state_key, full=True, api="safe_set_full_optimizer_state")
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    return fragments.read_grad(param, full=True, api="safe_get_full_grad")
+
+
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    fragments.write_grad(param, value, full=True, api="safe_set_full_grad")
+
+
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    return fragments.read(param, "fp32", full=False, api="safe_get_local_fp32_param")
+
+
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    fragments.write(param, value, "fp32", full=False, api="safe_set_local_fp32_param")
+
+
+def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    return fragments.read(param, optim_state_key, full=False, api="safe_get_local_optimizer_state")
+
+
+def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    fragments.write(param, value, optim_state_key, full=False, api="safe_set_local_optimizer_state")
+
+
+def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    return fragments.read_grad(param, full=False, api="safe_get_local_grad")
+
+
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    fragments.write_grad(param, value, full=False, api="safe_set_local_grad")
+
+
+def safe_update_full_grad_vectorized(
+    param_list: Iterable[torch.Tensor], update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> None:
+    """``update_func(full gradient, param)`` gives each param's new gradient. Params that do not require
+    grad are skipped, as DeepSpeed does, and so are params with no gradient this step (DeepSpeed would
+    hand ``update_func`` zeros there; zswap does not step a param that got no gradient)."""
+    for p in param_list:
+        if not p.requires_grad:
+            continue
+        old = fragments.read_grad(p, full=True, api="safe_update_full_grad_vectorized")
+        if old is not None:
+            fragments.write_grad(p, update_func(old, p), full=True, api="safe_update_full_grad_vectorized")
