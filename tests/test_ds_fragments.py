@@ -190,6 +190,31 @@ def test_writes_after_backward_and_after_step_are_honoured_as_in_plain_torch(tmp
         assert "safe_set_" in stats["steps_ordinary_reason"]
 
 
+@pytest.mark.parametrize("states", ["nvme", "cpu"])
+def test_gradients_clamped_through_local_writes_are_clipped_and_stepped_as_plain_torch(tmp_path, states):
+    """DeepSpeed's TestZeroGradClip: each local gradient clamped through safe_set_local_grad; the step's
+    global norm (and clipping) is taken over the clamped gradients."""
+    cfg = {**config(tmp_path, states), "gradient_clipping": 0.05}
+    engine, plain = build(cfg)
+    opt = plain_adamw(plain)
+    with engine:
+        for step in range(4):
+            x, y = batch(step)
+            engine.backward(engine(x, y))
+            plain(x, y).backward()
+            for p, q in zip(engine.module.parameters(), plain.parameters(), strict=True):
+                utils.safe_set_local_grad(p, utils.safe_get_local_grad(p).clamp(-0.01, 0.01))
+                q.grad.clamp_(-0.01, 0.01)
+            norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+            engine.step()
+            opt.step()
+            opt.zero_grad()
+            assert engine.get_global_grad_norm() == float(norm)
+        with zswap.GatheredParameters(list(engine.module.parameters())):
+            for p, q in zip(engine.module.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(p.data, q.data)
+
+
 def test_bf16_master_and_moments_are_written_and_stepped_from(tmp_path):
     engine, _ = build(config(tmp_path, dtype=torch.bfloat16), dtype=torch.bfloat16)
     with engine:

@@ -18,6 +18,7 @@ import zswap
 import zswap.deepspeed as deepspeed
 from zswap import Status, param_state
 
+from ._ds_common import TwoLayer, batches
 from .conftest import run_ranks
 
 WORKER = Path(__file__).with_name("_ds_dist_worker.py")
@@ -422,6 +423,42 @@ def test_unused_params_train_and_stay_as_they_were(ignore_unused_parameters):
         assert zswap.full_grad(model.unused.weight) is None
         with zswap.GatheredParameters(list(model.unused.parameters())):
             assert all(torch.equal(p, q) for p, q in zip(model.unused.parameters(), before, strict=True))
+
+
+def test_unwrap_model_for_generation_gathers_once_and_training_goes_on(tmp_path):
+    """DeepSpeed's TestUnwrapModel and TestUnwrapModelTraceInvalidate: inside the block every param is
+    whole and forwards read nothing; steps before and after it train as plain PyTorch does."""
+    cfg = {
+        **STAGE3,
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+    }
+    torch.manual_seed(0)
+    plain = TwoLayer(6)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TwoLayer(6)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    opt = torch.optim.Adam(plain.parameters(), lr=0.00015, fused=True)
+    data = list(batches(6, hidden=6))
+    with engine:
+        for i, (x, y) in enumerate(data):
+            if i == 3:
+                with deepspeed.zero.unwrap_model_for_generation(engine) as unwrapped:
+                    assert unwrapped is engine and all(p.numel() > 0 for p in model.parameters())
+                    read = engine.stats()["bytes_read"]  # (the block's entry read the model once)
+                    with torch.no_grad():
+                        for a, b in data:
+                            assert torch.equal(engine(a, b), plain(a, b))
+                    assert engine.stats()["bytes_read"] == read
+                assert all(p.numel() == 0 for p in model.parameters())
+            engine.backward(engine(x, y))
+            plain(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), deepspeed.GRADIENT_CLIPPING_DEFAULT)
+            engine.step()
+            opt.step()
+            opt.zero_grad()
+        with zswap.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
 
 
 @pytest.mark.dist

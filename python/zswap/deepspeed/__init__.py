@@ -5,7 +5,8 @@ zswap's own API (`zswap.initialize`, `zswap.Init`, `zswap.GatheredParameters`) k
 thing; this module maps DeepSpeed's signatures onto it and nothing more:
 
 - `initialize` returns DeepSpeed's 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``;
-- `zero.Init`, `zero.GatheredParameters`, `zero.register_external_parameter`;
+- `zero.Init`, `zero.GatheredParameters`, `zero.register_external_parameter`,
+  `zero.unwrap_model_for_generation`;
 - `checkpointing.checkpoint` / `non_reentrant_checkpoint` / `configure` (activation checkpointing);
 - `utils.safe_get_full_fp32_param` and the rest of the tensor-fragment API (a param's float32 value,
   optimizer state and gradient);

@@ -1,8 +1,11 @@
-"""``deepspeed.zero``'s call shapes on zswap: `Init`, `GatheredParameters`, `register_external_parameter`."""
+"""``deepspeed.zero``'s call shapes on zswap: `Init`, `GatheredParameters`, `register_external_parameter`,
+`unwrap_model_for_generation`."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -128,4 +131,20 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
     register_external_parameter(module, parameter)
 
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
+    """DeepSpeed's ZeRO-3 ``unwrap_model_for_generation``: every param of ``model`` (an engine or its
+    module) gathered for the block, so that a generation loop inside reads nothing more; yields ``model``.
+    DeepSpeed also takes its hooks off for the block; zswap's leave a gathered param as it is, so they
+    stay, and training goes on after the block as before it."""
+    with gather.GatheredParameters(list(model.parameters())):
+        yield model
+
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "register_external_parameter",
+    "unregister_external_parameter",
+    "unwrap_model_for_generation",
+]
