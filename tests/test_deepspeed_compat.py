@@ -81,6 +81,28 @@ def test_a_deepspeed_training_script_runs_and_matches_torch_bitwise():
                 assert torch.equal(p.data, q.data)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_engine_answers_deepspeeds_queries(dtype):
+    cfg = ds_config(**({dtype: {"enabled": True}} if dtype != "fp32" else {}))
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TinyLM()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    with engine:
+        assert (engine.fp16_enabled(), engine.bfloat16_enabled()) == (dtype == "fp16", dtype == "bf16")
+        assert engine.zero_optimization() and engine.zero_optimization_stage() == 3
+        assert (engine.global_rank, engine.local_rank, engine.world_size, engine.dp_world_size) == (
+            0,
+            0,
+            1,
+            1,
+        )
+        with pytest.raises(AssertionError, match="no_sync context manager is incompatible") as raised:
+            engine.no_sync()
+        assert isinstance(raised.value, zswap.ZswapError)
+        engine.destroy()
+        assert engine.closed
+
+
 def test_config_from_args_config_params_or_a_path(tmp_path: Path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds_config(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})))

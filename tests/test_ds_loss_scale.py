@@ -156,3 +156,15 @@ def test_the_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(weights(a), weights(b), strict=True))
     a.close()
     b.close()
+
+
+def test_was_step_applied_says_whether_the_last_step_changed_the_weights():
+    engine = fp16_engine(loss_scale=138.0)
+    with engine:
+        assert not engine.was_step_applied()  # no step yet
+        step(engine, 0.05)
+        assert engine.was_step_applied()
+        step(engine, math.inf)
+        assert not engine.was_step_applied()
+        step(engine, 0.05, seed=1)
+        assert engine.was_step_applied()

@@ -9,10 +9,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from ..checkpoint._atomic import LATEST
-from ..errors import ZswapWarning
+from ..errors import ZswapError, ZswapWarning
 from ..train import runtime
 from ._args import refuse
+
+
+class NoSyncError(ZswapError, AssertionError):
+    """`DeepSpeedEngine.no_sync`: no gradient synchronisation to put off (DeepSpeed asserts with ZeRO-3)."""
 
 
 class DeepSpeedEngine(runtime.Engine):
@@ -29,6 +35,11 @@ class DeepSpeedEngine(runtime.Engine):
 
     ``load_module_strict=False``, ``custom_load_fn`` and ``exclude_frozen_parameters=True`` are not
     supported: a `TypeError` naming the argument.
+
+    DeepSpeed's queries scripts branch on: ``fp16_enabled()``, ``bfloat16_enabled()``,
+    ``zero_optimization_stage()`` (3), ``was_step_applied()``, ``global_rank``, ``local_rank``,
+    ``world_size`` / ``dp_world_size``, ``train_batch_size()``, ``get_global_grad_norm()``; ``destroy()``
+    is `close`; ``no_sync()`` raises as DeepSpeed's does under ZeRO-3.
     """
 
     def save_checkpoint(
@@ -100,10 +111,60 @@ class DeepSpeedEngine(runtime.Engine):
         """The gradients' global L2 norm seen by the last step (``None`` when that step did not need it)."""
         return self.last_grad_norm
 
+    def step(self) -> None:
+        skipped, boundary = self.skipped_steps, self.is_gradient_accumulation_boundary()
+        super().step()
+        if boundary:
+            self._step_applied = self.skipped_steps == skipped
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step (accumulation boundary) changed the params: false before the
+        first and after one skipped for an fp16 overflow."""
+        return getattr(self, "_step_applied", False)
+
+    def fp16_enabled(self) -> bool:
+        return self.config.dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.dtype == "bf16"
+
+    def zero_optimization(self) -> bool:
+        return True  # zswap always partitions params, gradients and optimizer states
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the params are partitioned over (DeepSpeed's data-parallel world; no other parallelism)."""
+        return self._world()
+
+    dp_world_size = world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for `close`."""
+        self.close()
+
+    def no_sync(self) -> Any:
+        raise NoSyncError(
+            "engine.no_sync(): zswap partitions every gradient across the ranks (ZeRO stage 3), so there is "
+            "no all-reduce to put off; DeepSpeed's no_sync context manager is incompatible with gradient "
+            "partitioning (ZeRO stages 2 and 3) too. Accumulate with gradient_accumulation_steps (or run "
+            "backward several times before engine.step())"
+        )
+
     def _world(self) -> int:
         from ..step import stepping
 
         return stepping.world_size(self._items)
 
 
-__all__ = ["DeepSpeedEngine"]
+__all__ = ["DeepSpeedEngine", "NoSyncError"]
