@@ -157,7 +157,7 @@ def _sampler(found: dict[str, Any], stop: threading.Event) -> None:
     glibc's heap — so the peak's line-by-line split is taken at the peak itself, not from peaks of
     separate lines at different moments."""
     from zswap import buffers, memory
-    from zswap.runtime import _ENGINES
+    from zswap.parts.runners import RUNNERS
 
     high = 0
     while not stop.wait(0.003):
@@ -167,7 +167,7 @@ def _sampler(found: dict[str, Any], stop: threading.Event) -> None:
         high = rss
         for _ in range(3):  # the main thread changes what is read here: retry a torn read
             try:
-                engines = list(_ENGINES)
+                engines = list(RUNNERS)
                 snap: dict[str, Any] = {"rss": rss, **memory.live(), **memory.heap()}
                 snap["held"] = sum(memory.held().values())
                 snap["stash"] = sum(getattr(gs, "stash_bytes", 0) for e in engines for gs in e._grad_stores)

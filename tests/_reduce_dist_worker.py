@@ -36,6 +36,7 @@ def check(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
         rank=rank,
         partition_numel=part_numel,
         group=None,
+        key="p0",
         store=None,
         device=torch.device("cpu"),
     )

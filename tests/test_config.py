@@ -385,7 +385,7 @@ WARNED = {
         "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather",
         "log_trace_cache_warnings", "module_granularity_threshold", "use_multi_rank_bucket_allreduce",
         "pipeline_loading_checkpoint", "override_module_apply", "stage3_model_persistence_threshold",
-        "stage3_use_all_reduce_for_fetch_params", "enable_sanity_checks", "leaf_module",
+        "stage3_use_all_reduce_for_fetch_params", "enable_sanity_checks",
     ],
     "zero_optimization.offload_optimizer": ["fast_init", "ratio", "super_offload", "cpuadam_cores_perc"],
     "optimizer": ["legacy_fusion"],
@@ -942,6 +942,7 @@ RICH = {
     "offload_param": {"device": "nvme", "nvme_path": ["/n0", "/n1"], "pin_memory": True, "max_in_cpu": 7},
     "offload_optimizer": {"device": "cpu", "pipeline_read": False, "buffer_count": 3},
     "stage3_prefetch_bucket_size": 0,
+    "leaf_module": {"classes": "Block", "name_suffixes": ["mlp"]},
     "aio": {"block_size": "256KiB", "queue_depth": 64, "num_threads": 2, "backend": "psync", "direct": False,
             "checksum": "crc32c", "pinned_memory_budget": "2GiB", "single_submit": True},
     "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "betas": [0.8, 0.95], "weight_decay": 0.01,
@@ -962,9 +963,10 @@ def test_to_dict_is_the_trimmed_layout():
     assert set(out) == {
         "offload_param", "offload_optimizer", "aio", "optimizer", "bf16", "fp16",
         "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-        "stage3_max_reuse_distance", "sub_group_size", "gradient_clipping",
+        "stage3_max_reuse_distance", "sub_group_size", "leaf_module", "gradient_clipping",
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     }  # fmt: skip
+    assert out["leaf_module"] == {"classes": ["Block"], "names": [], "name_suffixes": ["mlp"]}
     assert out["gradient_clipping"] == "auto"
     assert out["offload_param"]["nvme_path"] == ["/n0", "/n1"]
     assert out["offload_optimizer"]["nvme_path"] is None

@@ -290,3 +290,43 @@ def test_records_are_read_ahead_of_their_last_gradient_in_the_last_backward_orde
     assert same(state(m, e), state(ref, ref_e))
     e.close()
     ref_e.close()
+
+
+class _LateBranch(torch.nn.Module):
+    """A layer first used at the third step (an expert no token picked before, a branch taken late)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, late: bool) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        return (self.b(x) if late else x).square().mean()
+
+
+def test_a_param_first_used_after_the_first_step_is_stepped_in_the_same_commit(tmp_path):
+    """Its gradient goes to the ordinary step (which makes its record) in the commit of the step made in
+    backward for the others: before, that step could not be made live and its gradients, let go, were lost
+    (`GradientsNotKeptError` with default settings)."""
+    cfg = cfg_for(tmp_path, "nvme", "nvme")
+    torch.manual_seed(0)
+    plain = _LateBranch()
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = _LateBranch()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    g = torch.Generator().manual_seed(0)
+    with zswap.initialize(model, cfg) as engine:
+        for step in range(5):
+            x = torch.randn(4, 6, generator=g)
+            engine.backward(engine(x, step >= 2))
+            engine.step()
+            plain(x, step >= 2).backward()
+            opt.step()
+            opt.zero_grad()
+        stats = engine.stats()
+        assert stats["steps_in_backward_partly"] == 1 and stats["steps_in_backward"] == 4
+        assert stats["steps_partly_reason"] == "a param got its first gradient"
+        with GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import warnings
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import ZswapWarning
+from .errors import RanksDivergedError, ZswapWarning
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -77,6 +78,47 @@ def all_gather_flat(
             if not unsupported(exc):
                 raise
     dist.all_gather_into_tensor(out, local, group=group)  # gloo and NCCL both have the flat form
+
+
+_LEDGERS: dict[int, list[int]] = {}
+"""Per process group (by ``id``): [collectives noted, running hash of what each was over] since the
+group's last `check_same`."""
+_MODULUS = (1 << 61) - 1
+
+
+def note(group: ProcessGroup | None, key: str, kind: int) -> None:
+    """Note one collective over the partitions of the param stored under ``key`` (``kind``: 0 a gather,
+    1 a gradient reduction), for `check_same`. Deterministic across processes (no salted ``hash``)."""
+    ledger = _LEDGERS.setdefault(id(group), [0, 0])
+    ledger[0] += 1
+    ledger[1] = (ledger[1] * 1_000_003 + 2 * zlib.crc32(key.encode()) + kind) % _MODULUS
+
+
+def check_same(group: ProcessGroup | None) -> None:
+    """Whether every rank of ``group`` noted the same collectives since its last check (a collective
+    itself: every rank calls it at the same point); raises `RanksDivergedError` if not. Clears the ledger."""
+    count, digest = _LEDGERS.pop(id(group), [0, 0])
+    dist = torch.distributed
+    cuda = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    world = dist.get_world_size(group)
+    every = torch.empty(2 * world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(
+        every, torch.tensor([count, digest], dtype=torch.int64, device=device), group=group
+    )
+    rows = every.view(world, 2).tolist()
+    if any(row != rows[0] for row in rows):
+        counts = ", ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(rows))
+        raise RanksDivergedError(
+            "the ranks did not gather the same params in the same order in the forwards and backwards since "
+            f"the last step (gathers and gradient reductions, {counts}; or the same number of different "
+            "ones), so those passes paired partitions of different params: every rank must run the same "
+            "modules — not a branch that depends on the rank or the data, such as a mixture-of-experts "
+            "layer running only the experts its tokens pick. Mark such a module as a leaf, whose params "
+            "are gathered together whatever runs inside it (zswap.deepspeed.utils.set_z3_leaf_modules("
+            "model, [cls]), or the config's zero_optimization.leaf_module). Nothing was stepped: call "
+            "engine.zero_grad() before going on"
+        )
 
 
 def unsupported(exc: BaseException) -> bool:

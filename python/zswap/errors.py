@@ -19,6 +19,7 @@ would already catch for the same fault, so existing ``except`` blocks keep worki
     ├── ThreadStartError (RuntimeError)               an engine thread could not be started
     ├── EngineClosedError (RuntimeError)              a SwapEngine or Engine used after close()
     ├── GradientsNotKeptError (RuntimeError)          gradients the early step applied were not kept
+    ├── RanksDivergedError (RuntimeError)             ranks gathered different params since the last step
     └── UnknownKeyError (KeyError)                    a key never written, or freed
     ZswapWarning (RuntimeWarning)                     a fallback was taken
 
@@ -163,6 +164,14 @@ class GradientsNotKeptError(ZswapError, RuntimeError):
     they are kept from the next backward on; ``keep_applied_grads = True`` keeps them always."""
 
 
+class RanksDivergedError(ZswapError, RuntimeError):
+    """Over several ranks, the forwards and backwards since the last step did not gather (or reduce the
+    gradients of) the same params in the same order on every rank: a collective paired one rank's
+    partition of one param with another rank's partition of another, so those passes computed with mixed
+    weights. `zswap.Engine.step` checks before it changes anything and raises this instead; the message
+    names the cause and the fix (leaf modules)."""
+
+
 class UnknownKeyError(ZswapError, KeyError):
     """A `SwapEngine` key that was never written, or was freed."""
 
@@ -186,6 +195,7 @@ __all__ = [
     "NvmePathMissing",
     "NvmePathNotADirectory",
     "NvmePathNotWritable",
+    "RanksDivergedError",
     "SwapIOError",
     "SwapMemoryError",
     "ThreadStartError",

@@ -80,6 +80,7 @@ STAGE3_KNOBS = (
     "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
     "sub_group_size",
+    "leaf_module",
 )
 """The `zero_optimization` keys zswap reads; in the trimmed layout they may also stand at top level."""
 
@@ -145,7 +146,6 @@ ZERO = Section(
             "model_persistence_threshold",
             "stage3_module_granularity_threshold",
             "module_granularity_threshold",
-            "leaf_module",
             "stage3_partition_stream_chunk_size",
             "partition_stream_chunk_size",
             "pipeline_loading_checkpoint",

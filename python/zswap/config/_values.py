@@ -174,6 +174,14 @@ def to_paths(value: Any) -> tuple[pathlib.Path, ...]:
     return tuple(paths)
 
 
+def to_names(value: Any) -> tuple[str, ...]:
+    """A non-empty string or a list of them (DeepSpeed takes one string for a list of one)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) and i.strip() for i in items):
+        raise invalid("must be a name or a list of names (non-empty strings)")
+    return tuple(dict.fromkeys(items))
+
+
 def to_betas(value: Any) -> tuple[float, float]:
     """Adam's two moment decay rates, each in [0, 1)."""
     requirement = "must be a list of two numbers in [0, 1)"
@@ -213,6 +221,7 @@ ByteSize = Annotated[int, _check(to_byte_size)]
 BlockSize = Annotated[int, _check(to_block_size)]
 Paths = Annotated[tuple[pathlib.Path, ...], _check(to_paths)]
 Betas = Annotated[tuple[float, float], _check(to_betas)]
+Names = Annotated[tuple[str, ...], _check(to_names)]
 AutoOrBool = Annotated[Literal["auto"] | bool, _check(to_auto_or_bool)]
 
 

@@ -118,6 +118,19 @@ class OffloadOptimizerConfig(_Model):
     """Write the previous sub-group's states while the current one is updated (default true)."""
 
 
+class LeafModuleConfig(_Model):
+    """``zero_optimization.leaf_module``: modules whose params are gathered together when they run, whatever
+    runs inside them (`zswap.fetch.leaves`): a mixture-of-experts block over several ranks needs it."""
+
+    classes: v.Names | None = None
+    """Classes, by name (``MixtralSparseMoeBlock``) or fully qualified; ``None``: DeepSpeed's default list
+    (the Mixtral, Qwen2-MoE and Qwen3-MoE sparse blocks), applied where the params span several ranks."""
+    names: v.Names = ()
+    """Module names as ``model.named_modules()`` gives them."""
+    name_suffixes: v.Names = ()
+    """Every module whose name ends with one of these."""
+
+
 class ZeroConfig(_Model):
     """The stage-3 scheduling knobs of ``zero_optimization``. Counts are elements; ``None`` = zswap picks."""
 
@@ -131,6 +144,8 @@ class ZeroConfig(_Model):
     """A param reused within this many elements of fetches is not released in between."""
     sub_group_size: v.PositiveInt | None = None
     """Elements per optimizer sub-group (the unit the optimizer swaps and steps)."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Leaf modules (DeepSpeed's keys ``classes``, ``names``, ``name_suffixes``)."""
 
 
 class AioConfig(_Model):
@@ -443,6 +458,8 @@ def _is_auto(value: Any) -> bool:
 def _to_json(value: Any) -> Any:
     if value is None:
         return "auto"
+    if isinstance(value, _Model):
+        return value._json_fields()
     if isinstance(value, tuple):
         return [_to_json(item) for item in value]
     if isinstance(value, dict):
@@ -490,6 +507,7 @@ __all__ = [
     "BF16Config",
     "BatchConfig",
     "FP16Config",
+    "LeafModuleConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",

@@ -1,5 +1,6 @@
-"""``deepspeed.utils``' tensor-fragment API on zswap: one param's float32 value, optimizer state and
-gradient, read and written outside the step (`zswap.train.fragments` says what each is).
+"""``deepspeed.utils`` on zswap: the tensor-fragment API — one param's float32 value, optimizer state and
+gradient, read and written outside the step (`zswap.train.fragments` says what each is) — and ZeRO-3
+leaf modules (`set_z3_leaf_modules` and its kin, `zswap.fetch.leaves`).
 
 As in DeepSpeed: the ``full`` functions take and give the param's shape and are collectives (every rank
 calls them for the same params in the same order); the ``local`` ones this rank's flat partition; reads
@@ -18,13 +19,16 @@ gradient, with none). Where zswap differs it says so instead of doing less:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from torch import nn
 
+from ..fetch import leaves
 from ..train import fragments
 
 __all__ = [
+    "get_z3_leaf_modules",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
@@ -38,6 +42,12 @@ __all__ = [
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
     "safe_update_full_grad_vectorized",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
 ]
 
 
@@ -101,3 +111,67 @@ def safe_update_full_grad_vectorized(
         old = fragments.read_grad(p, full=True, api="safe_update_full_grad_vectorized")
         if old is not None:
             fragments.write_grad(p, update_func(old, p), full=True, api="safe_update_full_grad_vectorized")
+
+
+# -- leaf modules (`zswap.fetch.leaves`) ---------------------------------------------------------------
+
+
+def z3_leaf_module(model: nn.Module) -> bool:
+    """Whether ``model`` is marked as a leaf module (its params gathered together)."""
+    return leaves.is_leaf(model)
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    return leaves.leaves(model)
+
+
+def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
+    leaves.mark(model, [model], flag)
+
+
+def set_z3_leaf_modules(
+    model: nn.Module, leaf_module_classes: Sequence[type | str], raise_if_not_found: bool = True
+) -> list[nn.Module]:
+    """Mark every module of ``model`` that is an instance of one of ``leaf_module_classes`` (classes, or
+    class names: plain or fully qualified) as a leaf: its params are gathered together when it runs,
+    whatever runs inside — what a mixture-of-experts block needs over several ranks. Marks made on a
+    model an open engine runs take effect from its next forward. Returns the modules marked; a
+    `ValueError` if none matched (unless ``raise_if_not_found`` is false)."""
+    return _by_class(model, leaf_module_classes, True, raise_if_not_found)
+
+
+def unset_z3_leaf_modules(
+    model: nn.Module, leaf_module_classes: Sequence[type | str], raise_if_not_found: bool = True
+) -> list[nn.Module]:
+    return _by_class(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def set_z3_leaf_modules_by_name(
+    model: nn.Module, module_names: Sequence[str], flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[nn.Module], list[str]]:
+    """Mark the modules named ``module_names`` in ``model.named_modules()``: (those marked, the names that
+    matched none — a `ValueError` if any, unless ``raise_if_not_found`` is false)."""
+    return _by_name(model, module_names, flag, raise_if_not_found, suffix=False)
+
+
+def set_z3_leaf_modules_by_suffix(
+    model: nn.Module, module_name_suffixes: Sequence[str], flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[nn.Module], list[str]]:
+    """As `set_z3_leaf_modules_by_name`, for every module whose name ends with one of the suffixes."""
+    return _by_name(model, module_name_suffixes, flag, raise_if_not_found, suffix=True)
+
+
+def _by_class(model: nn.Module, classes: Sequence[type | str], flag: bool, strict: bool) -> list[nn.Module]:
+    found = leaves.by_class(model, classes)
+    if not found and strict:
+        raise ValueError(f"no module of {list(classes)} in the model")
+    return leaves.mark(model, found, flag)
+
+
+def _by_name(
+    model: nn.Module, names: Sequence[str], flag: bool, strict: bool, suffix: bool
+) -> tuple[list[nn.Module], list[str]]:
+    found, missing = leaves.by_name(model, names, suffix=suffix)
+    if missing and strict:
+        raise ValueError(f"no module {'ending with' if suffix else 'named'} {missing} in the model")
+    return leaves.mark(model, found, flag), missing

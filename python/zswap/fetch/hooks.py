@@ -57,6 +57,8 @@ class ModuleInfo:
     slots: list[Slot]
     """Params its forward uses: its own (``recurse=False``), then any found in use while it ran."""
     ids: set[int] = field(default_factory=set)
+    leaf: bool = False
+    """A leaf module (`zswap.fetch.leaves`): ``slots`` are every param inside it."""
 
     def add(self, slot: Slot) -> None:
         if id(slot.p) not in self.ids:
@@ -109,8 +111,12 @@ class ModuleHooks:
         slot_for: Callable[[torch.Tensor, ParamState], Slot],
         *,
         reuse_outputs: Callable[[], bool] = lambda: False,
+        leaf_done: Callable[[int | None], None] = lambda _: None,
     ) -> None:
         self.root = root
+        self._leaf_done = leaf_done
+        """Told when a leaf module's backward ends (its index) and when the outermost backward does (None):
+        the gradient sink reduces the leaf's gradients then (`zswap.gradients.grads.GradSink.leaf_done`)."""
         self.infos = infos
         self.sched = sched
         self._slot_for = slot_for
@@ -299,11 +305,14 @@ class ModuleHooks:
         self._release_recomputed()
         if call.bw_held is not None:
             held, call.bw_held = call.bw_held, None
+            if call.info.leaf:
+                self._leaf_done(call.info.index)
             self.sched.release(held)
 
     def _backward_done(self, task: int) -> None:
         self._release_recomputed()
         self._tasks.discard(task)
+        ended_backward = task >= 0
         if not self._tasks:
             task = -2  # the outermost backward ended (or a forward begins): nothing is held any more
         ended = [c for c in self._bw_calls if c.task == task or task == -2]
@@ -311,6 +320,8 @@ class ModuleHooks:
         for call in ended:
             self._bw_post(call, None)  # type: ignore[arg-type]
         if task == -2:
+            if ended_backward:
+                self._leaf_done(None)
             self.sched.end()
             self.outputs.end()
 

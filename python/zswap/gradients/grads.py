@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -52,8 +52,18 @@ class GradSink:
     """Installs, on each managed param that requires grad, the hooks that move its gradient to its
     partition. ``remove()`` takes them off again."""
 
-    def __init__(self, items: Iterable[Item], device: Device | None = None) -> None:
+    def __init__(
+        self,
+        items: Iterable[Item],
+        device: Device | None = None,
+        leaves: Mapping[int, list[Item]] | None = None,
+    ) -> None:
         self._handles: list[Any] = []
+        # Params of leaf modules over several ranks (`zswap.fetch.leaves`): leaf → its params in one order;
+        # their gradients wait for the leaf's backward to end (`leaf_done`).
+        self._leaves = {k: [(p, st) for p, st in v if p.requires_grad] for k, v in (leaves or {}).items()}
+        self._leaf_of = {id(p): k for k, v in self._leaves.items() for p, st in v if st.world_size > 1}
+        self._waiting: dict[int, torch.Tensor] = {}
         self.device = None if device is None or device.passthrough else device
         self._pending: deque[tuple[ParamState, Copy]] = deque()
         self._flush_task = -1
@@ -77,6 +87,11 @@ class GradSink:
             h.remove()
         self._handles.clear()
         self.flush()
+        self.drop_waiting()
+
+    def drop_waiting(self) -> None:
+        """Forget leaf gradients still waiting (a backward that raised before its end left them)."""
+        self._waiting.clear()
 
     def land_in(self, alloc: Alloc | None, pool_bytes: int) -> None:
         """Land device-to-host copies in buffers from ``alloc`` (engine buffers registered with the device:
@@ -167,17 +182,53 @@ class GradSink:
                 p.grad = None  # never left holding a full-size gradient
                 if st.status is not Status.AVAILABLE:
                     p.data = torch.empty(0, dtype=st.dtype, device=st.device)
-                if grad is not None:
-                    if me.device is not None and on_host(st):
-                        part = local_part(st, grad)  # reduce-scatter on the device first
-                        if me._first is None or not me._first.on_grad(p, st, part, me):
-                            me._to_host(st, part)
-                    else:
-                        part = local_part(st, grad)
-                        if me._first is None or not me._first.on_grad(p, st, part):
-                            store_of(st).add(st, part)  # else the early step stored it, or applies it
+                if grad is None:
+                    return
+                if id(p) in me._leaf_of:
+                    held = me._waiting.get(id(p))
+                    me._waiting[id(p)] = grad if held is None else held + grad
+                    return
+                me._route(p, st, grad)
 
         return post
+
+    def _route(self, p: torch.Tensor, st: ParamState, grad: torch.Tensor) -> None:
+        """Reduce ``p``'s full gradient to this rank's partition and hand it on: to the early step first,
+        else to the store (from a compute device: copied to the host first)."""
+        part = local_part(st, grad)  # (with a compute device: the reduce-scatter runs there)
+        if self.device is not None and on_host(st):
+            if self._first is None or not self._first.on_grad(p, st, part, self):
+                self._to_host(st, part)
+        elif self._first is None or not self._first.on_grad(p, st, part):
+            store_of(st).add(st, part)  # else the early step stored it, or applies it
+
+    def leaf_done(self, leaf: int | None = None) -> None:
+        """The backward of leaf module ``leaf`` ended (``None``: the whole backward did — every leaf's
+        gradients still waiting, a param used outside its leaf too): every rank reduces, in the leaf's
+        order, each of its params that got a gradient on any rank (zeros where this one got none), as
+        DDP does for a param some ranks did not use. What runs inside a leaf may differ between ranks
+        (which experts a mixture-of-experts block runs), its params' gradient reductions may not."""
+        items = [it for k in ([leaf] if leaf is not None else self._leaves) for it in self._leaves.get(k, [])]
+        items = [(p, st) for p, st in items if id(p) in self._leaf_of]
+        if not items:
+            return
+        with no_torch_function():
+            mine = torch.tensor([id(p) in self._waiting for p, _ in items], dtype=torch.uint8)
+            group = items[0][1].group
+            if _dist.is_gloo(group) or not torch.cuda.is_available():
+                anywhere = mine
+            else:
+                anywhere = mine.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=group)
+            for (p, st), used in zip(items, anywhere.tolist(), strict=True):
+                if used:
+                    grad = self._waiting.pop(id(p), None)
+                    if grad is None:  # where this rank's others are: the compute device, or the param's
+                        where = (
+                            self.device.torch_device if self.device is not None and on_host(st) else st.device
+                        )
+                        grad = torch.zeros(st.shape, dtype=st.dtype, device=where)
+                    self._route(p, st, grad)
 
 
 def landing_alloc(device: Device, grad_stores: Iterable[Any], stores: Iterable[Any]) -> Alloc | None:
@@ -233,6 +284,7 @@ def local_part(st: ParamState, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> None:
+    _dist.note(st.group, st.key, 1)
     if _dist.is_gloo(st.group) and _sum_of_slices(out, flat, st):
         return
     try:

@@ -169,6 +169,7 @@ def finish_fetch(loading: Loading, *, private: bool, device: Device | None = Non
                     local = device.wait(copy if copy is not None else device.h2d(local))
                     copied = True
                 if st.world_size > 1:
+                    _dist.note(st.group, st.key, 0)
                     pooled = host_buffers(st)
                     numel = st.partition_numel * st.world_size
                     full = (

@@ -319,8 +319,13 @@ class EarlyStep:
         if self.state != "running":
             return False
         i = self.index.get(id(p))
-        if i is None or not self.opt.records.placed(i):
-            return False  # not stepped by this optimizer, or no record yet: the ordinary step will say
+        if i is None:
+            return False  # not stepped by this optimizer: the ordinary step will say
+        if not self.opt.records.placed(i):
+            if self.opt.records.sub_groups:  # a first gradient after the first step (an expert, a branch):
+                self.passed.add(i)  # its record is made by the ordinary step in this commit (`ordinary_part`)
+                self.part_why = self.part_why or "a param got its first gradient"
+            return False
         if i in self.ready or st.status is not Status.AVAILABLE:
             why = "a second gradient for one param" if i in self.ready else "a param not gathered"
             self._give_up(task, why)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import _dist
 from ..config import ZswapConfig
 from ..errors import ConfigError
 from . import schedules
@@ -112,6 +113,17 @@ def loss_scaler(cfg: ZswapConfig, fp16: bool) -> LossScaler | None:
 def world_size(items: Any) -> int:
     """Ranks the params are partitioned over (the data-parallel world of the batch arithmetic)."""
     return max((st.world_size for _, st in items), default=1)
+
+
+def same_passes(items: Any) -> None:
+    """At an optimizer step, before it changes anything: every rank gathered the same params in the same
+    order since the last one (`zswap._dist.check_same`, per process group of ``items``, in their order)."""
+    groups: dict[int, Any] = {}
+    for _, st in items:
+        if st.world_size > 1:
+            groups.setdefault(id(st.group), st.group)
+    for group in groups.values():
+        _dist.check_same(group)
 
 
 def cast_half(value: Any) -> Any:

@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from ..fetch.prefetch import Scheduler
     from .sizing import Sizing
 
-_ENGINES = RUNNERS  # open engines (one per param at a time): the registry the layers below ask
-
 
 def initialize(
     model: nn.Module,
@@ -196,7 +194,7 @@ class Engine:
                 self.optimizer.close()
             wiring.unwire(self)
             raise
-        _ENGINES.add(self)
+        RUNNERS.add(self)  # the open engines (one per param at a time) the layers below ask
         _guards.install()  # optimizer steps, clipping and forwards outside an engine are refused
         self._sched.read_ahead()  # the first pass's first reads, along the guess (counted from here on)
 
@@ -226,6 +224,7 @@ class Engine:
             self._micro_batch_end()
             return
         self._grads.flush()
+        stepping.same_passes(self._items)  # several ranks: they gathered the same params (or it raises)
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         held = resident.take(self)  # resident params: stepped in their gathered copy (no read)
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
@@ -467,6 +466,7 @@ class Engine:
         if self._early is not None:
             self._early.zero_grad()
         self._grads.flush()
+        self._grads.drop_waiting()
         grads.clear(self._items)
         for p in self.module.parameters():
             p.grad = None

@@ -5,12 +5,14 @@ allowance (`wire`); `unwire` undoes it, `rewired` does both around a change of p
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .. import device as _device
 from ..errors import ZswapError
+from ..fetch import leaves
 from ..fetch.hooks import ModuleHooks, ModuleInfo
 from ..fetch.prefetch import Counters, Scheduler, Slot
 from ..gradients import grads, gradstore
@@ -35,20 +37,34 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         if other is not engine and other.runs(ids):
             raise ZswapError("these params are already run by another zswap Engine; close() it first")
     engine._items, engine._ids = items, ids
+    if counters is None:  # built (not wired again): the config's leaf modules
+        leaves.from_config(module, config.zero.leaf_module, any(st.world_size > 1 for _, st in items))
     engine.sizing = size(module, engine._items, config)
     engine._homes = _device.place(module, engine._items, engine.compute_device)
     engine._slots = {
         id(p): Slot(p, st, st.numel <= engine.sizing.persistence_threshold or id(p) in engine.sizing.resident)
         for p, st in engine._items
     }
+    # A leaf module holds every param inside it; the modules inside hold none (`zswap.fetch.leaves`).
+    under = leaves.inside(module)
     infos = {
         id(m): ModuleInfo(
-            i, name, [engine._slots[id(p)] for p in m.parameters(recurse=False) if id(p) in ids]
+            i,
+            name,
+            []
+            if id(m) in under
+            else [engine._slots[id(p)] for p in m.parameters(recurse=leaves.is_leaf(m)) if id(p) in ids],
         )
         for i, (name, m) in enumerate(module.named_modules(remove_duplicate=True))
     }
     for info in infos.values():
         info.ids.update(id(s.p) for s in info.slots)
+    for inner, leaf in under.items():
+        if inner in infos:  # what it uses of the leaf's params is not foreign to it
+            infos[inner].ids.update(infos[id(leaf)].ids)
+    for m in module.modules():
+        if leaves.is_leaf(m) and id(m) not in under:
+            infos[id(m)].leaf = True
     me = weakref.ref(engine)  # weakly: collaborators that ask the engine do not keep it alive
     engine._sched = Scheduler(
         engine._slots.values(),
@@ -74,8 +90,10 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         engine._sched,
         engine._slot_for,
         reuse_outputs=lambda: (e := me()) is not None and e._reuse_outputs,
+        leaf_done=functools.partial(_leaf_done, me),
     )
-    engine._grads = grads.GradSink(engine._items, engine.compute_device)
+    leaf_items = {i.index: [(s.p, s.st) for s in i.slots] for i in infos.values() if i.leaf}
+    engine._grads = grads.GradSink(engine._items, engine.compute_device, leaf_items)
     engine._grad_stores = []
     try:
         # Weakly (`me`): each param's state holds its gradient store for as long as the param lives (its
@@ -109,6 +127,12 @@ def unwire(engine: Engine) -> None:
     finally:
         gradstore.detach(engine._items, engine._grad_stores)
         engine._grad_stores = []
+
+
+def _leaf_done(engine: weakref.ref[Engine], leaf: int | None) -> None:
+    e = engine()
+    if e is not None:
+        e._grads.leaf_done(leaf)
 
 
 @contextlib.contextmanager
