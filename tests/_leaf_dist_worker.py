@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
-from tests.test_leaf_modules import ByRank, MoE, WithMixtral, config, data, train_plain_step
+from tests.test_leaf_modules import ByRank, MoE, WithMixtral, config, data, train_hf_moe, train_plain_step
 from zswap.deepspeed import utils
 from zswap.device import StandInDevice
 from zswap.errors import RanksDivergedError
@@ -60,6 +60,10 @@ def mixtral_blocks_are_leaves_by_default(rank: int, tmp: Path) -> None:
             engine.step()
 
 
+def hf_mixtral(rank: int, tmp: Path) -> None:
+    train_hf_moe("mixtral", tmp, rank)  # its sparse blocks are leaves by default
+
+
 def compare(engine: zswap.Engine, model: torch.nn.Module, cls: type, rank: int, seed: int) -> None:
     torch.manual_seed(0)
     plain = cls()
@@ -87,6 +91,7 @@ def main() -> None:
                 moe_with_leaf_blocks,
                 moe_on_the_device_path,
                 mixtral_blocks_are_leaves_by_default,
+                hf_mixtral,
             )
             for i, scenario in enumerate(scenarios):
                 swap = tmp / f"swap{rank}-{i}"

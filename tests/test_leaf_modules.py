@@ -170,6 +170,61 @@ def test_a_leaf_module_whose_inside_changes_trains_as_plain_torch(tmp_path, cls,
                 assert torch.equal(p.data, q.data)
 
 
+def hf_moe(kind: str) -> nn.Module:
+    """A tiny Hugging Face mixture-of-experts causal LM (Mixtral, Qwen2-MoE): 4 experts, 2 per token."""
+    import transformers
+
+    shape = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2,
+             "max_position_embeddings": 64}  # fmt: skip
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**shape, num_local_experts=4))
+    return transformers.Qwen2MoeForCausalLM(
+        transformers.Qwen2MoeConfig(
+            **shape, num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=32
+        )
+    )
+
+
+def train_hf_moe(kind: str, path: Path, rank: int = 0, steps: int = 4) -> None:
+    """`hf_moe` trained through zswap and in plain PyTorch (DDP's gradients over several ranks) on the
+    rank's own batches: bitwise equal, the update run in backward after the first step."""
+    cfg = config(path)
+    torch.manual_seed(0)
+    plain = hf_moe(kind)
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = hf_moe(kind)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    g = torch.Generator().manual_seed(rank)
+    with zswap.initialize(model, cfg) as engine:
+        for _ in range(steps):
+            ids = torch.randint(3, 128, (2, 8), generator=g)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+            train_plain_step(_Loss(plain), opt, ids, ids)
+        assert engine.stats()["steps_in_backward"] == steps - 1
+        with zswap.GatheredParameters(list(model.parameters())):
+            for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(p.data, q.data)
+
+
+class _Loss(nn.Module):
+    """``forward(ids, labels)`` → a causal LM's loss (what `train_plain_step` calls)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=labels).loss
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2-moe"])
+def test_hugging_face_moe_models_train_as_plain_torch(tmp_path, kind, quiet_transformers):
+    train_hf_moe(kind, tmp_path)
+
+
 class MixtralLike(MoEBlock):
     """Stands for transformers' Mixtral block: DeepSpeed's default leaf classes name it."""
 
