@@ -254,6 +254,8 @@ def test_the_configs_leaf_module_marks_modules_as_the_engine_is_built(tmp_path):
         engine = zswap.initialize(model, cfg)
     with engine:
         assert utils.get_z3_leaf_modules(model) == [*model.blocks, model.out]
+        assert utils.z3_leaf_parameter(model.blocks[0].experts[1].weight)
+        assert not utils.z3_leaf_parameter(model.inp.weight)
         utils.unset_z3_leaf_modules(model, [MoEBlock])  # kept unset (the config applies once)
         engine.backward(engine(*next(data(0))))
         engine.step()

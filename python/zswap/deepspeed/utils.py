@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..fetch import leaves
+from ..parts.runners import runners_of
 from ..train import fragments
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
+    "z3_leaf_parameter",
 ]
 
 
@@ -119,6 +121,13 @@ def safe_update_full_grad_vectorized(
 def z3_leaf_module(model: nn.Module) -> bool:
     """Whether ``model`` is marked as a leaf module (its params gathered together)."""
     return leaves.is_leaf(model)
+
+
+def z3_leaf_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is inside a leaf module of the model an open engine runs."""
+    for engine in runners_of([param]):
+        return any(any(q is param for q in m.parameters()) for m in leaves.leaves(engine.module))
+    return False
 
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:

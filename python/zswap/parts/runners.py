@@ -20,6 +20,8 @@ class Runner(Protocol):
     """What an open engine offers the layers below it."""
 
     closed: bool
+    module: torch.nn.Module
+    """The model it trains."""
 
     def runs(self, ids: set[int]) -> bool:
         """Whether it runs any of the params whose ``id`` is in ``ids``."""
