@@ -170,3 +170,50 @@ def test_the_step_in_backward_never_runs_out_of_room_after_letting_gradients_go(
         assert seen[-1]["steps_ordinary_reason"].startswith("the param copies and gradients of one optimizer")
     else:
         assert e._early.thin
+
+
+class _TiedChain(torch.nn.Module):
+    """A tied embedding (its gradient complete only at backward's end) and blocks whose records chain
+    into it (records of 200 elements span param boundaries): most gradients wait for the last one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(23, 24)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 24))
+            for _ in range(2)
+        )
+        self.head = torch.nn.Linear(24, 23, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), x.roll(1, 1).flatten())
+
+
+def test_gradients_waiting_for_a_late_one_are_kept_where_they_may_pass_the_cap(tmp_path, monkeypatch):
+    """Where the last backward's order would have held more than the cap — the updates of records
+    trailing their gradients, copies made at the update held with them — the early step keeps the
+    gradients it applies (``thin``), so past the cap it falls back instead of raising
+    `GradientsNotKeptError` (as it did with a cap of the live budget alone). Bitwise the ordinary twin."""
+    monkeypatch.setattr(earlystep, "CAP_EXTRA", 0)
+    runs = []
+    for early in (True, False):
+        cfg = cfg_for(tmp_path / str(early), "nvme", "nvme", sub_group_size=200, bf16={"enabled": True})
+        del cfg["stage3_max_live_parameters"]  # the default: the model fits
+        m, _ = build(_TiedChain, cfg)
+        e = engine_for(m, cfg)
+        e.early_step = early
+        seen = []
+        for it in range(4):
+            x = torch.randint(0, 23, (2, 6), generator=torch.Generator().manual_seed(it))
+            e.backward(m(x))
+            e.step()
+            seen.append(state(m, e))
+        runs.append((seen, e._early.thin if early else None))
+        e.close()
+    (got, thin), (want, _) = runs
+    assert thin
+    assert [same(a, b) for a, b in zip(got, want, strict=True)] == [True] * 4

@@ -145,7 +145,9 @@ def plan_part(es: EarlyStep, deferred: bool = False) -> str:
                 f"the param copies and gradients of one optimizer record ({wait} bytes) exceed the early "
                 f"step's cap of {es.cap} bytes: a smaller sub_group_size lets the update run in backward"
             )
-        es.thin = 2 * wait > es.cap  # two records at once may not: keep the gradients
+        # Two records at once may not fit, or (a record waiting for a param the last backward gave its
+        # gradient late: a tied embedding, a block run twice) the last backward's order did not: keep them.
+        es.thin = 2 * wait > es.cap or _peak(es) > es.cap
         return ""
     if es.staged + 2 * wait <= es.cap:
         return ""
@@ -170,6 +172,48 @@ def plan_part(es: EarlyStep, deferred: bool = False) -> str:
     es.part_why = f"{over}: {len(inside)} of {len(inside) + len(es.outside)} params updated in backward"
     es.upcoming = deque(sg for sg in es.upcoming if sg.segments[0].param not in es.outside)  # (closed)
     return ""
+
+
+def _peak(es: EarlyStep) -> int:
+    """The most bytes of copies and gradients held at once had the last backward's gradients come in
+    this layout: each param's from its arrival until every record holding it is updated — one complete
+    record's update trailing (`pump` keeps one read in flight), a copy made at the update (a param only
+    written, `materialize`) held with its gradient meanwhile, resident params' copies until the commit."""
+    params = es.opt.records.params
+    index = {id(p): i for i, p in enumerate(params)}
+    staying = es.resident()  # their copies stay until the commit (`early_pipeline.seed`); seeds make way
+    waiting, left, peak = dict(es.waiting), dict(es.left), 0
+    held: dict[int, int] = {}
+    trailing: list[SubGroup] = []
+
+    def update(sg: SubGroup) -> int:
+        for j in {s.param for s in sg.segments}:
+            if j in held and left[j] > 0:
+                nbytes = params[j].element_size() * es.opt.state_numel(j)
+                st = param_state(params[j])
+                if st is not None and only_written(es, j, st) and held[j] == nbytes:
+                    held[j] += nbytes  # its copy, made now
+                left[j] -= 1
+        total = sum(held.values())
+        for j in {s.param for s in sg.segments}:
+            if left.get(j) == 0 and j in held:
+                held[j] = params[j].element_size() * es.opt.state_numel(j) if id(params[j]) in staying else 0
+        return total
+
+    for pid in es.arrivals.last:
+        i = index.get(pid)
+        st = None if i is None or i not in es.by_param else param_state(params[i])
+        if i is None or st is None or i in held:
+            continue
+        held[i] = holds(es, i, st)
+        peak = max(peak, sum(held.values()))
+        for sg in es.by_param[i]:
+            waiting[sg.key] -= 1
+            if waiting[sg.key] == 0:
+                trailing.append(sg)
+        while len(trailing) > 1:
+            peak = max(peak, update(trailing.pop(0)))
+    return peak
 
 
 def uses(es: EarlyStep) -> None:

@@ -160,12 +160,20 @@ def _drop_oldest_seed(es: EarlyStep) -> None:
 
 
 def make_room(es: EarlyStep) -> None:
-    """Past the cap: let go of seeds, oldest first (the next forward reads those params instead: their
-    copies were written), then wait for every copy's write in flight — before the early step gives up
-    for want of room, which it cannot fall back from once it let go of applied gradients."""
-    while es.seeds and es.held + es.copying + es.staged > es.cap:
+    """Past the cap: update every complete record now, waiting for its read (their params' copies are
+    written, gradients let go: the reads of a sub-group size small next to the params run behind
+    backward), let go of seeds, oldest first (the next forward reads those params instead: their copies
+    were written), then wait for every copy's write in flight — before the early step gives up for want
+    of room, which it cannot fall back from once it let go of applied gradients."""
+
+    def over() -> bool:
+        return es.held + es.copying + es.staged > es.cap
+
+    if over():
+        pump(es, 0)
+    while es.seeds and over():
         _drop_oldest_seed(es)
-    if es.held + es.copying + es.staged > es.cap:
+    if over():
         land_copies(es, 0)
 
 

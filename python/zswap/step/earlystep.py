@@ -384,6 +384,13 @@ class EarlyStep:
         self.held += early_memory.held_bytes(copy)
         self.holding.add(copy.numel() * copy.element_size() + plain(st, copy))  # gradient, plain copy
         self._land_copies(self.write_ahead)
+        if self.factor is not None:  # (deferred, every record is updated at the step: `finish_at`)
+            for sg in self.by_param.get(i, ()):  # first: what this gradient completes frees room
+                self.waiting[sg.key] -= 1
+                if self.waiting[sg.key] == 0:
+                    self._ready(sg)
+                elif sg.key not in self.early:
+                    self.upcoming.appendleft(sg)  # its other params come next: read it before the planned
         if self.held + self.copying + self.staged > self.cap:
             early_pipeline.make_room(self)
         if self.held + self.copying + self.staged > self.cap:
@@ -392,13 +399,7 @@ class EarlyStep:
             )
             return
         if self.factor is None:
-            return  # deferred: every record is updated at the step, once its scale is known (`finish_at`)
-        for sg in self.by_param.get(i, ()):
-            self.waiting[sg.key] -= 1
-            if self.waiting[sg.key] == 0:
-                self._ready(sg)
-            elif sg.key not in self.early:
-                self.upcoming.appendleft(sg)  # its other params come next: read it before the planned ones
+            return
         self._pump(keep=1)
         early_pipeline.read_ahead(self)
 

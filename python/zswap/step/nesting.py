@@ -58,16 +58,18 @@ class Arrivals:
     """Which params got a gradient in the backward in progress, and whether one got two."""
 
     def __init__(self) -> None:
-        self._seen: set[int] = set()
+        self._seen: dict[int, None] = {}
         self._parts = False
+        self.last: list[int] = []
+        """The params (``id``) that got a gradient in the last backward, in the order they got it."""
 
     def begin(self) -> bool:
         """A backward begins: True if in the last one a param's gradient came in parts."""
         parts, self._parts = self._parts, False
-        self._seen = set()
+        self.last, self._seen = list(self._seen), {}
         return parts
 
     def note(self, pid: int) -> None:
         if pid in self._seen:
             self._parts = True
-        self._seen.add(pid)
+        self._seen[pid] = None
