@@ -182,9 +182,14 @@ def _peak(es: EarlyStep) -> int:
     params = es.opt.records.params
     index = {id(p): i for i, p in enumerate(params)}
     staying = es.resident()  # their copies stay until the commit (`early_pipeline.seed`); seeds make way
-    waiting, left, peak = dict(es.waiting), dict(es.left), 0
+    waiting, left, peak, total = dict(es.waiting), dict(es.left), 0, 0
     held: dict[int, int] = {}
     trailing: list[SubGroup] = []
+
+    def put(j: int, nbytes: int) -> None:  # (a running total: a sum per arrival is quadratic in params)
+        nonlocal total
+        total += nbytes - held.get(j, 0)
+        held[j] = nbytes
 
     def update(sg: SubGroup) -> int:
         for j in {s.param for s in sg.segments}:
@@ -192,21 +197,21 @@ def _peak(es: EarlyStep) -> int:
                 nbytes = params[j].element_size() * es.opt.state_numel(j)
                 st = param_state(params[j])
                 if st is not None and only_written(es, j, st) and held[j] == nbytes:
-                    held[j] += nbytes  # its copy, made now
+                    put(j, 2 * nbytes)  # its copy, made now
                 left[j] -= 1
-        total = sum(held.values())
+        during = total
         for j in {s.param for s in sg.segments}:
             if left.get(j) == 0 and j in held:
-                held[j] = params[j].element_size() * es.opt.state_numel(j) if id(params[j]) in staying else 0
-        return total
+                put(j, params[j].element_size() * es.opt.state_numel(j) if id(params[j]) in staying else 0)
+        return during
 
     for pid in es.arrivals.last:
         i = index.get(pid)
         st = None if i is None or i not in es.by_param else param_state(params[i])
         if i is None or st is None or i in held:
             continue
-        held[i] = holds(es, i, st)
-        peak = max(peak, sum(held.values()))
+        put(i, holds(es, i, st))
+        peak = max(peak, total)
         for sg in es.by_param[i]:
             waiting[sg.key] -= 1
             if waiting[sg.key] == 0:
