@@ -86,6 +86,13 @@ group's last `check_same`."""
 _MODULUS = (1 << 61) - 1
 
 
+def small_tensor_device(group: ProcessGroup | None) -> torch.device:
+    """Where a small bookkeeping tensor for a collective over ``group`` lives: NCCL's take CUDA memory."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def note(group: ProcessGroup | None, key: str, kind: int) -> None:
     """Note one collective over the partitions of the param stored under ``key`` (``kind``: 0 a gather,
     1 a gradient reduction), for `check_same`. Deterministic across processes (no salted ``hash``)."""
@@ -99,8 +106,7 @@ def check_same(group: ProcessGroup | None) -> None:
     itself: every rank calls it at the same point); raises `RanksDivergedError` if not. Clears the ledger."""
     count, digest = _LEDGERS.pop(id(group), [0, 0])
     dist = torch.distributed
-    cuda = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = small_tensor_device(group)
     world = dist.get_world_size(group)
     every = torch.empty(2 * world, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(

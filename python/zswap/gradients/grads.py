@@ -213,12 +213,12 @@ class GradSink:
         if not items:
             return
         with no_torch_function():
-            mine = torch.tensor([id(p) in self._waiting for p, _ in items], dtype=torch.uint8)
             group = items[0][1].group
-            if _dist.is_gloo(group) or not torch.cuda.is_available():
-                anywhere = mine
-            else:
-                anywhere = mine.to(torch.device("cuda", torch.cuda.current_device()))
+            anywhere = torch.tensor(
+                [id(p) in self._waiting for p, _ in items],
+                dtype=torch.uint8,
+                device=_dist.small_tensor_device(group),
+            )
             dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=group)
             for (p, st), used in zip(items, anywhere.tolist(), strict=True):
                 if used:
