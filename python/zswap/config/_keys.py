@@ -242,8 +242,16 @@ FP16 = Section(
     ),
 )
 
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-"""DeepSpeed's top-level batch keys; train_batch_size = micro batch × accumulation steps × world size."""
+BATCH_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "dataloader_drop_last",
+)
+"""DeepSpeed's top-level batch keys; train_batch_size = micro batch × accumulation steps × world size;
+``dataloader_drop_last`` shapes `zswap.deepspeed.initialize`'s loader."""
+
+TORCH_AUTOCAST = Section(path="torch_autocast", fields=("enabled", "dtype", "lower_precision_safe_modules"))
 
 SCHEDULER = Section(path="scheduler", fields=("type",), subsections=frozenset({"params"}))
 

@@ -3,15 +3,19 @@
 This is where section placement, aliases and unknown keys are settled; values are checked by the models.
 Only zswap's sections are read, and each is copied into fresh dicts and tuples: nothing of the caller's
 mapping is modified, and nothing of it is kept beyond immutable leaf values. Everything outside those
-sections (``steps_per_print``, ``wall_clock_breakdown`` …) is never looked at.
+sections is left alone, but for `_foreign`'s check of DeepSpeed's features that are switched on.
 
 Layouts (each section may be nested as DeepSpeed has it, or stand at top level, but not both)::
 
     zero_optimization.offload_param      | offload_param
     zero_optimization.offload_optimizer  | offload_optimizer
     zero_optimization.stage3_*, sub_group_size | the same keys at top level
-    aio, optimizer, scheduler, bf16 (old name: bfloat16), fp16, gradient_clipping,
-    train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps   (top level in both)
+    aio, optimizer, scheduler, bf16 (old name: bfloat16), fp16, gradient_clipping, torch_autocast,
+    train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+    dataloader_drop_last                                                              (top level in both)
+
+DeepSpeed's other top-level sections are checked by `_foreign` only: refused where switched on and
+changing results, named in the "ignored" warning where switched on and feeding DeepSpeed's tooling.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from typing import Any
 from pydantic_core import PydanticCustomError
 
 from ..errors import ConfigError
+from . import _foreign, _toplevel
 from . import _keys as k
-from . import _toplevel
 from . import _values as v
 
 
@@ -49,6 +53,7 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
     """Collect zswap's sections from ``raw``; `ConfigError` for unknown keys, conflicts and misplacements."""
     _toplevel.check(raw)  # a misspelled section would be ignored like any foreign key
     out = Assembled()
+    out.skipped.extend(_foreign.check(raw))
     zero = _section(raw, "zero_optimization", "zero_optimization")
     switches = _cpu_offload_switches(zero)
     for name, spec in (("offload_param", k.OFFLOAD_PARAM), ("offload_optimizer", k.OFFLOAD_OPTIMIZER)):
@@ -77,6 +82,9 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
         out.put("optimizer", _read_optimizer(optimizer, out))
     _read_precision(raw, out)
     _read_batch(raw, out)
+    autocast = _section(raw, "torch_autocast", "torch_autocast")
+    if autocast is not None:
+        out.put("torch_autocast", _read(autocast, k.TORCH_AUTOCAST, "torch_autocast", out))
     scheduler = _section(raw, "scheduler", "scheduler")
     if scheduler is not None:
         given = _read(scheduler, k.SCHEDULER, "scheduler", out)

@@ -47,8 +47,8 @@ DEEPSPEED = frozenset(
         "wandb", "csv_monitor", "comet", "comms_logger", "elasticity", "pipeline", "pld",
         "progressive_layer_drop", "curriculum_learning", "data_efficiency", "compression_training",
         "checkpoint", "data_types", "autotuning", "nebula", "eigenvalue", "quantize_training",
-        "dataloader_drop_last", "timers", "graph_harvesting", "hybrid_engine", "weight_quantization",
-        "compile", "torch_autocast", "tensor_parallel", "sequence_parallel_size", "fp8",
+        "timers", "graph_harvesting", "hybrid_engine", "weight_quantization",
+        "compile", "tensor_parallel", "sequence_parallel_size", "fp8",
         "gradient_accumulation_dtype", "use_data_before_expert_parallel_", "zero_optimization_stage",
     }
 )  # fmt: skip

@@ -182,6 +182,25 @@ def to_names(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
+_DTYPE_SPELLINGS = {
+    # DeepSpeed's DtypeEnum (deepspeed/runtime/config.py): every spelling it takes, torch's str() included
+    "fp16": ("fp16", "float16", "half", "torch.float16"),
+    "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+    "fp32": ("fp32", "float32", "float", "torch.float32"),
+}
+
+
+def to_dtype_name(value: Any) -> str:
+    """``"fp16"``, ``"bf16"`` or ``"fp32"`` from any of DeepSpeed's spellings of a floating-point dtype, or
+    a `torch.dtype` (a config dict built in Python)."""
+    text = str(value) if type(value).__name__ == "dtype" else value
+    if isinstance(text, str):
+        for name, spellings in _DTYPE_SPELLINGS.items():
+            if text.strip().lower() in spellings:
+                return name
+    raise invalid("must be a floating-point dtype: one of " + ", ".join(sum(_DTYPE_SPELLINGS.values(), ())))
+
+
 def to_betas(value: Any) -> tuple[float, float]:
     """Adam's two moment decay rates, each in [0, 1)."""
     requirement = "must be a list of two numbers in [0, 1)"
@@ -223,6 +242,7 @@ Paths = Annotated[tuple[pathlib.Path, ...], _check(to_paths)]
 Betas = Annotated[tuple[float, float], _check(to_betas)]
 Names = Annotated[tuple[str, ...], _check(to_names)]
 AutoOrBool = Annotated[Literal["auto"] | bool, _check(to_auto_or_bool)]
+DTypeName = Annotated[Literal["fp32", "bf16", "fp16"], _check(to_dtype_name)]
 
 
 def int_between(minimum: int, maximum: int) -> BeforeValidator:

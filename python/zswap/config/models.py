@@ -261,6 +261,39 @@ class BF16Config(_Model):
     ZeRO stage 3 never checks bf16 gradients, and the check reads every gradient once more per step."""
 
 
+class AutocastConfig(_Model):
+    """``torch_autocast``: the engine's forward runs under `torch.autocast`, as DeepSpeed's does."""
+
+    enabled: v.StrictBool = False
+    dtype: v.DTypeName | None = None
+    """The autocast dtype; ``None``: torch's default for the compute device (bf16 on CPU, fp16 on CUDA)."""
+    lower_precision_safe_modules: v.Names | None = None
+    """Module classes, fully qualified, whose params DeepSpeed gathers and reduces in ``dtype``. zswap
+    gathers every param in its own dtype (autocast casts it in the forward: the same values) and reduces
+    gradients in their params' dtype; the names are checked to import."""
+
+    @field_validator("lower_precision_safe_modules")
+    @classmethod
+    def _modules_import(cls, names: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        import importlib
+
+        for name in names or ():
+            package, _, attr = name.rpartition(".")
+            try:
+                found = getattr(importlib.import_module(package), attr) if package else None
+            except (ImportError, AttributeError, ValueError):
+                found = None
+            if not isinstance(found, type):
+                raise v.invalid(f"must name classes by their full import path ({name!r} imports none)")
+        return names
+
+    def torch_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a `torch.dtype`; ``None``: torch's default for the device."""
+        import torch  # zswap.config itself must stay importable without paying for torch
+
+        return None if self.dtype is None else getattr(torch, _TORCH_DTYPES[self.dtype])
+
+
 class BatchConfig(_Model):
     """DeepSpeed's top-level batch keys. ``None`` = not given (derived from the others where possible)."""
 
@@ -270,6 +303,8 @@ class BatchConfig(_Model):
     """Samples per forward/backward on one rank (the batch size of `zswap.deepspeed.initialize`'s loader)."""
     gradient_accumulation_steps: v.PositiveInt | None = None
     """Micro-batches whose gradients are summed before each optimizer step (default 1)."""
+    dataloader_drop_last: v.StrictBool = False
+    """`zswap.deepspeed.initialize`'s loader drops a last batch smaller than the micro batch."""
 
     def resolve(self, world_size: int) -> tuple[int | None, int | None, int]:
         """``(train_batch_size, micro_batch, gradient_accumulation_steps)`` at ``world_size`` ranks, the
@@ -406,6 +441,7 @@ class ZswapConfig(_Model):
     """The top-level batch keys (gradient accumulation)."""
     scheduler: SchedulerConfig | None = None
     """``None`` when the config has no ``scheduler`` section."""
+    torch_autocast: AutocastConfig = Field(default_factory=AutocastConfig)
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""
@@ -443,6 +479,7 @@ class ZswapConfig(_Model):
         out["fp16"] = {"enabled": fp16, **self.fp16._json_fields()}
         out["gradient_clipping"] = _to_json(self.gradient_clipping)
         out.update(self.batch._json_fields())
+        out["torch_autocast"] = self.torch_autocast._json_fields()
         if self.scheduler is not None:
             out["scheduler"] = {
                 "type": self.scheduler.type,

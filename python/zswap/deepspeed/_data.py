@@ -16,7 +16,8 @@ def training_dataloader(
     data: Any, cfg: ZswapConfig, engine: Any, collate_fn: Callable[..., Any] | None
 ) -> DataLoader[Any]:
     """``data`` in batches of the config's micro batch size: a `RandomSampler` on one rank, a
-    `DistributedSampler` (this rank's share) on several — DeepSpeed's defaults."""
+    `DistributedSampler` (this rank's share) on several — DeepSpeed's defaults; a last batch smaller than
+    the micro batch is dropped where the config's ``dataloader_drop_last`` says so, as in DeepSpeed."""
     dist = torch.distributed
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     micro = cfg.batch.resolve(ranks)[1]
@@ -29,4 +30,10 @@ def training_dataloader(
         sampler: Any = DistributedSampler(data, num_replicas=ranks, rank=dist.get_rank())
     else:
         sampler = RandomSampler(data)
-    return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn)
+    return DataLoader(
+        data,
+        batch_size=micro,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=cfg.batch.dataloader_drop_last,
+    )

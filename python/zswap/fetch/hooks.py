@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,8 +113,12 @@ class ModuleHooks:
         *,
         reuse_outputs: Callable[[], bool] = lambda: False,
         leaf_done: Callable[[int | None], None] = lambda _: None,
+        autocast: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.root = root
+        self._autocast = autocast
+        """The context every outermost forward runs in (the config's ``torch_autocast``), or None."""
+        self._autocast_on: AbstractContextManager[Any] | None = None
         self._leaf_done = leaf_done
         """Told when a leaf module's backward ends (its index) and when the outermost backward does (None):
         the gradient sink reduces the leaf's gradients then (`zswap.gradients.grads.GradSink.leaf_done`)."""
@@ -164,6 +169,9 @@ class ModuleHooks:
             self._mode.__enter__()
             self._mode_on = True
             self._push_saved_hooks()
+            if self._autocast is not None:
+                self._autocast_on = self._autocast()
+                self._autocast_on.__enter__()
         call = _Call(info)
         self._stack.append(call)
         call.held = self.sched.acquire(("F", info.index), info.slots)
@@ -210,6 +218,9 @@ class ModuleHooks:
         return torch.is_grad_enabled(), self.root.training
 
     def _exit_mode(self) -> None:
+        if self._autocast_on is not None:
+            on, self._autocast_on = self._autocast_on, None
+            on.__exit__(None, None, None)
         if self._saved_hooks_on:
             self._saved_hooks_on = False
             torch._C._autograd._pop_saved_tensors_default_hooks()

@@ -7,10 +7,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import torch
+
 from .. import device as _device
+from ..config import ZswapConfig
 from ..errors import ZswapError
 from ..fetch import leaves
 from ..fetch.hooks import ModuleHooks, ModuleInfo
@@ -91,6 +94,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         engine._slot_for,
         reuse_outputs=lambda: (e := me()) is not None and e._reuse_outputs,
         leaf_done=functools.partial(_leaf_done, me),
+        autocast=_autocast(config, engine.compute_device.torch_device.type),
     )
     leaf_items = {i.index: [(s.p, s.st) for s in i.slots] for i in infos.values() if i.leaf}
     engine._grads = grads.GradSink(engine._items, engine.compute_device, leaf_items)
@@ -133,6 +137,15 @@ def _leaf_done(engine: weakref.ref[Engine], leaf: int | None) -> None:
     e = engine()
     if e is not None:
         e._grads.leaf_done(leaf)
+
+
+def _autocast(config: ZswapConfig, device_type: str) -> Callable[[], torch.autocast] | None:
+    """The config's ``torch_autocast`` for the module hooks to run each forward in (as DeepSpeed's engine
+    runs its forward): on every call of the module, the engine's, a loop's or a front end's alike."""
+    section = config.torch_autocast
+    if not section.enabled:
+        return None
+    return functools.partial(torch.autocast, device_type, dtype=section.torch_dtype())
 
 
 @contextlib.contextmanager

@@ -1,0 +1,157 @@
+"""DeepSpeed's top-level features outside the sections zswap reads, checked where a config switches them on.
+
+A DeepSpeed config may switch on features that change what training computes: progressive layer drop and
+the legacy curriculum (extra arguments to the model's forward), data efficiency, quantized or compressed
+training, elastic batch sizes, tensor or sequence parallelism, apex AMP, gradient pre-scaling, a reduction
+dtype of its own. zswap implements none of them, and running on as if they were off would train something
+other than the config says: each one switched on is a `ConfigError` naming the key, why, and what to do.
+Sections that feed DeepSpeed's monitors and tools (TensorBoard, W&B, the flops profiler, autotuning …)
+change no result: each one switched on is named in the loader's "ignored" warning. The rest outside zswap's
+sections (``steps_per_print``, ``zero_allow_untested_optimizer``, ``activation_checkpointing`` — which
+`zswap.deepspeed.checkpointing.configure` reads —, a ``pipeline`` section, which acts only on DeepSpeed's
+pipeline modules …) is never looked at. "Switched on" follows DeepSpeed's parsing: an ``enabled`` key
+(default false), a size above 1, a value off its default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+from ..errors import ConfigError
+from . import _keys as k
+from . import _values as v
+
+_DATA = "zswap trains on the batches it is given, as they are; shape them in your data loader"
+
+REFUSED_WHEN_ENABLED: dict[str, str] = {
+    "amp": "apex AMP does not combine with ZeRO (DeepSpeed refuses it too); use the bf16 or fp16 section, "
+    "or torch_autocast",
+    "progressive_layer_drop": "zswap passes no progressive-layer-drop schedule to the model's forward",
+    "curriculum_learning": _DATA,
+    "data_efficiency": _DATA,
+    "quantize_training": "zswap trains unquantized weights",
+    "elasticity": "zswap takes the batch sizes as given; set train_batch_size and "
+    "train_micro_batch_size_per_gpu",
+    "hybrid_engine": "zswap has no hybrid inference engine; generate inside "
+    "zswap.deepspeed.zero.unwrap_model_for_generation (or zswap.GatheredParameters)",
+    "eigenvalue": "zswap computes no Hessian eigenvalues (they drive DeepSpeed's quantize_training)",
+}
+"""Sections with an ``enabled`` key that change results when true → why zswap refuses them."""
+
+MONITORS = (
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "flops_profiler",
+    "autotuning",
+    "nebula",
+)
+"""Sections with an ``enabled`` key that only feed DeepSpeed's monitors, profilers and tools."""
+
+MONITOR_SWITCHES = ("wall_clock_breakdown", "memory_breakdown", "sparse_gradients", "graph_harvesting")
+"""Top-level booleans of DeepSpeed's machinery (timers, sparse all-reduce, CUDA graphs): same results."""
+
+_AVERAGING = "zswap sums the ranks' gradients, then divides by the world size (DeepSpeed's default)"
+
+
+def check(raw: Mapping[Any, Any]) -> list[str]:
+    """`ConfigError` for the first DeepSpeed feature switched on in ``raw`` that changes results and that
+    zswap does not implement; else the dotted keys of monitoring features switched on, for the warning."""
+    for key, why in REFUSED_WHEN_ENABLED.items():
+        if _enabled(raw.get(key)):
+            _refuse(f"{key}.enabled", why)
+    for path in _switches(raw.get("compression_training"), "compression_training"):
+        _refuse(path, "zswap does not quantize, prune or shrink the model while training")
+    quantization = raw.get("weight_quantization")
+    if isinstance(quantization, Mapping):
+        for sub in ("quantized_initialization", "post_init_quant"):
+            if quantization.get(sub) is not None:
+                _refuse(f"weight_quantization.{sub}", "zswap keeps every weight in its own dtype")
+    parallel = raw.get("tensor_parallel")
+    if isinstance(parallel, Mapping):
+        tp = parallel.get("tp")
+        for path, size in (
+            ("tensor_parallel.autotp_size", parallel.get("autotp_size")),
+            ("tensor_parallel.tp.tp_size", tp.get("tp_size") if isinstance(tp, Mapping) else None),
+        ):
+            _at_most_one(
+                path,
+                size,
+                "zswap partitions every param over all ranks (ZeRO stage 3) and does no tensor parallelism",
+            )
+    _at_most_one(
+        "sequence_parallel_size", raw.get("sequence_parallel_size"), "zswap gives each rank whole sequences"
+    )
+    if _enabled(raw.get("prescale_gradients")):
+        _refuse("prescale_gradients", _AVERAGING)
+    factor = raw.get("gradient_predivide_factor")
+    if factor is not None and not (isinstance(factor, int | float) and factor == 1.0):
+        _refuse("gradient_predivide_factor", f"{_AVERAGING}; it may only be 1.0")
+    _check_communication_dtype(raw)
+    warned = [f"{key}.enabled" for key in MONITORS if _enabled(raw.get(key))]
+    warned += [key for key in MONITOR_SWITCHES if _enabled(raw.get(key))]
+    compile_section = raw.get("compile")
+    if isinstance(compile_section, Mapping) and _enabled(compile_section.get("deepcompile")):
+        warned.append("compile.deepcompile")
+    return warned
+
+
+def _check_communication_dtype(raw: Mapping[Any, Any]) -> None:
+    """``communication_data_type`` may only name the dtype gradients are reduced in: the params' own, from
+    the bf16 / fp16 sections (fp32 where both are off)."""
+    given = raw.get("communication_data_type")
+    if given is None:
+        return
+    try:
+        named = v.to_dtype_name(given)
+    except PydanticCustomError as exc:
+        raise ConfigError(f"communication_data_type {exc.message()}, got {v.show(given)}") from None
+    precision = {
+        name: raw[key].get("enabled")
+        for name, key in (("bf16", "bf16"), ("bf16", k.BF16_OLD_NAME), ("fp16", "fp16"))
+        if isinstance(raw.get(key), Mapping) and raw[key].get("enabled") is not None
+    }
+    on = [name for name, enabled in precision.items() if _enabled(enabled)]
+    params = on[0] if on else "fp32" if all(e is False for e in precision.values()) else None
+    if named != params:
+        where = (
+            f"the params' dtype here is {params}" if params else "bf16 / fp16 leave the params' dtype open"
+        )
+        _refuse(
+            "communication_data_type",
+            f"zswap reduces each gradient in its param's dtype ({where}); drop the key or name that dtype",
+        )
+
+
+def _enabled(section_or_flag: Any) -> bool:
+    """Whether DeepSpeed reads this as switched on: ``true`` itself, or a section whose ``enabled`` is."""
+    flag = section_or_flag.get("enabled") if isinstance(section_or_flag, Mapping) else section_or_flag
+    if isinstance(flag, str):
+        return flag.strip().lower() == "true"
+    return flag is True or (type(flag) is int and flag == 1)
+
+
+def _switches(section: Any, where: str) -> Iterator[str]:
+    """The dotted ``…enabled`` keys switched on anywhere inside ``section`` (DeepSpeed's compression
+    techniques each nest theirs under ``shared_parameters``)."""
+    if not isinstance(section, Mapping):
+        return
+    for key, value in section.items():
+        if key == "enabled" and _enabled(value):
+            yield f"{where}.enabled"
+        elif isinstance(value, Mapping):
+            yield from _switches(value, f"{where}.{key}")
+
+
+def _at_most_one(path: str, size: Any, why: str) -> None:
+    if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and size <= 1):
+        _refuse(path, f"{why}; it may only be 0 or 1")
+
+
+def _refuse(path: str, why: str) -> None:
+    raise ConfigError(f"{path} switches on a DeepSpeed feature zswap does not implement: {why}")

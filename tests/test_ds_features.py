@@ -1,0 +1,201 @@
+"""DeepSpeed's top-level features outside zswap's sections: ``torch_autocast`` and ``dataloader_drop_last``
+honoured; the ones that change results and that zswap does not implement refused where switched on; the
+monitors' named in the "ignored" warning (DeepSpeed's tests/unit/runtime/test_autocast.py and
+zero/test_zero_autocast_mixed_dtype.py, adapted)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import zswap
+import zswap.deepspeed as deepspeed
+from zswap import ConfigError, load_config
+from zswap.device import StandInDevice
+
+from ._ds_common import base_config
+
+
+@pytest.fixture
+def quiet() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        yield
+
+
+REFUSED = [
+    ({"amp": {"enabled": True}}, r"amp\.enabled .*apex AMP does not combine with ZeRO"),
+    ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, r"progressive_layer_drop\.enabled"),
+    ({"curriculum_learning": {"enabled": True}}, r"curriculum_learning\.enabled .*data loader"),
+    ({"data_efficiency": {"enabled": "true"}}, r"data_efficiency\.enabled"),
+    ({"quantize_training": {"enabled": True}}, r"quantize_training\.enabled"),
+    ({"elasticity": {"enabled": True}}, r"elasticity\.enabled .*train_batch_size"),
+    ({"hybrid_engine": {"enabled": True}}, r"hybrid_engine\.enabled .*unwrap_model_for_generation"),
+    ({"eigenvalue": {"enabled": True}}, r"eigenvalue\.enabled"),
+    (
+        {"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}}},
+        r"compression_training\.sparse_pruning\.shared_parameters\.enabled .*prune",
+    ),
+    ({"weight_quantization": {"post_init_quant": {"fc": {}}}}, r"weight_quantization\.post_init_quant"),
+    ({"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel\.autotp_size .*no tensor parallelism"),
+    ({"tensor_parallel": {"tp": {"tp_size": 4}}}, r"tensor_parallel\.tp\.tp_size"),
+    ({"sequence_parallel_size": 2}, r"sequence_parallel_size .*whole sequences"),
+    ({"prescale_gradients": True}, r"prescale_gradients .*divides by the world size"),
+    ({"gradient_predivide_factor": 2.0}, r"gradient_predivide_factor .*may only be 1\.0"),
+    (
+        {"communication_data_type": "fp32", "bf16": {"enabled": True}},
+        r"communication_data_type .*its param's dtype \(the params' dtype here is bf16\)",
+    ),
+    ({"communication_data_type": "fp16", "bf16": {"enabled": "auto"}}, r"leave the params' dtype open"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), REFUSED, ids=[next(iter(e)) for e, _ in REFUSED])
+def test_a_result_changing_feature_switched_on_is_refused_naming_it(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(base_config(**extra))
+
+
+ACCEPTED = [
+    {"amp": {"enabled": False}},
+    {"progressive_layer_drop": {"enabled": False}},
+    {"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False}}}},
+    {"weight_quantization": {}},
+    {"tensor_parallel": {"autotp_size": 0, "tp": {"tp_size": 1}}},
+    {"sequence_parallel_size": 1},
+    {"prescale_gradients": False, "gradient_predivide_factor": 1.0},
+    {"communication_data_type": "bfloat16", "bf16": {"enabled": True}},
+    {"communication_data_type": "torch.float32"},
+    {"pipeline": {"stages": "auto"}, "activation_checkpointing": {"partition_activations": True}},
+]
+
+
+@pytest.mark.parametrize("extra", ACCEPTED, ids=[next(iter(e)) for e in ACCEPTED])
+def test_the_same_features_at_their_defaults_load_silently(extra):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(base_config(**extra))
+
+
+def test_monitors_switched_on_are_named_in_the_ignored_warning():
+    extra = {
+        "tensorboard": {"enabled": True},
+        "wandb": {"enabled": False},
+        "flops_profiler": {"enabled": True},
+        "wall_clock_breakdown": True,
+        "compile": {"deepcompile": True},
+    }
+    with pytest.warns(zswap.ZswapWarning) as record:
+        load_config(base_config(**extra))
+    named = "tensorboard.enabled, flops_profiler.enabled, wall_clock_breakdown, compile.deepcompile"
+    assert str(record[0].message).endswith(f"change no result: {named}")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("bfloat16", torch.bfloat16), ("torch.float16", torch.float16), ("half", torch.float16),
+     (torch.bfloat16, torch.bfloat16), ("auto", None), (None, None)],
+)  # fmt: skip
+def test_torch_autocast_takes_deepspeeds_dtype_spellings_and_round_trips(given, expected):
+    cfg = load_config({"torch_autocast": {"enabled": True, "dtype": given}})
+    assert cfg.torch_autocast.enabled and cfg.torch_autocast.torch_dtype() == expected
+    assert load_config(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [({"enabled": True, "dtype": "int8"}, r"torch_autocast\.dtype must be a floating-point dtype"),
+     ({"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linearr"]},
+      r"torch_autocast\.lower_precision_safe_modules must name classes by their full import path "
+      r"\('torch\.nn\.Linearr' imports none\)"),
+     ({"enabeld": True}, r"unknown key 'enabeld' in torch_autocast; did you mean 'enabled'\?")],
+)  # fmt: skip
+def test_a_bad_torch_autocast_section_is_an_error_naming_the_key(section, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"torch_autocast": section})
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "stand-in"])
+@pytest.mark.parametrize("call", ["engine", "module"])
+def test_torch_autocast_runs_every_forward_under_autocast_as_plain_pytorch_does(device, call, tmp_path):
+    """The forward under the config's autocast — whether the engine or the module itself is called (as
+    the Lightning and Hugging Face loops do) — trains bitwise as plain PyTorch's forward under
+    ``torch.autocast``; outside the forward autocast is as it was."""
+    torch.manual_seed(0)
+    model = Mlp()
+    ref = copy.deepcopy(model)
+    cfg = {
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "torch_autocast": {
+            "enabled": True,
+            "dtype": "bf16",
+            "lower_precision_safe_modules": ["torch.nn.Linear"],
+        },
+    }
+    engine = zswap.initialize(model, cfg, device=StandInDevice() if device == "stand-in" else "cpu")
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    g = torch.Generator().manual_seed(1)
+    with engine:
+        for _ in range(3):
+            x = torch.randn(4, 16, generator=g)
+            out = engine(x) if call == "engine" else model(x)
+            assert out.dtype == torch.bfloat16
+            assert not torch.is_autocast_enabled("cpu")
+            loss = out.float().square().mean()
+            engine.backward(loss)
+            engine.step()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                expected = ref(x).float().square().mean()
+            expected.backward()
+            plain.step()
+            plain.zero_grad()
+            assert loss.item() == expected.item()
+        params = list(model.parameters())
+        with zswap.GatheredParameters(params):
+            assert all(torch.equal(a, b) for a, b in zip(params, ref.parameters(), strict=True))
+
+
+def test_a_forward_that_raises_leaves_autocast_as_it_was(tmp_path):
+    class Fails(Mlp):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.body(x)
+            raise ValueError("in forward")
+
+    cfg = {"offload_param": {"device": "cpu"}, "torch_autocast": {"enabled": True}}
+    engine = zswap.initialize(Fails(), cfg)
+    with engine, pytest.raises(ValueError, match="in forward"):
+        engine(torch.randn(2, 16))
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_without_torch_autocast_a_callers_own_autocast_is_kept(tmp_path, quiet):
+    engine = zswap.initialize(Mlp(), {"offload_param": {"device": "cpu"}})
+    with engine, torch.autocast("cpu", dtype=torch.bfloat16):
+        assert engine(torch.randn(2, 16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_loader_drops_a_short_last_batch_where_dataloader_drop_last_says(drop, quiet):
+    data = TensorDataset(torch.randn(5, 16))
+    cfg = base_config(train_micro_batch_size_per_gpu=2, dataloader_drop_last=drop)
+    cfg.pop("train_batch_size", None)
+    engine, _, loader, _ = deepspeed.initialize(model=Mlp(), config=cfg, training_data=data)
+    with engine:
+        assert [len(b[0]) for b in loader] == ([2, 2] if drop else [2, 2, 1])
