@@ -353,14 +353,16 @@ def test_deferred_steps_with_accumulation(device, tmp_path):
     ref_e.close()
 
 
+@pytest.mark.parametrize("live", [100_000, None], ids=["wide-budget", "default-budget"])
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("clip", [1e6, 1e-3], ids=["not-biting", "biting"])
-def test_low_precision_sums_from_a_device_stay_in_memory(clip, half, tmp_path):
+def test_low_precision_sums_from_a_device_stay_in_memory(clip, half, live, tmp_path):
     """On a compute device a float16 / bfloat16 gradient is summed in float32 where it lands
-    (`NvmeGrads.add_fp32`). Within the live budget the boundary micro-batch's sums stay in memory where
-    the first micro-batch's gradients were, and their norms are taken as they are made: a step of two
-    micro-batches moves exactly the bytes of a step of one (before, each sum was written, and read back
-    for the norm)."""
+    (`NvmeGrads.add_fp32`). Within the live budget — its elements, counted at float32 for such sums
+    (`sizing.grad_room`; counted in the params' bytes, half of them were written) — the boundary
+    micro-batch's sums stay in memory where the first micro-batch's gradients were, and their norms are
+    taken as they are made: a step of two micro-batches moves exactly the bytes of a step of one (before,
+    each sum was written, and read back for the norm)."""
     moved = []
     for gas in (1, 2):
         (_, e), (_, ref_e), seen = run(
@@ -369,7 +371,7 @@ def test_low_precision_sums_from_a_device_stay_in_memory(clip, half, tmp_path):
             gas=gas,
             clip=lambda step: clip,
             device=True,
-            stage3_max_live_parameters=100_000,
+            stage3_max_live_parameters=live,
             **{half: {"enabled": True, **({"initial_scale_power": 4} if half == "fp16" else {})}},
         )
         assert seen[-1]["steps_in_backward" if clip > 1 else "steps_deferred"] == 1

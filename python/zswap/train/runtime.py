@@ -30,7 +30,7 @@ from ..parts.params import Item, ParamState, param_state
 from ..parts.runners import RUNNERS
 from ..step import early_build, earlystep, stepping
 from . import bridge, resident, resize, stats, wiring
-from .sizing import refuse_meta
+from .sizing import grad_room, refuse_meta
 
 if TYPE_CHECKING:
     from ..fetch.hooks import ModuleHooks
@@ -439,7 +439,7 @@ class Engine:
         Bytes of partition gradients kept in memory between backward and step instead of being written
         to NVMe, where the optimizer lives there (`zswap.gradstore`). Default 0: every gradient is written
         — but those a step with clipping or accumulation may need, which the early step keeps in memory up
-        to the live budget's bytes (`zswap.step.speculation`) — which keeps peak RSS within the live budget
+        to the live budget's elements (`sizing.grad_room`) — which keeps peak RSS within the live budget
         + optimizer ring + 256 MiB; the live budget's bytes saves about 1 × the model of writes per step for
         as much memory (benches/README.md, "Bytes per step"). Set (0 included), it bounds every gradient
         kept in memory, the early step's too. Results are the same either way."""
@@ -455,10 +455,8 @@ class Engine:
         return resident.ids(self)
 
     def _grad_room(self) -> int:
-        """Bytes of gradients the early step keeps in memory past the stash where the step may need them
-        (clipping, accumulation: `zswap.step.speculation.Guess.keep`): the live budget's bytes, or none
-        where `grad_stash_bytes` was set (it then bounds every gradient kept in memory)."""
-        return 0 if self._grad_stash is not None else self.sizing.allowances.live
+        """Bytes of gradients the early step keeps in memory past the stash (`sizing.grad_room`)."""
+        return grad_room(self)
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (partitions of managed params, ``p.grad`` of the others)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from ..fetch.prefetch import Budget
 from ..memory import Allowances
 from ..parts.params import Item, param_state
 from ..step import earlystep
+
+if TYPE_CHECKING:
+    from .runtime import Engine
 
 # Defaults, in elements, where the config leaves a knob to zswap (DeepSpeed's own defaults in brackets).
 PERSISTENCE_MAX = 100_000  # [1e5]; and at most 1/1000 of the model, so tiny models still stream
@@ -121,3 +124,19 @@ def refuse_meta(model: nn.Module) -> None:
                     "zswap.Init(config) — or load it with from_pretrained under zswap.Init — instead of on "
                     "the meta device, then call zswap.initialize"
                 )
+
+
+def grad_room(engine: Engine) -> int:
+    """Bytes of gradients the early step keeps in memory past the stash where the step may need them
+    (clipping, accumulation: `zswap.step.speculation.Guess.keep`): the live budget's elements at the width
+    they are kept in — float32 where low-precision gradients from a compute device are summed over
+    micro-batches (`GradStore.add_fp32`), so that such a sum stays in memory where the gradient it adds to
+    was —, or none where `grad_stash_bytes` was set (it then bounds every gradient kept in memory)."""
+    if engine._grad_stash is not None:
+        return 0
+    live = engine.sizing.allowances.live
+    accumulating = engine._gas > 1 or engine.window_ends is not None
+    if accumulating and not engine.compute_device.passthrough:
+        itemsize = min((st.dtype.itemsize for _, st in engine._items), default=4)
+        return live * 4 // itemsize if itemsize < 4 else live
+    return live
