@@ -6,6 +6,7 @@ zero/test_zero_autocast_mixed_dtype.py, adapted)."""
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from typing import Any
 
@@ -199,3 +200,23 @@ def test_the_loader_drops_a_short_last_batch_where_dataloader_drop_last_says(dro
     engine, _, loader, _ = deepspeed.initialize(model=Mlp(), config=cfg, training_data=data)
     with engine:
         assert [len(b[0]) for b in loader] == ([2, 2] if drop else [2, 2, 1])
+
+
+@pytest.mark.parametrize(
+    "section", [{"type": "Adam"}, {"type": "AdamW", "params": {}}, {"type": "Adam", "params": None}]
+)
+@pytest.mark.parametrize("source", ["dict", "file"])
+def test_a_config_optimizer_without_lr_runs_at_deepspeeds_default(section, source, tmp_path, quiet):
+    cfg = {"train_batch_size": 1, "optimizer": section}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    engine, optimizer, _, _ = deepspeed.initialize(model=Mlp(), config=cfg if source == "dict" else str(path))
+    with engine:
+        assert [g["lr"] for g in optimizer.param_groups] == [deepspeed.OPTIMIZER_LR_DEFAULT] == [1e-3]
+    assert cfg == {"train_batch_size": 1, "optimizer": section}  # the caller's dict is left as it was
+
+
+def test_an_auto_lr_stays_an_error_naming_the_key(quiet):
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": "auto"}}}
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr is 'auto' \(or missing\)"):
+        deepspeed.initialize(model=Mlp(), config=cfg)

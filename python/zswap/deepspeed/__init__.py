@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..build.init import Init
+from ..config import raw_dict
 from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
 from ..train import runtime
@@ -39,6 +40,10 @@ from ._engine import DeepSpeedEngine
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 """DeepSpeed's default ``distributed_port``."""
+
+OPTIMIZER_LR_DEFAULT = 1e-3
+"""The learning rate of the config's Adam / AdamW where its section gives none (no ``lr`` key): DeepSpeed's
+own (its FusedAdam's and DeepSpeedCPUAdam's default). ``"auto"`` stays an error, as in `zswap.initialize`."""
 
 GRADIENT_CLIPPING_DEFAULT = 1.0
 """The clip norm `initialize` uses when the config has no ``gradient_clipping``: DeepSpeed's own default
@@ -83,12 +88,13 @@ def initialize(
       gradient norm is clipped to `GRADIENT_CLIPPING_DEFAULT` (1.0), as DeepSpeed >= 0.19.3 does;
       ``gradient_clipping: 0`` turns clipping off. (`zswap.initialize` keeps PyTorch's behaviour: no
       clipping unless asked.)
+    - The config's optimizer without an ``lr`` runs at `OPTIMIZER_LR_DEFAULT` (1e-3), DeepSpeed's default.
     - ``mpu`` and ``mesh_param`` (model / sequence parallelism) are not supported: a `TypeError`.
     """
     refuse("initialize", mpu=(mpu, None), mesh_param=(mesh_param, None))
     if model is None:
         raise TypeError("zswap.deepspeed.initialize requires a model")
-    cfg = one_optimizer(resolve_config(args, config, config_params), optimizer)
+    cfg = one_optimizer(_deepspeed_lr(raw_dict(resolve_config(args, config, config_params))), optimizer)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     if any(param_state(p) is None for p in model.parameters()):
         Init(cfg, module=model)  # partitioned before an optimizer is built over its params
@@ -108,6 +114,19 @@ def initialize(
     if training_data is not None:
         loader = training_dataloader(training_data, cfg, engine, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _deepspeed_lr(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with `OPTIMIZER_LR_DEFAULT` as its optimizer's ``lr`` where the section has no such key."""
+    section = raw.get("optimizer")
+    if not isinstance(section, Mapping):
+        return raw
+    params = section.get("params")
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping) or "lr" in params:
+        return raw  # (not a mapping: the loader names it)
+    return {**raw, "optimizer": {**section, "params": {**params, "lr": OPTIMIZER_LR_DEFAULT}}}
 
 
 def init_distributed(
@@ -170,6 +189,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 __all__ = [
     "GRADIENT_CLIPPING_DEFAULT",
+    "OPTIMIZER_LR_DEFAULT",
     "DeepSpeedEngine",
     "add_config_arguments",
     "checkpointing",
