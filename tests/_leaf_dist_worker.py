@@ -1,8 +1,9 @@
 """One rank of `tests/test_leaf_modules.py`'s two-rank scenarios: ``python _leaf_dist_worker.py RANK WORLD
 INIT_FILE TMP``. Ranks run different modules inside a model: without leaf modules the step raises
 `RanksDivergedError` on every rank (before, the gathers paired partitions of different params and trained
-on mixed weights, silently); with the module marked a leaf — after `initialize` too — training is
-bitwise DDP's (gradients averaged over the ranks, zeros where a rank did not use a param)."""
+on mixed weights, silently), and so does the end of a forward no backward follows; with the module marked
+a leaf — after `initialize` too — training is bitwise DDP's (gradients averaged over the ranks, zeros where
+a rank did not use a param)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,25 @@ def by_rank_needs_a_leaf(rank: int, tmp: Path) -> None:
         engine.zero_grad()
         utils.set_z3_leaf_modules(model, [ByRank])  # on an open engine: from its next forward
         compare(engine, model, ByRank, rank, seed=10)
+
+
+def by_rank_in_evaluation(rank: int, tmp: Path) -> None:
+    """No step to check at: the forward itself raises (its outputs paired different params' partitions),
+    on every rank; a forward inside `GatheredParameters` gathers nothing, so one rank runs it alone."""
+    torch.manual_seed(0)
+    with zswap.Init(config(tmp)):
+        model = ByRank()
+    with zswap.initialize(model, config(tmp)) as engine:
+        x, y = next(data(rank))
+        with torch.no_grad():
+            with pytest.raises(RanksDivergedError, match="in this forward, which no backward follows"):
+                engine(x, y)
+            utils.set_z3_leaf_modules(model, [ByRank])
+            expected = engine(x, y)  # as a leaf: every rank gathers both layers
+            with zswap.GatheredParameters(list(model.parameters())):
+                if rank == 0:
+                    assert torch.equal(engine(x, y), expected)
+        dist.barrier()
 
 
 def moe_with_leaf_blocks(rank: int, tmp: Path, device: object = "cpu") -> None:
@@ -88,6 +108,7 @@ def main() -> None:
             warnings.simplefilter("ignore", zswap.ZswapWarning)
             scenarios = (
                 by_rank_needs_a_leaf,
+                by_rank_in_evaluation,
                 moe_with_leaf_blocks,
                 moe_on_the_device_path,
                 mixtral_blocks_are_leaves_by_default,

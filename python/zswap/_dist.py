@@ -101,9 +101,28 @@ def note(group: ProcessGroup | None, key: str, kind: int) -> None:
     ledger[1] = (ledger[1] * 1_000_003 + 2 * zlib.crc32(key.encode()) + kind) % _MODULUS
 
 
-def check_same(group: ProcessGroup | None) -> None:
+def noted(group: ProcessGroup | None) -> int:
+    """Collectives noted over ``group`` since its last `check_same`."""
+    return _LEDGERS.get(id(group), [0, 0])[0]
+
+
+AT_STEP = (
+    "in the forwards and backwards since the last step",
+    "Nothing was stepped: call engine.zero_grad() before going on",
+)
+"""`check_same`'s ``when`` at an optimizer step: which passes, and what the caller does next."""
+
+AT_FORWARD = (
+    "in this forward, which no backward follows",
+    "Its outputs were computed from mixed weights: do not use them",
+)
+"""`check_same`'s ``when`` at the end of a forward with no backward (an evaluation, a generation)."""
+
+
+def check_same(group: ProcessGroup | None, when: tuple[str, str] = AT_STEP) -> None:
     """Whether every rank of ``group`` noted the same collectives since its last check (a collective
-    itself: every rank calls it at the same point); raises `RanksDivergedError` if not. Clears the ledger."""
+    itself: every rank calls it at the same point); raises `RanksDivergedError` if not, its message saying
+    ``when`` (`AT_STEP`, `AT_FORWARD`). Clears the ledger."""
     count, digest = _LEDGERS.pop(id(group), [0, 0])
     dist = torch.distributed
     device = small_tensor_device(group)
@@ -116,14 +135,13 @@ def check_same(group: ProcessGroup | None) -> None:
     if any(row != rows[0] for row in rows):
         counts = ", ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(rows))
         raise RanksDivergedError(
-            "the ranks did not gather the same params in the same order in the forwards and backwards since "
-            f"the last step (gathers and gradient reductions, {counts}; or the same number of different "
-            "ones), so those passes paired partitions of different params: every rank must run the same "
-            "modules — not a branch that depends on the rank or the data, such as a mixture-of-experts "
-            "layer running only the experts its tokens pick. Mark such a module as a leaf, whose params "
-            "are gathered together whatever runs inside it (zswap.deepspeed.utils.set_z3_leaf_modules("
-            "model, [cls]), or the config's zero_optimization.leaf_module). Nothing was stepped: call "
-            "engine.zero_grad() before going on"
+            f"the ranks did not gather the same params in the same order {when[0]} (gathers and gradient "
+            f"reductions, {counts}; or the same number of different ones), so those passes paired "
+            "partitions of different params: every rank must run the same modules — not a branch that "
+            "depends on the rank or the data, such as a mixture-of-experts layer running only the experts "
+            "its tokens pick. Mark such a module as a leaf, whose params are gathered together whatever "
+            "runs inside it (zswap.deepspeed.utils.set_z3_leaf_modules(model, [cls]), or the config's "
+            f"zero_optimization.leaf_module). {when[1]}"
         )
 
 

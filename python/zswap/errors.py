@@ -168,8 +168,9 @@ class RanksDivergedError(ZswapError, RuntimeError):
     """Over several ranks, the forwards and backwards since the last step did not gather (or reduce the
     gradients of) the same params in the same order on every rank: a collective paired one rank's
     partition of one param with another rank's partition of another, so those passes computed with mixed
-    weights. `zswap.Engine.step` checks before it changes anything and raises this instead; the message
-    names the cause and the fix (leaf modules)."""
+    weights. `zswap.Engine.step` checks before it changes anything and raises this instead, as does the
+    end of a forward that no backward follows (before its outputs are returned); the message names the
+    cause and the fix (leaf modules)."""
 
 
 class UnknownKeyError(ZswapError, KeyError):

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -101,6 +101,11 @@ def _graph_task() -> int:
     return int(torch._C._current_graph_task_id())
 
 
+class PassLedger(Protocol):
+    def begin(self) -> None: ...
+    def end(self) -> None: ...
+
+
 class ModuleHooks:
     """Installs the forward and backward hooks on every module of ``root``; ``remove()`` takes them off."""
 
@@ -114,8 +119,12 @@ class ModuleHooks:
         reuse_outputs: Callable[[], bool] = lambda: False,
         leaf_done: Callable[[int | None], None] = lambda _: None,
         autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+        ledger: PassLedger | None = None,
     ) -> None:
         self.root = root
+        self._ledger = ledger
+        """Told when an outermost forward begins, and when one that no backward follows ends (over several
+        ranks: `zswap.step.stepping.ForwardLedger`, whose end may raise `RanksDivergedError`)."""
         self._autocast = autocast
         """The context every outermost forward runs in (the config's ``torch_autocast``), or None."""
         self._autocast_on: AbstractContextManager[Any] | None = None
@@ -166,6 +175,8 @@ class ModuleHooks:
                 self._backward_done(-1)  # releases what saved tensors unpacked outside backward held
                 self.sched.begin(self._kind(), grad=torch.is_grad_enabled())
                 self._bw_expected = False
+                if self._ledger is not None:
+                    self._ledger.begin()
             self._mode.__enter__()
             self._mode_on = True
             self._push_saved_hooks()
@@ -194,6 +205,8 @@ class ModuleHooks:
                 if (not self._bw_expected or _raised(output)) and _graph_task() < 0:
                     self.sched.end()  # no backward can follow: release at once, prefetches included
                     if not _raised(output):
+                        if self._ledger is not None:
+                            self._ledger.end()
                         self.sched.read_ahead()  # the next pass's first reads (prefetch.py, "Across passes")
 
     def _release_forward(self, held: list[Slot]) -> None:

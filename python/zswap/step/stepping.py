@@ -118,12 +118,38 @@ def world_size(items: Any) -> int:
 def same_passes(items: Any) -> None:
     """At an optimizer step, before it changes anything: every rank gathered the same params in the same
     order since the last one (`zswap._dist.check_same`, per process group of ``items``, in their order)."""
+    for group in _groups(items):
+        _dist.check_same(group)
+
+
+class ForwardLedger:
+    """The same check at the end of each forward that no backward follows (an evaluation, a generation
+    step), over the groups that forward gathered over: outputs computed from partitions of different
+    params would otherwise go on unnoticed until a step — for good, in a loop that never steps. A forward
+    that gathered nothing (params all gathered already: inside `GatheredParameters`, persistent ones) makes
+    no collective, so one rank may still run it alone; where ranks diverge each gathers something, and
+    every rank checks — its gathers paired with the others'."""
+
+    def __init__(self, items: Any) -> None:
+        self._groups = _groups(items)
+        self._begun: list[int] = []
+
+    def begin(self) -> None:
+        self._begun = [_dist.noted(g) for g in self._groups]
+
+    def end(self) -> None:
+        for group, before in zip(self._groups, self._begun, strict=True):
+            if _dist.noted(group) != before:
+                _dist.check_same(group, _dist.AT_FORWARD)
+
+
+def _groups(items: Any) -> list[Any]:
+    """The process groups ``items`` are partitioned over (several ranks), in their order."""
     groups: dict[int, Any] = {}
     for _, st in items:
         if st.world_size > 1:
             groups.setdefault(id(st.group), st.group)
-    for group in groups.values():
-        _dist.check_same(group)
+    return list(groups.values())
 
 
 def cast_half(value: Any) -> Any:

@@ -21,7 +21,7 @@ from ..fetch.prefetch import Counters, Scheduler, Slot
 from ..gradients import grads, gradstore
 from ..parts.params import Item, NvmeStore, managed_params
 from ..parts.runners import open_runners
-from ..step import early_build
+from ..step import early_build, stepping
 
 if TYPE_CHECKING:
     from .runtime import Engine
@@ -95,6 +95,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         reuse_outputs=lambda: (e := me()) is not None and e._reuse_outputs,
         leaf_done=functools.partial(_leaf_done, me),
         autocast=_autocast(config, engine.compute_device.torch_device.type),
+        ledger=stepping.ForwardLedger(items) if any(st.world_size > 1 for _, st in items) else None,
     )
     leaf_items = {i.index: [(s.p, s.st) for s in i.slots] for i in infos.values() if i.leaf}
     engine._grads = grads.GradSink(engine._items, engine.compute_device, leaf_items)
