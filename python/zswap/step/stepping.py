@@ -132,13 +132,16 @@ class ForwardLedger:
 
     def __init__(self, items: Any) -> None:
         self._groups = _groups(items)
-        self._begun: list[int] = []
+        self._begun: list[int] | None = None
 
     def begin(self) -> None:
         self._begun = [_dist.noted(g) for g in self._groups]
 
     def end(self) -> None:
-        for group, before in zip(self._groups, self._begun, strict=True):
+        begun, self._begun = self._begun, None
+        if begun is None:  # (an end without its beginning: nothing known to compare)
+            return
+        for group, before in zip(self._groups, begun, strict=True):
             if _dist.noted(group) != before:
                 _dist.check_same(group, _dist.AT_FORWARD)
 
