@@ -120,6 +120,26 @@ def test_logits_and_grads_bitwise(make, tmp_path):
         assert engine.stats()["prefetch_hits"] > 0
 
 
+def test_torch_autocast_is_cuda_autocast(tmp_path):
+    """The config's ``torch_autocast`` on the CUDA path: logits and gradients bitwise the plain CUDA model's
+    forward under ``torch.autocast("cuda", dtype=torch.bfloat16)``."""
+    cfg = {**nvme_config(tmp_path), "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    m, ref = build(MLP, cfg)
+    with engine_for(m, cfg) as engine:
+        for seed in (1, 2):
+            x = torch.randn(4, 12, generator=torch.Generator().manual_seed(seed)).to(CUDA)
+            out = m(x)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                want = ref(x)
+            assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+            assert not torch.is_autocast_enabled("cuda")
+            sq(out).backward()
+            sq(want).backward()
+            assert_bitwise_grads(m, ref)
+            engine.zero_grad()
+            ref.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing_bitwise(reentrant, tmp_path):
     cfg = nvme_config(tmp_path)
