@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +120,13 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def write_index(staged: Staged, shards: list[list[Entry]], names: list[str], total_parameters: int) -> None:
+def write_index(
+    staged: Staged,
+    shards: list[list[Entry]],
+    names: list[str],
+    total_parameters: int,
+    index_name: str = INDEX,
+) -> None:
     if len(shards) == 1:
         return
     index: dict[str, Any] = {
@@ -130,7 +136,7 @@ def write_index(staged: Staged, shards: list[list[Entry]], names: list[str], tot
         },
         "weight_map": {e.name: name for s, name in zip(shards, names, strict=True) for e in s},
     }
-    write_file(staged.path(INDEX), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    write_file(staged.path(index_name), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _is_weights(name: str) -> bool:
@@ -143,8 +149,10 @@ class Staged:
     under their names, never a partial file. Weight files of an earlier save that this one does not
     replace are removed after the renames, as ``save_pretrained`` removes them."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, replaces: Callable[[str], bool] | None = None) -> None:
         self.out = out_dir
+        self._replaces = _is_weights if replaces is None else replaces
+        """Which files of an earlier save `commit` removes (those this one does not overwrite)."""
         self._files: list[tuple[Path, Path]] = []
 
     def path(self, name: str) -> Path:
@@ -163,7 +171,7 @@ class Staged:
             raise io_error(e, self.out, "cannot write weights into") from None
         kept = {final.name for _, final in self._files}
         for f in self.out.iterdir():
-            if _is_weights(f.name) and f.name not in kept and f.is_file():
+            if self._replaces(f.name) and f.name not in kept and f.is_file():
                 f.unlink()
         fsync_path(self.out)
         self._files = []

@@ -66,11 +66,7 @@ def export(
             else:
                 reader.need_entry(rank0, source)
         configs = [n for n in CONFIG_FILES if n in reader.infos]
-        reader.need_all()  # every file, as whole as a load reads it: what a load refuses, export refuses
-        reader.verify()
-        for name in sorted(reader.whole):  # as a load unpickles them: what it refuses, export refuses
-            if name.endswith(".state.pt"):
-                check_state(unpickle(reader.whole[name], folder / name), folder / name, NO_NEEDS)
+        verify_whole(reader, folder)
         out = Path(out_dir)
         for inner in (folder, Path(ckpt_dir)):  # the tag folder, and the save_dir holding every tag
             if _inside(out, inner):
@@ -110,6 +106,16 @@ def export(
         if staged is not None:
             staged.abort()
         reader.close()
+
+
+def verify_whole(reader: Reader, folder: Path) -> None:
+    """Every file of the checkpoint checked as whole as a load reads it (checksums, and each ``state.pt``
+    unpickled as a load does): what a load refuses, an offline read refuses too."""
+    reader.need_all()
+    reader.verify()
+    for name in sorted(reader.whole):
+        if name.endswith(".state.pt"):
+            check_state(unpickle(reader.whole[name], folder / name), folder / name, NO_NEEDS)
 
 
 def _copy_param(reader: Reader, spec: dict, w: StreamWriter, dtype: torch.dtype | None) -> None:

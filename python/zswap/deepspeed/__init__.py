@@ -10,6 +10,8 @@ thing; this module maps DeepSpeed's signatures onto it and nothing more:
 - `checkpointing.checkpoint` / `non_reentrant_checkpoint` / `configure` (activation checkpointing);
 - `utils.safe_get_full_fp32_param` and the rest of the tensor-fragment API (a param's float32 value,
   optimizer state and gradient);
+- `utils.zero_to_fp32`: a checkpoint's float32 weights, offline (`get_fp32_state_dict_from_zero_checkpoint`
+  and its kin);
 - `init_distributed` and `add_config_arguments`, which DeepSpeed scripts call around them.
 
 A DeepSpeed keyword zswap has no equivalent for (``mpu``, ``mesh_param``, quantized weights…) is a

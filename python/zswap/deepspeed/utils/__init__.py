@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ..fetch import leaves
-from ..parts.runners import runners_of
-from ..train import fragments
+from ...fetch import leaves
+from ...parts.runners import runners_of
+from ...train import fragments
 
 __all__ = [
     "get_z3_leaf_modules",

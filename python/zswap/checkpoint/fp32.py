@@ -1,0 +1,126 @@
+"""A checkpoint's weights as whole float32 tensors, offline: what DeepSpeed's ``zero_to_fp32`` gives of its
+own checkpoints (`zswap.deepspeed.utils.zero_to_fp32` has its call shapes).
+
+No model is built and torch.distributed is not started. A low-precision param whose float32 master the
+checkpoint holds (`OffloadedAdamW`'s records: every bf16 / fp16 param it steps) is that master — the value
+training goes on from, as DeepSpeed's masters are —, any other param its saved value widened. Every name a
+tied param has is a key (one tensor under each), and the persistent buffers are keys at their own dtype.
+Every block read is checksum-verified first, as a load verifies it. The whole model is in memory at once:
+for a model larger than that, `zswap.checkpoint.export` streams its params to files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._hf_layout import INDEX, METADATA, Staged, parse_size, plan_shards, shard_names, write_index
+from ._reader import Reader
+from ._safetensors import Entry, StreamWriter
+from .errors import CheckpointArgumentError
+from .export import verify_whole
+from .manifest import dtype_of, file_name, read_manifest, resolve
+
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def fp32_state_dict(
+    ckpt_dir: str | os.PathLike[str], tag: str | None = None, *, exclude_frozen: bool = False
+) -> dict[str, torch.Tensor]:
+    """``name → tensor`` of checkpoint ``ckpt_dir/tag`` (default: the one ``latest`` names), params in
+    float32. ``exclude_frozen``: only the params the saved optimizer holds (its param groups)."""
+    folder, _ = resolve(ckpt_dir, tag)
+    m = read_manifest(folder)
+    optim = m.get("optimizer") if isinstance(m.get("optimizer"), dict) else None
+    trained = {name for group in optim["groups"] for name in group} if optim is not None else None
+    if exclude_frozen and trained is None:
+        raise CheckpointArgumentError(
+            f"{folder} was saved without an optimizer, so which params were frozen is not known: read it "
+            "with exclude_frozen_parameters=False"
+        )
+    # The float32 masters `OffloadedAdamW` held (every low-precision param it holds a record for).
+    mastered = set()
+    if optim is not None and optim.get("kind") == "zswap":
+        mastered = {entry[0] for rank in optim["layout"] for entry in rank}
+    reader = Reader(folder, m)
+    try:
+        plan: list[tuple[dict[str, Any], torch.dtype, list[Any]]] = []
+        for spec in m["params"]:
+            if exclude_frozen and trained is not None and spec["name"] not in trained:
+                continue
+            dtype = dtype_of(spec["dtype"])
+            kind = "master" if spec["name"] in mastered and dtype != torch.float32 else "params"
+            dtype = torch.float32 if kind == "master" else dtype
+            pieces = reader.pieces(spec, kind, 0, math.prod(spec["shape"]))
+            reader.need(pieces, dtype)
+            plan.append((spec, dtype, pieces))
+        rank0 = file_name(0, reader.world, "params")
+        for b in m["buffers"]:
+            reader.need_entry(rank0, b["name"])
+        verify_whole(reader, folder)
+        out: dict[str, torch.Tensor] = {}
+        for spec, dtype, pieces in plan:
+            flat = torch.empty(math.prod(spec["shape"]), dtype=dtype)
+            reader.read(pieces, flat)
+            value = flat.view(spec["shape"]).float()
+            for name in (spec["name"], *spec["aliases"]):
+                out[name] = value
+        for b in m["buffers"]:
+            flat = torch.empty(math.prod(b["shape"]), dtype=dtype_of(b["dtype"]))
+            reader.file(rank0).read_elements(b["name"], 0, flat)
+            out[b["name"]] = flat.view(b["shape"])
+        return out
+    finally:
+        reader.close()
+
+
+def write_state_dict(
+    state: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    safetensors: bool = True,
+) -> Path:
+    """``state`` written to ``out_dir`` as Hugging Face names its weights: ``model.safetensors``, or
+    ``pytorch_model.bin`` (``torch.save``) where not ``safetensors``; past ``max_shard_size`` in numbered
+    shards with their index. A name that shares its tensor with another (a tied param) is written under
+    each. The files are complete before any takes its name; those of an earlier save of the same kind that
+    this one does not overwrite are removed, as ``save_pretrained`` does."""
+    limit = parse_size(max_shard_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = plan_shards([Entry(k, t.dtype, tuple(t.shape)) for k, t in state.items()], limit)
+    if safetensors:
+        names, index, staged = shard_names(len(shards)), INDEX, Staged(out)
+    else:
+        names = [BIN] if len(shards) == 1 else [f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
+                                                  for i in range(len(shards))]  # fmt: skip
+        index, staged = BIN_INDEX, Staged(out, _is_bin)
+    try:
+        for shard, name in zip(shards, names, strict=True):
+            if not safetensors:
+                torch.save({e.name: state[e.name] for e in shard}, staged.path(name))
+                continue
+            w = StreamWriter(staged.path(name), shard, METADATA)
+            try:
+                for e in shard:
+                    w.write(state[e.name].contiguous().view(-1))
+                w.close()
+            finally:
+                w.abort()
+        total = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
+        write_index(staged, shards, names, total, index)
+        staged.commit()
+    finally:
+        staged.abort()
+    return out
+
+
+def _is_bin(name: str) -> bool:
+    return name in (BIN, BIN_INDEX) or re.fullmatch(r"pytorch_model-\d{5}-of-\d{5}\.bin", name) is not None

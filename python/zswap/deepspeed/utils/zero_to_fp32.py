@@ -1,0 +1,72 @@
+"""DeepSpeed's ``deepspeed.utils.zero_to_fp32`` over zswap's checkpoints: a checkpoint folder's weights in
+float32, offline — in memory, written out, or loaded into a plain model (`zswap.checkpoint.fp32`: a
+low-precision param is its float32 master where the checkpoint holds one, as DeepSpeed's are; every name of
+a tied param is a key; the persistent buffers are keys too). The folder is ``engine.save_checkpoint``'s
+``save_dir``; ``tag`` defaults to the one its ``latest`` file names.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ...checkpoint.fp32 import fp32_state_dict, write_state_dict
+from ...errors import ZswapError
+from ...parts.params import param_state
+
+
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+    lazy_mode: bool = False,
+) -> dict[str, torch.Tensor]:
+    """``name → float32 tensor`` (buffers at their dtype) of the checkpoint, all in memory.
+    ``exclude_frozen_parameters``: only the params the optimizer stepped. ``lazy_mode`` is accepted and
+    reads every tensor at once: DeepSpeed's lazy values are read at their ``.contiguous()``, which these
+    answer too."""
+    del lazy_mode  # the values are read now; what a lazy caller does with them works the same
+    return fp32_state_dict(checkpoint_dir, tag, exclude_frozen=exclude_frozen_parameters)
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> None:
+    """The checkpoint's float32 weights written to ``output_dir``: ``pytorch_model.bin`` (``torch.save``),
+    or ``model.safetensors`` with ``safe_serialization``; numbered shards and their index past
+    ``max_shard_size``. (`zswap.checkpoint.export` streams the params to safetensors in their own dtype,
+    one chunk in memory at a time, where the model is larger than memory.)"""
+    state = fp32_state_dict(checkpoint_dir, tag, exclude_frozen=exclude_frozen_parameters)
+    write_state_dict(state, output_dir, max_shard_size=max_shard_size, safetensors=safe_serialization)
+
+
+def load_state_dict_from_zero_checkpoint(
+    model: nn.Module, checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+) -> nn.Module:
+    """``model``, a plain one, moved to the CPU with the checkpoint's float32 weights loaded, strictly
+    (DeepSpeed's load is not: a key missing on either side would go unnoticed); returned. A model whose
+    params zswap partitions is a `zswap.ZswapError`: it loads with ``engine.load_checkpoint``."""
+    if any(param_state(p) is not None for p in model.parameters()):
+        raise ZswapError(
+            "load_state_dict_from_zero_checkpoint loads into a plain model; this one's params are "
+            "partitioned by zswap: load the checkpoint with engine.load_checkpoint (or its weights with "
+            "zswap.load_weights)"
+        )
+    state = fp32_state_dict(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+]
