@@ -323,3 +323,33 @@ def test_zero_init_ignores_mem_efficient_linear_false_with_a_warning():
     with init:
         layer = nn.Linear(3, 2)
     assert param_state(layer.weight) is not None
+
+
+def test_the_engines_loader_and_16bit_save(tmp_path):
+    """``deepspeed_io`` builds DeepSpeed's loader (micro batch, or the batch size given; shuffled; the
+    config's drop_last); ``save_16bit_model`` writes the whole state dict in the params' dtype, tied names
+    and buffers included, as ``torch.save`` of the plain model's would be; ``gradient_clipping()``."""
+    cfg = ds_config(bf16={"enabled": True}, dataloader_drop_last=True, gradient_clipping=0.5)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TinyLM()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    with engine:
+        assert engine.gradient_clipping() == 0.5
+        data = TensorDataset(ids(batch=8, seed=1))
+        assert [len(b[0]) for b in engine.deepspeed_io(data)] == [3, 3]
+        assert [len(b[0]) for b in engine.deepspeed_io(data, batch_size=4, route="eval")] == [4, 4]
+        with pytest.raises(ValueError, match="route must be train, eval, predict or encode"):
+            engine.deepspeed_io(data, route="test")
+        engine.backward(sq(engine(ids(seed=2))))
+        assert engine.save_16bit_model(tmp_path / "out") is True
+        saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+        with zswap.GatheredParameters(list(model.parameters())):
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+        assert list(saved) == list(want) and all(torch.equal(saved[k], v) for k, v in want.items())
+        assert {v.dtype for k, v in saved.items() if k in dict(model.named_parameters())} == {torch.bfloat16}
+        model.wte.weight.requires_grad_(False)  # (tied to the head: both names go)
+        engine.save_16bit_model(tmp_path / "out", "frozen.bin", exclude_frozen_parameters=True)
+        kept = torch.load(tmp_path / "out" / "frozen.bin", weights_only=True)
+        assert set(want) - set(kept) == {"wte.weight", "head.weight"}
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["frozen.bin", "pytorch_model.bin"]

@@ -13,27 +13,37 @@ from ..errors import ConfigError
 
 
 def training_dataloader(
-    data: Any, cfg: ZswapConfig, engine: Any, collate_fn: Callable[..., Any] | None
+    data: Any,
+    cfg: ZswapConfig,
+    engine: Any,
+    collate_fn: Callable[..., Any] | None,
+    *,
+    batch_size: int | None = None,
+    sampler: Any = None,
+    **loader: Any,
 ) -> DataLoader[Any]:
-    """``data`` in batches of the config's micro batch size: a `RandomSampler` on one rank, a
-    `DistributedSampler` (this rank's share) on several — DeepSpeed's defaults; a last batch smaller than
-    the micro batch is dropped where the config's ``dataloader_drop_last`` says so, as in DeepSpeed."""
+    """``data`` in batches of the config's micro batch size (or ``batch_size``): ``sampler``, else a
+    `RandomSampler` on one rank, a `DistributedSampler` (this rank's share) on several — DeepSpeed's
+    defaults; a last batch smaller than the batch size is dropped where the config's
+    ``dataloader_drop_last`` says so, as in DeepSpeed. ``loader``: more `DataLoader` keywords."""
     dist = torch.distributed
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    micro = cfg.batch.resolve(ranks)[1]
+    micro = cfg.batch.resolve(ranks)[1] if batch_size is None else batch_size
     if micro is None:
         raise ConfigError(
             "training_data needs a batch size: set train_micro_batch_size_per_gpu or train_batch_size in "
             "the config"
         )
-    if ranks > 1:
-        sampler: Any = DistributedSampler(data, num_replicas=ranks, rank=dist.get_rank())
-    else:
-        sampler = RandomSampler(data)
+    if sampler is None:
+        if ranks > 1:
+            sampler = DistributedSampler(data, num_replicas=ranks, rank=dist.get_rank())
+        else:
+            sampler = RandomSampler(data)
     return DataLoader(
         data,
         batch_size=micro,
         sampler=sampler,
         collate_fn=collate_fn,
         drop_last=cfg.batch.dataloader_drop_last,
+        **loader,
     )

@@ -9,12 +9,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..checkpoint._atomic import LATEST
 from ..errors import ZswapError, ZswapWarning
 from ..train import runtime
 from ._args import refuse
+from ._data import training_dataloader
 
 
 class NoSyncError(ZswapError, AssertionError):
@@ -38,8 +40,10 @@ class DeepSpeedEngine(runtime.Engine):
 
     DeepSpeed's queries scripts branch on: ``fp16_enabled()``, ``bfloat16_enabled()``,
     ``zero_optimization_stage()`` (3), ``was_step_applied()``, ``global_rank``, ``local_rank``,
-    ``world_size`` / ``dp_world_size``, ``train_batch_size()``, ``get_global_grad_norm()``; ``destroy()``
-    is `close`; ``no_sync()`` raises as DeepSpeed's does under ZeRO-3.
+    ``world_size`` / ``dp_world_size``, ``train_batch_size()``, ``get_global_grad_norm()``,
+    ``gradient_clipping()``; ``deepspeed_io(dataset)`` builds DeepSpeed's loader, ``save_16bit_model``
+    writes the whole state dict; ``destroy()`` is `close`; ``no_sync()`` raises as DeepSpeed's does under
+    ZeRO-3.
     """
 
     def save_checkpoint(
@@ -106,6 +110,63 @@ class DeepSpeedEngine(runtime.Engine):
     def train_micro_batch_size_per_gpu(self) -> int | None:
         """Samples per forward/backward on this rank (the config's, or derived; ``None`` if it gives none)."""
         return self.config.batch.resolve(self._world())[1]
+
+    def gradient_clipping(self) -> float:
+        """The clip norm `step` applies to the gradients' global L2 norm (0.0: none)."""
+        return float(self.max_grad_norm or 0.0)
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Any = None,
+        num_local_io_workers: int | None = None,
+    ) -> Any:
+        """DeepSpeed's loader over ``dataset``: the micro batch size (or ``batch_size``), ``data_sampler``
+        or DeepSpeed's default (shuffled; this rank's share over several), the config's
+        ``dataloader_drop_last``; batches pinned where asked and the engine computes on CUDA; ``route``
+        (train / eval / predict / encode) changes nothing, as in DeepSpeed's loader."""
+        if route not in ("train", "eval", "predict", "encode"):
+            raise ValueError(f"deepspeed_io: route must be train, eval, predict or encode, got {route!r}")
+        return training_dataloader(
+            dataset,
+            self.config,
+            self,
+            collate_fn,
+            batch_size=batch_size,
+            sampler=data_sampler,
+            pin_memory=pin_memory and self.device.type == "cuda",  # (pinning serves copies to a GPU)
+            num_workers=num_local_io_workers or 0,
+        )
+
+    def save_16bit_model(
+        self, save_dir: Any, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """DeepSpeed's: the module's whole state dict, params in their own dtype (bf16 / fp16 / fp32),
+        written by rank 0 with ``torch.save`` to ``save_dir/save_filename`` (complete before it takes its
+        name); a collective — every rank calls it (each param is gathered). The whole model is in memory at
+        once; `zswap.save_weights` streams safetensors instead. Returns ``True``."""
+        self._check_open()
+        state = self.module.state_dict()  # full values (`zswap.checkpoint.statedict`)
+        if exclude_frozen_parameters:
+            named = self.module.named_parameters(remove_duplicate=False)
+            frozen = {n for n, p in named if not p.requires_grad}
+            state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = Path(save_dir) / save_filename
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            try:
+                torch.save(state, tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        if dist.is_initialized() and self._world() > 1:
+            dist.barrier()  # the file is complete when any rank returns
+        return True
 
     def get_global_grad_norm(self) -> float | None:
         """The gradients' global L2 norm seen by the last step (``None`` when that step did not need it)."""
