@@ -34,7 +34,10 @@ REFUSED = [
     ({"amp": {"enabled": True}}, r"amp\.enabled .*apex AMP does not combine with ZeRO"),
     ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, r"progressive_layer_drop\.enabled"),
     ({"curriculum_learning": {"enabled": True}}, r"curriculum_learning\.enabled .*data loader"),
-    ({"data_efficiency": {"enabled": "true"}}, r"data_efficiency\.enabled"),
+    (
+        {"data_efficiency": {"enabled": "true", "data_sampling": {"enabled": True}}},
+        r"data_efficiency\.data_sampling\.enabled",
+    ),
     ({"quantize_training": {"enabled": True}}, r"quantize_training\.enabled"),
     ({"elasticity": {"enabled": True}}, r"elasticity\.enabled .*train_batch_size"),
     ({"hybrid_engine": {"enabled": True}}, r"hybrid_engine\.enabled .*unwrap_model_for_generation"),
@@ -65,6 +68,7 @@ def test_a_result_changing_feature_switched_on_is_refused_naming_it(extra, messa
 
 ACCEPTED = [
     {"amp": {"enabled": False}},
+    {"data_efficiency": {"enabled": True, "data_sampling": {"enabled": False}}},
     {"progressive_layer_drop": {"enabled": False}},
     {"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False}}}},
     {"weight_quantization": {}},

@@ -31,7 +31,6 @@ REFUSED_WHEN_ENABLED: dict[str, str] = {
     "or torch_autocast",
     "progressive_layer_drop": "zswap passes no progressive-layer-drop schedule to the model's forward",
     "curriculum_learning": _DATA,
-    "data_efficiency": _DATA,
     "quantize_training": "zswap trains unquantized weights",
     "elasticity": "zswap takes the batch sizes as given; set train_batch_size and "
     "train_micro_batch_size_per_gpu",
@@ -67,6 +66,11 @@ def check(raw: Mapping[Any, Any]) -> list[str]:
             _refuse(f"{key}.enabled", why)
     for path in _switches(raw.get("compression_training"), "compression_training"):
         _refuse(path, "zswap does not quantize, prune or shrink the model while training")
+    efficiency = raw.get("data_efficiency")
+    if isinstance(efficiency, Mapping) and _enabled(efficiency):  # on where a part is (each has a switch)
+        for part in ("data_sampling", "data_routing"):
+            for path in _switches(efficiency.get(part), f"data_efficiency.{part}"):
+                _refuse(path, _DATA)
     quantization = raw.get("weight_quantization")
     if isinstance(quantization, Mapping):
         for sub in ("quantized_initialization", "post_init_quant"):

@@ -24,7 +24,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     lazy_mode: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``name → float32 tensor`` (buffers at their dtype) of the checkpoint, all in memory.
-    ``exclude_frozen_parameters``: only the params the optimizer stepped. ``lazy_mode`` is accepted and
+    ``exclude_frozen_parameters``: only the params the saved optimizer holds. ``lazy_mode`` is accepted and
     reads every tensor at once: DeepSpeed's lazy values are read at their ``.contiguous()``, which these
     answer too."""
     del lazy_mode  # the values are read now; what a lazy caller does with them works the same
