@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,6 @@ from ._atomic import fsync_path, io_error, temp_name, write_file
 from ._safetensors import Entry
 
 WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 METADATA = {"format": "pt"}
 CONFIG_FILES = ("config.json", "generation_config.json")
 
@@ -114,10 +113,13 @@ def plan_shards(entries: Sequence[Entry], max_shard_size: int) -> list[list[Entr
     return shards
 
 
-def shard_names(n: int) -> list[str]:
+def shard_names(n: int, weights: str = WEIGHTS) -> list[str]:
+    """The files of ``n`` shards, as Hugging Face names them: ``weights`` itself for one, else
+    ``{stem}-0000i-of-0000n.{ext}`` (``model.safetensors``; ``pytorch_model.bin`` for ``torch.save``)."""
     if n == 1:
-        return [WEIGHTS]
-    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        return [weights]
+    stem, _, ext = weights.partition(".")
+    return [f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
 
 
 def write_index(
@@ -125,8 +127,9 @@ def write_index(
     shards: list[list[Entry]],
     names: list[str],
     total_parameters: int,
-    index_name: str = INDEX,
+    weights: str = WEIGHTS,
 ) -> None:
+    """``{weights}.index.json``, past one shard: which shard holds each tensor."""
     if len(shards) == 1:
         return
     index: dict[str, Any] = {
@@ -136,11 +139,16 @@ def write_index(
         },
         "weight_map": {e.name: name for s, name in zip(shards, names, strict=True) for e in s},
     }
-    write_file(staged.path(index_name), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    write_file(
+        staged.path(f"{weights}.index.json"), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    )
 
 
-def _is_weights(name: str) -> bool:
-    return name in (WEIGHTS, INDEX) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
+def _is_weights(name: str, weights: str) -> bool:
+    """Whether ``name`` is one of the files a save of ``weights`` writes (`shard_names`, its index)."""
+    stem, _, ext = weights.partition(".")
+    shard = rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}\.{re.escape(ext)}"
+    return name in (weights, f"{weights}.index.json") or re.fullmatch(shard, name) is not None
 
 
 class Staged:
@@ -149,10 +157,11 @@ class Staged:
     under their names, never a partial file. Weight files of an earlier save that this one does not
     replace are removed after the renames, as ``save_pretrained`` removes them."""
 
-    def __init__(self, out_dir: Path, replaces: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, out_dir: Path, weights: str = WEIGHTS) -> None:
         self.out = out_dir
-        self._replaces = _is_weights if replaces is None else replaces
-        """Which files of an earlier save `commit` removes (those this one does not overwrite)."""
+        self._weights = weights
+        """The kind of files this save writes (`shard_names`): those of an earlier save of that kind that
+        `commit` does not overwrite, it removes."""
         self._files: list[tuple[Path, Path]] = []
 
     def path(self, name: str) -> Path:
@@ -171,7 +180,7 @@ class Staged:
             raise io_error(e, self.out, "cannot write weights into") from None
         kept = {final.name for _, final in self._files}
         for f in self.out.iterdir():
-            if self._replaces(f.name) and f.name not in kept and f.is_file():
+            if _is_weights(f.name, self._weights) and f.name not in kept and f.is_file():
                 f.unlink()
         fsync_path(self.out)
         self._files = []

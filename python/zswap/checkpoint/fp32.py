@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._hf_layout import INDEX, METADATA, Staged, parse_size, plan_shards, shard_names, write_index
+from ._hf_layout import METADATA, WEIGHTS, Staged, parse_size, plan_shards, shard_names, write_index
 from ._reader import Reader
 from ._safetensors import Entry, StreamWriter
 from .errors import CheckpointArgumentError
@@ -27,7 +26,7 @@ from .export import verify_whole
 from .manifest import dtype_of, file_name, read_manifest, resolve
 
 BIN = "pytorch_model.bin"
-BIN_INDEX = "pytorch_model.bin.index.json"
+"""What Hugging Face names ``torch.save``-d weights (`shard_names` numbers their shards)."""
 
 
 def fp32_state_dict(
@@ -96,12 +95,8 @@ def write_state_dict(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards = plan_shards([Entry(k, t.dtype, tuple(t.shape)) for k, t in state.items()], limit)
-    if safetensors:
-        names, index, staged = shard_names(len(shards)), INDEX, Staged(out)
-    else:
-        names = [BIN] if len(shards) == 1 else [f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
-                                                  for i in range(len(shards))]  # fmt: skip
-        index, staged = BIN_INDEX, Staged(out, _is_bin)
+    weights = WEIGHTS if safetensors else BIN
+    names, staged = shard_names(len(shards), weights), Staged(out, weights)
     try:
         for shard, name in zip(shards, names, strict=True):
             if not safetensors:
@@ -115,12 +110,8 @@ def write_state_dict(
             finally:
                 w.abort()
         total = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
-        write_index(staged, shards, names, total, index)
+        write_index(staged, shards, names, total, weights)
         staged.commit()
     finally:
         staged.abort()
     return out
-
-
-def _is_bin(name: str) -> bool:
-    return name in (BIN, BIN_INDEX) or re.fullmatch(r"pytorch_model-\d{5}-of-\d{5}\.bin", name) is not None
