@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint._atomic import LATEST
+from ..checkpoint._atomic import LATEST, fsync_path, temp_name
 from ..errors import ZswapError, ZswapWarning
 from ..train import runtime
 from ._args import refuse
@@ -158,9 +158,10 @@ class DeepSpeedEngine(runtime.Engine):
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             path = Path(save_dir) / save_filename
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp = path.with_name(temp_name(path.name))  # the checkpoints' temp names: stale ones are known
             try:
                 torch.save(state, tmp)
+                fsync_path(tmp)
                 os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
