@@ -21,7 +21,6 @@ from typing import Any
 from pydantic_core import PydanticCustomError
 
 from ..errors import ConfigError
-from . import _keys as k
 from . import _values as v
 
 _DATA = "zswap trains on the batches it is given, as they are; shape them in your data loader"
@@ -96,7 +95,6 @@ def check(raw: Mapping[Any, Any]) -> list[str]:
     factor = raw.get("gradient_predivide_factor")
     if factor is not None and not (isinstance(factor, int | float) and factor == 1.0):
         _refuse("gradient_predivide_factor", f"{_AVERAGING}; it may only be 1.0")
-    _check_communication_dtype(raw)
     warned = [f"{key}.enabled" for key in MONITORS if _enabled(raw.get(key))]
     warned += [key for key in MONITOR_SWITCHES if _enabled(raw.get(key))]
     compile_section = raw.get("compile")
@@ -105,23 +103,15 @@ def check(raw: Mapping[Any, Any]) -> list[str]:
     return warned
 
 
-def _check_communication_dtype(raw: Mapping[Any, Any]) -> None:
-    """``communication_data_type`` may only name the dtype gradients are reduced in: the params' own, from
-    the bf16 / fp16 sections (fp32 where both are off)."""
-    given = raw.get("communication_data_type")
+def check_communication_dtype(given: Any, params: str | None) -> None:
+    """``communication_data_type`` (``given``) may only name the dtype gradients are reduced in: the
+    params' own, ``params`` (from the bf16 / fp16 sections; ``None`` where they leave it open)."""
     if given is None:
         return
     try:
         named = v.to_dtype_name(given)
     except PydanticCustomError as exc:
         raise ConfigError(f"communication_data_type {exc.message()}, got {v.show(given)}") from None
-    precision = {
-        name: raw[key].get("enabled")
-        for name, key in (("bf16", "bf16"), ("bf16", k.BF16_OLD_NAME), ("fp16", "fp16"))
-        if isinstance(raw.get(key), Mapping) and raw[key].get("enabled") is not None
-    }
-    on = [name for name, enabled in precision.items() if _enabled(enabled)]
-    params = on[0] if on else "fp32" if all(e is False for e in precision.values()) else None
     if named != params:
         where = (
             f"the params' dtype here is {params}" if params else "bf16 / fp16 leave the params' dtype open"

@@ -80,7 +80,11 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
     optimizer = _section(raw, "optimizer", "optimizer")
     if optimizer is not None:
         out.put("optimizer", _read_optimizer(optimizer, out))
-    _read_precision(raw, out)
+    flags = _read_precision(raw, out)
+    # The params' dtype the sections fix; with neither section on, fp32 (DeepSpeed's); "auto": left open.
+    _foreign.check_communication_dtype(
+        raw.get("communication_data_type"), out.data.get("dtype") or (None if "auto" in flags else "fp32")
+    )
     _read_batch(raw, out)
     autocast = _section(raw, "torch_autocast", "torch_autocast")
     if autocast is not None:
@@ -155,7 +159,8 @@ def _read_optimizer(optimizer: Mapping[Any, Any], out: Assembled) -> dict[str, t
     return given
 
 
-def _read_precision(raw: Mapping[Any, Any], out: Assembled) -> None:
+def _read_precision(raw: Mapping[Any, Any], out: Assembled) -> tuple[bool | str | None, bool | str | None]:
+    """The bf16 / fp16 sections into ``out`` (``dtype`` where they fix it); their ``enabled`` flags."""
     bf16, bf16_where = _section(raw, "bf16", "bf16"), "bf16"
     old = _section(raw, k.BF16_OLD_NAME, k.BF16_OLD_NAME)
     if old is not None:
@@ -180,6 +185,7 @@ def _read_precision(raw: Mapping[Any, Any], out: Assembled) -> None:
         out.data["dtype"] = "fp16"
     elif False in flags and "auto" not in flags:
         out.data["dtype"] = "fp32"
+    return flags
 
 
 def _enabled(given: Mapping[str, tuple[str, Any]]) -> bool | str | None:
