@@ -289,9 +289,7 @@ class AutocastConfig(_Model):
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`; ``None``: torch's default for the device."""
-        import torch  # zswap.config itself must stay importable without paying for torch
-
-        return None if self.dtype is None else getattr(torch, _TORCH_DTYPES[self.dtype])
+        return _as_torch(self.dtype)
 
 
 class BatchConfig(_Model):
@@ -445,12 +443,7 @@ class ZswapConfig(_Model):
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""
-        if self.dtype is None:
-            return None
-        import torch  # zswap.config itself must stay importable without paying for torch
-
-        dtype: torch.dtype = getattr(torch, _TORCH_DTYPES[self.dtype])
-        return dtype
+        return _as_torch(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """This config in the trimmed layout (zswap's sections at top level), as plain JSON values.
@@ -486,6 +479,15 @@ class ZswapConfig(_Model):
                 "params": _to_json(self.scheduler.param_values()),
             }
         return out
+
+
+def _as_torch(name: DType | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    import torch  # zswap.config itself must stay importable without paying for torch
+
+    dtype: torch.dtype = getattr(torch, _TORCH_DTYPES[name])
+    return dtype
 
 
 def _is_auto(value: Any) -> bool:
