@@ -517,3 +517,18 @@ def test_optimizers_beside_a_config_section_of_their_kind_are_refused(tmp_path, 
         zt.Trainer(
             model=model, args=_args(tmp_path / "z"), train_dataset=_data(), optimizers=given, zswap_config=cfg
         )
+
+
+def test_a_grad_accum_dtype_zswap_does_not_sum_in_is_refused(tmp_path):
+    """float32 params' gradients are summed in float32 over the Trainer's windows: a config asking for bf16
+    sums is refused where the engine is built, and the engine is closed (the model runs under another)."""
+    cfg = {**_config(tmp_path), "data_types": {"grad_accum_dtype": "bf16"}}
+    model = _zswap_model(cfg)
+    with pytest.raises(
+        zswap.ConfigError, match=r"grad_accum_dtype is 'bf16' but zswap sums .* torch.float32 over the 2"
+    ):
+        trainer = zt.Trainer(
+            model=model, args=_args(tmp_path / "out"), train_dataset=_data(), zswap_config=cfg
+        )
+        trainer.train()
+    zswap.initialize(model, {"zero_optimization": _config(tmp_path)["zero_optimization"]}).close()

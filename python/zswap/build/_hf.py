@@ -222,6 +222,7 @@ def load_into_partitions(
     plan = weights.plan(targets, resolved.sources)
     frame = ctx.frames[-1]
     _cast_on_load(plan, frame.placement.dtype)
+    _buffers_on_load(plan, frame.placement.dtype, ctx.lineage)
     weights.check_optimizer(plan.items)
     weights.write(plan.items, frame.build_placement, _frame_hook(frame))
     for target, _, _ in plan.items:
@@ -256,6 +257,19 @@ def _cast_on_load(plan: Any, dtype: torch.dtype | None) -> None:
         t = target.tensor
         exact = (src.dtype, target.dtype or t.dtype) in _EXACT
         if t.device.type == "meta" and target.slots[0][2] and t.is_floating_point() and exact:
+            target.dtype = dtype
+
+
+def _buffers_on_load(plan: Any, dtype: torch.dtype | None, lineage: Any) -> None:
+    """Under ``Init(dtype=…)``, a buffer DeepSpeed's Init would have built in that dtype (`_lineage`) is
+    loaded in it, as DeepSpeed's loader copies the checkpoint into that buffer (where transformers' own
+    dtype plan leaves it open)."""
+    if dtype is None:
+        return
+    for target, _, _ in plan.items:
+        t = target.tensor
+        params = any(is_param for _, _, is_param in target.slots)
+        if not params and target.dtype is None and t.is_floating_point() and t in lineage:
             target.dtype = dtype
 
 

@@ -42,7 +42,7 @@ from ..parts._access import AccessMode
 from ..parts.gather import Placement, fetch, manage, no_torch_function, offload
 from ..parts.params import MemoryStore, NvmeStore, ParamState, Status, param_state
 from ..parts.placing import PLACING
-from . import _hf, module_api
+from . import _hf, _lineage, module_api
 
 # Data gathered by the access hook and not yet written back is bounded by this (one larger param may
 # exceed it alone): Hugging Face's init pass walks the whole model without a sync point of its own.
@@ -91,6 +91,9 @@ class _Frame:
     built: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     orphans: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     created: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    keep_fp32: tuple[str, ...] | None = None
+    """``data_types.keep_in_fp32_modules``: buffer name patterns left in float32 (``None``: the model's
+    own Hugging Face lists, `_lineage.kept_in_fp32`)."""
 
     @property
     def build_placement(self) -> Placement:
@@ -111,6 +114,7 @@ class _InitContext:
         self.touched_bytes = 0
         self.dirty: dict[int, Any] = {}  # stores written by write-backs: waited for at the outermost exit
         self.mode: AccessMode | None = None
+        self.lineage = _lineage.Lineage()  # tensors DeepSpeed's Init would have built in the frame's dtype
 
     @property
     def active(self) -> bool:
@@ -139,6 +143,7 @@ class _InitContext:
                 self.mode.__exit__(None, None, None)
         finally:
             self.mode = None
+            self.lineage.clear()
             self.patches.restore()
             self.wrapped.clear()
             self.building.clear()
@@ -183,6 +188,11 @@ class _InitContext:
             self.touched[id(p)] = (p, _storage_uses(p), nbytes)
             self.touched_bytes += nbytes
 
+    def made(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """A torch call inside the Init returned ``out``: noted where the frame casts (`_lineage`)."""
+        if self.frames[-1].placement.dtype is not None:
+            self.lineage.note(func, args, kwargs, out)
+
     def adopt(self, p: torch.Tensor) -> None:
         """``p.data = x`` on a managed param: ``x`` is now its data, to be partitioned at the next sync."""
         st = param_state(p)
@@ -216,8 +226,12 @@ class _InitContext:
         for module in modules:
             self.manage_new(module.parameters(recurse=False), frame)
         self.sync_touched()
-        if frame.placement.dtype is not None:
-            module_api.cast_params([r() for r in frame.created], frame.placement.dtype)
+        dtype = frame.placement.dtype
+        if dtype is not None:
+            module_api.cast_params([r() for r in frame.created], dtype)
+            with no_torch_function():
+                kept = _lineage.kept_in_fp32(modules, dtype, frame.keep_fp32)
+                _lineage.cast_buffers(modules, dtype, self.lineage, kept)
         frame.created.clear()
         module_api.attach(modules)
         frame.placement.store.wait_all()
@@ -341,9 +355,13 @@ class Init:
     device the param was built on), ``pin_memory``, ``dtype`` (floating params are kept in; ``None``: the
     config's, where ``None`` keeps the built dtype). The model is built exactly as a plain build (float32
     where that is the default, the same random numbers) and each floating param is cast to ``dtype`` when
-    the Init exits: the same seed gives bitwise ``plain_model.to(dtype)``. ``process_group``: partition
-    across it (default: the default group when torch.distributed is initialised, else a single process).
-    ``module``: an already built model, converted at once. ``enabled=False`` makes Init do nothing.
+    the Init exits: the same seed gives bitwise ``plain_model.to(dtype)``. Floating buffers take ``dtype``
+    where a build with it as torch's default dtype would have made them in it (BatchNorm's statistics; not
+    a float32 rotary ``inv_freq``; `_lineage`), but those kept in float32 (``data_types``, Hugging Face's
+    ``_keep_in_fp32_modules_strict``), as transformers' ``from_pretrained(dtype=…)`` builds them.
+    ``process_group``: partition across it (default: the default group when torch.distributed is
+    initialised, else a single process). ``module``: an already built model, converted at once.
+    ``enabled=False`` makes Init do nothing.
 
     The nvme path is checked here, before any module is built: a missing directory is `NvmePathMissing`
     (a `ConfigError` and a `FileNotFoundError`; never created: a typo must not fill the wrong disk), not a
@@ -385,6 +403,7 @@ class Init:
         else:
             store = MemoryStore("cpu" if device == "cpu" else "none", pin)
         self._placement = Placement(store, group, rank, world, dtype)
+        self._keep_fp32 = cfg.data_types.keep_in_fp32_modules
         del cfg
         if module is not None:
             self._convert(module)
@@ -393,7 +412,7 @@ class Init:
     def _at(cls, placement: Placement) -> Init:
         """An Init that puts new params where ``placement`` says (with its store and group)."""
         self = cls.__new__(cls)
-        self._enabled, self._frames, self._placement = True, [], placement
+        self._enabled, self._frames, self._placement, self._keep_fp32 = True, [], placement, None
         return self
 
     def _convert(self, module: nn.Module) -> None:
@@ -411,7 +430,7 @@ class Init:
         ctx = _CTX
         if ctx.frames and ctx.thread != threading.get_ident():
             raise ZswapError("zswap.Init is already active in another thread")
-        frame = _Frame(self._placement)
+        frame = _Frame(self._placement, keep_fp32=self._keep_fp32)
         if not ctx.frames:
             memory.bound_heap()  # freed weights go back to the kernel, not into glibc's heap
             ctx.install()

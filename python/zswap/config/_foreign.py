@@ -122,6 +122,23 @@ def check_communication_dtype(given: Any, params: str | None) -> None:
         )
 
 
+def check_param_dtype(given: Any, params: str | None) -> None:
+    """``data_types.param_dtype`` (``given``) must name the params' dtype the bf16 / fp16 sections fix,
+    ``params`` (``None`` where they leave it open), as DeepSpeed asserts; "auto" is not set."""
+    if given is None or (isinstance(given, str) and given.strip().lower() == "auto"):
+        return
+    try:
+        named = v.to_dtype_name(given)
+    except PydanticCustomError as exc:
+        raise ConfigError(f"data_types.param_dtype {exc.message()}, got {v.show(given)}") from None
+    if named != params:
+        where = f"they make the params {params}" if params else "they leave the params' dtype open"
+        raise ConfigError(
+            f"data_types.param_dtype is {named!r} but the bf16 / fp16 sections decide the params' dtype "
+            f"({where}): switch on the matching section, or drop data_types.param_dtype"
+        )
+
+
 def _enabled(section_or_flag: Any) -> bool:
     """Whether DeepSpeed reads this as switched on: ``true`` itself, or a section whose ``enabled`` is."""
     flag = section_or_flag.get("enabled") if isinstance(section_or_flag, Mapping) else section_or_flag

@@ -253,6 +253,10 @@ BATCH_KEYS = (
 
 TORCH_AUTOCAST = Section(path="torch_autocast", fields=("enabled", "dtype", "lower_precision_safe_modules"))
 
+DATA_TYPES = Section(
+    path="data_types", fields=("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")
+)
+
 SCHEDULER = Section(path="scheduler", fields=("type",), subsections=frozenset({"params"}))
 
 REQUIRED = object()

@@ -10,7 +10,7 @@ Layouts (each section may be nested as DeepSpeed has it, or stand at top level, 
     zero_optimization.offload_param      | offload_param
     zero_optimization.offload_optimizer  | offload_optimizer
     zero_optimization.stage3_*, sub_group_size | the same keys at top level
-    aio, optimizer, scheduler, bf16 (old name: bfloat16), fp16, gradient_clipping, torch_autocast,
+    aio, optimizer, scheduler, bf16 (old name: bfloat16), fp16, gradient_clipping, torch_autocast, data_types,
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     dataloader_drop_last                                                              (top level in both)
 
@@ -82,9 +82,13 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
         out.put("optimizer", _read_optimizer(optimizer, out))
     flags = _read_precision(raw, out)
     # The params' dtype the sections fix; with neither section on, fp32 (DeepSpeed's); "auto": left open.
-    _foreign.check_communication_dtype(
-        raw.get("communication_data_type"), out.data.get("dtype") or (None if "auto" in flags else "fp32")
-    )
+    params = out.data.get("dtype") or (None if "auto" in flags else "fp32")
+    _foreign.check_communication_dtype(raw.get("communication_data_type"), params)
+    types = _section(raw, "data_types", "data_types")
+    if types is not None:
+        given = _read(types, k.DATA_TYPES, "data_types", out)
+        _foreign.check_param_dtype(given.get("param_dtype", (None, None))[1], params)
+        out.put("data_types", given)
     _read_batch(raw, out)
     autocast = _section(raw, "torch_autocast", "torch_autocast")
     if autocast is not None:

@@ -292,6 +292,28 @@ class AutocastConfig(_Model):
         return _as_torch(self.dtype)
 
 
+class DataTypesConfig(_Model):
+    """DeepSpeed's ``data_types``: the dtypes beside the params' (which the bf16 / fp16 sections fix)."""
+
+    grad_accum_dtype: v.DTypeName | None = None
+    """The dtype gradients are summed in over micro-batches; checked at `zswap.initialize` against the one
+    zswap sums in there (the params' dtype on the CPU, float32 for bf16 / fp16 from a compute device),
+    where it accumulates. ``None``: zswap's."""
+    param_dtype: v.DTypeName | None = None
+    """The params' dtype: must be the one the bf16 / fp16 sections fix (fp32 with neither on)."""
+    buffer_dtype: v.DTypeName | None = None
+    """`zswap.initialize` casts every floating buffer to this (but those kept in float32); ``None``: the
+    buffers keep their dtype (an ``Init`` with a dtype gives it to the buffers DeepSpeed's would)."""
+    keep_in_fp32_modules: v.Names | None = None
+    """Buffer name patterns kept in float32 under bf16 / fp16 (``*``: any characters, matched anywhere in
+    the name; ``[]``: none); ``None`` (``"auto"``): a Hugging Face model's ``_keep_in_fp32_modules_strict``
+    (and ``_keep_in_fp32_modules`` under fp16)."""
+
+    def torch_dtype(self, name: DType | None) -> torch.dtype | None:
+        """One of this section's dtype names as a `torch.dtype`."""
+        return _as_torch(name)
+
+
 class BatchConfig(_Model):
     """DeepSpeed's top-level batch keys. ``None`` = not given (derived from the others where possible)."""
 
@@ -440,6 +462,7 @@ class ZswapConfig(_Model):
     scheduler: SchedulerConfig | None = None
     """``None`` when the config has no ``scheduler`` section."""
     torch_autocast: AutocastConfig = Field(default_factory=AutocastConfig)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""
@@ -473,6 +496,7 @@ class ZswapConfig(_Model):
         out["gradient_clipping"] = _to_json(self.gradient_clipping)
         out.update(self.batch._json_fields())
         out["torch_autocast"] = self.torch_autocast._json_fields()
+        out["data_types"] = self.data_types._json_fields()
         if self.scheduler is not None:
             out["scheduler"] = {
                 "type": self.scheduler.type,

@@ -54,6 +54,7 @@ from ..device import resolve as resolve_device
 from ..errors import ConfigError, ZswapError
 from ..step.optim import OffloadedAdamW
 from ..step.optim.adopt import is_convertible, rebind_schedulers, to_offloaded
+from ..train import dtypes
 from ..train.runtime import Engine, initialize
 from ._parallel import ProcessGroupStrategy
 from ._precision import DTYPES, VALUE_CLIPPING, ZswapPrecision
@@ -223,6 +224,12 @@ class ZswapStrategy(ProcessGroupStrategy):
             if owned is not None:
                 owned.close()
             raise
+        if fitting:
+            try:
+                dtypes.check_accumulation(engine, trainer.accumulate_grad_batches)
+            except BaseException:
+                engine.close()
+                raise
         self._open(module, _Run(engine, owned))
         if fitting and trainer.accumulate_grad_batches > 1:
             # Lightning's windows (its last batch of an epoch ends one early): the early step sums the

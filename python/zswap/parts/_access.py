@@ -32,6 +32,8 @@ class _Context(Protocol):
 
     def touch(self, items: list[tuple[torch.Tensor, ParamState]]) -> None: ...
 
+    def made(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None: ...
+
 
 def _getsets(*names: str) -> frozenset[Any]:
     found = (getattr(torch.Tensor, n, None) for n in names)
@@ -138,7 +140,9 @@ class AccessMode(TorchFunctionMode):
         pending = _collect(args, kwargs)
         if pending:
             ctx.touch(pending)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        ctx.made(func, args, kwargs, out)
+        return out
 
 
 def _collect(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, ParamState]]:

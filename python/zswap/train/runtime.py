@@ -29,7 +29,7 @@ from ..parts import guards as _guards
 from ..parts.params import Item, ParamState, param_state
 from ..parts.runners import RUNNERS
 from ..step import early_build, earlystep, stepping
-from . import bridge, resident, resize, stats, wiring
+from . import bridge, dtypes, resident, resize, stats, wiring
 from .sizing import grad_room, refuse_meta
 
 if TYPE_CHECKING:
@@ -178,6 +178,7 @@ class Engine:
                 module, config, optimizer, lr_scheduler
             )
             self._gas = config.batch.resolve(stepping.world_size(self._items))[2]
+            dtypes.check_accumulation(self, self._gas)
             self._fp16 = config.dtype == "fp16" or any(p.dtype == torch.float16 for p in module.parameters())
             self._fp16 = self._fp16 or any(st.dtype == torch.float16 for _, st in self._items)
             # bf16.check_grad_overflow: skip a step whose gradients are not finite, as fp16 always does

@@ -26,6 +26,7 @@ from ..step import early_build, stepping
 if TYPE_CHECKING:
     from .runtime import Engine
 
+from . import dtypes
 from .sizing import size, unique
 
 
@@ -42,6 +43,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
     engine._items, engine._ids = items, ids
     if counters is None:  # built (not wired again): the config's leaf modules
         leaves.from_config(module, config.zero.leaf_module, any(st.world_size > 1 for _, st in items))
+        dtypes.at_build(engine)  # data_types: buffers' dtypes, as DeepSpeed's engine sets them at its start
     engine.sizing = size(module, engine._items, config)
     engine._homes = _device.place(module, engine._items, engine.compute_device)
     engine._slots = {

@@ -46,6 +46,7 @@ from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..parts.params import param_state
 from ..parts.runners import open_runners
 from ..step import schedules
+from ..train import dtypes
 from ..train.runtime import Engine, initialize
 from . import _fill
 from ._optim import EngineStepper, check_elementwise, to_zswap
@@ -137,6 +138,11 @@ class Trainer(transformers.Trainer):
             max_grad_norm=clip if clip is not None else float("inf"),
             device=self.args.device,
         )
+        try:
+            dtypes.check_accumulation(self.engine, self.args.gradient_accumulation_steps)
+        except BaseException:
+            self.engine.close()
+            raise
         if self.args.gradient_accumulation_steps > 1:
             # The Trainer sums several backwards per engine step and marks the last one of each window
             # (an epoch's last window may be shorter) with sync_gradients before it runs: the early step

@@ -1,0 +1,53 @@
+"""DeepSpeed's ``data_types`` section where `zswap.initialize` meets the model, as DeepSpeed's engine does at
+its own start: buffers named to stay in float32 under bf16 / fp16 are float32, ``buffer_dtype`` casts the
+others, and a ``grad_accum_dtype`` zswap would not sum in where it accumulates is refused."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..build._lineage import kept_in_fp32
+from ..errors import ConfigError
+from ..gradients.gradstore import LOW_PRECISION
+
+if TYPE_CHECKING:
+    from .runtime import Engine
+
+
+def at_build(engine: Engine) -> None:
+    """Set the module's floating buffers' dtypes from ``data_types`` (each in place: aliases follow)."""
+    module, config = engine.module, engine.config
+    types = config.data_types
+    params = config.torch_dtype()
+    cast = types.torch_dtype(types.buffer_dtype)
+    kept = kept_in_fp32(module.modules(), params, types.keep_in_fp32_modules) if params is not None else set()
+    for buf in module.buffers():
+        if not buf.is_floating_point():
+            continue
+        if id(buf) in kept:
+            if buf.dtype != torch.float32:
+                buf.data = buf.data.float()
+        elif cast is not None and buf.dtype != cast:
+            buf.data = buf.data.to(cast)
+
+
+def check_accumulation(engine: Engine, steps: int) -> None:
+    """``data_types.grad_accum_dtype`` must be the dtype zswap sums gradients in over ``steps``
+    micro-batches (> 1): a param's own on the CPU, float32 for bf16 / fp16 ones from a compute device
+    (`zswap.gradients.gradstore.GradStore.add_fp32`)."""
+    asked = engine.config.data_types.grad_accum_dtype
+    if asked is None or steps <= 1:
+        return
+    want = engine.config.data_types.torch_dtype(asked)
+    host = engine.compute_device.passthrough
+    for dtype in sorted({st.dtype for p, st in engine._items if p.requires_grad}, key=str):
+        sums = dtype if host or dtype not in LOW_PRECISION else torch.float32
+        if dtype.is_floating_point and sums != want:
+            where = "on the CPU" if host else "from a compute device"
+            raise ConfigError(
+                f"data_types.grad_accum_dtype is {asked!r} but zswap sums the gradients of {dtype} params "
+                f"{where} in {sums} over the {steps} micro-batches of a step; drop "
+                "data_types.grad_accum_dtype (or set it to that dtype)"
+            )
