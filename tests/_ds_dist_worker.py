@@ -85,6 +85,27 @@ def params_are_rank_zeros(rank: int, world: int) -> None:
             assert torch.equal(p, q), (rank, p, q)
 
 
+def communication_dtype(rank: int, world: int, tmp: str) -> None:
+    """``communication_data_type`` other than the params' dtype: refused over two ranks (zswap reduces in
+    the params' dtype), naming the fix; the params' own is accepted."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "communication_data_type": "fp32",
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": tmp}},
+    }
+    with zswap.Init(cfg):
+        model = nn.Linear(4, 4)
+    try:
+        zswap.initialize(model, cfg)
+    except zswap.ConfigError as exc:
+        assert "reduces each gradient over the 2 ranks in its param's dtype (torch.bfloat16" in str(exc), exc
+    else:
+        raise AssertionError("communication_data_type fp32 over bf16 params was accepted on two ranks")
+    zswap.initialize(model, {**cfg, "communication_data_type": "bfloat16"}).close()
+
+
 def main() -> None:
     rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -94,6 +115,7 @@ def main() -> None:
             scatter_gather(rank, world)
             gather_update(rank, world)
             params_are_rank_zeros(rank, world)
+            communication_dtype(rank, world, sys.argv[4])
     finally:
         dist.destroy_process_group()
 

@@ -1,16 +1,16 @@
 """DeepSpeed's top-level features outside the sections zswap reads, checked where a config switches them on.
 
-A DeepSpeed config may switch on features that change what training computes: progressive layer drop and
-the legacy curriculum (extra arguments to the model's forward), data efficiency, quantized or compressed
-training, elastic batch sizes, tensor or sequence parallelism, apex AMP, gradient pre-scaling, a reduction
-dtype of its own. zswap implements none of them, and running on as if they were off would train something
-other than the config says: each one switched on is a `ConfigError` naming the key, why, and what to do.
-Sections that feed DeepSpeed's monitors and tools (TensorBoard, W&B, the flops profiler, autotuning …)
-change no result: each one switched on is named in the loader's "ignored" warning. The rest outside zswap's
-sections (``steps_per_print``, ``zero_allow_untested_optimizer``, ``activation_checkpointing`` — which
-`zswap.deepspeed.checkpointing.configure` reads —, a ``pipeline`` section, which acts only on DeepSpeed's
-pipeline modules …) is never looked at. "Switched on" follows DeepSpeed's parsing: an ``enabled`` key
-(default false), a size above 1, a value off its default.
+A DeepSpeed config may switch on features that change what training computes: progressive layer drop and the
+legacy curriculum (extra arguments to the model's forward), data efficiency, quantized or compressed training,
+elastic batch sizes, tensor or sequence parallelism, apex AMP, gradient pre-scaling (a reduction dtype of its
+own is checked by `zswap.initialize`, which knows the ranks). zswap implements none of them, and running on as
+if they were off would train something other than the config says: each one switched on is a `ConfigError`
+naming the key, why, and what to do. Sections that feed DeepSpeed's monitors and tools (TensorBoard, W&B, the
+flops profiler, autotuning …) change no result: each one switched on is named in the loader's "ignored"
+warning. The rest outside zswap's sections (``steps_per_print``, ``zero_allow_untested_optimizer``,
+``activation_checkpointing`` — which `zswap.deepspeed.checkpointing.configure` reads —, a ``pipeline``
+section, which acts only on DeepSpeed's pipeline modules …) is never looked at. "Switched on" follows
+DeepSpeed's parsing: an ``enabled`` key (default false), a size above 1, a value off its default.
 """
 
 from __future__ import annotations
@@ -101,25 +101,6 @@ def check(raw: Mapping[Any, Any]) -> list[str]:
     if isinstance(compile_section, Mapping) and _enabled(compile_section.get("deepcompile")):
         warned.append("compile.deepcompile")
     return warned
-
-
-def check_communication_dtype(given: Any, params: str | None) -> None:
-    """``communication_data_type`` (``given``) may only name the dtype gradients are reduced in: the
-    params' own, ``params`` (from the bf16 / fp16 sections; ``None`` where they leave it open)."""
-    if given is None:
-        return
-    try:
-        named = v.to_dtype_name(given)
-    except PydanticCustomError as exc:
-        raise ConfigError(f"communication_data_type {exc.message()}, got {v.show(given)}") from None
-    if named != params:
-        where = (
-            f"the params' dtype here is {params}" if params else "bf16 / fp16 leave the params' dtype open"
-        )
-        _refuse(
-            "communication_data_type",
-            f"zswap reduces each gradient in its param's dtype ({where}); drop the key or name that dtype",
-        )
 
 
 def check_param_dtype(given: Any, params: str | None) -> None:

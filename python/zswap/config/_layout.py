@@ -11,6 +11,7 @@ Layouts (each section may be nested as DeepSpeed has it, or stand at top level, 
     zero_optimization.offload_optimizer  | offload_optimizer
     zero_optimization.stage3_*, sub_group_size | the same keys at top level
     aio, optimizer, scheduler, bf16 (old name: bfloat16), fp16, gradient_clipping, torch_autocast, data_types,
+    communication_data_type,
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     dataloader_drop_last                                                              (top level in both)
 
@@ -83,7 +84,9 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
     flags = _read_precision(raw, out)
     # The params' dtype the sections fix; with neither section on, fp32 (DeepSpeed's); "auto": left open.
     params = out.data.get("dtype") or (None if "auto" in flags else "fp32")
-    _foreign.check_communication_dtype(raw.get("communication_data_type"), params)
+    if raw.get("communication_data_type") is not None:  # checked against the params where ranks reduce
+        out.data["communication_data_type"] = _detach(raw["communication_data_type"])
+        out.origins[("communication_data_type",)] = "communication_data_type"
     types = _section(raw, "data_types", "data_types")
     if types is not None:
         given = _read(types, k.DATA_TYPES, "data_types", out)

@@ -463,6 +463,9 @@ class ZswapConfig(_Model):
     """``None`` when the config has no ``scheduler`` section."""
     torch_autocast: AutocastConfig = Field(default_factory=AutocastConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    communication_data_type: v.DTypeName | None = None
+    """DeepSpeed's dtype for reducing gradients over ranks: only the params' own (zswap reduces each
+    gradient in its param's dtype), checked by `zswap.initialize` where there are several ranks."""
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""
@@ -497,6 +500,7 @@ class ZswapConfig(_Model):
         out.update(self.batch._json_fields())
         out["torch_autocast"] = self.torch_autocast._json_fields()
         out["data_types"] = self.data_types._json_fields()
+        out["communication_data_type"] = _to_json(self.communication_data_type)
         if self.scheduler is not None:
             out["scheduler"] = {
                 "type": self.scheduler.type,

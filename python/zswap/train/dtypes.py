@@ -1,6 +1,7 @@
 """DeepSpeed's ``data_types`` section where `zswap.initialize` meets the model, as DeepSpeed's engine does at
 its own start: buffers named to stay in float32 under bf16 / fp16 are float32, ``buffer_dtype`` casts the
-others, and a ``grad_accum_dtype`` zswap would not sum in where it accumulates is refused."""
+others, and a ``grad_accum_dtype`` zswap would not sum in where it accumulates is refused; so is a
+``communication_data_type`` other than the params' dtype where ranks reduce."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import torch
 from ..build._lineage import kept_in_fp32
 from ..errors import ConfigError
 from ..gradients.gradstore import LOW_PRECISION
+from ..step.stepping import world_size
 
 if TYPE_CHECKING:
     from .runtime import Engine
 
 
 def at_build(engine: Engine) -> None:
-    """Set the module's floating buffers' dtypes from ``data_types`` (each in place: aliases follow)."""
+    """Set the module's floating buffers' dtypes from ``data_types`` (each in place: aliases follow);
+    check ``communication_data_type``."""
+    check_communication(engine)
     module, config = engine.module, engine.config
     types = config.data_types
     params = config.torch_dtype()
@@ -50,4 +54,21 @@ def check_accumulation(engine: Engine, steps: int) -> None:
                 f"data_types.grad_accum_dtype is {asked!r} but zswap sums the gradients of {dtype} params "
                 f"{where} in {sums} over the {steps} micro-batches of a step; drop "
                 "data_types.grad_accum_dtype (or set it to that dtype)"
+            )
+
+
+def check_communication(engine: Engine) -> None:
+    """``communication_data_type`` must be the dtype of every trained param where several ranks reduce
+    their gradients (zswap reduces each in its param's dtype); one rank reduces nothing (DeepSpeed's cast
+    there changes no value)."""
+    asked = engine.config.communication_data_type
+    ranks = world_size(engine._items)
+    if asked is None or ranks <= 1:
+        return
+    want = engine.config.data_types.torch_dtype(asked)
+    for dtype in sorted({st.dtype for p, st in engine._items if p.requires_grad}, key=str):
+        if dtype.is_floating_point and dtype != want:
+            raise ConfigError(
+                f"communication_data_type is {asked!r} but zswap reduces each gradient over the {ranks} "
+                f"ranks in its param's dtype ({dtype} here); drop communication_data_type or name that dtype"
             )
