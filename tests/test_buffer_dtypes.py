@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import zswap
+from zswap.deepspeed.utils import safe_get_full_fp32_param
 from zswap.device import StandInDevice
 from zswap.errors import ConfigError
 
@@ -159,7 +160,8 @@ def test_data_types_read_and_written_back(tmp_path):
 @pytest.mark.parametrize(
     ("device", "gas", "asked", "refused"),
     [
-        ("cpu", 2, "fp32", "sums the gradients of torch.bfloat16 params on the CPU in torch.bfloat16"),
+        ("cpu", 2, "fp16", "sums the gradients of torch.bfloat16 params on the CPU in torch.bfloat16"),
+        ("cpu", 2, "fp32", None),  # summed in float32 (`test_fp32_accumulation_on_the_cpu_…`)
         ("cpu", 2, "bf16", None),
         ("cpu", 1, "fp32", None),  # nothing is summed
         ("standin", 2, "fp32", None),
@@ -174,9 +176,53 @@ def test_grad_accum_dtype_must_be_what_zswap_sums_in(device, gas, asked, refused
     if refused is None:
         zswap.initialize(model, config, device=dev).close()
         return
-    with pytest.raises(ConfigError, match=refused + r".*drop data_types.grad_accum_dtype"):
+    with pytest.raises(ConfigError, match=refused + r".*drop data_types.grad_accum_dtype or set it to fp32"):
         zswap.initialize(model, config, device=dev)
     zswap.initialize(model, cfg(tmp_path), device=dev).close()  # the failed one left nothing wired
+
+
+def _accumulated(
+    tmp_path: Any, device: Any, offload: str, clip: float | None, early: bool, **types: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, Any]]:
+    """bf16 params, GAS 2: the params' values and fp32 masters after 3 steps, and the stats."""
+    path = tmp_path / f"{len(list(tmp_path.iterdir()))}"
+    path.mkdir()
+    config = cfg(path, gradient_accumulation_steps=2, data_types=types)
+    config["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": str(path)}
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if clip is not None:
+        config["gradient_clipping"] = clip
+    torch.manual_seed(0)
+    with zswap.Init(config):
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    with zswap.initialize(model, config, device=device) as engine:
+        engine.early_step = early
+        for s in range(6):
+            torch.manual_seed(s)
+            x = torch.randn(4, 16, dtype=torch.bfloat16)
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+        stats = engine.stats()
+        with zswap.GatheredParameters(list(model.parameters())):
+            values = [p.detach().clone() for p in model.parameters()]
+        masters = [safe_get_full_fp32_param(p) for p in model.parameters()]
+    return values, masters, stats
+
+
+@pytest.mark.parametrize("offload", ["nvme", "cpu"])
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_fp32_accumulation_on_the_cpu_is_the_compute_devices(offload, clip, tmp_path):
+    """``grad_accum_dtype: fp32`` sums bf16 gradients in float32 on the CPU: bitwise what the stand-in
+    device (which always sums them in float32) trains, early step or not; without it the sums are bf16's
+    (the values differ)."""
+    wide = _accumulated(tmp_path, "cpu", offload, clip, True, grad_accum_dtype="fp32")
+    ordinary = _accumulated(tmp_path, "cpu", offload, clip, False, grad_accum_dtype="fp32")
+    device = _accumulated(tmp_path, StandInDevice(), offload, clip, True)
+    narrow = _accumulated(tmp_path, "cpu", offload, clip, True)
+    for other in (ordinary, device):
+        assert all(torch.equal(a, b) for a, b in zip(wide[0] + wide[1], other[0] + other[1], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(wide[1], narrow[1], strict=True))
+    assert wide[2]["steps_ordinary"] == 1 and ordinary[2]["steps_ordinary"] == 3, (wide[2], ordinary[2])
 
 
 def test_hf_batchnorm_from_pretrained_is_the_plain_bf16_load(tmp_path):

@@ -525,7 +525,8 @@ def test_a_grad_accum_dtype_zswap_does_not_sum_in_is_refused(tmp_path):
     cfg = {**_config(tmp_path), "data_types": {"grad_accum_dtype": "bf16"}}
     model = _zswap_model(cfg)
     with pytest.raises(
-        zswap.ConfigError, match=r"grad_accum_dtype is 'bf16' but zswap sums .* torch.float32 over the 2"
+        zswap.ConfigError,
+        match=r"grad_accum_dtype is 'bf16' but zswap sums .* torch.float32 over the 2 .* set it to fp32$",
     ):
         trainer = zt.Trainer(
             model=model, args=_args(tmp_path / "out"), train_dataset=_data(), zswap_config=cfg

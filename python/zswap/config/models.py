@@ -296,9 +296,9 @@ class DataTypesConfig(_Model):
     """DeepSpeed's ``data_types``: the dtypes beside the params' (which the bf16 / fp16 sections fix)."""
 
     grad_accum_dtype: v.DTypeName | None = None
-    """The dtype gradients are summed in over micro-batches; checked at `zswap.initialize` against the one
-    zswap sums in there (the params' dtype on the CPU, float32 for bf16 / fp16 from a compute device),
-    where it accumulates. ``None``: zswap's."""
+    """The dtype gradients are summed in over micro-batches. ``fp32``: bf16 / fp16 gradients are summed in
+    float32 on the CPU too (from a compute device they always are); on the CPU the params' own dtype
+    (zswap's default there); any other is refused by `zswap.initialize` where it accumulates."""
     param_dtype: v.DTypeName | None = None
     """The params' dtype: must be the one the bf16 / fp16 sections fix (fp32 with neither on)."""
     buffer_dtype: v.DTypeName | None = None

@@ -40,7 +40,13 @@ from ..store.storage import Transaction, open_dir, storage_for
 
 
 class MemoryGrads(GradStore):
+    def __init__(self, widen: bool = False) -> None:
+        self.widen = widen
+        """`add` sums float16/bfloat16 gradients as `add_fp32` does (``grad_accum_dtype: fp32``)."""
+
     def add(self, st: ParamState, part: torch.Tensor, room: int = 0) -> torch.Tensor | None:
+        if self.widen and part.dtype in LOW_PRECISION:
+            return self.add_fp32(st, part, room)
         if st.tier != "none" and part.device.type != "cpu":
             part = part.to("cpu")
         if st.grad is None:
@@ -122,7 +128,11 @@ class NvmeGrads(GradStore):
         owns_engine: bool = False,
         stash_cap: Callable[[], int] = lambda: 0,
         norms_wanted: Callable[[], bool] = lambda: False,
+        widen: bool = False,
     ) -> None:
+        self.widen = widen
+        """`add` sums float16/bfloat16 gradients as `add_fp32` does (``data_types.grad_accum_dtype: fp32``):
+        a partition's first gradient of a step in its own dtype, the sum in float32."""
         self.storage = storage_for(engine)
         self.owns_engine = owns_engine  # closing the namespace closes an engine zswap opened
         self.ns = self.storage.namespace("g")
@@ -206,6 +216,9 @@ class NvmeGrads(GradStore):
                 f"backward was applied to the optimizer by the early step and not kept {NOT_KEPT}, so "
                 f"nothing can be added to it. {RESTART}"
             )
+        widening = self.widen and part.dtype in LOW_PRECISION
+        if widening and (self._gen_meta.get(key) or self._meta.get(key)) is not None:
+            return self.add_fp32(st, part, room)  # (which adds a first gradient here: no loop)
         gen = self._generation()
         if gen._error is not None:
             return None  # this backward already failed: its end raises
@@ -514,17 +527,23 @@ def attach(
     *,
     stash_cap: Callable[[], int] = lambda: 0,
     norms_wanted: Callable[[], bool] = lambda: False,
+    widen: bool = False,
 ) -> list[GradStore]:
     """Point each param's ``grad_store`` where the config wants its gradients: NVMe when
     ``offload_optimizer.device`` is "nvme" (the param store's engine when that is NVMe, else one new engine
     on ``offload_optimizer.nvme_path``), else memory. Returns the NVMe stores, to `detach` later. Each
     keeps up to ``stash_cap()`` bytes of gradients in memory (`NvmeGrads.stash_cap`) and computes their
-    norms as it stores them while ``norms_wanted()`` (`NvmeGrads.norms_wanted`)."""
+    norms as it stores them while ``norms_wanted()`` (`NvmeGrads.norms_wanted`). ``widen``: every store
+    sums float16/bfloat16 gradients in float32 (in memory: a store of these params' own)."""
     out: dict[int, NvmeGrads] = {}
     off = cfg.offload_optimizer
     if off.device != "nvme":
+        if widen:
+            mine = MemoryGrads(widen=True)
+            for _, st in items:
+                st.grad_store = mine  # (`detach` resets it; nothing to close)
         return []
-    policy: dict[str, Any] = {"stash_cap": stash_cap, "norms_wanted": norms_wanted}
+    policy: dict[str, Any] = {"stash_cap": stash_cap, "norms_wanted": norms_wanted, "widen": widen}
     for _, st in items:
         if isinstance(st.store, NvmeStore):
             gs = out.get(id(st.store.storage)) or out.setdefault(

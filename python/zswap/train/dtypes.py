@@ -1,7 +1,8 @@
 """DeepSpeed's ``data_types`` section where `zswap.initialize` meets the model, as DeepSpeed's engine does at
 its own start: buffers named to stay in float32 under bf16 / fp16 are float32, ``buffer_dtype`` casts the
-others, and a ``grad_accum_dtype`` zswap would not sum in where it accumulates is refused; so is a
-``communication_data_type`` other than the params' dtype where ranks reduce."""
+others, ``grad_accum_dtype`` fp32 sums bf16 / fp16 gradients in float32 on the CPU too (`widens`) and one
+zswap would not sum in where it accumulates is refused; so is a ``communication_data_type`` other than the
+params' dtype where ranks reduce."""
 
 from __future__ import annotations
 
@@ -37,24 +38,36 @@ def at_build(engine: Engine) -> None:
             buf.data = buf.data.to(cast)
 
 
+def widens(engine: Engine) -> bool:
+    """Whether the engine's gradient stores sum float16/bfloat16 gradients in float32 on the CPU:
+    ``grad_accum_dtype`` fp32 asks for it (from a compute device they always are)."""
+    return engine.config.data_types.grad_accum_dtype == "fp32" and engine.compute_device.passthrough
+
+
 def check_accumulation(engine: Engine, steps: int) -> None:
     """``data_types.grad_accum_dtype`` must be the dtype zswap sums gradients in over ``steps``
-    micro-batches (> 1): a param's own on the CPU, float32 for bf16 / fp16 ones from a compute device
-    (`zswap.gradients.gradstore.GradStore.add_fp32`)."""
+    micro-batches (> 1): float32 for float32 params and for bf16 / fp16 ones from a compute device
+    (`zswap.gradients.gradstore.GradStore.add_fp32`), on the CPU the one asked for of float32 and the
+    params' own (`widens`)."""
     asked = engine.config.data_types.grad_accum_dtype
     if asked is None or steps <= 1:
         return
     want = engine.config.data_types.torch_dtype(asked)
     host = engine.compute_device.passthrough
     for dtype in sorted({st.dtype for p, st in engine._items if p.requires_grad}, key=str):
-        sums = dtype if host or dtype not in LOW_PRECISION else torch.float32
+        low = dtype in LOW_PRECISION
+        sums = torch.float32 if not low or not host or widens(engine) else dtype
         if dtype.is_floating_point and sums != want:
             where = "on the CPU" if host else "from a compute device"
+            can = "fp32 or " + _NAMES[dtype] if low and host else "fp32"
             raise ConfigError(
                 f"data_types.grad_accum_dtype is {asked!r} but zswap sums the gradients of {dtype} params "
                 f"{where} in {sums} over the {steps} micro-batches of a step; drop "
-                "data_types.grad_accum_dtype (or set it to that dtype)"
+                f"data_types.grad_accum_dtype or set it to {can}"
             )
+
+
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_communication(engine: Engine) -> None:

@@ -115,6 +115,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
                 (e := me()) is not None
                 and (e.max_grad_norm is not None or getattr(e, "_check_finite", False))
             ),
+            widen=dtypes.widens(engine),
         )
         engine._grads.land_in(
             grads.landing_alloc(engine.compute_device, engine._grad_stores, engine._stores.values()), pool
