@@ -37,6 +37,7 @@ from ..train import runtime
 from ..train.bridge import one_optimizer
 from . import checkpointing, utils, zero
 from ._args import refuse, resolve_config
+from ._backward import LossScalingRequiredError
 from ._data import training_dataloader
 from ._engine import DeepSpeedEngine
 
@@ -193,6 +194,7 @@ __all__ = [
     "GRADIENT_CLIPPING_DEFAULT",
     "OPTIMIZER_LR_DEFAULT",
     "DeepSpeedEngine",
+    "LossScalingRequiredError",
     "add_config_arguments",
     "checkpointing",
     "init_distributed",

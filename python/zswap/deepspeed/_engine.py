@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..checkpoint._atomic import LATEST, fsync_path, temp_name
 from ..errors import ZswapError, ZswapWarning
 from ..train import runtime
+from . import _backward
 from ._args import refuse
 from ._data import training_dataloader
 
@@ -43,8 +44,37 @@ class DeepSpeedEngine(runtime.Engine):
     ``world_size`` / ``dp_world_size``, ``train_batch_size()``, ``get_global_grad_norm()``,
     ``gradient_clipping()``; ``deepspeed_io(dataset)`` builds DeepSpeed's loader, ``save_16bit_model``
     writes the whole state dict; ``destroy()`` is `close`; ``no_sync()`` raises as DeepSpeed's does under
-    ZeRO-3.
+    ZeRO-3. A backward through the tensors ``engine(...)`` returned that `backward` does not run is
+    DeepSpeed's (divided by the accumulation steps; under fp16 scaled by ``scale(loss)`` or refused).
     """
+
+    _in_backward = False
+    """`backward` is running: the output hooks leave its gradients alone (it scaled the loss itself)."""
+    _loss_scaled = False
+    """``scale(loss)`` scaled the loss of the backward to come (`_backward`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward; what a backward through its outputs gets is DeepSpeed's (`_backward`)."""
+        out = super().__call__(*args, **kwargs)
+        _backward.hook_outputs(self, out)
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``engine(*args, **kwargs)`` (DeepSpeed's ``engine.forward``)."""
+        return self(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+        self._in_backward = True
+        try:
+            return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        finally:
+            self._in_backward = False
+
+    def scale(self, loss: Any) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)``: the loss times the fp16 loss scale (as it is without one), for
+        ``.backward()`` by the caller; the gradients reaching the engine's outputs are divided by
+        ``gradient_accumulation_steps`` and unscaled at the step, as `backward`'s are."""
+        return _backward.scale(self, loss)
 
     def save_checkpoint(
         self,

@@ -328,9 +328,10 @@ class Engine:
         return self.compute_device.torch_device
 
     def __getattr__(self, name: str) -> Any:
-        # DeepSpeed's engine hands attributes it does not have to the module (``engine.config_class``,
-        # a model's own methods). Only reached when normal lookup failed; never during __init__'s own
-        # attributes, since ``module`` is read from __dict__ directly.
+        # DeepSpeed's engine hands attributes it lacks to the module (``engine.config_class``); reached
+        # only where lookup failed (``module`` read from __dict__: never for __init__'s own attributes).
+        if name == "forward":  # the module's own forward would skip its hooks
+            return self.__call__
         module = self.__dict__.get("module")
         if module is not None and not name.startswith("__"):
             try:

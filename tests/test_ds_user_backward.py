@@ -1,0 +1,127 @@
+"""DeepSpeed's backward without `engine.backward` (its tests/unit/v1/zero/test_zero_user_backward.py), through
+`zswap.deepspeed.initialize`'s engine:
+
+- ``loss.backward()`` and ``out.backward(grad)`` on what ``engine(...)`` returned divide the gradient by
+  ``gradient_accumulation_steps``, as DeepSpeed ≥ 0.18 does (bitwise a plain model whose output gradient
+  is divided so); ``engine.backward(loss, scale_wrt_gas=False)`` does not divide;
+- under fp16 such a backward must be scaled by ``engine.scale(loss)`` (else `LossScalingRequiredError`, a
+  RuntimeError with DeepSpeed's message), and then trains as ``engine.backward(loss)``;
+- ``engine.forward(x)`` is ``engine(x)`` (the module's hooks run).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zswap
+import zswap.deepspeed as deepspeed
+from zswap.deepspeed import LossScalingRequiredError
+from zswap.deepspeed.utils import safe_get_full_grad
+
+GAS = 4
+
+
+def config(tmp_path: Any, **extra: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        **extra,
+    }
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def batch(i: int) -> torch.Tensor:
+    return torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+
+
+def engine_for(tmp_path: Any, **extra: Any) -> Any:
+    model = build()
+    cfg = config(tmp_path, **extra)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    engine.keep_applied_grads = True  # the boundary's gradients are read before the step
+    return engine
+
+
+@pytest.mark.parametrize("how", ["loss", "non-scalar", "scale", "no-gas-scaling"])
+def test_a_backward_of_the_engines_outputs_is_deepspeeds(how, tmp_path):
+    ref = build()
+    engine = engine_for(tmp_path)
+    with engine:
+        for i in range(GAS):
+            x = batch(i)
+            out = ref(x)
+            if how != "no-gas-scaling":
+                out.register_hook(lambda g: g / GAS)  # DeepSpeed's hook on the engine's outputs
+            got = engine(x)
+            grad = torch.linspace(-1, 1, 4).reshape(2, 2)
+            if how == "non-scalar":
+                out.backward(grad)
+                got.backward(grad)
+            elif how == "scale":
+                out.pow(2).mean().backward()
+                engine.scale(got.pow(2).mean()).backward()
+            elif how == "no-gas-scaling":
+                out.pow(2).mean().backward()
+                engine.backward(got.pow(2).mean(), scale_wrt_gas=False)
+            else:
+                out.pow(2).mean().backward()
+                got.pow(2).mean().backward()
+        for p, q in zip(engine.module.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(safe_get_full_grad(p), q.grad)
+        engine.step()
+
+
+def test_fp16_needs_the_loss_scaled_and_engine_scale_trains_as_engine_backward(tmp_path):
+    runs = []
+    for manual in (True, False):
+        path = tmp_path / str(manual)
+        path.mkdir()
+        fp16 = {"enabled": True, "initial_scale_power": 8}
+        engine = engine_for(path, gradient_accumulation_steps=1, fp16=fp16)
+        with engine:
+            for i in range(3):
+                x = batch(i).half()
+                if manual:
+                    with pytest.raises(LossScalingRequiredError, match=r"^Loss scaling is required .*scale"):
+                        engine(x).float().pow(2).mean().backward()
+                    assert isinstance(LossScalingRequiredError(), RuntimeError)
+                    engine.zero_grad()  # (that backward counted for nothing)
+                    engine.scale(engine(x).float().pow(2).mean()).backward()
+                else:
+                    engine.backward(engine(x).float().pow(2).mean())
+                engine.step()
+            with zswap.GatheredParameters(list(engine.module.parameters())):
+                runs.append([p.detach().clone() for p in engine.module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_scale_refuses_what_deepspeeds_refuses(tmp_path):
+    model = build()
+    cfg = {k: v for k, v in config(tmp_path).items() if k != "optimizer"}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    with engine, pytest.raises(zswap.ZswapError, match="needs an optimizer"):
+        engine.scale(engine(batch(0)).sum())
+    (tmp_path / "with").mkdir()
+    engine = engine_for(tmp_path / "with")
+    with engine, pytest.raises(ValueError, match="loss must be a scalar tensor with grad_fn"):
+        engine.scale(engine(batch(0)))
+
+
+def test_forward_is_the_engines_call(tmp_path):
+    model = nn.Linear(4, 4)  # the root module holds the params: its own hooks must run
+    cfg = config(tmp_path)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    with engine, torch.no_grad():
+        assert torch.equal(engine.forward(batch(0)), engine(batch(0)))
+    with zswap.initialize(model, cfg) as plain, torch.no_grad():  # zswap's own engine too
+        assert torch.equal(plain.forward(batch(0)), plain(batch(0)))
