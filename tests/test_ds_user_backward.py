@@ -125,3 +125,51 @@ def test_forward_is_the_engines_call(tmp_path):
         assert torch.equal(engine.forward(batch(0)), engine(batch(0)))
     with zswap.initialize(model, cfg) as plain, torch.no_grad():  # zswap's own engine too
         assert torch.equal(plain.forward(batch(0)), plain(batch(0)))
+
+
+class TwoOutputs(nn.Module):
+    """Returns its loss and the logits it computed the loss from (as a Hugging Face model given labels)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        logits = self.lin(x)
+        loss = logits.pow(2).mean()
+        if self.kind == "model-output":
+            from transformers.modeling_outputs import CausalLMOutput
+
+            return CausalLMOutput(loss=loss, logits=logits)
+        return {"loss": loss, "logits": logits} if self.kind == "dict" else (loss, logits)
+
+
+@pytest.mark.parametrize("kind", ["dict", "model-output", "tuple"])
+@pytest.mark.parametrize("used", ["loss", "logits", "both"])
+def test_a_gradient_is_divided_once_where_it_enters_the_engines_outputs(kind, used, tmp_path):
+    """DeepSpeed hooks each output tensor, so the loss's gradient reaching the logits it was computed from
+    is divided again; zswap divides the caller's gradient once, where it enters an output (also when the
+    caller uses both, and after an in-place change of an output)."""
+    if kind == "model-output":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ref = TwoOutputs(kind)
+    model = TwoOutputs(kind)
+    model.load_state_dict(ref.state_dict())
+    cfg = config(tmp_path)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    engine.keep_applied_grads = True
+    with engine:
+        for i in range(GAS):
+            x = batch(i)
+            want, got = ref(x), engine(x)
+            pick = (lambda o: (o[0], o[1])) if kind == "tuple" else (lambda o: (o["loss"], o["logits"]))
+            (ref_loss, ref_logits), (loss, logits) = pick(want), pick(got)
+            assert type(got) is type(want) and not logits._is_view()
+            logits.mul_(1.0)  # an output may still be changed in place
+            total = {"loss": lambda a, b: a, "logits": lambda a, b: b.sum(), "both": lambda a, b: a + b.sum()}
+            (total[used](ref_loss, ref_logits) / GAS).backward()
+            total[used](loss, logits).backward()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.allclose(safe_get_full_grad(p), q.grad, rtol=1e-6, atol=0), (used, p, q.grad)

@@ -12,7 +12,7 @@ by ``gradient_accumulation_steps`` unless `engine.backward` runs (which divides 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,14 +34,46 @@ NOT_SCALED = (
 )
 
 
-def hook_outputs(engine: DeepSpeedEngine, out: Any) -> None:
-    """Hook each tensor of ``out`` (nested in tuples, lists, dicts, model outputs) that backward can reach."""
+def wrap_outputs(engine: DeepSpeedEngine, out: Any) -> Any:
+    """``out`` with each tensor backward can reach (nested in tuples, lists, dicts, model outputs) passed
+    through `_Entry`: where the caller's gradient enters the engine's graph. DeepSpeed hooks the output
+    tensors themselves, so a gradient that reaches one through another (a model's loss computed from the
+    logits it also returns) is divided twice; past the entries, inside the forward's graph, it is not."""
     if not torch.is_grad_enabled():
-        return
-    me = weakref.ref(engine)
-    for t in _tensors(out):
-        if t.requires_grad:
-            t.register_hook(lambda grad, me=me: _direct(me, grad))
+        return out
+    return _rebuild(out, weakref.ref(engine))
+
+
+class _Entry(torch.autograd.Function):
+    """The identity forward; backward divides the caller's gradient as DeepSpeed does (`_direct`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, me: Any) -> torch.Tensor:
+        ctx.me = me
+        return x.detach()  # an alias, not a view: the caller may still change it in place
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _direct(ctx.me, grad), None
+
+
+def _rebuild(out: Any, me: weakref.ref[DeepSpeedEngine]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return _Entry.apply(out, me) if out.requires_grad else out
+    if type(out) is dict:
+        return {key: _rebuild(value, me) for key, value in out.items()}
+    if isinstance(out, Mapping) and hasattr(out, "__setitem__"):
+        for key in list(out.keys()):  # in place: a model output's attributes follow its items
+            new = _rebuild(out[key], me)
+            if new is not out[key]:
+                out[key] = new
+        return out
+    if isinstance(out, list):
+        return [_rebuild(v, me) for v in out]
+    if isinstance(out, tuple):
+        items = [_rebuild(v, me) for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    return out
 
 
 def _direct(me: weakref.ref[DeepSpeedEngine], grad: torch.Tensor) -> torch.Tensor:
@@ -76,14 +108,3 @@ def scale(engine: DeepSpeedEngine, loss: Any) -> torch.Tensor:
         return loss
     engine._scaled_backward = True
     return loss * engine.loss_scaler.loss_scale
-
-
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, Mapping):
-        for value in out.values():
-            yield from _tensors(value)
-    elif isinstance(out, (tuple, list)):
-        for value in out:
-            yield from _tensors(value)

@@ -55,9 +55,7 @@ class DeepSpeedEngine(runtime.Engine):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; what a backward through its outputs gets is DeepSpeed's (`_backward`)."""
-        out = super().__call__(*args, **kwargs)
-        _backward.hook_outputs(self, out)
-        return out
+        return _backward.wrap_outputs(self, super().__call__(*args, **kwargs))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``engine(*args, **kwargs)`` (DeepSpeed's ``engine.forward``)."""
