@@ -173,3 +173,29 @@ def test_a_gradient_is_divided_once_where_it_enters_the_engines_outputs(kind, us
             total[used](loss, logits).backward()
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             assert torch.allclose(safe_get_full_grad(p), q.grad, rtol=1e-6, atol=0), (used, p, q.grad)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap-grad", "jacrev"])
+def test_a_torch_func_transform_is_refused_and_the_engine_goes_on(transform, tmp_path):
+    """DeepSpeed's test_zero_torch_func runs torch.func over ZeRO 0-2 engines; over a zswap model (always
+    partitioned) torch's own failure was an internal assert, then a crash: now a clear error, and autograd
+    works after it."""
+    from zswap.errors import FunctionalTransformError
+
+    engine = engine_for(tmp_path, gradient_accumulation_steps=1)
+    x = batch(0)[0]
+
+    def f(xi: torch.Tensor) -> torch.Tensor:
+        return engine(xi).sum()
+
+    run = {
+        "grad": lambda: torch.func.grad(f)(x),
+        "vmap-grad": lambda: torch.func.vmap(torch.func.grad(f))(torch.stack([x, x + 0.1])),
+        "jacrev": lambda: torch.func.jacrev(f)(x),
+    }[transform]
+    with engine:
+        with pytest.raises(FunctionalTransformError, match=r"inside a torch.func transform .*autograd"):
+            run()
+        assert isinstance(FunctionalTransformError(), RuntimeError)
+        engine.backward(engine(batch(1)).pow(2).mean())
+        engine.step()

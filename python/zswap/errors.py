@@ -20,6 +20,7 @@ would already catch for the same fault, so existing ``except`` blocks keep worki
     ├── EngineClosedError (RuntimeError)              a SwapEngine or Engine used after close()
     ├── GradientsNotKeptError (RuntimeError)          gradients the early step applied were not kept
     ├── RanksDivergedError (RuntimeError)             ranks gathered different params since the last step
+    ├── FunctionalTransformError (RuntimeError)       a forward inside a torch.func transform
     └── UnknownKeyError (KeyError)                    a key never written, or freed
     ZswapWarning (RuntimeWarning)                     a fallback was taken
 
@@ -173,6 +174,13 @@ class RanksDivergedError(ZswapError, RuntimeError):
     cause and the fix (leaf modules)."""
 
 
+class FunctionalTransformError(ZswapError, RuntimeError):
+    """A forward of a zswap model inside a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev`` …): its
+    params are gathered and released by hooks inside the forward, and functorch sees them as tensors that
+    escape its levels (torch's own failure is an internal assert, or a crash). Compute gradients with
+    autograd (``loss.backward()``, ``engine.backward(loss)``), or run the transform on a plain model."""
+
+
 class UnknownKeyError(ZswapError, KeyError):
     """A `SwapEngine` key that was never written, or was freed."""
 
@@ -190,6 +198,7 @@ __all__ = [
     "ConfigError",
     "DirectIOUnavailable",
     "EngineClosedError",
+    "FunctionalTransformError",
     "GradientsNotKeptError",
     "InvalidTensorError",
     "NvmePathError",

@@ -44,6 +44,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from ..errors import FunctionalTransformError
 from ..parts._access import _ABSENT, _META_GETSETS, _META_METHODS, _shape_answer
 from ..parts.gather import no_torch_function
 from ..parts.params import ParamState, Status, param_state
@@ -171,6 +172,12 @@ class ModuleHooks:
         if module is self.root and self._stack:
             self._reset()  # a forward interrupted by a BaseException never ran its post-hooks
         if not self._stack:
+            if _transforming():
+                raise FunctionalTransformError(
+                    f"{type(module).__name__}'s forward runs inside a torch.func transform (grad, vmap, "
+                    "jacrev…), which cannot follow the params zswap gathers inside it: compute gradients "
+                    "with autograd (loss.backward() or engine.backward(loss)), or transform a plain model"
+                )
             if _graph_task() < 0:
                 self._backward_done(-1)  # releases what saved tensors unpacked outside backward held
                 self.sched.begin(self._kind(), grad=torch.is_grad_enabled())
@@ -394,3 +401,9 @@ def _foreign(args: tuple[Any, ...], kwargs: dict[str, Any], own: set[int]) -> li
             if st is not None and (id(y) not in own or st.status is not Status.AVAILABLE):
                 found[id(y)] = (y, st)
     return list(found.values())
+
+
+def _transforming() -> bool:
+    """Whether a ``torch.func`` transform is active (functorch's interpreter stack is not empty)."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
