@@ -150,6 +150,8 @@ ZERO = Section(
             "partition_stream_chunk_size",
             "pipeline_loading_checkpoint",
             "save_muon_momentum_buffer_in_memory",
+            # Stage 1 / 2 flat-buffer padding (memory layout only).
+            "parameter_alignment",
             # zswap always catches writes under Init (so the switch is moot) and checks what it can.
             "override_module_apply",
             "enable_sanity_checks",
@@ -174,6 +176,11 @@ ZERO = Section(
         ),
         "zeropp_loco_param": (None, "zswap does not quantize gradients, so LoCo has nothing to correct"),
         "zenflow": (None, "ZenFlow's deferred updates of unimportant params are not implemented by zswap"),
+        "compute_grad_norm": (
+            True,
+            "false is for ZeRO stages 1 and 2 (DeepSpeed refuses it with stage 3, which zswap always is); "
+            "zswap computes the norm where clipping or get_global_grad_norm() needs it",
+        ),
     },
 )
 
