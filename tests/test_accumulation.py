@@ -74,7 +74,9 @@ def test_between_boundaries_step_changes_nothing_and_keeps_the_gradients(tmp_pat
 
 
 def test_plain_backward_with_gas_accumulates_the_sum_as_deepspeed(tmp_path):
-    # DeepSpeed divides by GAS only in engine.backward; loss.backward() is the caller's own loss.
+    # DeepSpeed divides by GAS in engine.backward (and, since 0.18, in a backward through what engine(...)
+    # returned: zswap.deepspeed's engine too, `test_ds_user_backward.py`); the module's own outputs' loss
+    # is the caller's own.
     cfg = config("cpu", tmp_path)
     cfg["gradient_accumulation_steps"] = 2
     m, ref = build(TinyLM, cfg)
