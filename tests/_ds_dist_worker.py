@@ -86,24 +86,45 @@ def params_are_rank_zeros(rank: int, world: int) -> None:
 
 
 def communication_dtype(rank: int, world: int, tmp: str) -> None:
-    """``communication_data_type`` other than the params' dtype: refused over two ranks (zswap reduces in
-    the params' dtype), naming the fix; the params' own is accepted."""
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "bf16": {"enabled": True},
-        "communication_data_type": "fp32",
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": tmp}},
-    }
-    with zswap.Init(cfg):
-        model = nn.Linear(4, 4)
-    try:
-        zswap.initialize(model, cfg)
-    except zswap.ConfigError as exc:
-        assert "reduces each gradient over the 2 ranks in its param's dtype (torch.bfloat16" in str(exc), exc
-    else:
-        raise AssertionError("communication_data_type fp32 over bf16 params was accepted on two ranks")
-    zswap.initialize(model, {**cfg, "communication_data_type": "bfloat16"}).close()
+    """``communication_data_type`` fp16 / bf16 for float32 params: each rank's gradient is rounded to it,
+    the ranks sum and divide in it, the average comes back in float32 (DeepSpeed's reduction); bitwise a
+    plain AdamW given those averages."""
+    for comm, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        path = Path(tmp) / comm
+        path.mkdir(exist_ok=True)
+        hyper = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "communication_data_type": comm,
+            "optimizer": {"type": "AdamW", "params": hyper},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(path)}},
+        }
+        torch.manual_seed(0)
+        ref = nn.Linear(6, 5)
+        torch.manual_seed(0)
+        with zswap.Init(cfg):
+            model = nn.Linear(6, 5)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+        with zswap.initialize(model, cfg) as engine:
+            for s in range(2):
+                seeds = [torch.Generator().manual_seed(10 * s + r) for r in range(world)]
+                xs = [torch.randn(3, 6, generator=g) for g in seeds]
+                engine.backward(engine(xs[rank]).pow(2).sum())
+                engine.step()
+                grads = []  # every rank's gradients, computed here for each
+                for r in range(world):
+                    ref.zero_grad()
+                    ref(xs[r]).pow(2).sum().backward()
+                    grads.append([p.grad.clone() for p in ref.parameters()])
+                for i, p in enumerate(ref.parameters()):
+                    total = grads[0][i].to(dtype)
+                    for r in range(1, world):
+                        total = total + grads[r][i].to(dtype)
+                    p.grad = (total / world).float()
+                opt.step()
+            with zswap.GatheredParameters(list(model.parameters())):
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                    assert torch.equal(p, q), (comm, rank, p, q)
 
 
 def main() -> None:

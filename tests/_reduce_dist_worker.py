@@ -3,10 +3,11 @@ INIT_FILE TMP``.
 
 Every rank makes the same-seeded gradients of every rank, so each knows what the others send. The partition
 `zswap.gradients.grads.local_part` gives this rank (gloo: one all-to-all, the slices summed in rank order)
-must be bitwise ``((g0 + g1) + g2 + ...) / world`` of its slice, for sizes the world divides and sizes it
-pads (zeros past the end), float32 and bfloat16; and, in float32, agree with gloo's own reduce-scatter to
-rounding. A param's all-gather with a scratch buffer (gloo: one all-to-all of the partition repeated per
-rank) must be every rank's partition in rank order, bitwise.
+must be bitwise ``((g0 + g1) + g2 + ...) / world`` of its slice, for sizes the world divides and sizes it pads
+(zeros past the end), float32 and bfloat16; and, in float32, agree with gloo's own reduce-scatter to rounding;
+bf16 reduced in float32 (``communication_data_type``) is the float32 average, rounded or kept. A param's
+all-gather with a scratch buffer (gloo: one all-to-all of the partition repeated per rank) must be every
+rank's partition in rank order, bitwise.
 """
 
 from __future__ import annotations
@@ -61,6 +62,27 @@ def check_gather(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
     assert torch.equal(out, torch.cat([grad_of(r, numel, dtype) for r in range(world)])), (rank, numel)
 
 
+def check_reduce_in(rank: int, world: int, numel: int) -> None:
+    """``reduce_in`` (``communication_data_type``): each rank's bf16 gradient widened to float32, summed and
+    divided there, the average rounded back to bf16 — or kept in float32 (``keep``)."""
+    part_numel = -(-numel // world)
+    st = SimpleNamespace(
+        world_size=world, rank=rank, partition_numel=part_numel, group=None, key="p1", store=None,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    wide = [torch.cat([grad_of(r, numel, torch.bfloat16), torch.zeros(part_numel * world - numel)]).float()
+            for r in range(world)]  # fmt: skip
+    mine = [w[rank * part_numel : (rank + 1) * part_numel] for w in wide]
+    want = mine[0] + mine[1]
+    for s in mine[2:]:
+        want = want + s
+    want = want / world
+    kept = local_part(st, grad_of(rank, numel, torch.bfloat16), torch.float32, keep=True)  # type: ignore[arg-type]
+    assert kept.dtype == torch.float32 and torch.equal(kept, want), (rank, numel)
+    rounded = local_part(st, grad_of(rank, numel, torch.bfloat16), torch.float32)  # type: ignore[arg-type]
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, want.bfloat16()), (rank, numel)
+
+
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=world)
@@ -69,6 +91,8 @@ def main() -> None:
             for numel in (world * 1000, world * 1000 + 1, 7, 1):
                 check(rank, world, numel, dtype)
                 check_gather(rank, world, numel, dtype)
+        for numel in (world * 1000 + 1, 7):
+            check_reduce_in(rank, world, numel)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -73,7 +73,7 @@ ACCEPTED = [
     {"prescale_gradients": False, "gradient_predivide_factor": 1.0},
     {"communication_data_type": "bfloat16", "bf16": {"enabled": True}},
     {"communication_data_type": "torch.float32"},
-    {"communication_data_type": "fp32", "bf16": {"enabled": True}},  # checked where ranks reduce
+    {"communication_data_type": "fp32", "bf16": {"enabled": True}},  # ranks reduce in it
     {"pipeline": {"stages": "auto"}, "activation_checkpointing": {"partition_activations": True}},
 ]
 
@@ -225,7 +225,8 @@ def test_an_auto_lr_stays_an_error_naming_the_key(quiet):
 
 def test_a_communication_dtype_on_one_rank_reduces_nothing(tmp_path):
     """One rank reduces nothing (DeepSpeed's cast there changes no value): fp32 for bf16 params trains
-    bitwise as without the key; over two ranks it is refused (`_ds_dist_worker.communication_dtype`)."""
+    bitwise as without the key; over two ranks the reduction runs in it
+    (`_ds_dist_worker.communication_dtype`)."""
     runs = []
     for key in ({"communication_data_type": "fp32"}, {}):
         path = tmp_path / str(len(runs))

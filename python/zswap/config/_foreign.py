@@ -2,15 +2,15 @@
 
 A DeepSpeed config may switch on features that change what training computes: progressive layer drop and the
 legacy curriculum (extra arguments to the model's forward), data efficiency, quantized or compressed training,
-elastic batch sizes, tensor or sequence parallelism, apex AMP, gradient pre-scaling (a reduction dtype of its
-own is checked by `zswap.initialize`, which knows the ranks). zswap implements none of them, and running on as
-if they were off would train something other than the config says: each one switched on is a `ConfigError`
-naming the key, why, and what to do. Sections that feed DeepSpeed's monitors and tools (TensorBoard, W&B, the
-flops profiler, autotuning …) change no result: each one switched on is named in the loader's "ignored"
-warning. The rest outside zswap's sections (``steps_per_print``, ``zero_allow_untested_optimizer``,
-``activation_checkpointing`` — which `zswap.deepspeed.checkpointing.configure` reads —, a ``pipeline``
-section, which acts only on DeepSpeed's pipeline modules …) is never looked at. "Switched on" follows
-DeepSpeed's parsing: an ``enabled`` key (default false), a size above 1, a value off its default.
+elastic batch sizes, tensor or sequence parallelism, apex AMP, gradient pre-scaling. zswap implements none of
+them, and running on as if they were off would train something other than the config says: each one switched
+on is a `ConfigError` naming the key, why, and what to do. Sections that feed DeepSpeed's monitors and tools
+(TensorBoard, W&B, the flops profiler, autotuning …) change no result: each one switched on is named in the
+loader's "ignored" warning. The rest outside zswap's sections (``steps_per_print``,
+``zero_allow_untested_optimizer``, ``activation_checkpointing`` — which
+`zswap.deepspeed.checkpointing.configure` reads —, a ``pipeline`` section, which acts only on DeepSpeed's
+pipeline modules …) is never looked at. "Switched on" follows DeepSpeed's parsing: an ``enabled`` key (default
+false), a size above 1, a value off its default.
 """
 
 from __future__ import annotations

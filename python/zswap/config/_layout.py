@@ -84,7 +84,7 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
     flags = _read_precision(raw, out)
     # The params' dtype the sections fix; with neither section on, fp32 (DeepSpeed's); "auto": left open.
     params = out.data.get("dtype") or (None if "auto" in flags else "fp32")
-    if raw.get("communication_data_type") is not None:  # checked against the params where ranks reduce
+    if raw.get("communication_data_type") is not None:  # the dtype ranks reduce gradients in
         out.data["communication_data_type"] = _detach(raw["communication_data_type"])
         out.origins[("communication_data_type",)] = "communication_data_type"
     types = _section(raw, "data_types", "data_types")

@@ -464,8 +464,9 @@ class ZswapConfig(_Model):
     torch_autocast: AutocastConfig = Field(default_factory=AutocastConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     communication_data_type: v.DTypeName | None = None
-    """DeepSpeed's dtype for reducing gradients over ranks: only the params' own (zswap reduces each
-    gradient in its param's dtype), checked by `zswap.initialize` where there are several ranks."""
+    """DeepSpeed's dtype for reducing gradients over ranks: each rank's gradient is rounded to it, summed and
+    divided in it, and the average rounded back to the params' dtype (kept in float32 where
+    ``grad_accum_dtype`` is float32 too); ``None``: the params' own."""
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""

@@ -72,6 +72,10 @@ class GradSink:
         self.landing: ReusePool | None = None
         """Registered host buffers the device-to-host copies land in (`land_in`); ``None``: pinned memory."""
         self._first: GradTaker | None = None  # offered each complete partition gradient first
+        self.reduce_in: torch.dtype | None = None
+        """The dtype ranks reduce gradients in (``communication_data_type``; `local_part`)."""
+        self.keep_reduced = False
+        """The average stays in ``reduce_in`` (float32 where gradients are summed in float32 too)."""
         for p, st in items:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._make_pre(p, st)))
@@ -195,7 +199,7 @@ class GradSink:
     def _route(self, p: torch.Tensor, st: ParamState, grad: torch.Tensor) -> None:
         """Reduce ``p``'s full gradient to this rank's partition and hand it on: to the early step first,
         else to the store (from a compute device: copied to the host first)."""
-        part = local_part(st, grad)  # (with a compute device: the reduce-scatter runs there)
+        part = local_part(st, grad, self.reduce_in, self.keep_reduced)  # (on a compute device: there)
         if self.device is not None and on_host(st):
             if self._first is None or not self._first.on_grad(p, st, part, self):
                 self._to_host(st, part)
@@ -267,12 +271,19 @@ def accumulate(st: ParamState, grad: torch.Tensor) -> None:
     store_of(st).add(st, local_part(st, grad))
 
 
-def local_part(st: ParamState, grad: torch.Tensor) -> torch.Tensor:
+def local_part(
+    st: ParamState, grad: torch.Tensor, reduce_in: torch.dtype | None = None, keep: bool = False
+) -> torch.Tensor:
     """This rank's slice of ``grad`` averaged over the ranks: reduce-scatter (sum) then divide by the world
-    size, as DDP and DeepSpeed do. One rank: the flattened gradient itself."""
+    size, as DDP and DeepSpeed do. One rank: the flattened gradient itself. ``reduce_in``: the dtype the
+    ranks sum and divide in (DeepSpeed's ``communication_data_type``; ``None``: the gradient's own), the
+    average then rounded to the gradient's dtype, or kept in ``reduce_in`` where ``keep``."""
     flat = grad.reshape(-1)
     if st.world_size == 1:
         return flat
+    dtype = flat.dtype
+    if reduce_in is not None and reduce_in != dtype:
+        flat = flat.to(reduce_in)
     padded_numel = st.partition_numel * st.world_size
     if flat.numel() != padded_numel:
         padded = flat.new_zeros(padded_numel)
@@ -280,7 +291,8 @@ def local_part(st: ParamState, grad: torch.Tensor) -> torch.Tensor:
         flat = padded
     out = flat.new_empty(st.partition_numel)
     _reduce_scatter(out, flat.contiguous(), st)
-    return out.div_(st.world_size)
+    out.div_(st.world_size)
+    return out if keep or out.dtype == dtype else out.to(dtype)
 
 
 def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> None:

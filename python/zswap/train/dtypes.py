@@ -1,8 +1,8 @@
 """DeepSpeed's ``data_types`` section where `zswap.initialize` meets the model, as DeepSpeed's engine does at
 its own start: buffers named to stay in float32 under bf16 / fp16 are float32, ``buffer_dtype`` casts the
 others, ``grad_accum_dtype`` fp32 sums bf16 / fp16 gradients in float32 on the CPU too (`widens`) and one
-zswap would not sum in where it accumulates is refused; so is a ``communication_data_type`` other than the
-params' dtype where ranks reduce."""
+zswap would not sum in where it accumulates is refused, and gradients are reduced over ranks in
+``communication_data_type`` (`set_reduction`)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,13 @@ import torch
 from ..build._lineage import kept_in_fp32
 from ..errors import ConfigError
 from ..gradients.gradstore import LOW_PRECISION
-from ..step.stepping import world_size
 
 if TYPE_CHECKING:
     from .runtime import Engine
 
 
 def at_build(engine: Engine) -> None:
-    """Set the module's floating buffers' dtypes from ``data_types`` (each in place: aliases follow);
-    check ``communication_data_type``."""
-    check_communication(engine)
+    """Set the module's floating buffers' dtypes from ``data_types`` (each in place: aliases follow)."""
     module, config = engine.module, engine.config
     types = config.data_types
     params = config.torch_dtype()
@@ -70,18 +67,10 @@ def check_accumulation(engine: Engine, steps: int) -> None:
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def check_communication(engine: Engine) -> None:
-    """``communication_data_type`` must be the dtype of every trained param where several ranks reduce
-    their gradients (zswap reduces each in its param's dtype); one rank reduces nothing (DeepSpeed's cast
-    there changes no value)."""
+def set_reduction(engine: Engine) -> None:
+    """``communication_data_type``: the ranks reduce gradients in it (each rounded to it first, the average
+    rounded back to the gradient's dtype, as DeepSpeed converts to its accumulation dtype), and where it and
+    ``grad_accum_dtype`` are both float32 the average stays float32 (DeepSpeed converts nothing then)."""
     asked = engine.config.communication_data_type
-    ranks = world_size(engine._items)
-    if asked is None or ranks <= 1:
-        return
-    want = engine.config.data_types.torch_dtype(asked)
-    for dtype in sorted({st.dtype for p, st in engine._items if p.requires_grad}, key=str):
-        if dtype.is_floating_point and dtype != want:
-            raise ConfigError(
-                f"communication_data_type is {asked!r} but zswap reduces each gradient over the {ranks} "
-                f"ranks in its param's dtype ({dtype} here); drop communication_data_type or name that dtype"
-            )
+    engine._grads.reduce_in = engine.config.data_types.torch_dtype(asked)
+    engine._grads.keep_reduced = asked == "fp32" and engine.config.data_types.grad_accum_dtype == "fp32"

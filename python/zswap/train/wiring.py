@@ -101,6 +101,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
     )
     leaf_items = {i.index: [(s.p, s.st) for s in i.slots] for i in infos.values() if i.leaf}
     engine._grads = grads.GradSink(engine._items, engine.compute_device, leaf_items)
+    dtypes.set_reduction(engine)  # communication_data_type
     engine._grad_stores = []
     try:
         # Weakly (`me`): each param's state holds its gradient store for as long as the param lives (its
