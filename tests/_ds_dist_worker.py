@@ -127,6 +127,42 @@ def communication_dtype(rank: int, world: int, tmp: str) -> None:
                     assert torch.equal(p, q), (comm, rank, p, q)
 
 
+def communication_fp32_for_bf16(rank: int, world: int, tmp: str) -> None:
+    """bf16 params reduced in float32 with float32 accumulation: the averages stay float32 into the step;
+    the update in backward is bitwise the ordinary step's."""
+    runs = []
+    for early in (True, False):
+        path = Path(tmp) / f"fp32-{early}"
+        path.mkdir(exist_ok=True)
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 2,
+            "bf16": {"enabled": True},
+            "communication_data_type": "fp32",
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "offload_param": {"device": "nvme", "nvme_path": str(path)},
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
+            },
+        }
+        torch.manual_seed(0)
+        with zswap.Init(cfg):
+            model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        with zswap.initialize(model, cfg) as engine:
+            engine.early_step = early
+            for s in range(6):
+                x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * s + rank)).bfloat16()
+                engine.backward(engine(x).float().pow(2).mean())
+                engine.step()
+            assert engine.stats()["steps_in_backward"] == (2 if early else 0), engine.stats()
+            with zswap.GatheredParameters(list(model.parameters())):
+                runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 def main() -> None:
     rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -137,6 +173,7 @@ def main() -> None:
             gather_update(rank, world)
             params_are_rank_zeros(rank, world)
             communication_dtype(rank, world, sys.argv[4])
+            communication_fp32_for_bf16(rank, world, sys.argv[4])
     finally:
         dist.destroy_process_group()
 
