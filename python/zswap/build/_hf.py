@@ -261,9 +261,9 @@ def _cast_on_load(plan: Any, dtype: torch.dtype | None) -> None:
 
 
 def _buffers_on_load(plan: Any, dtype: torch.dtype | None, lineage: Any) -> None:
-    """Under ``Init(dtype=…)``, a buffer DeepSpeed's Init would have built in that dtype (`_lineage`) is
-    loaded in it, as DeepSpeed's loader copies the checkpoint into that buffer (where transformers' own
-    dtype plan leaves it open)."""
+    """Under ``Init(dtype=…)``, a buffer a build with that default dtype would have made in it (`_lineage`)
+    is loaded in it, as transformers' ``from_pretrained(dtype=…)`` and DeepSpeed's loader (copying into
+    its bf16 buffer) load it (where transformers' own dtype plan leaves it open)."""
     if dtype is None:
         return
     for target, _, _ in plan.items:

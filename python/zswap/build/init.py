@@ -114,7 +114,7 @@ class _InitContext:
         self.touched_bytes = 0
         self.dirty: dict[int, Any] = {}  # stores written by write-backs: waited for at the outermost exit
         self.mode: AccessMode | None = None
-        self.lineage = _lineage.Lineage()  # tensors DeepSpeed's Init would have built in the frame's dtype
+        self.lineage = _lineage.Lineage()  # what the frame's dtype as the default would have made in it
 
     @property
     def active(self) -> bool:

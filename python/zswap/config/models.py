@@ -303,7 +303,8 @@ class DataTypesConfig(_Model):
     """The params' dtype: must be the one the bf16 / fp16 sections fix (fp32 with neither on)."""
     buffer_dtype: v.DTypeName | None = None
     """`zswap.initialize` casts every floating buffer to this (but those kept in float32); ``None``: the
-    buffers keep their dtype (an ``Init`` with a dtype gives it to the buffers DeepSpeed's would)."""
+    buffers keep their dtype (an ``Init`` with a dtype gives it to those a build with it as the default
+    dtype makes in it: `zswap.build._lineage`)."""
     keep_in_fp32_modules: v.Names | None = None
     """Buffer name patterns kept in float32 under bf16 / fp16 (``*``: any characters, matched anywhere in
     the name; ``[]``: none); ``None`` (``"auto"``): a Hugging Face model's ``_keep_in_fp32_modules_strict``
