@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,28 +31,34 @@ def grad_of(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(numel, generator=g).to(dtype)
 
 
-def check(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
-    part_numel = -(-numel // world)
-    st = SimpleNamespace(
-        world_size=world,
-        rank=rank,
-        partition_numel=part_numel,
-        group=None,
-        key="p0",
-        store=None,
+def state(rank: int, world: int, numel: int) -> Any:
+    return SimpleNamespace(
+        world_size=world, rank=rank, partition_numel=-(-numel // world), group=None, key="p0", store=None,
         device=torch.device("cpu"),
-    )
-    got = local_part(st, grad_of(rank, numel, dtype))  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def average(rank: int, world: int, numel: int, dtype: torch.dtype, wide: bool = False) -> list[torch.Tensor]:
+    """[every rank's padded gradient (widened to float32 where ``wide``)…, this rank's slice of
+    ``((g0 + g1) + g2 + ...) / world``]."""
+    part_numel = -(-numel // world)
     padded = [torch.cat([grad_of(r, numel, dtype), torch.zeros(part_numel * world - numel, dtype=dtype)])
               for r in range(world)]  # fmt: skip
+    padded = [p.float() for p in padded] if wide else padded
     mine = [p[rank * part_numel : (rank + 1) * part_numel] for p in padded]
     want = mine[0] + mine[1]
     for s in mine[2:]:
         want = want + s
-    want = want / world
+    return [*padded, want / world]
+
+
+def check(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
+    st = state(rank, world, numel)
+    got = local_part(st, grad_of(rank, numel, dtype))
+    *padded, want = average(rank, world, numel, dtype)
     assert got.dtype == dtype and torch.equal(got, want), (rank, numel, dtype)
     if dtype == torch.float32:  # bfloat16 sums in another order round apart by a whole bfloat16 ulp
-        theirs = torch.empty(part_numel, dtype=dtype)
+        theirs = torch.empty(st.partition_numel, dtype=dtype)
         dist.reduce_scatter_tensor(theirs, padded[rank], op=dist.ReduceOp.SUM)
         torch.testing.assert_close(got, theirs / world)
 
@@ -65,21 +72,11 @@ def check_gather(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
 def check_reduce_in(rank: int, world: int, numel: int) -> None:
     """``reduce_in`` (``communication_data_type``): each rank's bf16 gradient widened to float32, summed and
     divided there, the average rounded back to bf16 — or kept in float32 (``keep``)."""
-    part_numel = -(-numel // world)
-    st = SimpleNamespace(
-        world_size=world, rank=rank, partition_numel=part_numel, group=None, key="p1", store=None,
-        device=torch.device("cpu"),
-    )  # fmt: skip
-    wide = [torch.cat([grad_of(r, numel, torch.bfloat16), torch.zeros(part_numel * world - numel)]).float()
-            for r in range(world)]  # fmt: skip
-    mine = [w[rank * part_numel : (rank + 1) * part_numel] for w in wide]
-    want = mine[0] + mine[1]
-    for s in mine[2:]:
-        want = want + s
-    want = want / world
-    kept = local_part(st, grad_of(rank, numel, torch.bfloat16), torch.float32, keep=True)  # type: ignore[arg-type]
+    st, g = state(rank, world, numel), grad_of(rank, numel, torch.bfloat16)
+    want = average(rank, world, numel, torch.bfloat16, wide=True)[-1]
+    kept = local_part(st, g, torch.float32, keep=True)
     assert kept.dtype == torch.float32 and torch.equal(kept, want), (rank, numel)
-    rounded = local_part(st, grad_of(rank, numel, torch.bfloat16), torch.float32)  # type: ignore[arg-type]
+    rounded = local_part(st, g, torch.float32)
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, want.bfloat16()), (rank, numel)
 
 
