@@ -174,6 +174,53 @@ def test_torch_autocast_runs_every_forward_under_autocast_as_plain_pytorch_does(
             assert all(torch.equal(a, b) for a, b in zip(params, ref.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("loop", ["engine.backward", "engine.scale"])
+def test_fp16_torch_autocast_scales_the_loss_as_torchs_grad_scaler(loop, tmp_path):
+    """fp16 autocast scales the loss as DeepSpeed does for it (torch's GradScaler: 2**16, halved and the step
+    skipped at an overflow, doubled after 2000 clean steps): bitwise plain PyTorch under
+    ``torch.autocast`` with ``torch.amp.GradScaler`` — an overflow injected at step 2 included."""
+    import zswap.deepspeed as deepspeed
+
+    torch.manual_seed(0)
+    model = Mlp()
+    ref = copy.deepcopy(model)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "gradient_clipping": 0.0,
+        "torch_autocast": {"enabled": True, "dtype": "fp16"},
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    with engine:
+        for step in range(4):
+            x = torch.randn(4, 16, generator=g)
+            boost = 1e30 if step == 2 else 1.0  # fp16 overflows: the step is skipped, the scale halved
+            loss = engine(x).float().square().mean() * boost
+            if loop == "engine.scale":
+                engine.scale(loss).backward()
+            else:
+                engine.backward(loss)
+            engine.step()
+            with torch.autocast("cpu", dtype=torch.float16):
+                expected = ref(x).float().square().mean() * boost
+            scaler.scale(expected).backward()
+            scaler.step(plain)
+            scaler.update()
+            plain.zero_grad()
+            assert engine.loss_scale == scaler.get_scale(), step
+        assert engine.skipped_steps == 1
+        params = list(model.parameters())
+        with zswap.GatheredParameters(params):
+            assert all(torch.equal(a, b) for a, b in zip(params, ref.parameters(), strict=True))
+
+
 def test_a_forward_that_raises_leaves_autocast_as_it_was(tmp_path):
     class Fails(Mlp):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -259,3 +259,19 @@ def test_a_partition_aware_optimizer_gets_the_unscale_factor():
         engine(_x(1)).float().square().mean().backward()  # a plain backward: nothing to unscale
         engine.step()
     assert opt.factors == [1 / 16, None]
+
+
+def test_the_autocast_scaler_moves_as_torchs_grad_scaler():
+    """`LossScaler.for_autocast` (an fp16 ``torch_autocast`` run's) against `torch.amp.GradScaler` over an
+    overflow and two growth windows: the same scale after every step."""
+    ours, theirs = LossScaler.for_autocast(), torch.amp.GradScaler("cpu")
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for i, overflow in enumerate([False] * 1999 + [True] + [False] * 4001 + [True, True]):
+        ours.update(overflow)
+        theirs.scale(torch.ones(1))
+        p.grad = torch.full((1,), float("inf") if overflow else 0.0)
+        theirs.step(opt)
+        theirs.update()
+        assert ours.loss_scale == theirs.get_scale(), i
+    assert ours.loss_scale == 2.0**15

@@ -46,6 +46,7 @@ class LossScaler:
         min_scale: float = 1.0,
         hysteresis: int = 2,
         consecutive_hysteresis: bool = False,
+        torch_amp: bool = False,
     ) -> None:
         if not scale > 0:
             raise ValueError(f"the loss scale must be positive, got {scale!r}")
@@ -56,6 +57,9 @@ class LossScaler:
         self.min_scale = float(min_scale)
         self.hysteresis = hysteresis
         self.consecutive_hysteresis = consecutive_hysteresis
+        self.torch_amp = torch_amp
+        """`torch.amp.GradScaler`'s count: the scale grows at the window-th clean step (DeepSpeed's: the one
+        after it)."""
         self.cur_hysteresis = hysteresis
         """Overflows still tolerated before the scale is lowered."""
         self.cur_iter = 0
@@ -76,6 +80,12 @@ class LossScaler:
             consecutive_hysteresis=fp16.consecutive_hysteresis,
         )
 
+    @classmethod
+    def for_autocast(cls) -> LossScaler:
+        """What DeepSpeed scales an fp16 ``torch_autocast`` run by: `torch.amp.GradScaler`'s defaults (2**16,
+        halved at each overflow with no floor or hysteresis, doubled after 2000 clean steps)."""
+        return cls(2.0**16, dynamic=True, scale_window=2000, min_scale=0.0, hysteresis=1, torch_amp=True)
+
     def update(self, overflow: bool) -> None:
         """Account for one optimizer step; ``overflow``: its gradients were not finite (it was skipped)."""
         if not self.dynamic:
@@ -94,7 +104,8 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
-            clean = self.cur_iter - self.last_overflow_iter - 1  # clean steps before this one
+            # Clean steps before this one (GradScaler's count: up to this one).
+            clean = self.cur_iter - self.last_overflow_iter - (0 if self.torch_amp else 1)
             if clean > 0 and clean % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.hysteresis

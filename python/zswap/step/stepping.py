@@ -105,9 +105,14 @@ def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
     return schedules.build(cfg.scheduler, optimizer)
 
 
-def loss_scaler(cfg: ZswapConfig, fp16: bool) -> LossScaler | None:
-    """The loss scaler of an fp16 run (from the ``fp16`` section), ``None`` otherwise."""
-    return LossScaler.from_config(cfg.fp16) if fp16 else None
+def loss_scaler(cfg: ZswapConfig, fp16: bool, device_type: str) -> LossScaler | None:
+    """The loss scaler of an fp16 run (from the ``fp16`` section), of a ``torch_autocast`` run in float16
+    (given, or the device's default: CUDA's) as DeepSpeed's (`LossScaler.for_autocast`), else ``None``."""
+    if fp16:
+        return LossScaler.from_config(cfg.fp16)
+    autocast = cfg.torch_autocast
+    dtype = autocast.torch_dtype() or torch.get_autocast_dtype(device_type)
+    return LossScaler.for_autocast() if autocast.enabled and dtype == torch.float16 else None
 
 
 def world_size(items: Any) -> int:

@@ -184,8 +184,8 @@ class Engine:
             # bf16.check_grad_overflow: skip a step whose gradients are not finite, as fp16 always does
             # (an early step then runs ahead of the check and is dropped: `zswap.step.speculation`).
             bf16 = config.dtype == "bf16" or any(st.dtype == torch.bfloat16 for _, st in self._items)
-            self._check_finite = self._fp16 or (bf16 and config.bf16.check_grad_overflow)
-            self.loss_scaler = stepping.loss_scaler(config, self._fp16)
+            self.loss_scaler = stepping.loss_scaler(config, self._fp16, self.device.type)
+            self._check_finite = self.loss_scaler is not None or (bf16 and config.bf16.check_grad_overflow)
             self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
             self._early = early_build.for_engine(self)
             self._grads.hand_first_to(self._early)
