@@ -140,6 +140,25 @@ def test_torch_autocast_is_cuda_autocast(tmp_path):
             ref.zero_grad(set_to_none=True)
 
 
+def test_cuda_autocast_by_default_is_fp16_with_the_grad_scalers_loss_scale(tmp_path):
+    """``torch_autocast`` without a dtype on CUDA runs in float16, so the loss is scaled (torch's GradScaler
+    rules, `LossScaler.for_autocast`): the engine starts at 2**16 and the first step's gradients are the
+    plain CUDA model's under autocast with ``torch.amp.GradScaler("cuda")``, bitwise."""
+    cfg = {**nvme_config(tmp_path), "torch_autocast": {"enabled": True}}
+    m, ref = build(MLP, cfg)
+    scaler = torch.amp.GradScaler("cuda")
+    with engine_for(m, cfg) as engine:
+        assert engine.loss_scale == 2.0**16
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(1)).to(CUDA)
+        out = m(x)
+        with torch.autocast("cuda"):
+            want = ref(x)
+        assert out.dtype == torch.float16 and torch.equal(out, want)
+        engine.backward(sq(out))
+        scaler.scale(sq(want)).backward()
+        assert_bitwise_grads(m, ref)
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing_bitwise(reentrant, tmp_path):
     cfg = nvme_config(tmp_path)
