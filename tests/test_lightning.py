@@ -460,6 +460,19 @@ def test_accumulation_in_the_config_must_agree_with_the_trainer(tmp_path):
     _assert_same_run(again, ref, 2 * STEPS)
 
 
+def test_a_grad_accum_dtype_zswap_does_not_sum_in_is_refused_at_fit(tmp_path):
+    """float32 params' gradients are summed in float32 over Lightning's windows: bf16 sums are refused when
+    the engine is built (and it is closed), and ``fp32`` (what zswap does) trains as the plain Trainer."""
+    bad = ZswapStrategy(_config(tmp_path, data_types={"grad_accum_dtype": "bf16"}))
+    refused = r"grad_accum_dtype is 'bf16' .* over the 2 .* set it to fp32$"
+    with pytest.raises(zswap.ConfigError, match=refused):
+        _fit(bad, accumulate_grad_batches=2)
+    ref, _ = _fit(accumulate_grad_batches=2)
+    good = ZswapStrategy(_config(tmp_path, data_types={"grad_accum_dtype": "fp32"}))
+    ours, _ = _fit(good, accumulate_grad_batches=2)
+    _assert_same_run(ours, ref, 2 * STEPS)
+
+
 def test_manual_optimization_equals_plain_trainer(tmp_path):
     ref, _ = _fit(module=Manual())
     ours, _ = _fit(ZswapStrategy(_config(tmp_path)), module=Manual())
