@@ -41,6 +41,12 @@ def widens(engine: Engine) -> bool:
     return engine.config.data_types.grad_accum_dtype == "fp32" and engine.compute_device.passthrough
 
 
+def sums_in_fp32(engine: Engine) -> bool:
+    """Whether float16/bfloat16 gradients are summed in float32 over micro-batches: from a compute device
+    (`GradStore.add_fp32`), or on the CPU where `widens`."""
+    return not engine.compute_device.passthrough or widens(engine)
+
+
 def check_accumulation(engine: Engine, steps: int) -> None:
     """``data_types.grad_accum_dtype`` must be the dtype zswap sums gradients in over ``steps``
     micro-batches (> 1): float32 for float32 params and for bf16 / fp16 ones from a compute device
@@ -53,7 +59,7 @@ def check_accumulation(engine: Engine, steps: int) -> None:
     host = engine.compute_device.passthrough
     for dtype in sorted({st.dtype for p, st in engine._items if p.requires_grad}, key=str):
         low = dtype in LOW_PRECISION
-        sums = torch.float32 if not low or not host or widens(engine) else dtype
+        sums = torch.float32 if not low or sums_in_fp32(engine) else dtype
         if dtype.is_floating_point and sums != want:
             where = "on the CPU" if host else "from a compute device"
             can = "fp32 or " + _NAMES[dtype] if low and host else "fp32"

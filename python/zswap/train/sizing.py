@@ -17,7 +17,7 @@ from ..fetch.prefetch import Budget
 from ..memory import Allowances
 from ..parts.params import Item, param_state
 from ..step import earlystep
-from .dtypes import widens
+from .dtypes import sums_in_fp32
 
 if TYPE_CHECKING:
     from .runtime import Engine
@@ -130,15 +130,15 @@ def refuse_meta(model: nn.Module) -> None:
 def grad_room(engine: Engine) -> int:
     """Bytes of gradients the early step keeps in memory past the stash where the step may need them
     (clipping, accumulation: `zswap.step.speculation.Guess.keep`): the live budget's elements at the width
-    they are kept in — float32 where low-precision gradients from a compute device (or, asked for, on the
-    CPU: `zswap.train.dtypes.widens`) are summed over micro-batches (`GradStore.add_fp32`), so that such a
+    they are kept in — float32 where low-precision gradients are summed in it over micro-batches
+    (`zswap.train.dtypes.sums_in_fp32`: from a compute device, or asked for on the CPU), so that such a
     sum stays in memory where the gradient it adds to was —, or none where `grad_stash_bytes` was set (it
     then bounds every gradient kept in memory)."""
     if engine._grad_stash is not None:
         return 0
     live = engine.sizing.allowances.live
     accumulating = engine._gas > 1 or engine.window_ends is not None
-    if accumulating and (not engine.compute_device.passthrough or widens(engine)):
+    if accumulating and sums_in_fp32(engine):
         itemsize = min((st.dtype.itemsize for _, st in engine._items), default=4)
         return live * 4 // itemsize if itemsize < 4 else live
     return live
