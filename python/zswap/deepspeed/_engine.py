@@ -57,10 +57,6 @@ class DeepSpeedEngine(runtime.Engine):
         """The module's forward; what a backward through its outputs gets is DeepSpeed's (`_backward`)."""
         return _backward.wrap_outputs(self, super().__call__(*args, **kwargs))
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """``engine(*args, **kwargs)`` (DeepSpeed's ``engine.forward``)."""
-        return self(*args, **kwargs)
-
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
         self._in_backward = True
         try:

@@ -328,10 +328,7 @@ class Engine:
         return self.compute_device.torch_device
 
     def __getattr__(self, name: str) -> Any:
-        # DeepSpeed's engine hands attributes it lacks to the module (``engine.config_class``); reached
-        # only where lookup failed (``module`` read from __dict__: never for __init__'s own attributes).
-        if name == "forward":  # the module's own forward would skip its hooks
-            return self.__call__
+        # Attributes the engine lacks come from the module, as DeepSpeed's (``module`` read from __dict__).
         module = self.__dict__.get("module")
         if module is not None and not name.startswith("__"):
             try:
@@ -358,6 +355,10 @@ class Engine:
             args, kwargs = stepping.cast_half(args), stepping.cast_half(kwargs)
         return self.module(*args, **kwargs)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``engine(*args, **kwargs)``: the module with its hooks (its bare ``forward`` would skip them)."""
+        return self(*args, **kwargs)
+
     def train(self, mode: bool = True) -> Engine:
         """Put the module in training (or, ``mode=False``, eval) mode."""
         self.module.train(mode)
@@ -365,8 +366,7 @@ class Engine:
 
     def eval(self) -> Engine:
         """Put the module in eval mode."""
-        self.module.train(False)
-        return self
+        return self.train(False)
 
     def adopt_optimizer(self) -> None:
         """Make `close` close the optimizer too: one a caller built for this engine only (as
