@@ -221,8 +221,7 @@ def load_into_partitions(
     resolved = _hfconv.resolve(model, sources, list(load_config.weight_mapping or []), targets)
     plan = weights.plan(targets, resolved.sources)
     frame = ctx.frames[-1]
-    _cast_on_load(plan, frame.placement.dtype)
-    _buffers_on_load(plan, frame.placement.dtype, ctx.lineage)
+    _cast_on_load(plan, frame.placement.dtype, ctx.lineage)
     weights.check_optimizer(plan.items)
     weights.write(plan.items, frame.build_placement, _frame_hook(frame))
     for target, _, _ in plan.items:
@@ -248,28 +247,22 @@ _EXACT = {
 Init's dtype then gives the bits of load-then-cast."""
 
 
-def _cast_on_load(plan: Any, dtype: torch.dtype | None) -> None:
-    """Under ``Init(dtype=…)``, load straight into that dtype where that is bitwise load-then-cast, so the
-    cast at Init's exit (a read and a write of every param) has nothing left to do for them."""
+def _cast_on_load(plan: Any, dtype: torch.dtype | None, lineage: Any) -> None:
+    """Under ``Init(dtype=…)``, load a param straight into that dtype where that is bitwise load-then-cast,
+    so the cast at Init's exit (a read and a write of every param) has nothing left to do for it; and load
+    a buffer a build with that default dtype would have made in it (`_lineage`) in it, as transformers'
+    ``from_pretrained(dtype=…)`` and DeepSpeed's loader (copying into its bf16 buffer) do — where
+    transformers' own dtype plan leaves a buffer's open."""
     if dtype is None:
         return
     for target, _, src in plan.items:
         t = target.tensor
-        exact = (src.dtype, target.dtype or t.dtype) in _EXACT
-        if t.device.type == "meta" and target.slots[0][2] and t.is_floating_point() and exact:
-            target.dtype = dtype
-
-
-def _buffers_on_load(plan: Any, dtype: torch.dtype | None, lineage: Any) -> None:
-    """Under ``Init(dtype=…)``, a buffer a build with that default dtype would have made in it (`_lineage`)
-    is loaded in it, as transformers' ``from_pretrained(dtype=…)`` and DeepSpeed's loader (copying into
-    its bf16 buffer) load it (where transformers' own dtype plan leaves it open)."""
-    if dtype is None:
-        return
-    for target, _, _ in plan.items:
-        t = target.tensor
-        params = any(is_param for _, _, is_param in target.slots)
-        if not params and target.dtype is None and t.is_floating_point() and t in lineage:
+        if not t.is_floating_point():
+            continue
+        if target.slots[0][2]:  # a param (a tensor is a param or a buffer in every slot it has)
+            if t.device.type == "meta" and (src.dtype, target.dtype or t.dtype) in _EXACT:
+                target.dtype = dtype
+        elif target.dtype is None and t in lineage:
             target.dtype = dtype
 
 
