@@ -163,6 +163,30 @@ def communication_fp32_for_bf16(rank: int, world: int, tmp: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
+def sixteen_bit_save(rank: int, world: int, tmp: str) -> None:
+    """``save_16bit_model`` over two ranks: every rank gathers each param as rank 0 writes it; the file
+    holds every full value (odd sizes: the all-gathers' padding is not written) in bf16."""
+    cfg = {
+        "train_batch_size": 2,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3},
+    }
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    out = Path(tmp) / "sixteen"
+    with engine:
+        assert engine.save_16bit_model(out) is True
+        with zswap.GatheredParameters(list(model.parameters())):
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = torch.load(out / "pytorch_model.bin", weights_only=True)  # complete on every rank's return
+    assert list(saved) == list(want) and all(torch.equal(saved[k], v) for k, v in want.items()), saved
+    assert {v.dtype for v in saved.values()} == {torch.bfloat16}
+    assert saved["2.weight"].untyped_storage().nbytes() == 15 * 2
+
+
 def main() -> None:
     rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -174,6 +198,7 @@ def main() -> None:
             params_are_rank_zeros(rank, world)
             communication_dtype(rank, world, sys.argv[4])
             communication_fp32_for_bf16(rank, world, sys.argv[4])
+            sixteen_bit_save(rank, world, sys.argv[4])
     finally:
         dist.destroy_process_group()
 

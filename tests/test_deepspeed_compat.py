@@ -5,8 +5,10 @@ register_external_parameter; DeepSpeed keywords zswap does not support are a Typ
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 import zswap
 import zswap.deepspeed as deepspeed
 from zswap import ConfigError, param_state
+from zswap.checkpoint import _torchsave
 
 from .test_runtime import TinyLM, ids, sq
 
@@ -323,6 +326,50 @@ def test_zero_init_ignores_mem_efficient_linear_false_with_a_warning():
     with init:
         layer = nn.Linear(3, 2)
     assert param_state(layer.weight) is not None
+
+
+class NormedLM(TinyLM):
+    """TinyLM with BatchNorm buffers (floating ones and an integer count) beside its tied params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(16)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_16bit_save_is_torch_saves_archive_written_one_param_at_a_time(tmp_path, monkeypatch, dtype):
+    """``save_16bit_model`` writes, byte for byte, what ``torch.save`` writes for the same values in a plain
+    model (tied weights one storage under both names, buffers, the state dict's metadata), and each param is
+    gathered only once the one before it was written and let go: never two full values at once."""
+    cfg = ds_config(**({"bf16": {"enabled": True}} if dtype == "bf16" else {}))
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = NormedLM()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    alive: list[Any] = []
+    gathered = _torchsave.full_copy
+
+    def one_at_a_time(p: torch.Tensor, st: Any) -> torch.Tensor:
+        assert all(ref() is None for ref in alive), "a param gathered before the last one was let go"
+        value = gathered(p, st)
+        alive.append(weakref.ref(value))
+        return value
+
+    monkeypatch.setattr(_torchsave, "full_copy", one_at_a_time)
+    with engine:
+        engine.backward(sq(engine(ids(seed=2))))
+        engine.step()
+        assert engine.save_16bit_model(tmp_path) is True
+    assert len(alive) == len(list(model.parameters()))  # the tied pair gathered once
+    written = (tmp_path / "pytorch_model.bin").read_bytes()
+    saved = torch.load(io.BytesIO(written), weights_only=True)
+    tied = {saved[k].untyped_storage().data_ptr() for k in ("wte.weight", "head.weight")}
+    assert len(tied) == 1
+    plain = NormedLM().to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    plain.load_state_dict(saved)
+    want = io.BytesIO()
+    torch.save(plain.state_dict(), want)
+    assert written == want.getvalue()
 
 
 def test_the_engines_loader_and_16bit_save(tmp_path):

@@ -6,21 +6,38 @@ empty), the hook replaces the detached empty tensor torch put in the state dict 
 into a new CPU tensor — one param at a time, so ``torch.save(model.state_dict())`` and Hugging Face
 ``save_pretrained`` write correct checkpoints, at the cost of the whole model in CPU memory; for models that
 do not fit, `zswap.save_weights` streams instead. With several ranks every rank must call ``state_dict()``
-(each param is all-gathered). ``keep_vars=True`` returns the params themselves, untouched.
+(each param is all-gathered). ``keep_vars=True`` returns the params themselves, untouched. Inside
+`deferred`, each partitioned param's entry is a `zswap.checkpoint._torchsave.Pending` instead, gathered
+when `zswap.checkpoint._torchsave.save` writes it.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
 
 from ..parts.params import Status, param_state
 from ._gather import full_copy
+from ._torchsave import Pending
 
 _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_deferring = [0]  # `deferred` contexts entered
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """``state_dict()`` calls inside put a `Pending` where a partitioned param's full value would go;
+    nothing is gathered."""
+    _deferring[0] += 1
+    try:
+        yield
+    finally:
+        _deferring[0] -= 1
 
 
 def install(module: nn.Module) -> None:
@@ -40,4 +57,4 @@ def _full_values(
         key = prefix + name
         if st.status is Status.AVAILABLE or key not in state_dict or state_dict[key] is p:
             continue
-        state_dict[key] = full_copy(p, st)
+        state_dict[key] = Pending(p, st) if _deferring[0] else full_copy(p, st)

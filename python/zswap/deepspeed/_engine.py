@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import _torchsave, statedict
 from ..checkpoint._atomic import LATEST, fsync_path, temp_name
 from ..errors import ZswapError, ZswapWarning
 from ..train import runtime
@@ -170,25 +171,35 @@ class DeepSpeedEngine(runtime.Engine):
         self, save_dir: Any, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
     ) -> bool:
         """DeepSpeed's: the module's whole state dict, params in their own dtype (bf16 / fp16 / fp32),
-        written by rank 0 with ``torch.save`` to ``save_dir/save_filename`` (complete before it takes its
-        name); a collective — every rank calls it (each param is gathered). The whole model is in memory at
-        once; `zswap.save_weights` streams safetensors instead. Returns ``True``."""
+        written by rank 0 as ``torch.save`` writes it to ``save_dir/save_filename`` (complete before it
+        takes its name); a collective — every rank calls it (each param is gathered). The params are
+        gathered one at a time as the file is written (`zswap.checkpoint._torchsave`): memory holds one
+        param, never the model. Saves whatever ``stage3_gather_16bit_weights_on_model_save`` says (where
+        false, DeepSpeed saves nothing and returns ``False``: its partitions would be a bogus model, and
+        zswap's save is always whole). Returns ``True``."""
         self._check_open()
-        state = self.module.state_dict()  # full values (`zswap.checkpoint.statedict`)
+        with statedict.deferred():
+            state = self.module.state_dict()  # partitioned params: placeholders, gathered as written
         if exclude_frozen_parameters:
             named = self.module.named_parameters(remove_duplicate=False)
             frozen = {n for n, p in named if not p.requires_grad}
+            meta = getattr(state, "_metadata", None)
             state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+            if meta is not None:
+                state._metadata = meta  # type: ignore[attr-defined]
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             path = Path(save_dir) / save_filename
             tmp = path.with_name(temp_name(path.name))  # the checkpoints' temp names: stale ones are known
             try:
-                torch.save(state, tmp)
+                with open(tmp, "wb") as f:
+                    _torchsave.save(state, f)
                 fsync_path(tmp)
                 os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
+        else:
+            _torchsave.save(state, None)  # this rank's part of each gather
         if dist.is_initialized() and self._world() > 1:
             dist.barrier()  # the file is complete when any rank returns
         return True
