@@ -394,6 +394,67 @@ class UnusedParams(nn.Module):
         return nn.functional.cross_entropy(self.used(x), y)
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+class ThreeScaled(nn.Module):
+    """DeepSpeed's TestZero3ParamPartitioningBase: each layer's params' status right after its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Scaled() for _ in range(3))
+        self.after: list[set[Status]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.after.clear()
+        for layer in self.layers:
+            x = layer(x)
+            self.after.append({st.status for p in layer.parameters() if (st := param_state(p)) is not None})
+        return x
+
+
+@pytest.mark.parametrize("prefetching", [False, True])
+def test_no_reuse_distance_and_no_prefetch_let_each_param_go_after_its_use(prefetching):
+    """``stage3_max_reuse_distance: 0`` with ``stage3_prefetch_bucket_size: 0``: each layer's param is let
+    go as its forward ends, the last one's too (not kept for its backward); with a bucket covering the
+    model, each stays gathered for its backward (DeepSpeed: prefetched for its later use; from the second
+    iteration on, once its trace is recorded: zswap guesses the first). They train as plain torch."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.5}},
+        "gradient_clipping": 0.0,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_reuse_distance": 0,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 45 if prefetching else 0,
+        },
+    }
+    model, plain = ThreeScaled(), ThreeScaled()
+    opt = torch.optim.Adam(plain.parameters(), lr=0.5, fused=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x = torch.arange(15.0).reshape(3, 5)
+    with engine:
+        for it in range(3):
+            out = engine(x)
+            want = {Status.AVAILABLE} if prefetching else {Status.NOT_AVAILABLE}
+            assert model.after == [want] * 3, (it, model.after)
+            engine.backward(out.square().sum())
+            engine.step()
+            plain(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert {param_state(p).status for p in model.parameters()} == {Status.NOT_AVAILABLE}
+        with zswap.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+
+
 @pytest.mark.parametrize("ignore_unused_parameters", [True, False])
 def test_unused_params_train_and_stay_as_they_were(ignore_unused_parameters):
     cfg = {

@@ -139,6 +139,12 @@ class Budget:
     max_live: int
     reuse_distance: int
 
+    @property
+    def keeps(self) -> bool:
+        """Whether a param let go may stay gathered for a later use: not with ``reuse_distance`` and
+        ``bucket`` both 0 (DeepSpeed's release after each use)."""
+        return self.reuse_distance > 0 or self.bucket > 0
+
 
 def distinct_numel(steps: Iterable[Step], kept: Iterable[Slot], skip: Slot, limit: int) -> int | None:
     """Elements of the params of ``kept`` and ``steps`` but ``skip``, each counted once; ``None`` as soon as

@@ -19,12 +19,13 @@ can never change a value, since data is only ever read from the store when a ste
 
 A param is gathered while any step holds it; when the last hold goes it is released, unless it is
 *persistent* (at most the persistence threshold's elements: gathered once, kept) or its next use on the
-trace comes within ``reuse_distance`` elements of fetches. Gathered params (persistent ones aside), reads
-in flight, and the fetch-pool memory held outside the scheduler (`Scheduler.lent`: what each `Lender`
-registered with `Scheduler.lend` holds — in backward, the early step's param copies waiting for their
-record, being written, or kept as seeds, `zswap.step.earlystep`) never exceed ``max_live`` elements:
-prefetch stops short of it, and a demand evicts retained params, then the furthest prefetches, first. Only
-if the params held at once and what is lent exceed it alone is it passed.
+trace comes within ``reuse_distance`` elements of fetches, or forward keeps it for its backward (neither
+with ``reuse_distance`` and ``bucket`` both 0: DeepSpeed's release after each use). Gathered params
+(persistent ones aside), reads in flight, and the fetch-pool memory held outside the scheduler
+(`Scheduler.lent`: what each `Lender` registered with `Scheduler.lend` holds — in backward, the early
+step's param copies waiting for their record, being written, or kept as seeds, `zswap.step.earlystep`)
+never exceed ``max_live`` elements: prefetch stops short of it, and a demand evicts retained params, then
+the furthest prefetches, first; only the params held at once and what is lent can pass it.
 
 *Between passes* the next-pass cache (`zswap.fetch.nextpass`, `Scheduler.next`) holds what the next pass
 starts with: the swap-ins of its first steps issued when a pass ends (*reads ahead*,
@@ -171,7 +172,7 @@ class Scheduler:
         for s in held:
             s.holds -= 1
             if s.holds == 0 and s.ours and s.st.status is Status.AVAILABLE:
-                if self._reused_soon(s) or self._kept_for_backward(s):
+                if self.budget.keeps and (self._reused_soon(s) or self._kept_for_backward(s)):
                     s.retained = True
                     self._retained[id(s.p)] = s
                 else:
