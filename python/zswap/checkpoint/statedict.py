@@ -17,6 +17,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from torch import nn
@@ -26,18 +27,18 @@ from ._gather import full_copy
 from ._torchsave import Pending
 
 _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_deferring = [0]  # `deferred` contexts entered
+_deferring: ContextVar[bool] = ContextVar("zswap_state_dict_deferred", default=False)
 
 
 @contextmanager
 def deferred() -> Iterator[None]:
     """``state_dict()`` calls inside put a `Pending` where a partitioned param's full value would go;
     nothing is gathered."""
-    _deferring[0] += 1
+    token = _deferring.set(True)
     try:
         yield
     finally:
-        _deferring[0] -= 1
+        _deferring.reset(token)
 
 
 def install(module: nn.Module) -> None:
@@ -57,4 +58,4 @@ def _full_values(
         key = prefix + name
         if st.status is Status.AVAILABLE or key not in state_dict or state_dict[key] is p:
             continue
-        state_dict[key] = Pending(p, st) if _deferring[0] else full_copy(p, st)
+        state_dict[key] = Pending(p, st) if _deferring.get() else full_copy(p, st)
