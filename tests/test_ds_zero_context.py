@@ -330,6 +330,27 @@ def test_a_module_attached_after_initialize_runs_as_plain_torch():
         assert torch.equal(engine(x), want)
 
 
+def test_a_module_attached_after_initialize_is_named_as_untrained_at_the_step():
+    """Its params get gradients but the optimizer does not hold them (as in plain PyTorch and DeepSpeed):
+    the step warns, once, naming them; the model's own params train as ever."""
+    m = Tiny()
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}
+    engine, *_ = deepspeed.initialize(model=m, config=cfg, model_parameters=list(m.parameters()))
+    with engine:
+        engine.module.late = late = nn.Linear(16, 16, bias=False)
+        before = late.weight.detach().clone()
+        for step in range(2):
+            engine.backward(engine(torch.randn(2, 16)).square().sum())  # (its forward runs late)
+            if step == 0:  # (pytest's warns and catch_warnings: beside this module's `_quiet`)
+                with pytest.warns(zswap.ZswapWarning, match=r"^late.weight get gradients but are not"):
+                    engine.step()
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", zswap.ZswapWarning)
+                    engine.step()
+        assert torch.equal(late.weight, before) and late.weight.grad is None
+
+
 def test_classes_declared_inside_init_are_partitioned():
     cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
     with deepspeed.zero.Init(config_dict_or_path=cfg):

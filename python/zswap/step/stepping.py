@@ -15,6 +15,8 @@ through `Engine.backward`; gradients from a plain ``loss.backward()`` are taken 
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 
 from .. import _dist
 from ..config import ZswapConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, ZswapWarning
 from . import schedules
 from .loss_scale import LossScaler
 
@@ -174,3 +176,27 @@ def cast_half(value: Any) -> Any:
     if isinstance(value, Mapping):
         return type(value)({k: cast_half(v) for k, v in value.items()})  # type: ignore[call-arg]
     return value
+
+
+_UNTRAINED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # warned of
+
+
+def unmanaged(module: torch.nn.Module, managed: set[int], optimizer: Any) -> list[torch.Tensor]:
+    """The params of ``module`` zswap does not manage (ids not in ``managed``: made or attached after
+    `zswap.initialize`); the step clips and steps them in memory where ``optimizer`` holds them. One with a
+    gradient the optimizer does not hold is never updated: a `zswap.ZswapWarning` names it, once."""
+    others: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in managed]
+    if others and optimizer is not None:
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        new = [p for p in others if p.grad is not None and id(p) not in held and id(p) not in _UNTRAINED]
+        if new:
+            _UNTRAINED.update((id(p), p) for p in new)
+            names = [n for n, p in module.named_parameters() if any(p is q for q in new)]
+            warnings.warn(
+                f"{', '.join(names)} get gradients but are not trained: made after zswap.initialize, they "
+                "are not in its optimizer (it holds the model's params as initialize found them); build "
+                "every module before initialize, or under zswap.Init",
+                ZswapWarning,
+                stacklevel=4,
+            )
+    return others
