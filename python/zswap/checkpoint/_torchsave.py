@@ -16,7 +16,6 @@ import io
 import pickle
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import IO, Any
 
 import torch
@@ -56,12 +55,10 @@ def _rebuild_args(pending: Pending) -> tuple[Any, ...]:
     return (_Key(pending), 0, tuple(shape), tuple(reversed(stride)), False, OrderedDict())
 
 
-def save(obj: Any, out: IO[bytes] | None, gather: Callable[[Pending], torch.Tensor] | None = None) -> None:
+def save(obj: Any, out: IO[bytes] | None) -> None:
     """Write ``obj`` (a state dict holding `Pending` entries) to ``out`` as ``torch.save`` would write it
     with each entry's full value. Every rank of the params' groups calls this with the same ``obj`` (each
-    pending param is gathered, in the same order everywhere); ranks with ``out=None`` write nothing.
-    ``gather(pending)``: the full value (default: `zswap.checkpoint._gather.full_copy`)."""
-    gather = gather or (lambda pd: full_copy(pd.p, pd.st))
+    pending param is gathered, in the same order everywhere); ranks with ``out=None`` write nothing."""
     storages: dict[int, tuple[str, Any]] = {}  # param or storage id -> (key, Pending or storage)
 
     def persistent_id(o: Any) -> tuple[Any, ...] | None:
@@ -100,14 +97,14 @@ def save(obj: Any, out: IO[bytes] | None, gather: Callable[[Pending], torch.Tens
         for name, data in records:
             writer.write_record(name, data, len(data))
     for key, item in storages.values():  # (insertion order: the keys' order, as torch.save writes them)
-        _put(writer, key, item, gather)
+        _put(writer, key, item)
     if writer is not None:
         writer.write_end_of_file()
 
 
-def _put(writer: Any, key: str, item: Any, gather: Callable[[Pending], torch.Tensor]) -> None:
+def _put(writer: Any, key: str, item: Any) -> None:
     """Gather (a `Pending`) and write one storage; its bytes are let go on return, before the next."""
-    storage = _gathered(item, gather) if isinstance(item, Pending) else item
+    storage = _gathered(item) if isinstance(item, Pending) else item
     if writer is not None:
         if storage.device.type != "cpu":
             storage = storage.cpu()
@@ -124,15 +121,15 @@ def _storage_type(dtype: torch.dtype) -> Any:
     return getattr(torch, torch.TypedStorage(0, dtype=dtype, _internal=True)._pickle_storage_type())
 
 
-def _gathered(pending: Pending, gather: Callable[[Pending], torch.Tensor]) -> torch.UntypedStorage:
-    """The full value's bytes as one compact CPU storage of the pickled numel (an all-gather's output may
-    be a view into a padded buffer: copied then)."""
-    value = gather(pending).detach()
+def _gathered(pending: Pending) -> torch.UntypedStorage:
+    """The full value's bytes (`zswap.checkpoint._gather.full_copy`: a CPU tensor) as one compact storage of
+    the pickled numel (an all-gather's output may be a view into a padded buffer: copied then)."""
+    value = full_copy(pending.p, pending.st).detach()
     st = pending.st
     if value.dtype != st.dtype or value.shape != st.shape:
         got, want = f"{value.dtype} {tuple(value.shape)}", f"{st.dtype} {tuple(st.shape)}"
         raise AssertionError(f"a gathered param is {got}, its state says {want}")
     flat = value.reshape(-1)
-    if flat.device.type != "cpu" or flat.storage_offset() or flat.untyped_storage().nbytes() != flat.nbytes:
-        flat = flat.to("cpu", copy=True)
+    if flat.storage_offset() or flat.untyped_storage().nbytes() != flat.nbytes:
+        flat = flat.clone()
     return flat.untyped_storage()
