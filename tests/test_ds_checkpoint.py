@@ -167,6 +167,78 @@ def test_training_goes_on_bitwise_after_a_load(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(full_params(a), full_params(b), strict=True))
 
 
+class Stack(torch.nn.Module):
+    """DeepSpeed's SimpleModel: linear layers and a cross-entropy loss."""
+
+    def __init__(self, hidden: int, layers: int = 2) -> None:
+        super().__init__()
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.linears:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(x, y)
+
+
+@pytest.mark.parametrize(
+    ("params", "states"),
+    [("none", "nvme"), ("cpu", "nvme"), ("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme")],
+)
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_nvme_tiers_resume_bitwise_and_leave_nothing(tmp_path, params, states, precision):
+    """DeepSpeed's TestNVMeCheckpointing: train, save, train on; a second model loads the checkpoint and
+    replays the same batches to the same loss, bitwise. Its budgets are far below one layer (a live budget
+    of 100 elements, sub-groups of 100): one layer's params at a time. The swap folder is empty after
+    ``destroy``."""
+    swap = tmp_path / "zero"
+    swap.mkdir()
+    hidden, dtype = 64, torch.float16 if precision == "fp16" else torch.bfloat16
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+        precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": params, "nvme_path": str(swap)},
+            "offload_optimizer": {"device": states, "nvme_path": str(swap)},
+            "sub_group_size": 100,
+            "stage3_max_live_parameters": 100,
+            "stage3_param_persistence_threshold": 0,
+        },
+        "aio": {"block_size": 1048576},
+    }
+
+    def build() -> Any:
+        torch.manual_seed(123)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = Stack(hidden)
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    def train(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, y in data:
+            engine.backward(engine(x, y))
+            engine.step()
+
+    first, second, last = (
+        list(batches(n, hidden, batch=1, seed=s, dtype=dtype)) for n, s in [(2, 1), (2, 2), (1, 3)]
+    )
+    engine = build()
+    engine.empty_partition_cache()
+    train(engine, first)
+    engine.save_checkpoint(str(tmp_path / "checkpoint"))
+    train(engine, second)
+    before = float(engine(*last[0]).detach())
+    engine.destroy()
+    assert list(swap.iterdir()) == []
+
+    engine = build()
+    engine.load_checkpoint(str(tmp_path / "checkpoint"))
+    train(engine, second)
+    assert float(engine(*last[0]).detach()) == before
+    engine.destroy()
+    assert list(swap.iterdir()) == []
+
+
 def test_a_missing_latest_is_no_checkpoint_to_resume_from(tmp_path):
     engine, _ = make(ds_config(tmp_path, "cpu"), seed=0)
     before = full_params(engine)

@@ -476,6 +476,42 @@ def test_no_reuse_distance_and_no_prefetch_let_each_param_go_after_its_use(prefe
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
 
 
+def test_a_live_budget_below_one_module_gathers_one_module_at_a_time():
+    """``stage3_max_live_parameters`` below a module's own params (DeepSpeed's TestNVMeCheckpointing sets
+    100): as in DeepSpeed, the module running gets its params whatever the budget, and nothing is prefetched
+    or kept beside them (but what the very next step uses); it trains as plain torch."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.5}},
+        "gradient_clipping": 0.0,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_live_parameters": 4,  # a layer holds 15
+            "stage3_max_reuse_distance": 0,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 45,
+        },
+    }
+    model, plain = ThreeScaled(), ThreeScaled()
+    opt = torch.optim.Adam(plain.parameters(), lr=0.5, fused=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x = torch.arange(15.0).reshape(3, 5)
+    with engine:
+        for _ in range(3):
+            out = engine(x)
+            # The last layer's backward comes next, with nothing gathered between: it stays (reuse 0).
+            assert model.after == [{Status.NOT_AVAILABLE}] * 2 + [{Status.AVAILABLE}]
+            engine.backward(out.square().sum())
+            engine.step()
+            plain(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        stats = engine.stats()
+        assert stats["prefetch_issued"] == 0 and stats["max_live_elements"] == 4
+        with zswap.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+
+
 @pytest.mark.parametrize("ignore_unused_parameters", [True, False])
 def test_unused_params_train_and_stay_as_they_were(ignore_unused_parameters):
     cfg = {

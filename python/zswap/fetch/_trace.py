@@ -149,6 +149,8 @@ class Budget:
 def distinct_numel(steps: Iterable[Step], kept: Iterable[Slot], skip: Slot, limit: int) -> int | None:
     """Elements of the params of ``kept`` and ``steps`` but ``skip``, each counted once; ``None`` as soon as
     they pass ``limit`` (the walk stops there: a release asks this along a long trace)."""
+    if limit < 0:
+        return None  # nothing at all passes it (``skip`` alone is past a budget DeepSpeed lets it pass)
     seen, total = {id(skip)}, 0
     for o in itertools.chain(kept, (o for step in steps for o in step.slots)):
         if id(o) not in seen:

@@ -233,7 +233,7 @@ class Engine:
         if early is not None:
             early.prepare(self._items)  # kept only if it ran ahead of this very step (or raises)
         others = stepping.unmanaged(self.module, self._ids, self.optimizer)  # (made after initialize)
-        chunk = max(1, self.sizing.budget.max_live // 2)  # a chunk's params and grads: the live budget
+        chunk = max(1, self.sizing.live_elements // 2)  # a chunk's params and grads: the live budget
         loss_scale = self.loss_scale if self._scaled_backward else 1.0
         # From the norms noted in backward where it ran early (no gradient read), else from the store.
         scale, self.last_grad_norm = grads.global_scale(

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import ZswapConfig
-from ..errors import ConfigError, ZswapError
+from ..errors import ZswapError
 from ..fetch import buffers
 from ..fetch.prefetch import Budget
 from ..memory import Allowances
@@ -44,6 +44,12 @@ class Sizing:
     resident: frozenset[int] = frozenset()
     """ids of the params ``offload_param.max_in_cpu`` keeps gathered (`zswap.buffers`)."""
 
+    @property
+    def live_elements(self) -> int:
+        """Elements the memory of the live budget is sized for: ``max_live``, or one module's chain where
+        that is more (its params are gathered whatever the budget, as in DeepSpeed)."""
+        return max(self.budget.max_live, self.largest_chain)
+
 
 def unique(params: Any) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
@@ -72,10 +78,13 @@ def size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
     if max_live is None:
         max_live = min(streamed, chain + bucket)
     elif max_live < chain:
-        raise ConfigError(
-            f"zero_optimization.stage3_max_live_parameters={max_live} is below the {chain} elements that "
-            f"module {where!r} and its parents hold during its forward; raise it to at least {chain}"
-        )
+        # DeepSpeed's meaning: the params of the module running (and its parents') are gathered whatever
+        # the budget; it bounds what is prefetched and kept beside them, here nothing. The memory sized
+        # from the budget must still hold that module.
+        logging.getLogger(__name__).info(
+            "stage3_max_live_parameters=%d is below the %d elements module %r and its parents hold during "
+            "its forward: one module's params at a time, none prefetched", max_live, chain, where
+        )  # fmt: skip
     reuse = z.stage3_max_reuse_distance
     if reuse is None:
         reuse = bucket
@@ -86,13 +95,13 @@ def size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
     )  # fmt: skip
     persistent = total - streamed
     itemsize = max((st.dtype.itemsize for _, st in items), default=4)
-    live = (max_live + persistent) * itemsize
+    live = (max(max_live, chain) + persistent) * itemsize
     names = {id(p): name for name, p in module.named_parameters()}
     allowances = Allowances(
         live=live,
         fetch_pool=buffers.fetch_pool_bytes(items, cfg, names, live),  # offload_param.buffer_count/size
         early_step=live + earlystep.CAP_EXTRA,  # read at each sizing, not once at import
-        seeds=max_live,  # the next-pass cache keeps them within it with the next pass's first read
+        seeds=max(max_live, chain),  # the next-pass cache keeps them in it with the next pass's first read
     )
     budget = Budget(bucket, max_live, reuse)
     return Sizing(total, threshold, persistent, chain, budget, allowances, resident)
