@@ -81,3 +81,53 @@ def test_backward_without_gas_scaling_accumulates_the_sum():
             ref(x, y).backward()
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             assert torch.equal(zswap.full_grad(p), q.grad)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize(("chunks", "steps"), [(1, 1), (4, 1), (3, 3)])
+def test_the_boundary_set_by_hand_sums_several_backwards_into_one_step(tmp_path, tier, chunks, steps):
+    """DeepSpeed's TestZeroOffloadMultiBackward: ``gradient_accumulation_steps`` 1, several backwards per
+    optimizer step, the last one's boundary set with ``set_gradient_accumulation_boundary(True)`` and one
+    ``step()`` after them: the gradients are summed (not divided) and applied once, as in torch. A
+    ``step()`` after a backward set as no boundary ends a micro-batch (nothing applied)."""
+    zero: dict[str, Any] = {"stage": 3}
+    for key in ("offload_param", "offload_optimizer"):
+        zero[key] = {"device": tier, "nvme_path": str(tmp_path)}
+    cfg = base_config(train_batch_size=1, zero_optimization=zero, gradient_clipping=0.0)
+    torch.manual_seed(42)
+    ref = TwoLayer()
+    torch.manual_seed(42)
+    model = TwoLayer()
+    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.00015, fused=True)
+    data = list(batches(chunks * steps, batch=1))
+    with engine:
+        for s in range(steps):
+            for i, (x, y) in enumerate(data[s * chunks : (s + 1) * chunks]):
+                engine.set_gradient_accumulation_boundary(i == chunks - 1)
+                assert engine.is_gradient_accumulation_boundary() is (i == chunks - 1)
+                engine.backward(engine(x, y))
+                ref(x, y).backward()
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert (engine.global_steps, engine.micro_steps) == (steps, steps)
+        params = list(model.parameters())
+        with zswap.GatheredParameters(params):
+            assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))
+        x, y = data[0]
+        engine.set_gradient_accumulation_boundary(False)
+        engine.backward(engine(x, y))
+        ref(x, y).backward()
+        engine.step()  # a micro-batch's end: the gradient stays for the window's boundary
+        assert (engine.global_steps, engine.micro_steps) == (steps, steps + 1)
+        with zswap.GatheredParameters(params):
+            assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))
+        engine.set_gradient_accumulation_boundary(None)  # counting again: with GAS 1 each one ends
+        assert engine.is_gradient_accumulation_boundary()
+        ref(x, y).backward()  # summed with the micro-batch's before
+        engine.backward(engine(x, y))
+        engine.step()
+        ref_opt.step()
+        with zswap.GatheredParameters(params):
+            assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))

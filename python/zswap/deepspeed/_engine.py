@@ -43,16 +43,20 @@ class DeepSpeedEngine(runtime.Engine):
     DeepSpeed's queries scripts branch on: ``fp16_enabled()``, ``bfloat16_enabled()``,
     ``zero_optimization_stage()`` (3), ``was_step_applied()``, ``global_rank``, ``local_rank``,
     ``world_size`` / ``dp_world_size``, ``train_batch_size()``, ``get_global_grad_norm()``,
-    ``gradient_clipping()``; ``deepspeed_io(dataset)`` builds DeepSpeed's loader, ``save_16bit_model``
-    writes the whole state dict; ``destroy()`` is `close`; ``no_sync()`` raises as DeepSpeed's does under
-    ZeRO-3. A backward through the tensors ``engine(...)`` returned that `backward` does not run is
-    DeepSpeed's (divided by the accumulation steps; under fp16 scaled by ``scale(loss)`` or refused).
+    ``gradient_clipping()``; ``set_gradient_accumulation_boundary(b)`` says which backward ends the
+    accumulation window, as DeepSpeed's does (until called again); ``deepspeed_io(dataset)`` builds
+    DeepSpeed's loader, ``save_16bit_model`` writes the whole state dict; ``destroy()`` is `close`;
+    ``no_sync()`` raises as DeepSpeed's does under ZeRO-3. A backward through the tensors ``engine(...)``
+    returned that `backward` does not run is DeepSpeed's (divided by the accumulation steps; under fp16
+    scaled by ``scale(loss)`` or refused).
     """
 
     _in_backward = False
     """`backward` is running: the output hooks leave its gradients alone (it scaled the loss itself)."""
     _loss_scaled = False
     """``scale(loss)`` scaled the loss of the backward to come (`_backward`)."""
+    _boundary: bool | None = None
+    """`set_gradient_accumulation_boundary`'s override (``None``: the micro-batches are counted)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; what a backward through its outputs gets is DeepSpeed's (`_backward`)."""
@@ -207,6 +211,21 @@ class DeepSpeedEngine(runtime.Engine):
     def get_global_grad_norm(self) -> float | None:
         """The gradients' global L2 norm seen by the last step (``None`` when that step did not need it)."""
         return self.last_grad_norm
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Whether the backward to come ends the accumulation window, whatever ``gradient_accumulation_steps``
+        counts (DeepSpeed's override, kept until set again): its gradients are summed with those of the
+        backwards since the last optimizer step, and ``step()`` applies the optimizer only after a
+        boundary (before one it ends a micro-batch). A ``gradient_accumulation_steps`` above 1 still
+        divides each loss by it. ``None`` goes back to counting micro-batches."""
+        self._boundary = None if is_boundary is None else bool(is_boundary)
+        # The early step sums the window's gradients up to the backward this says ends it.
+        self.window_ends = None if is_boundary is None else self.is_gradient_accumulation_boundary
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary is None:
+            return super().is_gradient_accumulation_boundary()
+        return self._boundary
 
     def step(self) -> None:
         skipped, boundary = self.skipped_steps, self.is_gradient_accumulation_boundary()

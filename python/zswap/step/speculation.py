@@ -41,7 +41,9 @@ memory within ``room``) and the update waits for the boundary's backward."""
 
 ACCUMULATES = (
     "backwards are summed before engine.step() with gradient_accumulation_steps 1: set it to the number of "
-    "backwards per step (and call engine.step() after each) so that the update runs in the last one"
+    "backwards per step (and call engine.step() after each), or with zswap.deepspeed's engine call "
+    "set_gradient_accumulation_boundary(is_last) before each backward, so that the update runs in the last "
+    "one"
 )
 """Why no early step runs once the caller was seen summing backwards itself (`EarlyStep.accumulates`):
 the update in the first backward of each step would be dropped by the next, its transfers wasted."""
