@@ -582,3 +582,47 @@ def test_unwrap_model_for_generation_gathers_once_and_training_goes_on(tmp_path)
 @pytest.mark.dist
 def test_two_ranks_scatter_gather_and_modifier_rank(tmp_path):
     run_ranks(WORKER, tmp_path)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_empty_partition_cache_lets_the_persistent_params_go_too(training):
+    """DeepSpeed's TestZeroPartitionCache: the bias (within the persistence threshold) stays gathered
+    through training or inference; ``empty_partition_cache`` releases every param, it too; the next
+    forward gathers it again, and training goes on as plain torch."""
+    cfg: dict[str, Any] = {
+        "train_batch_size": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10},
+    }
+    if training:
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.1}}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TwoLayer()
+    plain = TwoLayer()
+    with zswap.GatheredParameters(list(model.parameters())):
+        plain.load_state_dict(model.state_dict())
+    opt = torch.optim.Adam(plain.parameters(), lr=0.1, fused=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = engine(x, y)
+        if training:
+            engine.backward(loss)
+            engine.step()
+            plain(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    data = list(batches(4))
+    with engine:
+        for x, y in data[:3]:
+            run(x, y)
+        assert [p.numel() for p in model.parameters()] == [0, 10, 0, 10]  # the biases persist
+        engine.empty_partition_cache()
+        assert {param_state(p).status for p in model.parameters()} == {Status.NOT_AVAILABLE}
+        assert sum(p.numel() for p in model.parameters()) == 0
+        run(*data[3])
+        assert [p.numel() for p in model.parameters()] == [0, 10, 0, 10]
+        with zswap.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))

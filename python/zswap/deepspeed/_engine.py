@@ -126,11 +126,10 @@ class DeepSpeedEngine(runtime.Engine):
         return os.path.join(os.fspath(load_dir), tag), client_state
 
     def empty_partition_cache(self) -> None:
-        """Release every param the engine holds gathered between iterations (persistent small params are
-        fetched again, as after a step)."""
+        """Release every param the engine holds gathered, the persistent small ones too, as DeepSpeed's
+        does (each is gathered again where it is next used)."""
         self._check_open()
         self._sched.drop_all()
-        self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent])
 
     def train_batch_size(self) -> int | None:
         """Samples per optimizer step over all ranks (the config's, or derived; ``None`` if it gives none)."""
