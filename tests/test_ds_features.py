@@ -52,6 +52,8 @@ REFUSED = [
     ({"sequence_parallel_size": 2}, r"sequence_parallel_size .*whole sequences"),
     ({"prescale_gradients": True}, r"prescale_gradients .*divides by the world size"),
     ({"gradient_predivide_factor": 2.0}, r"gradient_predivide_factor .*may only be 1\.0"),
+    ({"gradient_allreduce_op": "SUM"}, r"gradient_allreduce_op .*DeepSpeed's ZeRO-3 does whatever"),
+    ({"gradient_allreduce_op": "max"}, r"gradient_allreduce_op must be 'mean' or 'sum', got 'max'"),
     ({"communication_data_type": "int8"}, r"communication_data_type must be a floating-point dtype"),
 ]
 
@@ -71,6 +73,7 @@ ACCEPTED = [
     {"tensor_parallel": {"autotp_size": 0, "tp": {"tp_size": 1}}},
     {"sequence_parallel_size": 1},
     {"prescale_gradients": False, "gradient_predivide_factor": 1.0},
+    {"gradient_allreduce_op": "Mean"},
     {"communication_data_type": "bfloat16", "bf16": {"enabled": True}},
     {"communication_data_type": "torch.float32"},
     {"communication_data_type": "fp32", "bf16": {"enabled": True}},  # ranks reduce in it

@@ -95,6 +95,7 @@ def check(raw: Mapping[Any, Any]) -> list[str]:
     factor = raw.get("gradient_predivide_factor")
     if factor is not None and not (isinstance(factor, int | float) and factor == 1.0):
         _refuse("gradient_predivide_factor", f"{_AVERAGING}; it may only be 1.0")
+    _check_allreduce_op(raw.get("gradient_allreduce_op"))
     warned = [f"{key}.enabled" for key in MONITORS if _enabled(raw.get(key))]
     warned += [key for key in MONITOR_SWITCHES if _enabled(raw.get(key))]
     compile_section = raw.get("compile")
@@ -138,6 +139,21 @@ def _switches(section: Any, where: str) -> Iterator[str]:
             yield f"{where}.enabled"
         elif isinstance(value, Mapping):
             yield from _switches(value, f"{where}.{key}")
+
+
+def _check_allreduce_op(op: Any) -> None:
+    """``gradient_allreduce_op``: DeepSpeed reads "mean" (its default) or "sum", any case; its ZeRO-3
+    averages whichever is given, so "sum" would be silently ignored there: refused, naming the way."""
+    name = op.strip().lower() if isinstance(op, str) else op
+    if op is None or name == "mean":
+        return
+    if name != "sum":
+        raise ConfigError(f"gradient_allreduce_op must be 'mean' or 'sum', got {v.show(op)}")
+    _refuse(
+        "gradient_allreduce_op",
+        f"{_AVERAGING}, as DeepSpeed's ZeRO-3 does whatever this says; for the sum, multiply the loss by "
+        "the world size",
+    )
 
 
 def _at_most_one(path: str, size: Any, why: str) -> None:

@@ -50,6 +50,7 @@ DEEPSPEED = frozenset(
         "timers", "graph_harvesting", "hybrid_engine", "weight_quantization",
         "compile", "tensor_parallel", "sequence_parallel_size", "fp8",
         "gradient_accumulation_dtype", "use_data_before_expert_parallel_", "zero_optimization_stage",
+        "gradient_allreduce_op",
     }
 )  # fmt: skip
 """DeepSpeed's own top-level keys: never a near miss, whatever they resemble."""
