@@ -966,7 +966,8 @@ def test_to_dict_is_the_trimmed_layout():
         "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
         "stage3_max_reuse_distance", "sub_group_size", "leaf_module", "gradient_clipping",
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-        "dataloader_drop_last", "torch_autocast", "data_types", "communication_data_type",
+        "dataloader_drop_last", "managed_gradient_accumulation", "torch_autocast", "data_types",
+        "communication_data_type",
     }  # fmt: skip
     assert out["leaf_module"] == {"classes": ["Block"], "names": [], "name_suffixes": ["mlp"]}
     assert out["gradient_clipping"] == "auto"

@@ -131,3 +131,39 @@ def test_the_boundary_set_by_hand_sums_several_backwards_into_one_step(tmp_path,
         ref_opt.step()
         with zswap.GatheredParameters(params):
             assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("backwards", [[1, 1, 1], [2, 3, 1]])
+def test_unmanaged_accumulation_makes_every_step_a_boundary(backwards):
+    """``managed_gradient_accumulation: false`` (DeepSpeed 0.19): the caller owns the boundary, so each
+    ``step()`` applies the optimizer to the backwards since the last one, each loss still divided by
+    ``gradient_accumulation_steps``; as torch with those summed gradients."""
+    cfg = base_config(
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=2,
+        managed_gradient_accumulation=False,
+        gradient_clipping=0.0,
+        zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    )
+    del cfg["train_batch_size"]
+    torch.manual_seed(0)
+    ref = TwoLayer()
+    torch.manual_seed(0)
+    model = TwoLayer()
+    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.00015, fused=True)
+    data = iter(batches(sum(backwards)))
+    with engine:
+        for n in backwards:
+            for _ in range(n):
+                x, y = next(data)
+                assert engine.is_gradient_accumulation_boundary()
+                engine.backward(engine(x, y))
+                (ref(x, y) / 2).backward()
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert (engine.global_steps, engine.micro_steps) == (3, 3)
+        params = list(model.parameters())
+        with zswap.GatheredParameters(params):
+            assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))

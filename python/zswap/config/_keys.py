@@ -254,9 +254,11 @@ BATCH_KEYS = (
     "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps",
     "dataloader_drop_last",
+    "managed_gradient_accumulation",
 )
 """DeepSpeed's top-level batch keys; train_batch_size = micro batch × accumulation steps × world size;
-``dataloader_drop_last`` shapes `zswap.deepspeed.initialize`'s loader."""
+``dataloader_drop_last`` shapes `zswap.deepspeed.initialize`'s loader; ``managed_gradient_accumulation``
+false makes every ``step()`` an accumulation boundary."""
 
 TORCH_AUTOCAST = Section(path="torch_autocast", fields=("enabled", "dtype", "lower_precision_safe_modules"))
 

@@ -326,6 +326,9 @@ class BatchConfig(_Model):
     """Micro-batches whose gradients are summed before each optimizer step (default 1)."""
     dataloader_drop_last: v.StrictBool = False
     """`zswap.deepspeed.initialize`'s loader drops a last batch smaller than the micro batch."""
+    managed_gradient_accumulation: v.StrictBool = True
+    """DeepSpeed's: false, the caller owns the boundary: every ``step()`` applies the optimizer to what the
+    backwards since the last one summed (each loss still divided by ``gradient_accumulation_steps``)."""
 
     def resolve(self, world_size: int) -> tuple[int | None, int | None, int]:
         """``(train_batch_size, micro_batch, gradient_accumulation_steps)`` at ``world_size`` ranks, the

@@ -315,7 +315,7 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step` call applies the optimizer (ends an accumulation window)."""
-        return (self.micro_steps + 1) % self._gas == 0
+        return not self.config.batch.managed_gradient_accumulation or (self.micro_steps + 1) % self._gas == 0
 
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step (the config's ``gradient_accumulation_steps``, or derived from
