@@ -50,6 +50,10 @@ REFUSED = [
     ({"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel\.autotp_size .*no tensor parallelism"),
     ({"tensor_parallel": {"tp": {"tp_size": 4}}}, r"tensor_parallel\.tp\.tp_size"),
     ({"sequence_parallel_size": 2}, r"sequence_parallel_size .*whole sequences"),
+    (
+        {"expert_parallel": {"enabled": True, "autoep_size": 2}},
+        r"expert_parallel\.enabled .*expert parallelism",
+    ),
     ({"prescale_gradients": True}, r"prescale_gradients .*divides by the world size"),
     ({"gradient_predivide_factor": 2.0}, r"gradient_predivide_factor .*may only be 1\.0"),
     ({"gradient_allreduce_op": "SUM"}, r"gradient_allreduce_op .*DeepSpeed's ZeRO-3 does whatever"),

@@ -36,6 +36,8 @@ REFUSED_WHEN_ENABLED: dict[str, str] = {
     "hybrid_engine": "zswap has no hybrid inference engine; generate inside "
     "zswap.deepspeed.zero.unwrap_model_for_generation (or zswap.GatheredParameters)",
     "eigenvalue": "zswap computes no Hessian eigenvalues (they drive DeepSpeed's quantize_training)",
+    "expert_parallel": "zswap partitions every param over all ranks and runs every expert of a "
+    "mixture-of-experts layer on each rank (no expert parallelism); mark such a layer a leaf module",
 }
 """Sections with an ``enabled`` key that change results when true → why zswap refuses them."""
 

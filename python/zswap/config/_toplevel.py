@@ -49,8 +49,8 @@ DEEPSPEED = frozenset(
         "checkpoint", "data_types", "autotuning", "nebula", "eigenvalue", "quantize_training",
         "timers", "graph_harvesting", "hybrid_engine", "weight_quantization",
         "compile", "tensor_parallel", "sequence_parallel_size", "fp8",
-        "gradient_accumulation_dtype", "use_data_before_expert_parallel_", "zero_optimization_stage",
-        "gradient_allreduce_op",
+        "gradient_accumulation_dtype", "use_data_before_expert_parallelism", "zero_optimization_stage",
+        "gradient_allreduce_op", "expert_parallel",
     }
 )  # fmt: skip
 """DeepSpeed's own top-level keys: never a near miss, whatever they resemble."""
