@@ -311,6 +311,28 @@ def test_a_scheduler_section_and_argument_together_are_refused(tmp_path):
         engine_for(m, cfg)
 
 
+@pytest.mark.parametrize("given", ["none", "another", "section"])
+def test_a_scheduler_on_another_optimizer_than_the_engines_is_refused(tmp_path, given):
+    """DeepSpeed's TestClientLrScheduler: a scheduler built on an optimizer the engine does not step (none
+    passed, another one, or the config's) would move rates nothing reads; DeepSpeed asserts."""
+    cfg = config("cpu", tmp_path)
+    if given == "section":
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.1}}
+    m, _ = build(TinyLM, cfg)
+    stray = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        stray, [torch.optim.lr_scheduler.ConstantLR(stray), torch.optim.lr_scheduler.StepLR(stray, 2)], [1]
+    )
+    opt = torch.optim.SGD(m.parameters(), lr=1.0) if given == "another" else None
+    with pytest.raises(
+        ConfigError, match=r"lr_scheduler= \(SequentialLR\) drives an optimizer \(SGD\) that is not"
+    ):
+        engine_for(m, cfg, optimizer=opt, lr_scheduler=sched)
+    if given != "section":  # the same scheduler with its own optimizer passed: pointed at zswap's
+        with engine_for(m, cfg, optimizer=stray, lr_scheduler=sched) as engine:
+            assert engine.lr_scheduler is sched and sched.optimizer is engine.optimizer
+
+
 @pytest.mark.parametrize("front", ["zswap", "deepspeed"])
 def test_an_optimizer_section_and_argument_together_are_refused(tmp_path, front):
     # DeepSpeed steps the passed optimizer and ignores the section without a word; the scheduler pair

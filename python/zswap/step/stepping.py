@@ -96,6 +96,7 @@ def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
             if optimizer is None:
                 raise ConfigError("lr_scheduler= is a callable that takes the optimizer, but there is none")
             return given(optimizer)
+        _drives(given, optimizer)
         return given
     if cfg.scheduler is None:
         return None
@@ -105,6 +106,21 @@ def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
             "'optimizer' section"
         )
     return schedules.build(cfg.scheduler, optimizer)
+
+
+def _drives(scheduler: Any, optimizer: Any) -> None:
+    """A scheduler built on another optimizer than the engine's (after a given one was adopted and its
+    schedulers pointed at zswap's, `zswap.step.optim.adopt`) would move learning rates nothing reads:
+    refused, as DeepSpeed asserts."""
+    for s in (scheduler, *getattr(scheduler, "_schedulers", ())):
+        other = getattr(s, "optimizer", optimizer)
+        if other is not optimizer:
+            raise ConfigError(
+                f"lr_scheduler= ({type(s).__name__}) drives an optimizer ({type(other).__name__}) that is "
+                "not the one the engine steps, so its schedule would never reach the training: build it on "
+                "the optimizer passed as optimizer= (zswap points it at its offloaded AdamW), or pass a "
+                "callable that takes the optimizer and returns the scheduler"
+            )
 
 
 def loss_scaler(cfg: ZswapConfig, fp16: bool, device_type: str) -> LossScaler | None:
