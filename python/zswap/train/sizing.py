@@ -94,14 +94,15 @@ def size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
         total - streamed,
     )  # fmt: skip
     persistent = total - streamed
+    held = max(max_live, chain)  # `Sizing.live_elements`
     itemsize = max((st.dtype.itemsize for _, st in items), default=4)
-    live = (max(max_live, chain) + persistent) * itemsize
+    live = (held + persistent) * itemsize
     names = {id(p): name for name, p in module.named_parameters()}
     allowances = Allowances(
         live=live,
         fetch_pool=buffers.fetch_pool_bytes(items, cfg, names, live),  # offload_param.buffer_count/size
         early_step=live + earlystep.CAP_EXTRA,  # read at each sizing, not once at import
-        seeds=max(max_live, chain),  # the next-pass cache keeps them in it with the next pass's first read
+        seeds=held,  # the next-pass cache keeps them within it with the next pass's first read
     )
     budget = Budget(bucket, max_live, reuse)
     return Sizing(total, threshold, persistent, chain, budget, allowances, resident)
