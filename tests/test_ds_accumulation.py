@@ -167,3 +167,49 @@ def test_unmanaged_accumulation_makes_every_step_a_boundary(backwards):
         params = list(model.parameters())
         with zswap.GatheredParameters(params):
             assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))
+
+
+def test_accelerates_loop_steps_only_at_the_boundary_and_moves_what_deepspeeds_does(tmp_path):
+    """Accelerate's DeepSpeedEngineWrapper: ``set_gradient_accumulation_boundary(is_boundary=sync)``,
+    ``backward``, and ``step()`` only where ``sync``. The result is torch's with the divided, summed
+    gradients, and the bytes moved are those of DeepSpeed's own loop (a ``step()`` after every backward):
+    the micro-batch a skipped ``step()`` did not end is ended at the next forward."""
+
+    def run(accelerate: bool, folder: str) -> tuple[list[torch.Tensor], int]:
+        (tmp_path / folder).mkdir()
+        zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        for key in ("offload_param", "offload_optimizer"):
+            zero[key] = {"device": "nvme", "nvme_path": str(tmp_path / folder)}
+        cfg = base_config(gradient_accumulation_steps=2, gradient_clipping=0.0, zero_optimization=zero)
+        cfg["train_batch_size"] = 4
+        torch.manual_seed(0)
+        model = TwoLayer()
+        engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
+        with engine:
+            for i, (x, y) in enumerate(batches(8)):
+                sync = i % 2 == 1
+                if accelerate:
+                    engine.set_gradient_accumulation_boundary(is_boundary=sync)
+                engine.backward(engine(x, y))
+                if sync or not accelerate:
+                    engine.step()
+                if i == 3:
+                    start = engine.stats()["bytes_read"]
+            read = engine.stats()["bytes_read"] - start
+            params = list(model.parameters())
+            with zswap.GatheredParameters(params):
+                return [p.detach().clone() for p in params], read
+
+    torch.manual_seed(0)
+    ref = TwoLayer()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.00015, fused=True)
+    for i, (x, y) in enumerate(batches(8)):
+        (ref(x, y) / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+    counted, counted_read = run(False, "counted")
+    accelerated, accelerated_read = run(True, "accelerated")
+    assert all(torch.equal(p, q) for p, q in zip(accelerated, ref.parameters(), strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(counted, accelerated, strict=True))
+    assert accelerated_read == counted_read > 0

@@ -57,17 +57,25 @@ class DeepSpeedEngine(runtime.Engine):
     """``scale(loss)`` scaled the loss of the backward to come (`_backward`)."""
     _boundary: bool | None = None
     """`set_gradient_accumulation_boundary`'s override (``None``: the micro-batches are counted)."""
+    _micro_open = False
+    """A backward set as no boundary ran and no ``step()`` followed (Accelerate's loop calls none there):
+    the next forward ends its micro-batch first, as ``step()`` would have."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; what a backward through its outputs gets is DeepSpeed's (`_backward`)."""
+        if self._micro_open and not self.closed:
+            self._micro_open = False
+            self._micro_batch_end()  # the next forward's first params, seeded or read ahead
         return _backward.wrap_outputs(self, super().__call__(*args, **kwargs))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
         self._in_backward = True
         try:
-            return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         finally:
             self._in_backward = False
+        self._micro_open = self._boundary is False
+        return out
 
     def scale(self, loss: Any) -> torch.Tensor:
         """DeepSpeed's ``engine.scale(loss)``: the loss times the fp16 loss scale (as it is without one), for
@@ -227,6 +235,7 @@ class DeepSpeedEngine(runtime.Engine):
         return self._boundary
 
     def step(self) -> None:
+        self._micro_open = False  # a step between boundaries ends the micro-batch itself
         skipped, boundary = self.skipped_steps, self.is_gradient_accumulation_boundary()
         super().step()
         if boundary:
