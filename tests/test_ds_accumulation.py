@@ -83,6 +83,17 @@ def test_backward_without_gas_scaling_accumulates_the_sum():
             assert torch.equal(zswap.full_grad(p), q.grad)
 
 
+def with_reference(cfg: dict[str, Any]) -> tuple[Any, Any, TwoLayer, torch.optim.Optimizer]:
+    """(model, its engine under ``cfg``, the same model in plain torch, fused torch Adam over it at the
+    config's rate)."""
+    torch.manual_seed(0)
+    ref = TwoLayer()
+    torch.manual_seed(0)
+    model = TwoLayer()
+    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
+    return model, engine, ref, torch.optim.Adam(ref.parameters(), lr=0.00015, fused=True)
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 @pytest.mark.parametrize(("chunks", "steps"), [(1, 1), (4, 1), (3, 3)])
 def test_the_boundary_set_by_hand_sums_several_backwards_into_one_step(tmp_path, tier, chunks, steps):
@@ -94,12 +105,7 @@ def test_the_boundary_set_by_hand_sums_several_backwards_into_one_step(tmp_path,
     for key in ("offload_param", "offload_optimizer"):
         zero[key] = {"device": tier, "nvme_path": str(tmp_path)}
     cfg = base_config(train_batch_size=1, zero_optimization=zero, gradient_clipping=0.0)
-    torch.manual_seed(42)
-    ref = TwoLayer()
-    torch.manual_seed(42)
-    model = TwoLayer()
-    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.00015, fused=True)
+    model, engine, ref, ref_opt = with_reference(cfg)
     data = list(batches(chunks * steps, batch=1))
     with engine:
         for s in range(steps):
@@ -146,12 +152,7 @@ def test_unmanaged_accumulation_makes_every_step_a_boundary(backwards):
         zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}},
     )
     del cfg["train_batch_size"]
-    torch.manual_seed(0)
-    ref = TwoLayer()
-    torch.manual_seed(0)
-    model = TwoLayer()
-    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.00015, fused=True)
+    model, engine, ref, ref_opt = with_reference(cfg)
     data = iter(batches(sum(backwards)))
     with engine:
         for n in backwards:

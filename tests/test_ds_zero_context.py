@@ -440,22 +440,15 @@ class ThreeScaled(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("prefetching", [False, True])
-def test_no_reuse_distance_and_no_prefetch_let_each_param_go_after_its_use(prefetching):
-    """``stage3_max_reuse_distance: 0`` with ``stage3_prefetch_bucket_size: 0``: each layer's param is let
-    go as its forward ends, the last one's too (not kept for its backward); with a bucket covering the
-    model, each stays gathered for its backward (DeepSpeed: prefetched for its later use; from the second
-    iteration on, once its trace is recorded: zswap guesses the first). They train as plain torch."""
+def train_three_scaled(zero: dict[str, Any], after: list[set[Status]]) -> dict[str, Any]:
+    """Three steps of `ThreeScaled` under ``zero`` (stage 3, no persistence, no clipping), each layer's
+    params' statuses right after its forward checked against ``after``; the params against plain torch's
+    fused Adam at the end, every one released. Returns ``engine.stats()``."""
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 0.5}},
         "gradient_clipping": 0.0,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_max_reuse_distance": 0,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_prefetch_bucket_size": 45 if prefetching else 0,
-        },
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
     }
     model, plain = ThreeScaled(), ThreeScaled()
     opt = torch.optim.Adam(plain.parameters(), lr=0.5, fused=True)
@@ -464,8 +457,7 @@ def test_no_reuse_distance_and_no_prefetch_let_each_param_go_after_its_use(prefe
     with engine:
         for it in range(3):
             out = engine(x)
-            want = {Status.AVAILABLE} if prefetching else {Status.NOT_AVAILABLE}
-            assert model.after == [want] * 3, (it, model.after)
+            assert model.after == after, (it, model.after)
             engine.backward(out.square().sum())
             engine.step()
             plain(x).square().sum().backward()
@@ -474,42 +466,32 @@ def test_no_reuse_distance_and_no_prefetch_let_each_param_go_after_its_use(prefe
         assert {param_state(p).status for p in model.parameters()} == {Status.NOT_AVAILABLE}
         with zswap.GatheredParameters(list(model.parameters())):
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+        return engine.stats()
+
+
+@pytest.mark.parametrize("prefetching", [False, True])
+def test_no_reuse_distance_and_no_prefetch_let_each_param_go_after_its_use(prefetching):
+    """``stage3_max_reuse_distance: 0`` with ``stage3_prefetch_bucket_size: 0``: each layer's param is let
+    go as its forward ends, the last one's too (not kept for its backward); with a bucket covering the
+    model, each stays gathered for its backward (DeepSpeed: prefetched for its later use; from the second
+    iteration on, once its trace is recorded: zswap guesses the first). They train as plain torch."""
+    want = {Status.AVAILABLE} if prefetching else {Status.NOT_AVAILABLE}
+    zero = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 45 if prefetching else 0}
+    train_three_scaled(zero, [want] * 3)
 
 
 def test_a_live_budget_below_one_module_gathers_one_module_at_a_time():
     """``stage3_max_live_parameters`` below a module's own params (DeepSpeed's TestNVMeCheckpointing sets
     100): as in DeepSpeed, the module running gets its params whatever the budget, and nothing is prefetched
-    or kept beside them (but what the very next step uses); it trains as plain torch."""
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.5}},
-        "gradient_clipping": 0.0,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_max_live_parameters": 4,  # a layer holds 15
-            "stage3_max_reuse_distance": 0,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_prefetch_bucket_size": 45,
-        },
+    or kept beside them (but what the very next step uses: the last layer stays for its backward, nothing
+    gathered between); it trains as plain torch."""
+    zero = {
+        "stage3_max_live_parameters": 4,  # a layer holds 15
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 45,
     }
-    model, plain = ThreeScaled(), ThreeScaled()
-    opt = torch.optim.Adam(plain.parameters(), lr=0.5, fused=True)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    x = torch.arange(15.0).reshape(3, 5)
-    with engine:
-        for _ in range(3):
-            out = engine(x)
-            # The last layer's backward comes next, with nothing gathered between: it stays (reuse 0).
-            assert model.after == [{Status.NOT_AVAILABLE}] * 2 + [{Status.AVAILABLE}]
-            engine.backward(out.square().sum())
-            engine.step()
-            plain(x).square().sum().backward()
-            opt.step()
-            opt.zero_grad()
-        stats = engine.stats()
-        assert stats["prefetch_issued"] == 0 and stats["max_live_elements"] == 4
-        with zswap.GatheredParameters(list(model.parameters())):
-            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+    stats = train_three_scaled(zero, [{Status.NOT_AVAILABLE}] * 2 + [{Status.AVAILABLE}])
+    assert stats["prefetch_issued"] == 0 and stats["max_live_elements"] == 4
 
 
 @pytest.mark.parametrize("ignore_unused_parameters", [True, False])
