@@ -59,6 +59,7 @@ def test_a_gas_3_loop_as_deepspeed_runs_it(tier):
                 ref_opt.zero_grad()
         assert boundaries == [False, False, True] * 3
         assert (engine.global_steps, engine.micro_steps, sched.last_batch_iteration) == (3, 9, 2)
+        assert engine.global_samples == 18 and engine.get_mom() == [(0.9, 0.999)]
         # The schedule moves only at boundaries: log warmup from 0 over 10 steps, at its steps 0, 1, 2.
         assert lrs == [0.0] * 5 + [lrs[5]] * 3 + [lrs[8]] and 0.0 < lrs[5] < lrs[8]
         params = list(model.parameters())
@@ -165,6 +166,7 @@ def test_unmanaged_accumulation_makes_every_step_a_boundary(backwards):
             ref_opt.step()
             ref_opt.zero_grad()
         assert (engine.global_steps, engine.micro_steps) == (3, 3)
+        assert engine.global_samples == 2 * sum(backwards)  # the micro-batches each step applied
         params = list(model.parameters())
         with zswap.GatheredParameters(params):
             assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))

@@ -128,6 +128,7 @@ def test_save_then_load_into_another_model(
     else:
         assert client == {"epoch": 3}
         assert (loaded.global_steps, loaded.skipped_steps) == (saved.global_steps, saved.skipped_steps)
+        assert loaded.global_samples == saved.global_samples == saved.global_steps * 2  # train_batch_size 2
         if load_optimizer_states:
             assert same_optimizer_state(saved, loaded)
         else:  # nothing of the saved optimizer was read

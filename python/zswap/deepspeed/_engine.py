@@ -43,12 +43,12 @@ class DeepSpeedEngine(runtime.Engine):
     DeepSpeed's queries scripts branch on: ``fp16_enabled()``, ``bfloat16_enabled()``,
     ``zero_optimization_stage()`` (3), ``was_step_applied()``, ``global_rank``, ``local_rank``,
     ``world_size`` / ``dp_world_size``, ``train_batch_size()``, ``get_global_grad_norm()``,
-    ``gradient_clipping()``; ``set_gradient_accumulation_boundary(b)`` says which backward ends the
-    accumulation window, as DeepSpeed's does (until called again); ``deepspeed_io(dataset)`` builds
-    DeepSpeed's loader, ``save_16bit_model`` writes the whole state dict; ``destroy()`` is `close`;
-    ``no_sync()`` raises as DeepSpeed's does under ZeRO-3. A backward through the tensors ``engine(...)``
-    returned that `backward` does not run is DeepSpeed's (divided by the accumulation steps; under fp16
-    scaled by ``scale(loss)`` or refused).
+    ``gradient_clipping()``, ``get_mom()``, ``global_samples``; ``set_gradient_accumulation_boundary(b)``
+    says which backward ends the accumulation window, as DeepSpeed's does (until called again);
+    ``deepspeed_io(dataset)`` builds DeepSpeed's loader, ``save_16bit_model`` writes the whole state dict;
+    ``destroy()`` is `close`; ``no_sync()`` raises as DeepSpeed's does under ZeRO-3. A backward through the
+    tensors ``engine(...)`` returned that `backward` does not run is DeepSpeed's (divided by the
+    accumulation steps; under fp16 scaled by ``scale(loss)`` or refused).
     """
 
     _in_backward = False
@@ -57,6 +57,13 @@ class DeepSpeedEngine(runtime.Engine):
     """``scale(loss)`` scaled the loss of the backward to come (`_backward`)."""
     _boundary: bool | None = None
     """`set_gradient_accumulation_boundary`'s override (``None``: the micro-batches are counted)."""
+    global_samples = 0
+    """Samples the optimizer steps have applied over all ranks, DeepSpeed's counter: ``train_batch_size()`` a
+    step (with ``managed_gradient_accumulation: false``, the micro-batches ``backward`` ran since the last
+    one); after ``load_checkpoint``, ``global_steps × train_batch_size()`` (DeepSpeed's value for a
+    checkpoint without it)."""
+    _backwards = 0
+    """``backward`` calls since the last ``step()``."""
     _micro_open = False
     """A backward set as no boundary ran and no ``step()`` followed (Accelerate's loop calls none there):
     the next forward ends its micro-batch first, as ``step()`` would have."""
@@ -75,6 +82,7 @@ class DeepSpeedEngine(runtime.Engine):
         finally:
             self._in_backward = False
         self._micro_open = self._boundary is False
+        self._backwards += 1
         return out
 
     def scale(self, loss: Any) -> torch.Tensor:
@@ -131,6 +139,8 @@ class DeepSpeedEngine(runtime.Engine):
         )
         if tag is None:
             tag = (Path(os.fspath(load_dir)) / LATEST).read_text().strip()
+        if not load_module_only:  # the counters came with the checkpoint
+            self.global_samples = self.global_steps * (self.train_batch_size() or 0)
         return os.path.join(os.fspath(load_dir), tag), client_state
 
     def empty_partition_cache(self) -> None:
@@ -240,6 +250,15 @@ class DeepSpeedEngine(runtime.Engine):
         super().step()
         if boundary:
             self._step_applied = self.skipped_steps == skipped
+            batch = self.train_batch_size() or 0
+            if not self.config.batch.managed_gradient_accumulation:
+                batch = batch // self.gradient_accumulation_steps() * self._backwards
+            self.global_samples += batch
+            self._backwards = 0
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's Adam ``betas`` (DeepSpeed's momentum query; ``[]`` without an optimizer)."""
+        return [] if self.optimizer is None else [g.get("betas", 0.0) for g in self.optimizer.param_groups]
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step (accumulation boundary) changed the params: false before the
