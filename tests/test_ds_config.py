@@ -184,6 +184,22 @@ def test_gather_16bit_weights_on_save_is_what_zswap_always_does(key, recwarn):
     assert not [w for w in recwarn if issubclass(w.category, zswap.ZswapWarning)]
 
 
+@pytest.mark.parametrize(
+    ("stage", "taken"),
+    [(0, True), (3, True), ("3", True), (" 03", True), (2.0, True), (True, True), ("auto", True),
+     (4, False), (-1, False), (2.5, False), ("x", False), ("AUTO", False)],
+)  # fmt: skip
+def test_the_stage_is_always_3_but_must_be_one_deepspeed_takes(stage, taken, recwarn):
+    """zswap partitions as ZeRO stage 3 whatever ``stage`` says, silently; a value DeepSpeed's schema
+    (``ZeroStageEnum``, lax) refuses is a `ConfigError` here too."""
+    if taken:
+        assert load_config({"zero_optimization": {"stage": stage}}) == load_config({})
+        assert not [w for w in recwarn if issubclass(w.category, zswap.ZswapWarning)]
+    else:
+        with pytest.raises(ConfigError, match=r"zero_optimization\.stage must be 0, 1, 2 or 3 .*, got "):
+            load_config({"zero_optimization": {"stage": stage}})
+
+
 @pytest.mark.parametrize("name", ["bf16", "bfloat16"])
 def test_bf16_under_either_name(name):
     assert load_config({name: {"enabled": True}}).dtype == "bf16"

@@ -11,7 +11,8 @@ DeepSpeed keys zswap does not read fall in three kinds, each decided by what Dee
 - ``defaults_only``: keys that change results in DeepSpeed (quantized communication, bf16 master weights…);
   accepted at DeepSpeed's default (or null / "auto"), any other value is a `ConfigError` saying why.
 - ``ignored``: keys whose DeepSpeed meaning zswap already has, or that only apply to ZeRO stages other than
-  3 (``stage``, ``elastic_checkpoint``, ``stage3_gather_16bit_weights_on_model_save``): accepted silently.
+  3 (``stage``, ``elastic_checkpoint``, ``stage3_gather_16bit_weights_on_model_save``): accepted silently
+  (a ``stage`` DeepSpeed's schema refuses is a `ConfigError`: `zswap.config._layout`).
 
 The ignored sets were taken from DeepSpeed's own config schema (``deepspeed/runtime/zero/config.py``,
 ``offload_config.py``, ``swap_tensor/constants.py``, ``runtime/constants.py``), old spellings included, so

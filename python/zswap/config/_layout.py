@@ -117,6 +117,12 @@ def _read_batch(raw: Mapping[Any, Any], out: Assembled) -> None:
 
 def _read_zero(raw: Mapping[Any, Any], zero: Mapping[Any, Any] | None, out: Assembled) -> None:
     given = _read(zero, k.ZERO, "zero_optimization", out) if zero is not None else {}
+    stage = zero.get("stage") if zero is not None else None  # ignored (always 3), but one DeepSpeed knows
+    if stage is not None and not _a_stage(stage):
+        raise ConfigError(
+            f"zero_optimization.stage must be 0, 1, 2 or 3 (zswap partitions as stage 3 whichever), got "
+            f"{stage!r}"
+        )
     for knob in k.STAGE3_KNOBS:
         if raw.get(knob) is None:
             continue
@@ -124,6 +130,15 @@ def _read_zero(raw: Mapping[Any, Any], zero: Mapping[Any, Any] | None, out: Asse
             raise ConfigError(f"{knob} is given both as {given[knob][0]} and at top level; keep one")
         given[knob] = (knob, _detach(raw[knob]))
     out.put("zero", given)
+
+
+def _a_stage(value: Any) -> bool:
+    """Whether DeepSpeed's schema takes ``value`` as a ZeRO stage: 0–3 as a number (``True`` is 1) or a
+    string of digits, or "auto"."""
+    if isinstance(value, str):
+        text = value.strip()
+        return value == "auto" or (text.isdigit() and int(text) <= 3)
+    return isinstance(value, int | float) and value in (0, 1, 2, 3)
 
 
 def _cpu_offload_switches(zero: Mapping[Any, Any] | None) -> dict[str, str]:
