@@ -204,10 +204,12 @@ def unmanaged(module: torch.nn.Module, managed: set[int], optimizer: Any) -> lis
     others: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in managed]
     if others and optimizer is not None:
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        new = [p for p in others if p.grad is not None and id(p) not in held and id(p) not in _UNTRAINED]
+        new = {
+            id(p): p for p in others if p.grad is not None and id(p) not in held and id(p) not in _UNTRAINED
+        }
         if new:
-            _UNTRAINED.update((id(p), p) for p in new)
-            names = [n for n, p in module.named_parameters() if any(p is q for q in new)]
+            _UNTRAINED.update(new)
+            names = [n for n, p in module.named_parameters() if id(p) in new]
             warnings.warn(
                 f"{', '.join(names)} get gradients but are not trained: made after zswap.initialize, they "
                 "are not in its optimizer (it holds the model's params as initialize found them); build "
