@@ -5,6 +5,7 @@ and the weights against torch with the summed, divided gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -167,9 +168,50 @@ def test_unmanaged_accumulation_makes_every_step_a_boundary(backwards):
             ref_opt.zero_grad()
         assert (engine.global_steps, engine.micro_steps) == (3, 3)
         assert engine.global_samples == 2 * sum(backwards)  # the micro-batches each step applied
+        assert not engine.managed_gradient_accumulation()
+        # DeepSpeed's TestUnmanagedGradientAccumulation*: what sets the boundary is refused (step() owns it).
+        with pytest.raises(AssertionError, match="set_gradient_accumulation_boundary"):
+            engine.set_gradient_accumulation_boundary(True)
+        with pytest.raises(AssertionError, match="coalesce_grad_reduction"), engine.coalesce_grad_reduction():
+            pass
+        assert engine.is_gradient_accumulation_boundary()
         params = list(model.parameters())
         with zswap.GatheredParameters(params):
             assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("chunks", "steps", "clip"), [(4, 1, 0.0), (1, 1, 0.0), (3, 3, 0.0), (4, 1, 0.5)])
+def test_coalesced_backwards_train_as_the_same_backwards_without_the_block(tmp_path, chunks, steps, clip):
+    """DeepSpeed's TestCoalesceCombinations: ``coalesce_grad_reduction()`` around one step's backwards
+    (each boundary set by hand) gives the params the loop without it gives, bitwise, clipping included;
+    ``step()`` inside the block and a nested block raise DeepSpeed's assertion, and the engine goes on."""
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    cfg = base_config(train_batch_size=1, zero_optimization=zero, gradient_clipping=clip)
+    data = list(batches(chunks * steps, batch=1))
+    finals = []
+    for coalesce in (False, True):
+        model, engine, *_ = with_reference(cfg)
+        with engine:
+            assert engine.managed_gradient_accumulation()
+            for s in range(steps):
+                with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+                    for i, (x, y) in enumerate(data[s * chunks : (s + 1) * chunks]):
+                        engine.set_gradient_accumulation_boundary(i == chunks - 1)
+                        engine.backward(engine(x, y))
+                    if coalesce and s == 0:
+                        with pytest.raises(AssertionError, match=r"step\(\) inside coalesce_grad_reduction"):
+                            engine.step()
+                        with (
+                            pytest.raises(AssertionError, match="cannot be nested"),
+                            engine.coalesce_grad_reduction(),
+                        ):
+                            pass
+                engine.step()
+            assert engine.global_steps == steps
+            params = list(model.parameters())
+            with zswap.GatheredParameters(params):
+                finals.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
 
 
 def test_accelerates_loop_steps_only_at_the_boundary_and_moves_what_deepspeeds_does(tmp_path):

@@ -6,6 +6,7 @@ running in backward; `configure` refuses what zswap does not do, naming it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from typing import Any
@@ -119,6 +120,77 @@ def test_a_model_checkpointed_with_it_trains_as_plain_pytorch_with_the_step_in_b
         assert engine.stats()["steps_in_backward"] == len(data) - 1
         with zswap.GatheredParameters(list(model.parameters())):
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+class RaisesInRecompute(nn.Module):
+    """DeepSpeed's ``_RecomputeExceptionModel`` (TestZero3ActivationCheckpointLifecycle): a frozen layer, then
+    a raise inside the checkpoint's re-run in backward when ``fail`` is set, then a trainable layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+        self.trainable = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 1)
+        self.fail = False
+
+    def _checkpointed(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.frozen(x)
+        if self.fail and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("injected checkpoint recompute forward")
+        return self.trainable(torch.tanh(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self._checkpointed, x, use_reentrant=False)).sum()
+
+
+@pytest.mark.parametrize("tier", ["none", "nvme"])
+def test_a_backward_raising_in_a_recompute_leaves_nothing_gathered_and_training_goes_on(tmp_path, tier):
+    """DeepSpeed's test_recompute_forward_exception_unwinds_for_clean_retry: autograd drops the end callbacks
+    of a backward that raised, so the next forward lets go of what that one held (every param is partitioned
+    again after the retry's backward, not at the step), and training goes on as in torch — where gradients
+    live in memory, torch's own rule (the raised backward's completed gradients stay, summed with the next);
+    on NVMe that backward counts for nothing (`zswap.gradients.gradstore.NvmeGrads`)."""
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if tier == "nvme":
+        for key in ("offload_param", "offload_optimizer"):
+            zero[key] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    }
+    torch.manual_seed(0)
+    ref = RaisesInRecompute()
+    torch.manual_seed(0)
+    model = RaisesInRecompute()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=trained)
+    opt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(1)
+    with engine:
+        for i in range(5):
+            x = torch.randn(2, WIDTH, generator=g)
+            model.fail = ref.fail = i in (1, 3)
+            kept = [p.grad for p in ref.parameters()]
+            for backward in (ref(x).backward, functools.partial(engine.backward, engine(x))):
+                if not model.fail:
+                    backward()
+                    continue
+                with pytest.raises(RuntimeError, match="injected checkpoint recompute forward"):
+                    backward()
+            if model.fail:
+                if tier == "nvme":  # the raised backward's gradients are dropped there
+                    for p, grad in zip(ref.parameters(), kept, strict=True):
+                        p.grad = grad
+                continue  # the next batch's backward runs before the step
+            assert all(p.numel() == 0 for p in model.parameters()), "a param stayed gathered after backward"
+            engine.step()
+            opt.step()
+            opt.zero_grad()
+        params = list(model.parameters())
+        with zswap.GatheredParameters(params):
+            assert all(torch.equal(p, q) for p, q in zip(params, ref.parameters(), strict=True))
 
 
 def test_configure_takes_the_plain_checkpoint_and_refuses_the_rest(tmp_path):

@@ -28,6 +28,10 @@ class LossScalingRequiredError(ZswapError, RuntimeError):
     ``engine.scale(loss)`` did not scale (DeepSpeed's RuntimeError)."""
 
 
+class ScaleInputError(ZswapError, ValueError, AssertionError):
+    """``engine.scale`` given what is not a scalar loss with a graph (DeepSpeed asserts)."""
+
+
 NOT_SCALED = (
     "Loss scaling is required for this configuration (fp16), but backward() was called directly without "
     "scaling the loss: call engine.backward(loss), or engine.scale(loss).backward()"
@@ -99,7 +103,7 @@ def scale(engine: DeepSpeedEngine, loss: Any) -> torch.Tensor:
     if engine.optimizer is None:
         raise ZswapError("engine.scale(loss) needs an optimizer: pass one to initialize, or configure one")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
-        raise ValueError(
+        raise ScaleInputError(
             "engine.scale: loss must be a scalar tensor with grad_fn (for a non-scalar tensor, call "
             "tensor.backward(grad))"
         )

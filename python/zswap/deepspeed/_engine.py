@@ -4,8 +4,10 @@ scripts call. zswap's own `Engine` keeps its own shapes (``load_checkpoint`` ret
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,16 @@ from ._data import training_dataloader
 
 class NoSyncError(ZswapError, AssertionError):
     """`DeepSpeedEngine.no_sync`: no gradient synchronisation to put off (DeepSpeed asserts with ZeRO-3)."""
+
+
+class UnmanagedAccumulationError(ZswapError, AssertionError):
+    """A call that sets the accumulation boundary under ``managed_gradient_accumulation: false``, where every
+    ``step()`` is one (DeepSpeed asserts the same)."""
+
+
+class CoalesceError(ZswapError, AssertionError):
+    """`DeepSpeedEngine.coalesce_grad_reduction` used as DeepSpeed forbids: nested, with ``step()`` inside,
+    or with ``managed_gradient_accumulation: false`` (DeepSpeed asserts the same)."""
 
 
 class DeepSpeedEngine(runtime.Engine):
@@ -43,8 +55,9 @@ class DeepSpeedEngine(runtime.Engine):
     DeepSpeed's queries scripts branch on: ``fp16_enabled()``, ``bfloat16_enabled()``,
     ``zero_optimization_stage()`` (3), ``was_step_applied()``, ``global_rank``, ``local_rank``,
     ``world_size`` / ``dp_world_size``, ``train_batch_size()``, ``get_global_grad_norm()``,
-    ``gradient_clipping()``, ``get_mom()``, ``global_samples``; ``set_gradient_accumulation_boundary(b)``
-    says which backward ends the accumulation window, as DeepSpeed's does (until called again);
+    ``gradient_clipping()``, ``get_mom()``, ``global_samples``, ``managed_gradient_accumulation()``;
+    ``set_gradient_accumulation_boundary(b)`` says which backward ends the accumulation window, as
+    DeepSpeed's does (until called again); ``coalesce_grad_reduction()`` holds the backwards of one step;
     ``deepspeed_io(dataset)`` builds DeepSpeed's loader, ``save_16bit_model`` writes the whole state dict;
     ``destroy()`` is `close`; ``no_sync()`` raises as DeepSpeed's does under ZeRO-3. A backward through the
     tensors ``engine(...)`` returned that `backward` does not run is DeepSpeed's (divided by the
@@ -64,6 +77,8 @@ class DeepSpeedEngine(runtime.Engine):
     checkpoint without it)."""
     _backwards = 0
     """``backward`` calls since the last ``step()``."""
+    _coalescing = False
+    """Inside `coalesce_grad_reduction`."""
     _micro_open = False
     """A backward set as no boundary ran and no ``step()`` followed (Accelerate's loop calls none there):
     the next forward ends its micro-batch first, as ``step()`` would have."""
@@ -235,6 +250,12 @@ class DeepSpeedEngine(runtime.Engine):
         backwards since the last optimizer step, and ``step()`` applies the optimizer only after a
         boundary (before one it ends a micro-batch). A ``gradient_accumulation_steps`` above 1 still
         divides each loss by it. ``None`` goes back to counting micro-batches."""
+        if not self.config.batch.managed_gradient_accumulation:
+            raise UnmanagedAccumulationError(
+                "set_gradient_accumulation_boundary() is not supported with managed_gradient_accumulation: "
+                "false: every engine.step() ends the accumulation window there (drop the call, or set "
+                "managed_gradient_accumulation to true)"
+            )
         self._boundary = None if is_boundary is None else bool(is_boundary)
         # The early step sums the window's gradients up to the backward this says ends it.
         self.window_ends = None if is_boundary is None else self.is_gradient_accumulation_boundary
@@ -244,7 +265,41 @@ class DeepSpeedEngine(runtime.Engine):
             return super().is_gradient_accumulation_boundary()
         return self._boundary
 
+    def managed_gradient_accumulation(self) -> bool:
+        """Whether the engine counts micro-batches to the accumulation boundary (the config's
+        ``managed_gradient_accumulation``; false: every ``step()`` is one)."""
+        return self.config.batch.managed_gradient_accumulation
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed's block of several ``backward`` calls before one ``step()``, which DeepSpeed uses to
+        reduce their gradients once at its exit instead of at each backward. zswap reduces each param's
+        gradient into its partition as backward finishes with it (the partitions sum the backwards, as
+        without the block), so there is no reduction to put off: the block keeps DeepSpeed's rules —
+        ``step()`` inside it, nesting it, or ``managed_gradient_accumulation: false`` raise a
+        `CoalesceError` — and the results are those of the same backwards without it. The boundary is
+        what ``gradient_accumulation_steps`` or ``set_gradient_accumulation_boundary`` say, as in
+        DeepSpeed."""
+        self._check_open()
+        if not self.config.batch.managed_gradient_accumulation:
+            raise CoalesceError(
+                "coalesce_grad_reduction is not supported with managed_gradient_accumulation: false: "
+                "engine.step() already ends the accumulation window there (drop the block)"
+            )
+        if self._coalescing:
+            raise CoalesceError("coalesce_grad_reduction cannot be nested")
+        self._coalescing = True
+        try:
+            yield
+        finally:
+            self._coalescing = False
+
     def step(self) -> None:
+        if self._coalescing:
+            raise CoalesceError(
+                "engine.step() inside coalesce_grad_reduction(): the block holds one step's backwards; call "
+                "step() after it"
+            )
         self._micro_open = False  # a step between boundaries ends the micro-batch itself
         skipped, boundary = self.skipped_steps, self.is_gradient_accumulation_boundary()
         super().step()
@@ -310,4 +365,4 @@ class DeepSpeedEngine(runtime.Engine):
         return stepping.world_size(self._items)
 
 
-__all__ = ["DeepSpeedEngine", "NoSyncError"]
+__all__ = ["CoalesceError", "DeepSpeedEngine", "NoSyncError", "UnmanagedAccumulationError"]

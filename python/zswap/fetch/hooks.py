@@ -26,8 +26,10 @@ fetch and release as usual and the re-run registers its own backward hooks for t
 ``use_reentrant=False`` keeps detached aliases of what the re-run saved, which hold the gathered data
 until its nodes ran — but a tensor that requires no grad (a frozen param) it keeps itself, and compares its
 shape with the first forward's as soon as the re-run returns, so the re-run lets those go only at the next
-backward hook (`_release_forward`). Tied params are one param object in two modules: each use acquires
-it, and its gradient is taken once, after autograd summed every use (`zswap.grads`).
+backward hook (`_release_forward`). A backward that raised never runs its end callback (autograd drops a
+failed task's): the next forward outside backward ends it, releasing what it held. Tied params are one
+param object in two modules: each use acquires it, and its gradient is taken once, after autograd summed
+every use (`zswap.grads`).
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ class ModuleHooks:
                     "with autograd (loss.backward() or engine.backward(loss)), or transform a plain model"
                 )
             if _graph_task() < 0:
+                # No backward runs here, so a task still listed raised (a checkpoint's re-run, a hook):
+                # autograd drops the end callbacks of a failed task. What it held is released now.
+                self._tasks.clear()
                 self._backward_done(-1)  # releases what saved tensors unpacked outside backward held
                 self.sched.begin(self._kind(), grad=torch.is_grad_enabled())
                 self._bw_expected = False
