@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import warnings
 import zlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import RanksDivergedError, ZswapWarning
+from .errors import RanksDivergedError, ZswapError, ZswapWarning
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -43,6 +43,25 @@ def warn_if_launch_without_dist(group: ProcessGroup | None) -> None:
             "torch.distributed.init_process_group() before zswap.Init",
             ZswapWarning,
             stacklevel=3,
+        )
+
+
+def check_partitioned_for_this_world(items: Iterable[tuple[torch.Tensor, Any]]) -> None:
+    """Refuse to run params partitioned for one process (``zswap.Init`` ran before
+    ``init_process_group``, so they have no group) in a process that is now one of several ranks: every
+    rank would train its own full copy, never synchronised. A one-rank group passed as ``process_group``
+    says that is meant."""
+    if not _dist_ready() or torch.distributed.get_world_size() == 1:
+        return
+    alone = [st for _, st in items if st.group is None and st.world_size == 1]
+    if alone:
+        raise ZswapError(
+            f"{len(alone)} params were partitioned for a single process (zswap.Init, or from_pretrained "
+            f"under it, ran before torch.distributed was initialised) but this process is rank "
+            f"{torch.distributed.get_rank()} of {torch.distributed.get_world_size()}: every rank would "
+            "train its own full copy, never synchronised. Call torch.distributed.init_process_group() (or "
+            "zswap.deepspeed.init_distributed()) before zswap.Init; where each rank is meant to run a model "
+            "of its own, pass zswap.Init a one-rank process_group (torch.distributed.new_group([rank]))"
         )
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import _dist
 from .. import device as _device
 from ..config import ZswapConfig
 from ..errors import ZswapError
@@ -41,6 +42,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         if other is not engine and other.runs(ids):
             raise ZswapError("these params are already run by another zswap Engine; close() it first")
     engine._items, engine._ids = items, ids
+    _dist.check_partitioned_for_this_world(items)
     if counters is None:  # built (not wired again): the config's leaf modules
         leaves.from_config(module, config.zero.leaf_module, any(st.world_size > 1 for _, st in items))
         dtypes.at_build(engine)  # data_types: buffers' dtypes, as DeepSpeed's engine sets them at its start
