@@ -257,4 +257,71 @@ ARCHS: dict[str, Arch] = {
         seq2seq=True,
         speech=8,
     ),
+    # mixture of experts, all experts in one module's 3-D params; sliding and full attention, sinks
+    "gpt-oss": Arch(
+        "GptOssForCausalLM",
+        lambda t: t.GptOssConfig(
+            **{**DECODER, "intermediate_size": 32},
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+        ),
+    ),
+    # multi-head latent attention (low-rank q and kv), a dense first layer, then routed and shared experts
+    "deepseek-v3": Arch(
+        "DeepseekV3ForCausalLM",
+        lambda t: t.DeepseekV3Config(
+            **DECODER,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+        ),
+    ),
+    # linear attention (gated delta rule, a causal convolution) beside full attention, experts
+    "qwen3-next": Arch(
+        "Qwen3NextForCausalLM",
+        lambda t: t.Qwen3NextConfig(
+            **DECODER,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+    ),
+    # encoder with alternating local and global attention, unpadded
+    "modernbert": Arch(
+        "ModernBertForMaskedLM",
+        lambda t: t.ModernBertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        ),
+    ),
 }

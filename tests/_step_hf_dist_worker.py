@@ -81,7 +81,7 @@ def main() -> None:
     init_file, root = sys.argv[3], Path(sys.argv[4])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for name in ("bert-mlm", "albert-mlm"):
+        for name in ("bert-mlm", "albert-mlm", "gpt-oss"):  # gpt-oss: each rank routes its own tokens
             for setup_name in SETUPS:
                 check(name, setup_name, rank, world, root)
         for name in ("qwen2", "bert-mlm"):

@@ -1,7 +1,8 @@
 """The common Hugging Face architectures under ``zswap.Init``: built, loaded, trained as the plain model.
 
 For each tiny model of `tests._hf_archs.ARCHS` (BERT heads, RoBERTa, ALBERT, DistilBERT, T5, BART, Whisper,
-OPT, GPT-NeoX, GPT-J, Falcon, BLOOM, Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, Starcoder2, OLMo2, Mamba):
+OPT, GPT-NeoX, GPT-J, Falcon, BLOOM, Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, Starcoder2, OLMo2, Mamba,
+GPT-OSS, DeepSeek-V3, Qwen3-Next, ModernBERT):
 
 - built under Init, its weights gather to bitwise the same-seed plain build's;
 - saved with ``save_pretrained`` (one file, and 20 kB shards with an index) and loaded with its class's
@@ -10,7 +11,8 @@ OPT, GPT-NeoX, GPT-J, Falcon, BLOOM, Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, S
   plain model's, the forward bitwise the plain model's;
 - ``zswap.load_weights`` and ``model.load_state_dict`` into a model built under Init give the same weights;
 - ``dtype=`` (bf16/fp16) loads as the plain load does, ``_keep_in_fp32_modules`` included;
-- three of them train three steps through ``zswap.initialize`` as the plain model does with torch's AdamW;
+- six of them (three with experts in 3-D params) train three steps through ``zswap.initialize`` as the
+  plain model does with torch's AdamW;
 - BERT's masked-LM head, whose decoder bias transformers pads on tying, resizes as the plain model does.
 """
 
@@ -187,7 +189,7 @@ def test_dtype_loads_as_the_plain_load(case, tmp_path):
     assert torch.equal(_logits(m.eval(), ins), _logits(ref, ins))
 
 
-@pytest.mark.parametrize("arch", ["bert-mlm", "t5", "qwen3-cls"])
+@pytest.mark.parametrize("arch", ["bert-mlm", "t5", "qwen3-cls", "gpt-oss", "deepseek-v3", "qwen3-next"])
 def test_trains_like_the_plain_model_loaded_the_plain_way(arch, tmp_path):
     a = ARCHS[arch]
     ckpt = _save(a, tmp_path / "ckpt", sharded=True)

@@ -13,7 +13,9 @@ in train mode (dropout on, the same seeds) through the public API:
 The architectures are picked for what they do to the bookkeeping: BERT's masked-LM head ties its decoder
 weight and bias, T5 ties one embedding into three places and keeps its ``wo`` in float32, ALBERT runs one
 layer's params in every layer (gradients summed over the uses), Gemma2 soft-caps its logits, Mamba has
-state-space params outside any Linear, Whisper's encoder starts with convolutions.
+state-space params outside any Linear, Whisper's encoder starts with convolutions, GPT-OSS and DeepSeek-V3
+route tokens to experts held in 3-D params (a slice of an expert no token reached gets no gradient; over
+two ranks each rank routes its own tokens) and DeepSeek-V3 attends through low-rank projections.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ SETUPS: dict[str, dict[str, Any]] = {
         "max_in_cpu": 2000,
     },
 }
-FP32_ARCHS = ["bert-mlm", "t5", "albert-mlm", "gemma2", "mamba", "whisper"]
+FP32_ARCHS = ["bert-mlm", "t5", "albert-mlm", "gemma2", "mamba", "whisper", "gpt-oss", "deepseek-v3"]
 
 LOW_PRECISION: dict[str, dict[str, Any]] = {
     "bf16-clip-1": {"tiers": ("nvme", "nvme"), "device": "cpu", "gas": 1, "clip": 1.0, "half": "bf16"},
