@@ -552,6 +552,29 @@ def test_unknown_key_without_a_close_match_lists_what_zswap_reads():
     )
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        # DeepSpeed's TestFP16AdamTypes writes it there (DeepSpeed reads only optimizer.params.torch_adam)
+        (
+            {"optimizer": {"type": "Adam", "torch_adam": True, "params": {"lr": 1e-3}}},
+            "unknown key 'torch_adam' in optimizer; it belongs in optimizer.params",
+        ),
+        (
+            {"zero_optimization": {"nvme_path": "/tmp"}},
+            "unknown key 'nvme_path' in zero_optimization; it belongs in "
+            "zero_optimization.offload_optimizer or zero_optimization.offload_param",
+        ),
+        (
+            {"optimizer": {"type": "Adam", "xyzzy": 1}},
+            "unknown key 'xyzzy' in optimizer; zswap reads 'type', 'params'",
+        ),
+    ],
+)
+def test_a_key_of_a_subsection_one_level_up_is_named_where_it_belongs(config, message):
+    assert error_of(config) == message
+
+
 def test_non_string_key_inside_a_section():
     assert error_of({"aio": {1: 2}}) == "aio has a key that is not a string: 1"
 

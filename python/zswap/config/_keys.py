@@ -269,6 +269,9 @@ DATA_TYPES = Section(
 
 SCHEDULER = Section(path="scheduler", fields=("type",), subsections=frozenset({"params"}))
 
+BY_PATH = {spec.path: spec for spec in (OFFLOAD_PARAM, OFFLOAD_OPTIMIZER, OPTIMIZER_PARAMS)}
+"""The sections nested in another, by dotted path: a key of theirs written one level up is named there."""
+
 REQUIRED = object()
 """Marks a schedule parameter DeepSpeed gives no default (it must be set, "auto" is refused)."""
 

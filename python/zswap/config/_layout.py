@@ -302,11 +302,20 @@ def _require_default(key: str, value: Any, default: object, reason: str) -> None
     raise ConfigError(f"{key} is not supported: {reason}; remove it (got {v.show(value)})")
 
 
+def _known_in(path: str) -> tuple[str, ...]:
+    inner = k.BY_PATH.get(path)
+    return () if inner is None else inner.known()
+
+
 def _unknown_key(key: str, spec: k.Section, where: str) -> ConfigError:
+    # Misplaced one level up (DeepSpeed, which ignores it there, has tests doing so).
+    homes = [f"{where}.{sub}" for sub in sorted(spec.subsections) if key in _known_in(f"{spec.path}.{sub}")]
+    if homes:
+        return ConfigError(f"unknown key {key!r} in {where}; it belongs in {' or '.join(homes)}")
     close = spec.closest(key)
     if close is not None:
         return ConfigError(f"unknown key {key!r} in {where}; did you mean {close!r}?")
-    readable = ", ".join(repr(name) for name in (*spec.fields, *spec.aliases))
+    readable = ", ".join(repr(name) for name in (*spec.fields, *spec.aliases, *sorted(spec.subsections)))
     return ConfigError(f"unknown key {key!r} in {where}; zswap reads {readable}")
 
 
