@@ -257,6 +257,36 @@ def test_the_loader_drops_a_short_last_batch_where_dataloader_drop_last_says(dro
         assert [len(b[0]) for b in loader] == ([2, 2] if drop else [2, 2, 1])
 
 
+def test_repeating_loader_starts_a_new_pass_where_one_ends(quiet):
+    """DeepSpeed's test_repeating_loader, and over the loader `initialize` returns (each pass reshuffled,
+    the short last batch dropped as configured); an empty loader stops instead of looping for ever."""
+    from zswap.deepspeed.utils import RepeatingLoader
+
+    loader = RepeatingLoader([1, 2, 3])
+    assert [next(loader) for _ in range(150)] == [1, 2, 3] * 50
+    data = TensorDataset(torch.arange(5.0))
+    cfg = base_config(train_micro_batch_size_per_gpu=2, dataloader_drop_last=True)
+    cfg.pop("train_batch_size", None)
+    engine, _, plain, _ = deepspeed.initialize(model=Mlp(), config=cfg, training_data=data)
+    with engine:
+        torch.manual_seed(0)
+        batches = [b[0] for b, _ in zip(RepeatingLoader(plain), range(6), strict=False)]
+    assert [len(b) for b in batches] == [2] * 6
+    for epoch in range(3):  # each pass is a fresh one over the dataset
+        assert len(set(torch.cat(batches[2 * epoch : 2 * epoch + 2]).tolist())) == 4
+    with pytest.raises(StopIteration):
+        next(RepeatingLoader([]))
+
+
+def test_log_dist_logs_as_deepspeeds_on_one_process(caplog):
+    from zswap.deepspeed.utils import log_dist, logger
+
+    with caplog.at_level("INFO", logger=logger.name):
+        log_dist("hello", ranks=[0])
+        log_dist("world")  # without torch.distributed every call logs
+    assert [r.getMessage() for r in caplog.records] == ["[Rank -1] hello", "[Rank -1] world"]
+
+
 @pytest.mark.parametrize(
     "section", [{"type": "Adam"}, {"type": "AdamW", "params": {}}, {"type": "Adam", "params": None}]
 )

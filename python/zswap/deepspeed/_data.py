@@ -47,3 +47,24 @@ def training_dataloader(
         drop_last=cfg.batch.dataloader_drop_last,
         **loader,
     )
+
+
+class RepeatingLoader:
+    """DeepSpeed's ``RepeatingLoader``: iterates ``loader`` over and over (a new pass begins where one
+    ends, so a sampler's shuffle and ``set_epoch`` apply as they would to a plain new pass); for loops
+    counted in steps rather than epochs. A ``loader`` that yields nothing in a fresh pass raises
+    `StopIteration`, as DeepSpeed's does, instead of looping forever."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

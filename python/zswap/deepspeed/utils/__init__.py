@@ -1,6 +1,7 @@
 """``deepspeed.utils`` on zswap: the tensor-fragment API — one param's float32 value, optimizer state and
 gradient, read and written outside the step (`zswap.train.fragments` says what each is) — and ZeRO-3
-leaf modules (`set_z3_leaf_modules` and its kin, `zswap.fetch.leaves`).
+leaf modules (`set_z3_leaf_modules` and its kin, `zswap.fetch.leaves`); and ``RepeatingLoader``, ``logger``
+and ``log_dist``, which training loops use.
 
 As in DeepSpeed: the ``full`` functions take and give the param's shape and are collectives (every rank
 calls them for the same params in the same order); the ``local`` ones this rank's flat partition; reads
@@ -27,9 +28,14 @@ from torch import nn
 from ...fetch import leaves
 from ...parts.runners import runners_of
 from ...train import fragments
+from .._data import RepeatingLoader
+from ._logging import log_dist, logger
 
 __all__ = [
+    "RepeatingLoader",
     "get_z3_leaf_modules",
+    "log_dist",
+    "logger",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
