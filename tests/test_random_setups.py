@@ -1,0 +1,245 @@
+"""Seeded random setups through `zswap.initialize`, each against plain PyTorch, bitwise.
+
+Each seed draws a small model (an embedding, residual blocks, a head; weights tied or not, frozen norms,
+blocks under reentrant or non-reentrant activation checkpointing, a weight also used outside its module,
+a module never used) and a setup (param and optimizer tiers, the device stand-in, accumulation, clipping
+that bites or not, persistence, live and prefetch budgets, ``max_in_cpu``), then a loop (a forward of two
+passes summed, ``loss.backward()`` or ``engine.backward``, an eval forward between steps, an lr change
+between backward and step, a checkpoint saved and loaded, ``zero_grad`` after a step). float32 runs are
+compared with plain torch (``clip_grad_norm_``, ``AdamW(fused=True)``): every loss and every param after
+the steps; bf16 and fp16 runs with the same setup's ordinary step (``engine.early_step = False``). The
+setup is in the failure message; ``SEEDS`` can be widened locally to search further.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zswap
+from zswap.device import StandInDevice
+
+SEEDS = range(40)
+VOCAB = 32
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, frozen: bool, ckpt: str | None) -> None:
+        super().__init__()
+        self.a, self.b, self.n = nn.Linear(width, 2 * width), nn.Linear(2 * width, width), nn.LayerNorm(width)
+        self.n.requires_grad_(not frozen)
+        self.ckpt = ckpt
+
+    def _f(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(self.n(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ckpt and self.training and torch.is_grad_enabled():
+            return checkpoint(self._f, x, use_reentrant=self.ckpt == "reentrant")
+        return self._f(x)
+
+
+class Net(nn.Module):
+    def __init__(self, rng: random.Random, width: int, depth: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(
+            Block(width, rng.random() < 0.3, rng.choice([None, None, "reentrant", "non-reentrant"]))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, VOCAB, bias=rng.random() < 0.5)
+        if rng.random() < 0.4:
+            self.head.weight = self.emb.weight
+        self.shared_use = rng.random() < 0.3  # a block's weight read outside its module too
+        self.unused = nn.Linear(width, width) if rng.random() < 0.3 else None
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        if self.shared_use:
+            first = cast(Block, self.blocks[0])
+            h = h + 0.1 * nn.functional.linear(h, first.b.weight[:, : h.shape[-1]])
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+@dataclass
+class Setup:
+    seed: int
+    width: int
+    depth: int
+    steps: int
+    gas: int
+    clip: float | None
+    zero: dict[str, Any]
+    lr: float
+    weight_decay: float
+    standin: bool
+    twice: bool
+    direct: bool
+    evals: bool
+    lr_change: bool
+    ckpt_after_first: bool
+    zero_grad_after_first: bool
+    half: str | None = None
+    losses: list[float] = field(default_factory=list)
+
+    def config(self, path: Path) -> dict[str, Any]:
+        where = {"nvme_path": str(path)}
+        zero = {k: {**v, **where} if k.startswith("offload") else v for k, v in self.zero.items()}
+        cfg: dict[str, Any] = {
+            "zero_optimization": zero,
+            "gradient_accumulation_steps": self.gas,
+            "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": self.weight_decay}},
+        }
+        if self.clip:
+            cfg["gradient_clipping"] = self.clip
+        if self.half:
+            cfg[self.half] = {"enabled": True, **({"initial_scale_power": 8} if self.half == "fp16" else {})}
+        return cfg
+
+    def model(self) -> Net:
+        torch.manual_seed(self.seed)
+        return Net(random.Random(self.seed + 1), self.width, self.depth)
+
+    def batches(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(self.seed)
+        pairs = [
+            (torch.randint(0, VOCAB, (2, 5), generator=g), torch.randint(0, VOCAB, (2, 5), generator=g))
+            for _ in range(self.steps * self.gas + 1)
+        ]
+        return pairs[:-1], pairs[-1]
+
+
+def draw(seed: int, half: str | None = None) -> Setup:
+    rng = random.Random(seed)
+    params = rng.choice(["none", "cpu", "nvme", "nvme"])
+    states = rng.choice(["none", "cpu", "nvme"] if params == "none" else ["cpu", "nvme", "nvme"])
+    zero: dict[str, Any] = {
+        "stage3_param_persistence_threshold": rng.choice([0, 0, 64, 10_000]),
+        "offload_param": {"device": params},
+        "offload_optimizer": {"device": states},
+    }
+    if rng.random() < 0.4:
+        zero["stage3_max_live_parameters"] = rng.choice([100, 2000, 10**9])
+    if rng.random() < 0.4:
+        zero["stage3_prefetch_bucket_size"] = rng.choice([0, 500, 10**7])
+    if rng.random() < 0.3:
+        zero["stage3_max_reuse_distance"] = rng.choice([0, 10**9])
+    if params == "nvme" and rng.random() < 0.3:
+        zero["offload_param"]["max_in_cpu"] = rng.choice([500, 10**6])
+    return Setup(
+        seed=seed,
+        width=rng.choice([8, 16, 32]),
+        depth=rng.choice([1, 2, 3, 4]),
+        steps=rng.choice([2, 3, 5]),
+        gas=rng.choice([1, 1, 2, 3]),
+        clip=rng.choice([None, None, 1e-3, 1.0, 100.0]),
+        zero=zero,
+        lr=rng.choice([1e-3, 1e-2]),
+        weight_decay=rng.choice([0.0, 0.1]),
+        standin=rng.random() < 0.3,
+        twice=rng.random() < 0.25,
+        direct=rng.random() < 0.3,
+        evals=rng.random() < 0.4,
+        lr_change=rng.random() < 0.3,
+        ckpt_after_first=rng.random() < 0.25,
+        zero_grad_after_first=rng.random() < 0.2,
+        half=half,
+    )
+
+
+def through_zswap(s: Setup, path: Path, early: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The params after the loop and every micro-batch's loss."""
+    cfg = s.config(path)
+    with zswap.Init(cfg):
+        model = s.model()
+    data, probe = s.batches()
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        engine = zswap.initialize(model, cfg, device=StandInDevice() if s.standin else None)
+    with engine:
+        engine.early_step = early
+        for step in range(s.steps):
+            for k in range(s.gas):
+                if s.evals and k == 0:
+                    with torch.no_grad():
+                        losses.append(float(model.eval()(*probe)))
+                    model.train()
+                x, y = data[step * s.gas + k]
+                loss = model(x, y) + model(y, x) if s.twice else model(x, y)
+                losses.append(float(loss.detach()))
+                if s.direct:
+                    (loss / s.gas).backward()  # zswap.initialize's engine: PyTorch's own backward
+                else:
+                    engine.backward(loss)
+                if s.lr_change and step == 1 and k == s.gas - 1:
+                    for group in engine.optimizer.param_groups:
+                        group["lr"] = s.lr / 2
+                engine.step()
+            if step == 0 and s.ckpt_after_first:
+                engine.save_checkpoint(path / "ckpt")
+                engine.load_checkpoint(path / "ckpt")
+                shutil.rmtree(path / "ckpt")
+            if step == 0 and s.zero_grad_after_first:
+                engine.zero_grad()
+        named = dict(model.named_parameters())
+        with zswap.GatheredParameters(list(named.values())):
+            return {n: p.detach().clone() for n, p in named.items()}, losses
+
+
+def plain(s: Setup) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = s.model()
+    data, probe = s.batches()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, fused=True)
+    losses = []
+    for step in range(s.steps):
+        for k in range(s.gas):
+            if s.evals and k == 0:
+                with torch.no_grad():
+                    losses.append(float(model.eval()(*probe)))
+                model.train()
+            x, y = data[step * s.gas + k]
+            loss = model(x, y) + model(y, x) if s.twice else model(x, y)
+            losses.append(float(loss.detach()))
+            (loss / s.gas).backward()
+        if s.lr_change and step == 1:
+            for group in opt.param_groups:
+                group["lr"] = s.lr / 2
+        if s.clip:
+            torch.nn.utils.clip_grad_norm_(params, s.clip)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_random_setup_trains_bitwise_as_plain_pytorch(seed, tmp_path):
+    s = draw(seed)
+    got, losses = through_zswap(s, tmp_path)
+    want, want_losses = plain(s)
+    assert losses == want_losses, s
+    assert [n for n, w in want.items() if not torch.equal(got[n], w)] == [], s
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("seed", SEEDS[:15])
+def test_a_random_low_precision_setup_steps_in_backward_as_its_ordinary_step(seed, half, tmp_path):
+    s = draw(1000 + seed, half)
+    (tmp_path / "early").mkdir()
+    (tmp_path / "ordinary").mkdir()
+    got, losses = through_zswap(s, tmp_path / "early")
+    want, want_losses = through_zswap(s, tmp_path / "ordinary", early=False)
+    assert losses == want_losses, s
+    assert [n for n, w in want.items() if not torch.equal(got[n], w)] == [], s
