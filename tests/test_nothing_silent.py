@@ -8,7 +8,9 @@ naming the zswap way, instead of doing nothing.
 - ``initialize`` of a model on the meta device;
 - a top-level config key that is a near miss of a section zswap reads;
 - any engine call after ``close()`` (`zswap.EngineClosedError`);
-- the ignored-keys warning, read by ``zswap.deepspeed``'s ``zero.Init`` and ``initialize``: once.
+- the ignored-keys warning, read by ``zswap.deepspeed``'s ``zero.Init`` and ``initialize``: once;
+- a sparse gradient (``nn.Embedding(sparse=True)`` at ``initialize``, ``F.embedding(sparse=True)`` in
+  backward), which failed inside torch with "reshape is not implemented for sparse tensors".
 """
 
 from __future__ import annotations
@@ -239,3 +241,28 @@ def test_ignored_keys_warning_once_through_zswap_deepspeed(tmp_path):
         "zswap ignores these DeepSpeed settings, which tune DeepSpeed's own machinery and change no result: "
         "zero_optimization.overlap_comm"
     ]
+
+
+class SparseUse(nn.Module):
+    def __init__(self, module: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=module)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.embedding(x, self.emb.weight, sparse=True)).sum()
+
+
+def test_a_sparse_gradient_is_refused_naming_the_param_and_the_dense_way():
+    sparse = r"emb\.weight has a sparse gradient .* Build the embedding with sparse=False"
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    with zswap.Init(cfg):
+        model = SparseUse(module=True)
+    with pytest.raises(zswap.errors.SparseGradientError, match=sparse):
+        zswap.initialize(model, cfg)
+    with zswap.Init(cfg):
+        model = SparseUse(module=False)
+    with zswap.initialize(model, cfg) as engine:
+        with pytest.raises(zswap.errors.SparseGradientError, match=sparse):
+            engine.backward(model(torch.tensor([[1, 2]])))
+        assert engine.stats()["steps_ordinary"] == 0

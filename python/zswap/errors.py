@@ -181,6 +181,11 @@ class FunctionalTransformError(ZswapError, RuntimeError):
     autograd (``loss.backward()``, ``engine.backward(loss)``), or run the transform on a plain model."""
 
 
+class SparseGradientError(ZswapError, RuntimeError):
+    """A managed param with a sparse gradient (``nn.Embedding(sparse=True)``): zswap partitions, reduces
+    and offloads dense gradients only."""
+
+
 class UnknownKeyError(ZswapError, KeyError):
     """A `SwapEngine` key that was never written, or was freed."""
 
@@ -206,6 +211,7 @@ __all__ = [
     "NvmePathNotADirectory",
     "NvmePathNotWritable",
     "RanksDivergedError",
+    "SparseGradientError",
     "SwapIOError",
     "SwapMemoryError",
     "ThreadStartError",

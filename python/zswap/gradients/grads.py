@@ -28,9 +28,18 @@ import torch.distributed as dist
 
 from .. import _dist
 from ..device import Alloc, Copy, Device, ReusePool, on_host
+from ..errors import SparseGradientError
 from ..parts.gather import host_buffers, no_torch_function
 from ..parts.params import Item, NvmeStore, ParamState, Status, param_state
 from .gradstore import LOW_PRECISION, MemoryGrads, NvmeGrads, store_of
+
+
+def sparse_message(name: str) -> str:
+    return (
+        f"{name} has a sparse gradient (nn.Embedding or F.embedding with sparse=True): zswap partitions, "
+        "reduces and offloads dense gradients only. Build the embedding with sparse=False: the same "
+        "values, and what Adam needs (torch's Adam and AdamW refuse sparse gradients too)"
+    )
 
 
 class GradTaker(Protocol):
@@ -76,6 +85,8 @@ class GradSink:
         """The dtype ranks reduce gradients in (``communication_data_type``; `local_part`)."""
         self.keep_reduced = False
         """The average stays in ``reduce_in`` (float32 where gradients are summed in float32 too)."""
+        self.names: dict[int, str] = {}
+        """{id(param): its name in the model}, for messages (set by the engine)."""
         for p, st in items:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._make_pre(p, st)))
@@ -188,6 +199,8 @@ class GradSink:
                     p.data = torch.empty(0, dtype=st.dtype, device=st.device)
                 if grad is None:
                     return
+                if grad.layout is not torch.strided:
+                    raise SparseGradientError(sparse_message(me.names.get(id(p), st.key)))
                 if id(p) in me._leaf_of:
                     held = me._waiting.get(id(p))
                     me._waiting[id(p)] = grad if held is None else held + grad

@@ -11,11 +11,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from .. import _dist
 from .. import device as _device
 from ..config import ZswapConfig
-from ..errors import ZswapError
+from ..errors import SparseGradientError, ZswapError
 from ..fetch import leaves
 from ..fetch.hooks import ModuleHooks, ModuleInfo
 from ..fetch.prefetch import Counters, Scheduler, Slot
@@ -43,6 +44,9 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
             raise ZswapError("these params are already run by another zswap Engine; close() it first")
     engine._items, engine._ids = items, ids
     _dist.check_partitioned_for_this_world(items)
+    for name, m in module.named_modules():  # refused before a backward could fail on one
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and id(m.weight) in ids:
+            raise SparseGradientError(grads.sparse_message(f"{name}.weight"))
     if counters is None:  # built (not wired again): the config's leaf modules
         leaves.from_config(module, config.zero.leaf_module, any(st.world_size > 1 for _, st in items))
         dtypes.at_build(engine)  # data_types: buffers' dtypes, as DeepSpeed's engine sets them at its start
@@ -103,6 +107,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
     )
     leaf_items = {i.index: [(s.p, s.st) for s in i.slots] for i in infos.values() if i.leaf}
     engine._grads = grads.GradSink(engine._items, engine.compute_device, leaf_items)
+    engine._grads.names = {id(p): n for n, p in module.named_parameters()}
     dtypes.set_reduction(engine)  # communication_data_type
     engine._grad_stores = []
     try:
