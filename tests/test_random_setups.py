@@ -2,13 +2,13 @@
 
 Each seed draws a small model (an embedding, residual blocks, a head; weights tied or not, frozen norms,
 blocks under reentrant or non-reentrant activation checkpointing, a weight also used outside its module,
-a module never used) and a setup (param and optimizer tiers, the device stand-in, accumulation, clipping
-that bites or not, persistence, live and prefetch budgets, ``max_in_cpu``), then a loop (a forward of two
-passes summed, ``loss.backward()`` or ``engine.backward``, an eval forward between steps, an lr change
-between backward and step, a checkpoint saved and loaded, ``zero_grad`` after a step). float32 runs are
-compared with plain torch (``clip_grad_norm_``, ``AdamW(fused=True)``): every loss and every param after
-the steps; bf16 and fp16 runs with the same setup's ordinary step (``engine.early_step = False``). The
-setup is in the failure message; ``SEEDS`` can be widened locally to search further.
+a module never used, a param of no elements) and a setup (param and optimizer tiers, the device stand-in,
+accumulation, clipping that bites or not, persistence, live and prefetch budgets, ``max_in_cpu``), then a
+loop (a forward of two passes summed, ``loss.backward()`` or ``engine.backward``, an eval forward between
+steps, an lr change between backward and step, a checkpoint saved and loaded, ``zero_grad`` after a step).
+float32 runs are compared with plain torch (``clip_grad_norm_``, ``AdamW(fused=True)``): every loss and
+every param after the steps; bf16 and fp16 runs with the same setup's ordinary step (``engine.early_step =
+False``). The setup is in the failure message; ``SEEDS`` can be widened locally to search further.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class Net(nn.Module):
             self.head.weight = self.emb.weight
         self.shared_use = rng.random() < 0.3  # a block's weight read outside its module too
         self.unused = nn.Linear(width, width) if rng.random() < 0.3 else None
+        self.empty = nn.Parameter(torch.zeros(0)) if rng.random() < 0.2 else None  # a placeholder param
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids)
@@ -69,7 +70,8 @@ class Net(nn.Module):
         if self.shared_use:
             first = cast(Block, self.blocks[0])
             h = h + 0.1 * nn.functional.linear(h, first.b.weight[:, : h.shape[-1]])
-        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+        loss = nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+        return loss if self.empty is None else loss + self.empty.sum()
 
 
 @dataclass

@@ -29,6 +29,7 @@ class ReusePool:
 
     def __init__(self, alloc: Callable[[int, torch.dtype], torch.Tensor], record: Callable[[], Any]) -> None:
         self._record = record
+        self._alloc = alloc
         # data_ptr -> [pooled entry, event after which it is free (or None)]
         self._by_ptr: dict[int, list[Any]] = {}
         by_ptr = self._by_ptr  # (not self: the pool would hold its owner in a reference cycle)
@@ -57,6 +58,8 @@ class ReusePool:
 
     def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
         """(a buffer of ``numel`` ``dtype`` elements, the event the copy into it must wait for)."""
+        if numel == 0:  # no memory, so no address to key it by (every empty tensor's is 0): never pooled
+            return self._alloc(0, dtype), self._record()
         entry = self._pool.find(numel, dtype)
         if entry is not None:
             mark = self._by_ptr[entry[0].data_ptr()]
