@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import shutil
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -93,7 +93,6 @@ class Setup:
     ckpt_after_first: bool
     zero_grad_after_first: bool
     half: str | None = None
-    losses: list[float] = field(default_factory=list)
 
     def config(self, path: Path) -> dict[str, Any]:
         where = {"nvme_path": str(path)}
@@ -160,13 +159,26 @@ def draw(seed: int, half: str | None = None) -> Setup:
     )
 
 
+def micro_batch(s: Setup, model: nn.Module, step: int, k: int, losses: list[float]) -> torch.Tensor:
+    """Micro-batch ``k`` of ``step``'s loss (two passes summed where drawn), after an eval forward where
+    drawn; each loss noted in ``losses``."""
+    data, probe = s.batches()
+    if s.evals and k == 0:
+        with torch.no_grad():
+            losses.append(float(model.eval()(*probe)))
+        model.train()
+    x, y = data[step * s.gas + k]
+    loss = model(x, y) + model(y, x) if s.twice else model(x, y)
+    losses.append(float(loss.detach()))
+    return loss
+
+
 def through_zswap(s: Setup, path: Path, early: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The params after the loop and every micro-batch's loss."""
     cfg = s.config(path)
     with zswap.Init(cfg):
         model = s.model()
-    data, probe = s.batches()
-    losses = []
+    losses: list[float] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         engine = zswap.initialize(model, cfg, device=StandInDevice() if s.standin else None)
@@ -174,13 +186,7 @@ def through_zswap(s: Setup, path: Path, early: bool = True) -> tuple[dict[str, t
         engine.early_step = early
         for step in range(s.steps):
             for k in range(s.gas):
-                if s.evals and k == 0:
-                    with torch.no_grad():
-                        losses.append(float(model.eval()(*probe)))
-                    model.train()
-                x, y = data[step * s.gas + k]
-                loss = model(x, y) + model(y, x) if s.twice else model(x, y)
-                losses.append(float(loss.detach()))
+                loss = micro_batch(s, model, step, k, losses)
                 if s.direct:
                     (loss / s.gas).backward()  # zswap.initialize's engine: PyTorch's own backward
                 else:
@@ -202,20 +208,12 @@ def through_zswap(s: Setup, path: Path, early: bool = True) -> tuple[dict[str, t
 
 def plain(s: Setup) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = s.model()
-    data, probe = s.batches()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, fused=True)
-    losses = []
+    losses: list[float] = []
     for step in range(s.steps):
         for k in range(s.gas):
-            if s.evals and k == 0:
-                with torch.no_grad():
-                    losses.append(float(model.eval()(*probe)))
-                model.train()
-            x, y = data[step * s.gas + k]
-            loss = model(x, y) + model(y, x) if s.twice else model(x, y)
-            losses.append(float(loss.detach()))
-            (loss / s.gas).backward()
+            (micro_batch(s, model, step, k, losses) / s.gas).backward()
         if s.lr_change and step == 1:
             for group in opt.param_groups:
                 group["lr"] = s.lr / 2
