@@ -250,7 +250,7 @@ class DeepSpeedEngine(runtime.Engine):
         backwards since the last optimizer step, and ``step()`` applies the optimizer only after a
         boundary (before one it ends a micro-batch). A ``gradient_accumulation_steps`` above 1 still
         divides each loss by it. ``None`` goes back to counting micro-batches."""
-        if not self.config.batch.managed_gradient_accumulation:
+        if not self.managed_gradient_accumulation():
             raise UnmanagedAccumulationError(
                 "set_gradient_accumulation_boundary() is not supported with managed_gradient_accumulation: "
                 "false: every engine.step() ends the accumulation window there (drop the call, or set "
@@ -281,7 +281,7 @@ class DeepSpeedEngine(runtime.Engine):
         what ``gradient_accumulation_steps`` or ``set_gradient_accumulation_boundary`` say, as in
         DeepSpeed."""
         self._check_open()
-        if not self.config.batch.managed_gradient_accumulation:
+        if not self.managed_gradient_accumulation():
             raise CoalesceError(
                 "coalesce_grad_reduction is not supported with managed_gradient_accumulation: false: "
                 "engine.step() already ends the accumulation window there (drop the block)"
@@ -306,7 +306,7 @@ class DeepSpeedEngine(runtime.Engine):
         if boundary:
             self._step_applied = self.skipped_steps == skipped
             batch = self.train_batch_size() or 0
-            if not self.config.batch.managed_gradient_accumulation:
+            if not self.managed_gradient_accumulation():
                 batch = batch // self.gradient_accumulation_steps() * self._backwards
             self.global_samples += batch
             self._backwards = 0

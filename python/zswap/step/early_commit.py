@@ -141,7 +141,7 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
         es.finish_at(scale)  # the update waited for the scale: it runs now, from what backward left held
         if es.state != "running":
             return False  # it gave up: the gradients are in their store, the ordinary step runs
-        if not all(es.left.get(i, 0) == 0 for i in es.ready) or es.reads or es.writes:
+        if not all(es.left[i] == 0 for i in es.ready) or es.reads or es.writes:
             drop(es, "its updates did not all complete at the step")
             return False
     txn, ready, steps, seeds, dropped = es.txn, es.ready, es.steps, [*es.seeds, *part_seeds], es.dropped
@@ -337,9 +337,7 @@ def same_grads(es: EarlyStep, items: list[tuple[torch.Tensor, ParamState]]) -> b
     with_grad = {es.index.get(id(p)) for p, st in items if store_of(st).has(st)}
     with_grad.discard(None)
     deferred = es.factor is None  # its records are updated at the step: none yet
-    # A param of no elements is in no record: nothing of it is left to update.
-    done = all(es.left.get(i, 0) == 0 for i in es.ready)
-    return with_grad == es.ready.keys() | es.passed and (deferred or done)
+    return with_grad == es.ready.keys() | es.passed and (deferred or all(es.left[i] == 0 for i in es.ready))
 
 
 def same_versions(es: EarlyStep) -> bool:

@@ -32,7 +32,8 @@ def plan(es: EarlyStep) -> None:
         for s in sg.segments:
             if sg not in es.by_param.setdefault(s.param, []):
                 es.by_param[s.param].append(sg)
-    es.left = {i: len(sgs) for i, sgs in es.by_param.items()}
+    # Every param's count, 0 for one in no record (a param of no elements): nothing of it left to update.
+    es.left = {i: len(es.by_param.get(i, ())) for i in range(len(es.opt.records.params))}
     keys = {sg.key: sg for sg in es.layout}
     es.upcoming = deque(keys[k] for k in es._order if k in keys)
     es.order = []

@@ -48,7 +48,12 @@ class Sizing:
     def live_elements(self) -> int:
         """Elements the memory of the live budget is sized for: ``max_live``, or one module's chain where
         that is more (its params are gathered whatever the budget, as in DeepSpeed)."""
-        return max(self.budget.max_live, self.largest_chain)
+        return live_elements(self.budget.max_live, self.largest_chain)
+
+
+def live_elements(max_live: int, chain: int) -> int:
+    """`Sizing.live_elements` from the budget and the largest module chain (before the `Sizing` exists)."""
+    return max(max_live, chain)
 
 
 def unique(params: Any) -> list[torch.Tensor]:
@@ -94,7 +99,7 @@ def size(module: nn.Module, items: list[Item], cfg: ZswapConfig) -> Sizing:
         total - streamed,
     )  # fmt: skip
     persistent = total - streamed
-    held = max(max_live, chain)  # `Sizing.live_elements`
+    held = live_elements(max_live, chain)
     itemsize = max((st.dtype.itemsize for _, st in items), default=4)
     live = (held + persistent) * itemsize
     names = {id(p): name for name, p in module.named_parameters()}

@@ -16,11 +16,7 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
     """Log ``message`` on the ranks listed in ``ranks`` (``[-1]``: every rank), as DeepSpeed's does: without
     torch.distributed every call logs; with it, a call without ``ranks`` logs nowhere."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        should = True
-    else:
-        wanted = list(ranks or [])
-        should = bool(wanted) and (wanted[0] == -1 or dist.get_rank() in set(wanted))
-    if should:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+    wanted = list(ranks or [])
+    if rank == -1 or (wanted and (wanted[0] == -1 or rank in wanted)):
         logger.log(level, f"[Rank {rank}] {message}")
