@@ -12,7 +12,9 @@ thing; this module maps DeepSpeed's signatures onto it and nothing more:
   optimizer state and gradient);
 - `utils.zero_to_fp32`: a checkpoint's float32 weights, offline (`get_fp32_state_dict_from_zero_checkpoint`
   and its kin);
-- `init_distributed` and `add_config_arguments`, which DeepSpeed scripts call around them.
+- `init_distributed` and `add_config_arguments`, which DeepSpeed scripts call around them;
+- `comm` (``deepspeed.comm``: its collectives and rank queries on torch.distributed) and
+  `accelerator.get_accelerator` (the device zswap computes on, with DeepSpeed's accelerator methods).
 
 A DeepSpeed keyword zswap has no equivalent for (``mpu``, ``mesh_param``, quantized weights…) is a
 `TypeError` naming it when given a value other than its default — never dropped silently.
@@ -35,7 +37,7 @@ from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
 from ..train import runtime
 from ..train.bridge import one_optimizer
-from . import checkpointing, utils, zero
+from . import accelerator, checkpointing, comm, utils, zero
 from ._args import refuse, resolve_config
 from ._backward import LossScalingRequiredError
 from ._data import training_dataloader
@@ -195,8 +197,10 @@ __all__ = [
     "OPTIMIZER_LR_DEFAULT",
     "DeepSpeedEngine",
     "LossScalingRequiredError",
+    "accelerator",
     "add_config_arguments",
     "checkpointing",
+    "comm",
     "init_distributed",
     "initialize",
     "utils",

@@ -227,7 +227,8 @@ class MemoryStore(Store):
         if self.tier == "cpu" and part.device.type != "cpu":
             part = part.to("cpu", non_blocking=False)
         old = self._parts.get(key)
-        if old is not None and old.data_ptr() == part.data_ptr() and old.numel() == part.numel():
+        same = old is not None and old.data_ptr() == part.data_ptr() and old.numel() == part.numel()
+        if same and part.numel():  # (an empty tensor has no address: a cast one is a new partition)
             return  # gathered zero-copy: the partition was written in place
         if self.pin and not part.is_pinned():
             if old is not None and old.shape == part.shape and old.dtype == part.dtype:
