@@ -389,7 +389,7 @@ WARNED = {
     ],
     "zero_optimization.offload_optimizer": ["fast_init", "ratio", "super_offload", "cpuadam_cores_perc"],
     "optimizer": ["legacy_fusion"],
-    "optimizer.params": ["torch_adam", "fused"],
+    "optimizer.params": ["fused"],
     "bf16": ["immediate_grad_update"],
 }  # fmt: skip
 DEFAULTS_ONLY = {
@@ -962,9 +962,42 @@ def test_optimizer_without_params_takes_defaults():
 
 
 def test_optimizer_flags_zswap_accepts():
-    params = {"amsgrad": False, "bias_correction": True, "torch_adam": True, "fused": False}
+    params = {"amsgrad": False, "bias_correction": True, "torch_adam": False, "fused": False}
     optimizer = load_config({"optimizer": {"type": "Adam", "params": params}}).optimizer
     assert optimizer == OptimizerConfig(type="Adam")
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "decay"),
+    [
+        ("AdamW", {}, 0.01),  # DeepSpeed builds torch.optim.AdamW(**params): torch's default decay
+        ("Adam", {}, 0.01),  # Adam decouples unless adam_w_mode is false: torch.optim.AdamW too
+        ("Adam", {"adam_w_mode": False}, None),  # torch.optim.Adam: no decay by default, as zswap
+        ("AdamW", {"weight_decay": 0.2}, 0.2),
+        ("AdamW", {"weight_decay": "auto"}, None),  # filled by a keyword (the HF Trainer's)
+    ],
+)
+def test_torch_adam_takes_torch_adamws_default_weight_decay(kind, extra, decay, recwarn):
+    params = {"lr": 1e-3, "torch_adam": True, **extra}
+    assert load_config({"optimizer": {"type": kind, "params": params}}).optimizer.weight_decay == decay
+    assert (
+        load_config({"optimizer": {"type": kind, "params": {**params, "torch_adam": False}}}).optimizer
+        == (
+            load_config(
+                {
+                    "optimizer": {
+                        "type": kind,
+                        "params": {k: v for k, v in params.items() if k != "torch_adam"},
+                    }
+                }
+            )
+        ).optimizer
+    )
+    assert not recwarn.list
+    with pytest.raises(
+        ConfigError, match=r"optimizer.params.torch_adam must be true or false, got 'yes please'"
+    ):
+        load_config({"optimizer": {"type": kind, "params": {**params, "torch_adam": "yes please"}}})
 
 
 # --- the models ----------------------------------------------------------------------------------------

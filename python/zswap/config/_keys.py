@@ -215,11 +215,12 @@ OPTIMIZER = Section(
 OPTIMIZER_PARAMS = Section(
     path="optimizer.params",
     fields=("lr", "betas", "eps", "weight_decay"),
-    # adam_w_mode fills the model's decoupled_weight_decay; amsgrad and bias_correction are checked only.
+    # adam_w_mode fills the model's decoupled_weight_decay; amsgrad and bias_correction are checked only;
+    # torch_adam picks torch's AdamW, whose default weight decay (0.01) is not DeepSpeed's own Adams' (0).
     aliases={"adam_w_mode": ("decoupled_weight_decay",)},
-    checked=frozenset({"amsgrad", "bias_correction"}),
-    # Which Adam implementation DeepSpeed runs (torch's, fused or not, or its own): the same algorithm.
-    warned=frozenset({"torch_adam", "fused"}),
+    checked=frozenset({"amsgrad", "bias_correction", "torch_adam"}),
+    # Whether torch's Adam runs fused: the same algorithm.
+    warned=frozenset({"fused"}),
 )
 
 BF16 = Section(

@@ -178,7 +178,26 @@ def _read_optimizer(optimizer: Mapping[Any, Any], out: Assembled) -> dict[str, t
             "optimizer.params.adam_w_mode is false, but optimizer.type 'AdamW' always decouples weight "
             "decay; remove adam_w_mode or use type 'Adam'"
         )
+    if _flag(params, "torch_adam") and decoupled is not False and "weight_decay" not in given:
+        # DeepSpeed builds torch.optim.AdamW(**params) then, so an absent weight_decay is torch's default.
+        given["weight_decay"] = ("optimizer.params.torch_adam", TORCH_ADAMW_WEIGHT_DECAY)
     return given
+
+
+TORCH_ADAMW_WEIGHT_DECAY = 0.01
+"""``torch.optim.AdamW``'s default ``weight_decay``: what DeepSpeed's ``torch_adam: true`` trains with when
+``optimizer.params`` gives none (DeepSpeed's own Adams default to 0, as zswap does otherwise)."""
+
+
+def _flag(params: Mapping[Any, Any], name: str) -> bool:
+    """``optimizer.params.<name>`` as a bool (absent or null: false)."""
+    value = params.get(name)
+    if value is None:
+        return False
+    try:
+        return v.to_bool(value)
+    except PydanticCustomError as exc:
+        raise ConfigError(f"optimizer.params.{name} {exc.message()}, got {v.show(value)}") from None
 
 
 def _read_precision(raw: Mapping[Any, Any], out: Assembled) -> tuple[bool | str | None, bool | str | None]:
@@ -224,15 +243,10 @@ def _enabled(given: Mapping[str, tuple[str, Any]]) -> bool | str | None:
 
 def _require_flag(params: Mapping[Any, Any], name: str, required: bool, reason: str) -> None:
     value = params.get(name)
-    if value is None:
-        return
-    key = f"optimizer.params.{name}"
-    try:
-        flag = v.to_bool(value)
-    except PydanticCustomError as exc:
-        raise ConfigError(f"{key} {exc.message()}, got {v.show(value)}") from None
-    if flag is not required:
-        raise ConfigError(f"{key} must be {str(required).lower()}: {reason}, got {v.show(value)}")
+    if value is not None and _flag(params, name) is not required:
+        raise ConfigError(
+            f"optimizer.params.{name} must be {str(required).lower()}: {reason}, got {v.show(value)}"
+        )
 
 
 def _section(parent: Mapping[Any, Any] | None, key: str, where: str) -> Mapping[Any, Any] | None:
