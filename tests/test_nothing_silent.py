@@ -10,7 +10,9 @@ naming the zswap way, instead of doing nothing.
 - any engine call after ``close()`` (`zswap.EngineClosedError`);
 - the ignored-keys warning, read by ``zswap.deepspeed``'s ``zero.Init`` and ``initialize``: once;
 - a sparse gradient (``nn.Embedding(sparse=True)`` at ``initialize``, ``F.embedding(sparse=True)`` in
-  backward), which failed inside torch with "reshape is not implemented for sparse tensors".
+  backward), which failed inside torch with "reshape is not implemented for sparse tensors";
+- weight-decay groups split by ``p.dim()`` on partitioned params (nanoGPT's ``configure_optimizers``): the
+  decayed group comes out empty, so weight decay would never apply.
 """
 
 from __future__ import annotations
@@ -266,3 +268,37 @@ def test_a_sparse_gradient_is_refused_naming_the_param_and_the_dense_way():
         with pytest.raises(zswap.errors.SparseGradientError, match=sparse):
             engine.backward(model(torch.tensor([[1, 2]])))
         assert engine.stats()["steps_ordinary"] == 0
+
+
+def _split(model: nn.Module, ndim: object) -> list[dict]:
+    """nanoGPT's ``configure_optimizers`` groups: params of two or more dimensions decayed, the rest not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if ndim(p) >= 2]  # type: ignore[operator]
+    rest = [p for p in params if ndim(p) < 2]  # type: ignore[operator]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+SPLIT = (
+    "the optimizer's param groups look split by p.dim() or p.shape on partitioned params: a group with "
+    "weight decay is empty, and group 1, without weight decay, holds 2 params of two or more dimensions "
+    "('0.weight', shape (8, 4)). Outside forward a partitioned param's data is an empty placeholder "
+    "(torch.Size([0])); split by len(zswap.param_state(p).shape) or by name (as the Hugging Face Trainer "
+    "does)"
+)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_weight_decay_split_by_placeholder_shapes_is_refused(kind, tmp_path):
+    cfg = _cfg(tmp_path)
+    del cfg["optimizer"]
+    model = _model(cfg)
+    assert all(p.dim() == 1 for p in model.parameters())  # the placeholders the split saw
+    with _raises(zswap.ConfigError, SPLIT):
+        zswap.initialize(model, cfg, optimizer=kind(_split(model, torch.Tensor.dim), lr=1e-2))
+    # The split by the real shapes, and groups where the empty one is legitimately so, are taken.
+    real = kind(_split(model, lambda p: len(zswap.param_state(p).shape)), lr=1e-2)
+    assert [len(g["params"]) for g in real.param_groups] == [2, 2]
+    zswap.initialize(model, cfg, optimizer=real).close()
+    biases = [p for p in model.parameters() if len(zswap.param_state(p).shape) == 1]  # BitFit: no matrices
+    bitfit = kind([{"params": [], "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}], lr=1e-2)
+    zswap.initialize(model, cfg, optimizer=bitfit).close()

@@ -18,7 +18,7 @@ from ..fetch.nextpass import Seed
 from ..gradients import grads, gradstore
 from ..gradients.gradstore import store_of
 from ..parts.gather import no_torch_function
-from ..parts.params import Item, NvmeStore
+from ..parts.params import Item, NvmeStore, param_state
 from ..step.early_commit import as_seeds
 from ..step.optim import OffloadedAdamW, adopt
 from ..store.storage import step_transaction
@@ -302,6 +302,7 @@ def build_optimizer(
                 "param as its flat partition, so it would compute something else: use an element-wise "
                 "optimizer (Adam/AdamW, SGD, RMSprop, …) or add an 'optimizer' section to the config"
             )
+        _refuse_placeholder_split(module, given)
         if adopt.is_convertible(given):  # zswap's kernel computes its fused=True bits, state offloaded
             owned = adopt.to_offloaded(given, cfg, f"the {name} passed as optimizer=")
             adopt.hand_over(given, owned)
@@ -311,3 +312,30 @@ def build_optimizer(
     if cfg.optimizer is None:
         return None, False, "no optimizer: pass optimizer= or add an 'optimizer' section to the config"
     return OffloadedAdamW.from_config(list(module.parameters()), cfg), True, ""
+
+
+def _refuse_placeholder_split(module: nn.Module, optimizer: Any) -> None:
+    """Refuses the groups of a weight-decay split made by ``p.dim()`` (nanoGPT's ``configure_optimizers``) on
+    partitioned params: outside forward a partitioned param's data is an empty placeholder of one dimension,
+    so the decayed group comes out empty and every matrix lands among the params without decay. The mark of
+    it: a group with weight decay and no params beside a group without weight decay that holds params of
+    two or more dimensions. Trained as given, weight decay would silently never apply."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    if not any(not g["params"] and float(g.get("weight_decay", 0.0)) > 0 for g in groups):
+        return
+    for i, g in enumerate(groups):
+        if float(g.get("weight_decay", 0.0)) != 0.0:
+            continue
+        matrices = [p for p in g["params"] if (st := param_state(p)) is not None and len(st.shape) >= 2]
+        if matrices:
+            names = {id(p): n for n, p in module.named_parameters()}
+            first = matrices[0]
+            shape = tuple(cast(Any, param_state(first)).shape)
+            raise ConfigError(
+                "the optimizer's param groups look split by p.dim() or p.shape on partitioned params: a "
+                f"group with weight decay is empty, and group {i}, without weight decay, holds "
+                f"{len(matrices)} params of two or more dimensions ({names.get(id(first), 'a param')!r}, "
+                f"shape {shape}). "
+                "Outside forward a partitioned param's data is an empty placeholder (torch.Size([0])); "
+                "split by len(zswap.param_state(p).shape) or by name (as the Hugging Face Trainer does)"
+            )
