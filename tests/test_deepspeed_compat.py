@@ -99,6 +99,22 @@ def test_the_engine_answers_deepspeeds_queries(dtype):
             1,
             1,
         )
+        assert engine.get_batch_info() == (6, 3, 2) and engine.mp_world_size == 1
+        assert (
+            engine.zero_offload_param() is engine.config.offload_param
+            and engine.zero_offload_optimizer() is None
+        )
+        assert not engine.zero_cpu_offload() and not engine.zero_use_cpu_optimizer()
+        with zswap.GatheredParameters(list(model.parameters())):
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+        got = engine.module_state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+        model.wte.weight.requires_grad_(False)
+        assert set(want) - set(engine.module_state_dict(exclude_frozen_parameters=True)) == {
+            "wte.weight",
+            "head.weight",  # tied to it
+        }
+        model.wte.weight.requires_grad_(True)
         with pytest.raises(AssertionError, match="no_sync context manager is incompatible") as raised:
             engine.no_sync()
         assert isinstance(raised.value, zswap.ZswapError)
@@ -399,4 +415,10 @@ def test_the_engines_loader_and_16bit_save(tmp_path):
         engine.save_16bit_model(tmp_path / "out", "frozen.bin", exclude_frozen_parameters=True)
         kept = torch.load(tmp_path / "out" / "frozen.bin", weights_only=True)
         assert set(want) - set(kept) == {"wte.weight", "head.weight"}
-        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["frozen.bin", "pytorch_model.bin"]
+        assert engine.save_fp16_model(tmp_path / "out", "old_name.bin") is True  # DeepSpeed's old name
+        assert torch.load(tmp_path / "out" / "old_name.bin", weights_only=True).keys() == want.keys()
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+            "frozen.bin",
+            "old_name.bin",
+            "pytorch_model.bin",
+        ]

@@ -55,7 +55,9 @@ class DeepSpeedEngine(runtime.Engine):
     DeepSpeed's queries scripts branch on: ``fp16_enabled()``, ``bfloat16_enabled()``,
     ``zero_optimization_stage()`` (3), ``was_step_applied()``, ``global_rank``, ``local_rank``,
     ``world_size`` / ``dp_world_size``, ``train_batch_size()``, ``get_global_grad_norm()``,
-    ``gradient_clipping()``, ``get_mom()``, ``global_samples``, ``managed_gradient_accumulation()``;
+    ``gradient_clipping()``, ``get_mom()``, ``global_samples``, ``managed_gradient_accumulation()``,
+    ``get_batch_info()``, ``zero_offload_param()`` / ``zero_offload_optimizer()`` (the sections, ``None``
+    where nothing is offloaded), ``zero_cpu_offload()``, ``module_state_dict()``, ``save_fp16_model``;
     ``set_gradient_accumulation_boundary(b)`` says which backward ends the accumulation window, as
     DeepSpeed's does (until called again); ``coalesce_grad_reduction()`` holds the backwards of one step;
     ``deepspeed_io(dataset)`` builds DeepSpeed's loader, ``save_16bit_model`` writes the whole state dict;
@@ -172,6 +174,49 @@ class DeepSpeedEngine(runtime.Engine):
         """Samples per forward/backward on this rank (the config's, or derived; ``None`` if it gives none)."""
         return self.config.batch.resolve(self._world())[1]
 
+    def get_batch_info(self) -> tuple[int | None, int | None, int]:
+        """``(train_batch_size(), train_micro_batch_size_per_gpu(), gradient_accumulation_steps())``."""
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
+
+    def zero_offload_param(self) -> Any:
+        """The config's ``offload_param`` section, ``None`` where params stay on their device."""
+        return None if self.config.offload_param.device == "none" else self.config.offload_param
+
+    def zero_offload_optimizer(self) -> Any:
+        """The config's ``offload_optimizer`` section, ``None`` where states stay on the device."""
+        return None if self.config.offload_optimizer.device == "none" else self.config.offload_optimizer
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        """Whether the optimizer states are offloaded (CPU memory or NVMe): the step runs on the CPU."""
+        return self.config.offload_optimizer.device in ("cpu", "nvme")
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer states live in CPU memory (``offload_optimizer.device`` "cpu")."""
+        return self.config.offload_optimizer.device == "cpu"
+
+    mp_world_size = 1
+    """Model-parallel ranks: zswap partitions over data-parallel ranks only."""
+
+    def module_state_dict(
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> Any:
+        """The module's ``state_dict`` (full values, gathered one param at a time), frozen params left out
+        where asked — under every name a tied param has, as in `save_16bit_model`."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
     def gradient_clipping(self) -> float:
         """The clip norm `step` applies to the gradients' global L2 norm (0.0: none)."""
         return float(self.max_grad_norm or 0.0)
@@ -239,6 +284,10 @@ class DeepSpeedEngine(runtime.Engine):
         if dist.is_initialized() and self._world() > 1:
             dist.barrier()  # the file is complete when any rank returns
         return True
+
+    def save_fp16_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's old name for `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def get_global_grad_norm(self) -> float | None:
         """The gradients' global L2 norm seen by the last step (``None`` when that step did not need it)."""
