@@ -365,8 +365,22 @@ def test_classes_declared_inside_init_are_partitioned():
         inside = Outer()
     for m in (nested, inside):
         assert param_state(m.fc.weight) is not None and m.fc.weight.numel() == 0
+        assert hasattr(m.fc.weight, "ds_id")  # DeepSpeed's test of "zero3 processed the parameter"
         engine, *_ = deepspeed.initialize(model=m, config_params=cfg)
         engine.close()
+    assert nested.fc.weight.ds_id != inside.fc.weight.ds_id
+
+
+def test_partitioned_params_carry_deepspeeds_real_shape_and_size():
+    """``ds_shape`` / ``ds_numel``: what PEFT and other ZeRO-3-aware code read where ``p.shape`` is the
+    placeholder's."""
+    with deepspeed.zero.Init():
+        layer = nn.Linear(6, 3)
+    assert layer.weight.shape == (0,)
+    assert (layer.weight.ds_shape, layer.weight.ds_numel) == (torch.Size([3, 6]), 18)
+    assert (layer.bias.ds_shape, layer.bias.ds_numel) == (torch.Size([3]), 3)
+    plain = nn.Linear(6, 3)
+    assert not hasattr(plain.weight, "ds_shape") and not hasattr(plain.weight, "ds_id")
 
 
 def test_a_torch_optimizer_built_before_initialize_trains_as_plain_fused_torch():

@@ -1,7 +1,7 @@
-"""LoRA through PEFT on a model built under `zswap.Init`: the frozen base stays offloaded, the adapters
-(made by ``get_peft_model`` after the build, partitioned by `zswap.initialize`) train bitwise as on the plain
-model with ``clip_grad_norm_`` + ``AdamW(fused=True)`` over the trainable params, and ``save_pretrained``
-writes the adapters' trained values."""
+"""PEFT adapters (LoRA, IA3) on a model built under `zswap.Init`: the frozen base stays offloaded, the
+adapters (made by ``get_peft_model`` after the build, partitioned by `zswap.initialize`) train bitwise as on
+the plain model with ``clip_grad_norm_`` + ``AdamW(fused=True)`` over the trainable params, and
+``save_pretrained`` writes their trained values. PEFT finds GPT-2's Conv1D shapes in ``ds_shape``."""
 
 from __future__ import annotations
 
@@ -22,24 +22,56 @@ pytestmark = pytest.mark.usefixtures("quiet_transformers")
 LR = 1e-2
 
 
-def _lora_llama(config: dict[str, Any] | None) -> Any:
+def _llama() -> Any:
     conf = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32,
     )  # fmt: skip
+    return transformers.LlamaForCausalLM(conf)
+
+
+def _gpt2() -> Any:
+    conf = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(conf)
+
+
+# (base model, adapter config, trainable tensors). GPT-2's Conv1D layers: PEFT reads their real shape
+# from ``ds_shape`` (the placeholder's is torch.Size([0])).
+CASES = {
+    "llama-lora": (
+        _llama,
+        lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        8,
+    ),
+    "gpt2-lora": (_gpt2, lambda: peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True), 4),
+    "gpt2-ia3": (
+        _gpt2,
+        lambda: peft.IA3Config(
+            target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"], fan_in_fan_out=True
+        ),
+        4,
+    ),
+}
+
+
+def _adapted(case: str, config: dict[str, Any] | None) -> Any:
+    build, adapter, _ = CASES[case]
     torch.manual_seed(0)
     if config is None:
-        model = transformers.LlamaForCausalLM(conf)
+        model = build()
     else:
         with zswap.Init(config):
-            model = transformers.LlamaForCausalLM(conf)
+            model = build()
     torch.manual_seed(1)  # LoRA's A matrices are random
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    return peft.get_peft_model(model, lora)
+    return peft.get_peft_model(model, adapter())
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_lora_adapters_train_bitwise_as_on_the_plain_model_and_save(tier, tmp_path: Path):
+@pytest.mark.parametrize("case", list(CASES))
+def test_adapters_train_bitwise_as_on_the_plain_model_and_save(case, tier, tmp_path: Path):
     cfg = {
         "zero_optimization": {
             "offload_param": {"device": tier, "nvme_path": str(tmp_path)},
@@ -48,9 +80,9 @@ def test_lora_adapters_train_bitwise_as_on_the_plain_model_and_save(tier, tmp_pa
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "gradient_clipping": 1.0,
     }
-    ref, model = _lora_llama(None), _lora_llama(cfg)
+    ref, model = _adapted(case, None), _adapted(case, cfg)
     trainable = [p for p in ref.parameters() if p.requires_grad]
-    assert len(trainable) == 8  # A and B of q_proj and v_proj in two layers
+    assert len(trainable) == CASES[case][2]
     ref_opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0, fused=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
@@ -58,6 +90,7 @@ def test_lora_adapters_train_bitwise_as_on_the_plain_model_and_save(tier, tmp_pa
     g = torch.Generator().manual_seed(0)
     with engine:
         assert all(zswap.param_state(p) is not None for p in model.parameters())  # the adapters too
+        assert model.get_nb_trainable_parameters() == ref.get_nb_trainable_parameters()  # by ds_numel
         for _ in range(3):
             ids = torch.randint(0, 64, (2, 8), generator=g)
             loss = model(input_ids=ids, labels=ids).loss
@@ -78,7 +111,7 @@ def test_lora_adapters_train_bitwise_as_on_the_plain_model_and_save(tier, tmp_pa
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    lora = {n: p for n, p in ref.named_parameters() if "lora_" in n}
-    assert len(saved) == len(lora) == 8
+    adapters = {n.replace(".default", ""): p for n, p in ref.named_parameters() if p.requires_grad}
+    assert saved.keys() == adapters.keys()
     for key, value in saved.items():
-        assert torch.equal(value, lora[key.replace(".weight", ".default.weight")].detach()), key
+        assert torch.equal(value, adapters[key].detach()), key

@@ -154,6 +154,8 @@ def local_slice(flat: torch.Tensor, rank: int, part_numel: int) -> torch.Tensor:
 # id(param) -> state. One entry per live managed param, removed by a weakref finaliser when the param dies,
 # which also frees its partition in the store.
 _REGISTRY: dict[int, ParamState] = {}
+_IDS = itertools.count()
+"""``ds_id`` of each param registered, in order (DeepSpeed numbers its params so too)."""
 
 
 Item = tuple[torch.Tensor, "ParamState"]
@@ -169,6 +171,13 @@ def register(p: torch.Tensor, state: ParamState) -> None:
     if id(p) in _REGISTRY:
         raise ZswapError(f"param of shape {tuple(state.shape)} is already managed by zswap")
     _REGISTRY[id(p)] = state
+    # DeepSpeed ZeRO-3's attributes for a partitioned param's real shape and size (a managed param's is
+    # never changed: a resize makes new params): PEFT reads ds_shape where p.shape is the placeholder (GPT-2's
+    # Conv1D, 3-D expert weights) and ds_numel to count params; ds_id marks a partitioned param for scripts
+    # ported from DeepSpeed. Nothing else of DeepSpeed's param API (ds_status, all_gather…) is offered.
+    p.ds_shape = state.shape  # type: ignore[attr-defined]
+    p.ds_numel = state.numel  # type: ignore[attr-defined]
+    p.ds_id = next(_IDS)  # type: ignore[attr-defined]
     fin = weakref.finalize(p, _forget, id(p), state)
     fin.atexit = False  # at interpreter exit the stores go away whole
 
