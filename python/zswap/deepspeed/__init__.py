@@ -23,9 +23,7 @@ A DeepSpeed keyword zswap has no equivalent for (``mpu``, ``mesh_param``, quanti
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Iterable, Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,9 +40,7 @@ from ._args import refuse, resolve_config
 from ._backward import LossScalingRequiredError
 from ._data import training_dataloader
 from ._engine import DeepSpeedEngine
-
-TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
-"""DeepSpeed's default ``distributed_port``."""
+from ._launch import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 
 OPTIMIZER_LR_DEFAULT = 1e-3
 """The learning rate of the config's Adam / AdamW where its section gives none (no ``lr`` key): DeepSpeed's
@@ -132,53 +128,6 @@ def _deepspeed_lr(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params, Mapping) or "lr" in params:
         return raw  # (not a mapping: the loader names it)
     return {**raw, "optimizer": {**section, "params": {**params, "lr": OPTIMIZER_LR_DEFAULT}}}
-
-
-def init_distributed(
-    dist_backend: str | None = None,
-    auto_mpi_discovery: bool = True,
-    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
-    verbose: bool = True,
-    timeout: timedelta | None = None,
-    init_method: str | None = None,
-    dist_init_required: bool | None = None,
-    config: Any = None,
-    rank: int = -1,
-    world_size: int = -1,
-) -> None:
-    """DeepSpeed's ``deepspeed.init_distributed`` on torch.distributed.
-
-    ``dist_init_required`` ``None``: initialise when a launcher set ``WORLD_SIZE`` (``torchrun``,
-    ``deepspeed``) and torch.distributed is not initialised; ``True``: initialise (a group of one on
-    ``127.0.0.1:distributed_port`` when no launcher set the environment); ``False``: do nothing.
-    ``dist_backend`` defaults to nccl where CUDA is available (as DeepSpeed picks its accelerator's
-    backend), else gloo. ``rank`` / ``world_size`` (-1: from the environment), ``init_method`` and
-    ``timeout`` go to ``init_process_group``. ``auto_mpi_discovery``:
-    DeepSpeed's fallback when no launcher set the environment, reading ranks from mpi4py; zswap has none,
-    so ``True`` (the default) means the same as ``False`` — the environment or the single-process defaults
-    decide. ``verbose`` (DeepSpeed's log lines) and ``config`` (read by DeepSpeed for its comms logger)
-    change nothing zswap does.
-    """
-    dist = torch.distributed
-    if dist_init_required is False or dist.is_initialized():
-        return
-    launched = "WORLD_SIZE" in os.environ
-    if dist_init_required is None and not launched and world_size == -1:
-        return  # one process: zswap needs no process group
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(distributed_port), "RANK": "0", "WORLD_SIZE": "1"}
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs: dict[str, Any] = {"backend": backend}
-    if init_method is not None:
-        kwargs["init_method"] = init_method
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    if rank != -1:
-        kwargs["rank"] = rank
-    if world_size != -1:
-        kwargs["world_size"] = world_size
-    dist.init_process_group(**kwargs)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as _torch_dist
 
+from ._launch import init_distributed
+
 ReduceOp = _torch_dist.ReduceOp
 P2POp = _torch_dist.P2POp
 ProcessGroup = _torch_dist.ProcessGroup
@@ -57,13 +59,6 @@ def _on_torch(name: str) -> Callable[..., Any]:
 for _name in _TORCH_NAMES:
     globals()[_name] = _on_torch(_name)
 del _name
-
-
-def init_distributed(*args: Any, **kwargs: Any) -> None:
-    """`zswap.deepspeed.init_distributed` (DeepSpeed's ``deepspeed.comm.init_distributed`` is the same)."""
-    from . import init_distributed as init
-
-    init(*args, **kwargs)
 
 
 def is_available() -> bool:

@@ -1,0 +1,60 @@
+"""`init_distributed`: DeepSpeed's ``deepspeed.init_distributed`` (also ``deepspeed.comm.init_distributed``)
+on torch.distributed."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+"""DeepSpeed's default ``distributed_port``."""
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """DeepSpeed's ``deepspeed.init_distributed`` on torch.distributed.
+
+    ``dist_init_required`` ``None``: initialise when a launcher set ``WORLD_SIZE`` (``torchrun``,
+    ``deepspeed``) and torch.distributed is not initialised; ``True``: initialise (a group of one on
+    ``127.0.0.1:distributed_port`` when no launcher set the environment); ``False``: do nothing.
+    ``dist_backend`` defaults to nccl where CUDA is available (as DeepSpeed picks its accelerator's
+    backend), else gloo. ``rank`` / ``world_size`` (-1: from the environment), ``init_method`` and
+    ``timeout`` go to ``init_process_group``. ``auto_mpi_discovery``:
+    DeepSpeed's fallback when no launcher set the environment, reading ranks from mpi4py; zswap has none,
+    so ``True`` (the default) means the same as ``False`` — the environment or the single-process defaults
+    decide. ``verbose`` (DeepSpeed's log lines) and ``config`` (read by DeepSpeed for its comms logger)
+    change nothing zswap does.
+    """
+    dist = torch.distributed
+    if dist_init_required is False or dist.is_initialized():
+        return
+    launched = "WORLD_SIZE" in os.environ
+    if dist_init_required is None and not launched and world_size == -1:
+        return  # one process: zswap needs no process group
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(distributed_port), "RANK": "0", "WORLD_SIZE": "1"}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kwargs: dict[str, Any] = {"backend": backend}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if rank != -1:
+        kwargs["rank"] = rank
+    if world_size != -1:
+        kwargs["world_size"] = world_size
+    dist.init_process_group(**kwargs)
