@@ -320,7 +320,7 @@ def _refuse_placeholder_split(module: nn.Module, optimizer: Any) -> None:
     so the decayed group comes out empty and every matrix lands among the params without decay. The mark of
     it: a group with weight decay and no params beside a group without weight decay that holds params of
     two or more dimensions. Trained as given, weight decay would silently never apply."""
-    groups = getattr(optimizer, "param_groups", None) or []
+    groups = [g for g in getattr(optimizer, "param_groups", None) or [] if "params" in g]  # (duck-typed ones)
     if not any(not g["params"] and float(g.get("weight_decay", 0.0)) > 0 for g in groups):
         return
     for i, g in enumerate(groups):
