@@ -115,3 +115,23 @@ def test_adapters_train_bitwise_as_on_the_plain_model_and_save(case, tier, tmp_p
     assert saved.keys() == adapters.keys()
     for key, value in saved.items():
         assert torch.equal(value, adapters[key].detach()), key
+
+
+def test_merge_and_unload_inside_gathered_parameters_merges_as_on_the_plain_model(tmp_path: Path):
+    """PEFT merges by reading the adapters' and base layers' weights directly: inside
+    ``GatheredParameters(..., modifier_rank=0)`` they are whole and the merged weights are written back."""
+    cfg = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    ref, model = _adapted("gpt2-lora", None), _adapted("gpt2-lora", cfg)
+    for m in (ref, model):  # adapters that change the output (LoRA's B starts at zero)
+        with zswap.GatheredParameters([p for p in m.parameters() if p.requires_grad], modifier_rank=0):
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(len(n)))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = ref.merge_and_unload()
+    with zswap.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        merged = model.merge_and_unload()
+    with zswap.initialize(merged, cfg, optimizer=None):
+        got = merged(input_ids=ids).logits
+    assert torch.equal(got, want(input_ids=ids).logits)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
