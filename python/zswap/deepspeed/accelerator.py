@@ -5,9 +5,8 @@ CPU. `get_accelerator` answers for that same device, with the methods DeepSpeed 
 (device names, seeds, memory figures, streams, dtypes, the communication backend). Two answers differ
 from DeepSpeed's CPU accelerator on purpose: `communication_backend_name` is ``"gloo"`` (the CPU backend
 torch ships and zswap runs on; DeepSpeed's CPU accelerator names oneCCL's ``"ccl"``), and `current_device`
-is an int.
-DeepSpeed's compiled-op builders (``create_op_builder``, ``get_op_builder``…) are not part of zswap: asking
-for one is an `AttributeError` naming `zswap.OffloadedAdamW`, zswap's CPU Adam.
+is an int. DeepSpeed's compiled-op builders (``create_op_builder``, ``get_op_builder``…) are not part of
+zswap: asking for one is an `AttributeError` naming `zswap.OffloadedAdamW`, zswap's CPU Adam.
 """
 
 from __future__ import annotations

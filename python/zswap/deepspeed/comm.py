@@ -80,7 +80,7 @@ def get_world_group() -> Any:
 
 def get_all_ranks_from_group(group: Any = None) -> list[int]:
     """The global ranks of ``group``'s members in group-rank order (``None``: the default group)."""
-    return list(_torch_dist.get_process_group_ranks(group or _torch_dist.group.WORLD))
+    return list(_torch_dist.get_process_group_ranks(_torch_dist.group.WORLD if group is None else group))
 
 
 def has_all_gather_into_tensor() -> bool:
