@@ -182,3 +182,57 @@ def test_another_optimizer_is_stepped_as_given_and_stats_say_so(tmp_path):
         engine.step()
         assert engine.optimizer is opt
         assert engine.stats()["steps_ordinary_reason"] == "the optimizer is SGD, not zswap's OffloadedAdamW"
+
+
+ELEMENTWISE = {
+    "SGD": {"momentum": 0.9, "nesterov": True},
+    "RMSprop": {"momentum": 0.5, "centered": True},
+    "Adagrad": {"initial_accumulator_value": 0.25, "lr_decay": 0.01},  # makes its state when built
+    "Adadelta": {},
+    "Adamax": {},
+    "NAdam": {},
+    "RAdam": {},
+    "ASGD": {},
+    "Rprop": {},
+}
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_an_elementwise_torch_optimizer_trains_as_plain_torch(name, tier, tmp_path):
+    """Stepped as given over each param's flat partition. Adagrad makes its ``sum`` when it is built, over
+    the partitioned params' empty placeholders: zswap makes it again over their partitions (it failed with
+    a size mismatch at the first step)."""
+    cls, kw = getattr(torch.optim, name), ELEMENTWISE[name]
+    cfg = _config(tmp_path, tier)
+    torch.manual_seed(0)
+    plain = _model()
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = _model()
+    plain_opt = cls(_groups(plain), lr=1e-2, **kw)
+    with zswap.initialize(model, cfg, optimizer=cls(_groups(model), lr=1e-2, **kw)) as engine:
+        for x, y in _data():
+            engine.backward(_loss(model, x, y))
+            engine.step()
+            _loss(plain, x, y).backward()
+            torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 1.0)
+            plain_opt.step()
+            plain_opt.zero_grad()
+        with zswap.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+
+
+def test_state_made_when_built_is_refused_once_stepped(tmp_path):
+    cfg = _config(tmp_path)
+    with zswap.Init(cfg):
+        model = _model()
+    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+    for entry in opt.state.values():
+        entry["step"] += 1  # as after a step outside zswap (which its guard refuses)
+    with pytest.raises(
+        zswap.ConfigError,
+        match=r"optimizer= \(Adagrad\) made its state when it was built, over the partitioned params' empty "
+        r"placeholders, and zswap cannot make it again over their partitions \(it has stepped already\)",
+    ):
+        zswap.initialize(model, cfg, optimizer=opt)

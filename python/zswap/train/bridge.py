@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -308,6 +308,7 @@ def build_optimizer(
             adopt.hand_over(given, owned)
             adopt.rebind_schedulers([schedule] if hasattr(schedule, "step") else [], given, owned)
             return owned, True, ""
+        _rebuild_eager_state(given)
         return given, False, ""
     if cfg.optimizer is None:
         return None, False, "no optimizer: pass optimizer= or add an 'optimizer' section to the config"
@@ -339,3 +340,44 @@ def _refuse_placeholder_split(module: nn.Module, optimizer: Any) -> None:
                 "Outside forward a partitioned param's data is an empty placeholder (torch.Size([0])); "
                 "split by len(zswap.param_state(p).shape) or by name (as the Hugging Face Trainer does)"
             )
+
+
+def _rebuild_eager_state(optimizer: Any) -> None:
+    """State a torch optimizer makes when it is built (Adagrad's ``sum``) was made over the partitioned
+    params' empty placeholders; the step shows the optimizer each param as its flat partition, so it must
+    have the partition's shape (it failed with "The size of tensor a (0) must match…"). Rebuilt as the
+    optimizer builds it — its class over its own groups and defaults, each such param holding a zero
+    partition meanwhile — before its first step; a `ConfigError` where that cannot be done."""
+    state = getattr(optimizer, "state", None) or {}
+    stale: list[tuple[torch.Tensor, Any]] = []
+    for p, entry in state.items():
+        st = param_state(p)
+        if st is not None and isinstance(entry, Mapping):
+            shaped = (v for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+            if any(v.numel() != st.partition_numel for v in shaped):
+                stale.append((p, st))
+    if not stale:
+        return
+    name = type(optimizer).__name__
+    try:
+        if any(float(state[p].get("step", 0)) != 0 for p, _ in stale):
+            raise ValueError("it has stepped already")
+        with no_torch_function():
+            placeholders = [p.data for p, _ in stale]
+            for p, st in stale:
+                where = st.device if st.tier == "none" else torch.device("cpu")
+                p.data = torch.zeros(st.partition_numel, dtype=st.dtype, device=where)
+            try:
+                groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
+                fresh = type(optimizer)(groups, **optimizer.defaults)
+            finally:
+                for (p, _), data in zip(stale, placeholders, strict=True):
+                    p.data = data
+    except Exception as exc:
+        raise ConfigError(
+            f"optimizer= ({name}) made its state when it was built, over the partitioned params' empty "
+            f"placeholders, and zswap cannot make it again over their partitions ({exc}): hand it over "
+            "before its first step, or use an optimizer that makes its state at its first step"
+        ) from None
+    for p, _ in stale:
+        state[p] = fresh.state[p]
