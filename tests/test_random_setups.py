@@ -4,9 +4,10 @@ Each seed draws a small model (an embedding, residual blocks, a head; weights ti
 blocks under reentrant or non-reentrant activation checkpointing, a weight also used outside its module,
 a module never used, a param of no elements, dropout, a block run twice) and a setup (param and optimizer
 tiers, the device stand-in, accumulation, clipping that bites or not, persistence, live and prefetch
-budgets, ``max_in_cpu``, the config's AdamW or a torch AdamW / Adam over two param groups), then a loop (a
-forward of two passes summed, ``loss.backward()`` or ``engine.backward``, an eval forward between steps, an
-lr change between backward and step, a checkpoint saved and loaded, ``zero_grad`` after a step).
+budgets, ``max_in_cpu``, the config's AdamW or a torch AdamW / Adam / SGD / Adagrad over two param groups),
+then a loop (a forward of two passes summed, ``loss.backward()`` or ``engine.backward``, an eval forward
+between steps, an lr change between backward and step, a checkpoint saved and loaded, ``zero_grad`` after a
+step).
 float32 runs are compared with plain torch (``clip_grad_norm_``, ``AdamW(fused=True)``): every loss and
 every param after the steps; bf16 and fp16 runs with the same setup's ordinary step (``engine.early_step =
 False``). The setup is in the failure message; ``SEEDS`` can be widened locally to search further.
@@ -100,8 +101,9 @@ class Setup:
     ckpt_after_first: bool
     zero_grad_after_first: bool
     optimizer: str = "config"
-    """``"config"`` (the config's AdamW), or a torch ``"AdamW"`` / ``"Adam"`` given to `zswap.initialize`
-    over two groups: matrices with the weight decay, the rest without it at twice the lr."""
+    """``"config"`` (the config's AdamW), or a torch ``"AdamW"`` / ``"Adam"`` / ``"SGD"`` / ``"Adagrad"``
+    given to `zswap.initialize` over two groups: matrices with the weight decay, the rest without it at twice
+    the lr."""
     half: str | None = None
     empty: bool | None = None
     """A param of no elements (a placeholder) in the model: drawn (``None``), or not."""
@@ -136,8 +138,10 @@ class Setup:
         rest = [p for n, p in named if n not in matrices]
         if rest:
             groups.append({"params": rest, "weight_decay": 0.0, "lr": 2 * self.lr})
-        kind = torch.optim.AdamW if self.optimizer == "AdamW" else torch.optim.Adam
-        return kind(groups, lr=self.lr, **fused)
+        if self.optimizer in ("AdamW", "Adam"):  # rebuilt as zswap's AdamW: fused=True's bits
+            return getattr(torch.optim, self.optimizer)(groups, lr=self.lr, **fused)
+        extra = {"momentum": 0.9} if self.optimizer == "SGD" else {}  # stepped as given, as plain torch
+        return getattr(torch.optim, self.optimizer)(groups, lr=self.lr, **extra)
 
     def batches(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
         g = torch.Generator().manual_seed(self.seed)
@@ -182,7 +186,9 @@ def draw(seed: int, half: str | None = None) -> Setup:
         lr_change=rng.random() < 0.3,
         ckpt_after_first=rng.random() < 0.25,
         zero_grad_after_first=rng.random() < 0.2,
-        optimizer=rng.choice(["config", "AdamW", "Adam"]),
+        # (in bf16 / fp16 an optimizer stepped as given steps the params' own dtype, no float32 master:
+        # the early step is zswap's AdamW's, so those draws keep to it)
+        optimizer=rng.choice(["config", "AdamW", "Adam", "SGD", "Adagrad"][: 3 if half else 5]),
         half=half,
     )
 
