@@ -422,3 +422,23 @@ def test_the_engines_loader_and_16bit_save(tmp_path):
             "old_name.bin",
             "pytorch_model.bin",
         ]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_client_optimizer_without_float32_masters_is_refused_in_half_precision(dtype):
+    """DeepSpeed steps any client optimizer over float32 master weights; zswap keeps them for Adam / AdamW:
+    an SGD would step the half-precision params themselves, losing updates below their precision."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, dtype: {"enabled": True}, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TinyLM()
+    with pytest.raises(
+        ConfigError,
+        match=rf"the config enables {dtype} and the client optimizer is SGD: DeepSpeed would step it over "
+        "float32 master weights, which zswap keeps for Adam / AdamW only",
+    ):
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    engine, optimizer, *_ = deepspeed.initialize(
+        model=model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), config=cfg
+    )
+    assert isinstance(optimizer, zswap.optim.OffloadedAdamW)  # float32 masters in its records
+    engine.close()
