@@ -473,6 +473,23 @@ def test_shape_dependent_optimizer_is_refused(tmp_path):
     )
 
 
+def test_an_optimizer_without_float32_masters_is_refused_in_bf16(tmp_path):
+    """An SGD would step the bf16 params themselves (zswap's float32 masters are its AdamW's), where the
+    plain Trainer keeps float32 params under autocast and DeepSpeed float32 masters: refused by name."""
+    cfg = _config(tmp_path)
+    del cfg["optimizer"]
+    cfg["bf16"] = {"enabled": True}
+    args = _args(tmp_path / "o", optim="sgd", bf16=True)
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_zswap_model(cfg), args=args, train_dataset=_data(), zswap_config=cfg)
+    assert str(info.value) == (
+        "the config enables bf16 and the optimizer TrainingArguments.optim builds is SGD: DeepSpeed would "
+        "step it over float32 master weights, which zswap keeps for Adam / AdamW only (it would step the "
+        "bf16 params themselves, losing updates below their precision). Use an adamw optim, or train in "
+        "float32"
+    )
+
+
 def test_bf16_auto_needs_the_filled_config_at_init(tmp_path):
     """``bf16.enabled: "auto"`` with ``bf16=True`` means bf16 params, which only Init can give: a model built
     from the unfilled config (fp32) is refused; built under ``Init(fill_config(config, args))`` it is bf16

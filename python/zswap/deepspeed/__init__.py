@@ -31,10 +31,9 @@ from torch import nn
 
 from ..build.init import Init
 from ..config import raw_dict
-from ..errors import ConfigError
 from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
-from ..step.optim.adopt import is_convertible
+from ..step.optim.adopt import refuse_without_masters
 from ..train import runtime
 from ..train.bridge import one_optimizer
 from . import accelerator, checkpointing, comm, utils, zero
@@ -108,7 +107,8 @@ def initialize(
         optimizer, owned = OffloadedAdamW.from_config(params, cfg), True
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
-    _refuse_without_masters(optimizer, cfg.dtype)
+    way = "Pass a torch Adam / AdamW or use the config's optimizer section"
+    refuse_without_masters(optimizer, cfg.dtype, "the client optimizer", way)
     if cfg.gradient_clipping is None:  # absent (or "auto"): DeepSpeed's default; an explicit 0 stays off
         cfg = cfg.replace(gradient_clipping=GRADIENT_CLIPPING_DEFAULT)
     engine = runtime.build(DeepSpeedEngine, model, cfg, optimizer, lr_scheduler, None, None)
@@ -118,24 +118,6 @@ def initialize(
     if training_data is not None:
         loader = training_dataloader(training_data, cfg, engine, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
-
-
-def _refuse_without_masters(optimizer: Any, dtype: str | None) -> None:
-    """DeepSpeed steps any client optimizer over float32 master weights under ``bf16`` / ``fp16``; zswap's
-    master weights are its AdamW's (the config's, or a torch Adam / AdamW it adopts), and another optimizer
-    would step the bf16 / fp16 partitions themselves, losing every update below their precision. Refused
-    here, naming the ways that keep masters (`zswap.initialize` steps such an optimizer as given: plain
-    PyTorch's semantics over a half-precision model)."""
-    if dtype not in ("bf16", "fp16") or optimizer is None or isinstance(optimizer, OffloadedAdamW):
-        return
-    if is_convertible(optimizer) or getattr(optimizer, "steps_partitions", False):
-        return
-    raise ConfigError(
-        f"the config enables {dtype} and the client optimizer is {type(optimizer).__name__}: DeepSpeed would "
-        "step it over float32 master weights, which zswap keeps for Adam / AdamW only (it would step the "
-        f"{dtype} params themselves, losing updates below their precision). Pass a torch Adam / AdamW or use "
-        "the config's optimizer section, or train in float32"
-    )
 
 
 def _deepspeed_lr(raw: dict[str, Any]) -> dict[str, Any]:

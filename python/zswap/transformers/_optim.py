@@ -5,7 +5,8 @@ param groups: weight decay for most params, none for biases and norms (``get_dec
 torch Adam / AdamW (or any optimizer when the zswap config has an ``optimizer`` section, which wins as under
 DeepSpeed) becomes an `OffloadedAdamW` over the same groups with the same hyperparameters, its state where
 the config's ``offload_optimizer`` puts it. Any other optimizer is used as given (its state in memory, in
-the shape of each param's partition).
+the shape of each param's partition) — in float32 only: it would step bf16 / fp16 params themselves, with
+no float32 master (`zswap.step.optim.adopt.refuse_without_masters`).
 
 The Trainer's loop calls ``optimizer.step()`` once per accumulation window, after backward; `EngineStepper`
 is what it holds as its optimizer, and that call runs ``engine.step()``.
@@ -21,7 +22,7 @@ import torch
 from ..config import ZswapConfig
 from ..errors import ConfigError
 from ..step.optim import OffloadedAdamW
-from ..step.optim.adopt import REFUSED, is_convertible
+from ..step.optim.adopt import REFUSED, is_convertible, refuse_without_masters
 
 ELEMENTWISE = (
     torch.optim.SGD,
@@ -56,6 +57,9 @@ def to_zswap(client: torch.optim.Optimizer, cfg: ZswapConfig) -> Any:
     conf = cfg.optimizer
     if conf is None and not is_convertible(client):
         check_elementwise(client, "the optimizer TrainingArguments.optim builds")
+        refuse_without_masters(
+            client, cfg.dtype, "the optimizer TrainingArguments.optim builds", "Use an adamw optim"
+        )
         return client
     name = type(client).__name__
     groups = []

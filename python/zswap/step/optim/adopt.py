@@ -61,6 +61,24 @@ def to_offloaded(optimizer: torch.optim.Optimizer, config: ZswapConfig, where: s
     )
 
 
+def refuse_without_masters(optimizer: Any, dtype: str | None, where: str, how: str) -> None:
+    """For front ends whose users expect DeepSpeed's mixed precision: under ``bf16`` / ``fp16`` DeepSpeed
+    steps any client optimizer over float32 master weights, while zswap keeps them in its AdamW only (the
+    config's, or a torch Adam / AdamW it adopts); another optimizer would step the half-precision params
+    themselves and lose every update below their precision. ``where`` names the optimizer in the
+    `ConfigError`, ``how`` the way out. (`zswap.initialize` steps such an optimizer as given: plain
+    PyTorch over a half-precision model.)"""
+    if dtype not in ("bf16", "fp16") or optimizer is None or isinstance(optimizer, OffloadedAdamW):
+        return
+    if is_convertible(optimizer) or getattr(optimizer, "steps_partitions", False):
+        return
+    raise ConfigError(
+        f"the config enables {dtype} and {where} is {type(optimizer).__name__}: DeepSpeed would step it over "
+        "float32 master weights, which zswap keeps for Adam / AdamW only (it would step the "
+        f"{dtype} params themselves, losing updates below their precision). {how}, or train in float32"
+    )
+
+
 def hand_over(old: torch.optim.Optimizer, new: OffloadedAdamW) -> None:
     """After `to_offloaded`, for a caller who keeps ``old``: its param groups become ``new``'s own dicts (an
     lr scheduler built on it, or a direct ``old.param_groups[0]["lr"] = …``, sets what ``new`` steps
