@@ -192,7 +192,7 @@ class DeepSpeedEngine(runtime.Engine):
 
     def zero_use_cpu_optimizer(self) -> bool:
         """Whether the optimizer states are offloaded (CPU memory or NVMe): the step runs on the CPU."""
-        return self.config.offload_optimizer.device in ("cpu", "nvme")
+        return self.zero_offload_optimizer() is not None
 
     def zero_cpu_offload(self) -> bool:
         """Whether the optimizer states live in CPU memory (``offload_optimizer.device`` "cpu")."""

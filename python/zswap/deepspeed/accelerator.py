@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .. import memory
+
 __all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported"]
 
 
@@ -148,13 +150,13 @@ class Accelerator:
             torch.cuda.empty_cache()
 
     def memory_allocated(self, device_index: int | None = None) -> int:
-        return torch.cuda.memory_allocated(device_index) if self._cuda else _rss()
+        return torch.cuda.memory_allocated(device_index) if self._cuda else memory.rss()
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:
         return torch.cuda.max_memory_allocated(device_index) if self._cuda else _peak_rss()
 
     def memory_reserved(self, device_index: int | None = None) -> int:
-        return torch.cuda.memory_reserved(device_index) if self._cuda else _rss()
+        return torch.cuda.memory_reserved(device_index) if self._cuda else memory.rss()
 
     def max_memory_reserved(self, device_index: int | None = None) -> int:
         return torch.cuda.max_memory_reserved(device_index) if self._cuda else _peak_rss()
@@ -200,44 +202,11 @@ class Accelerator:
         half = [torch.bfloat16] if self.is_bf16_supported() else []
         return [torch.float32, *half, torch.float16]
 
-    @property
-    def FloatTensor(self) -> Any:
-        return self._typed(torch.float32)
-
-    @property
-    def HalfTensor(self) -> Any:
-        return self._typed(torch.float16)
-
-    @property
-    def BFloat16Tensor(self) -> Any:
-        return self._typed(torch.bfloat16)
-
-    @property
-    def DoubleTensor(self) -> Any:
-        return self._typed(torch.float64)
-
-    @property
-    def ByteTensor(self) -> Any:
-        return self._typed(torch.uint8)
-
-    @property
-    def IntTensor(self) -> Any:
-        return self._typed(torch.int32)
-
-    @property
-    def LongTensor(self) -> Any:
-        return self._typed(torch.int64)
-
-    @property
-    def BoolTensor(self) -> Any:
-        return self._typed(torch.bool)
-
-    def _typed(self, dtype: torch.dtype) -> Any:
-        return functools.partial(torch.tensor, dtype=dtype, device=self._name)
-
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name in _TENSOR_TYPES:  # DeepSpeed's legacy tensor-type names: a tensor maker on this device
+            return functools.partial(torch.tensor, dtype=_TENSOR_TYPES[name], device=self._name)
         why = (
             "DeepSpeed's compiled ops are not part of zswap (its CPU Adam is zswap.OffloadedAdamW, built by "
             "zswap.deepspeed.initialize from the config's optimizer section)"
@@ -250,22 +219,20 @@ class Accelerator:
         return f"zswap.deepspeed.accelerator.Accelerator({self._name!r})"
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
-
-
-def _rss() -> int:
-    """This process's resident memory (what DeepSpeed's CPU accelerator reports as allocated)."""
-    return _status_kib("VmRSS")
+_TENSOR_TYPES = {
+    "FloatTensor": torch.float32, "HalfTensor": torch.float16, "BFloat16Tensor": torch.bfloat16,
+    "DoubleTensor": torch.float64, "ByteTensor": torch.uint8, "IntTensor": torch.int32,
+    "LongTensor": torch.int64, "BoolTensor": torch.bool,
+}  # fmt: skip
 
 
 def _peak_rss() -> int:
     """Peak resident memory since the process started or `_reset_peak_rss` (the kernel's high-water mark)."""
-    return _status_kib("VmHWM")
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no VmHWM")
 
 
 def _reset_peak_rss() -> None:

@@ -45,15 +45,19 @@ def _on_torch(name: str) -> Callable[..., Any]:
     def call(
         *args: Any, prof: bool = False, log_name: str | None = None, debug: Any = None, **kwargs: Any
     ) -> Any:
-        if prof:
-            raise TypeError(
-                f"zswap.deepspeed.comm.{name}(prof=True): DeepSpeed's communication logger has no zswap "
-                "equivalent; time collectives with torch.profiler (or leave prof at its default, False)"
-            )
+        _refuse_prof(name, prof)
         return target(*args, **kwargs)
 
     call.__module__ = __name__
     return call
+
+
+def _refuse_prof(name: str, prof: bool) -> None:
+    if prof:
+        raise TypeError(
+            f"zswap.deepspeed.comm.{name}(prof=True): DeepSpeed's communication logger has no zswap "
+            "equivalent; time collectives with torch.profiler (or leave prof at its default, False)"
+        )
 
 
 for _name in _TORCH_NAMES:
@@ -112,8 +116,8 @@ def reduce_scatter_fn(
     debug: Any = None,
 ) -> Any:
     """DeepSpeed's flat reduce-scatter: ``torch.distributed.reduce_scatter_tensor``."""
-    scatter: Callable[..., Any] = globals()["reduce_scatter_tensor"]
-    return scatter(output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof)
+    _refuse_prof("reduce_scatter_fn", prof)
+    return _torch_dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def inference_all_reduce(
@@ -126,8 +130,8 @@ def inference_all_reduce(
     debug: Any = None,
 ) -> Any:
     """DeepSpeed's all-reduce for inference kernels: a plain ``all_reduce`` (DeepSpeed's waits too)."""
-    reduce_all: Callable[..., Any] = globals()["all_reduce"]
-    return reduce_all(tensor, op=op, group=group, prof=prof)
+    _refuse_prof("inference_all_reduce", prof)
+    return _torch_dist.all_reduce(tensor, op=op, group=group)
 
 
 def __getattr__(name: str) -> Any:
