@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -187,6 +188,60 @@ def sixteen_bit_save(rank: int, world: int, tmp: str) -> None:
     assert saved["2.weight"].untyped_storage().nbytes() == 15 * 2
 
 
+def nan_on_one_rank(rank: int, world: int, tmp: str) -> None:
+    """A NaN in rank 1's second batch only: the global norm is NaN on every rank, so every rank skips
+    that step (DeepSpeed's ZeRO-3) and every rank ends where plain AdamW over the other steps' averaged
+    gradients ends — bitwise without clipping; with it, to the rounding of the norm summed over ranks."""
+    for clip in (0.0, 1.0):
+        path = Path(tmp) / f"nan-{clip}"
+        path.mkdir(exist_ok=True)
+        nvme = {"device": "nvme", "nvme_path": str(path)}
+        hyper = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 3,
+            "gradient_clipping": clip,
+            "optimizer": {"type": "AdamW", "params": hyper},
+            "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme},
+        }
+        torch.manual_seed(0)
+        ref = nn.Linear(6, 5)
+        torch.manual_seed(0)
+        with zswap.Init(cfg):
+            model = nn.Linear(6, 5)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        with engine:
+            for s in range(3):
+                xs = [
+                    torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * s + r))
+                    for r in range(world)
+                ]
+                if s == 1:
+                    xs[1][0, 0] = float("nan")
+                engine.backward(engine(xs[rank]).pow(2).sum())
+                engine.step()
+                if s == 1:
+                    assert engine.get_global_grad_norm() == float("inf") and not engine.was_step_applied()
+                    continue
+                ref.zero_grad()
+                for x in xs:  # the sum over ranks, then the average, as the ranks' reduction
+                    ref(x).pow(2).sum().backward()
+                for p in ref.parameters():
+                    p.grad /= world
+                norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip or float("inf"))
+                opt.step()
+                # (the ranks' squared partition norms summed: torch's norm up to rounding)
+                assert engine.was_step_applied() and math.isclose(
+                    engine.get_global_grad_norm(), norm, rel_tol=1e-6
+                )
+            assert (engine.skipped_steps, engine.global_steps) == (1, 3)
+            with zswap.GatheredParameters(list(model.parameters())):
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                    # clipping: by a factor from that norm, so equal up to its rounding
+                    same = torch.equal(p, q) if not clip else torch.allclose(p, q, rtol=1e-6, atol=0)
+                    assert same, (clip, rank, (p - q).abs().max())
+
+
 def main() -> None:
     rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -199,6 +254,7 @@ def main() -> None:
             communication_dtype(rank, world, sys.argv[4])
             communication_fp32_for_bf16(rank, world, sys.argv[4])
             sixteen_bit_save(rank, world, sys.argv[4])
+            nan_on_one_rank(rank, world, sys.argv[4])
     finally:
         dist.destroy_process_group()
 

@@ -104,7 +104,7 @@ def test_demo_config_typo_missing_file_and_bad_json(tmp_path, capsys):
     line = _usage_error(["demo", "--config", '{"aio": '], capsys)
     assert line.startswith("zswap demo: error: argument --config: invalid JSON at line 1, column 9")
     bad = tmp_path / "bad.json"
-    bad.write_text('{"fp16": {"loss_scale_window": 0}}')
+    bad.write_text('{"fp16": {"enabled": true, "loss_scale_window": 0}}')
     line = _usage_error(["demo", "--config", str(bad)], capsys)
     assert line.startswith(f"zswap demo: error: argument --config: {bad}: fp16.loss_scale_window must be")
 

@@ -732,8 +732,14 @@ def test_a_section_must_be_an_object(section):
             {"fp16": {"initial_scale_power": 100}},
             "fp16.initial_scale_power must be at most 64, got 100",
         ),
-        ({"fp16": {"loss_scale_window": 0}}, "fp16.loss_scale_window must be a positive integer, got 0"),
-        ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale must be a positive number, got 0"),
+        (
+            {"fp16": {"enabled": True, "loss_scale_window": 0}},
+            "fp16.loss_scale_window must be a positive integer, got 0",
+        ),
+        (
+            {"fp16": {"enabled": True, "min_loss_scale": 0}},
+            "fp16.min_loss_scale must be a positive number, got 0",
+        ),
         (
             {"bf16": {"enabled": "yes"}},
             "bf16.enabled must be \"auto\", true or false (a JSON boolean, not a string), got 'yes'",
@@ -932,6 +938,32 @@ def test_fp16_loss_scale_knobs_are_kept():
     assert cfg.fp16 == FP16Config(
         loss_scale=128.0, initial_scale_power=12, loss_scale_window=500, hysteresis=4, min_loss_scale=0.5
     )
+
+
+@pytest.mark.parametrize("key", ["loss_scale_window", "min_loss_scale"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_the_dynamic_scales_window_and_floor_must_be_positive(key, value):
+    """DeepSpeed's precision config (tests/unit/runtime/test_precision_config_dynamic_scale.py): refused
+    where the scale is dynamic, kept where nothing reads them — a static scale, fp16 off — as DeepSpeed
+    0.19.8 keeps them for old configs."""
+    want = "a positive integer, got" if key == "loss_scale_window" else "a positive number, got"
+    assert error_of({"fp16": {"enabled": True, "loss_scale": 0, key: value}}).startswith(
+        f"fp16.{key} must be {want}"
+    )
+    for fp16 in (
+        {"enabled": True, "loss_scale": 128},
+        {"enabled": False, "loss_scale": 0},
+        {"enabled": "auto"},
+    ):
+        assert getattr(load_config({"fp16": {**fp16, key: value}}).fp16, key) == value
+
+
+@pytest.mark.parametrize("key", ["loss_scale_window", "min_loss_scale"])
+@pytest.mark.parametrize("value", [True, False, float("inf"), float("nan"), "abc"])
+def test_the_dynamic_scales_window_and_floor_are_numbers(key, value):
+    want = "an integer" if key == "loss_scale_window" else "a number"
+    for fp16 in ({"enabled": True}, {"enabled": True, "loss_scale": 128}):
+        assert error_of({"fp16": {**fp16, key: value}}) == f"fp16.{key} must be {want}, got {value!r}"
 
 
 # --- optimizer -----------------------------------------------------------------------------------------

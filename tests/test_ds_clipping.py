@@ -1,11 +1,16 @@
 """Clipping defaults: `zswap.deepspeed.initialize` clips at DeepSpeed's 1.0 when the config has no
 ``gradient_clipping`` (DeepSpeed >= 0.19.3), ``gradient_clipping: 0`` does not clip, and `zswap.initialize`
 clips only when asked (PyTorch's behaviour). Each run is compared bitwise with plain PyTorch (fused AdamW
-after ``clip_grad_norm_``), the engine stepping the same torch optimizer."""
+after ``clip_grad_norm_``), the engine stepping the same torch optimizer.
+
+The norm under DeepSpeed's call shapes: taken at every step, clipping or not, and a step whose norm is not
+finite skipped in every precision (``get_global_grad_norm()`` inf, the schedule not stepped), as DeepSpeed
+0.19.8's ZeRO-3 does; `zswap.initialize` applies such a step in fp32, as PyTorch does."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,14 +52,23 @@ def inputs(n: int) -> list[torch.Tensor]:
     return [torch.randn(4, 6, generator=g) for _ in range(n)]
 
 
-def reference(clip: float | None, steps: int) -> tuple[list[torch.Tensor], list[float]]:
+def inputs_with_nan(n: int, at: int) -> list[torch.Tensor]:
+    """`inputs` with one NaN in batch ``at``: its every gradient is NaN."""
+    xs = inputs(n)
+    xs[at][0, 0] = float("nan")
+    return xs
+
+
+def reference(
+    clip: float | None, steps: int, xs: list[torch.Tensor] | None = None
+) -> tuple[list[torch.Tensor], list[float]]:
     """Plain PyTorch: fused AdamW, ``clip_grad_norm_(clip)`` before each step when ``clip``; the params
-    after ``steps`` steps and each step's gradient norm."""
+    after ``steps`` steps (over ``xs``, default `inputs`) and each step's gradient norm."""
     torch.manual_seed(0)
     ref = Net()
     opt = adamw(ref.parameters())
     norms = []
-    for x in inputs(steps):
+    for x in inputs(steps) if xs is None else xs:
         ref(x).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip else float("inf"))))
         opt.step()
@@ -63,10 +77,14 @@ def reference(clip: float | None, steps: int) -> tuple[list[torch.Tensor], list[
 
 
 def train(
-    engine: zswap.Engine, model: Net, steps: int, norms: list[float] | None = None
+    engine: zswap.Engine,
+    model: Net,
+    steps: int,
+    norms: list[float] | None = None,
+    xs: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     with engine:
-        for i, x in enumerate(inputs(steps)):
+        for i, x in enumerate(inputs(steps) if xs is None else xs):
             engine.backward(engine(x))
             engine.step()
             if norms is not None:
@@ -100,13 +118,14 @@ def test_deepspeed_initialize_clips_at_one_without_the_key(extra):
 
 
 def test_deepspeed_initialize_with_gradient_clipping_zero_does_not_clip():
-    want, _ = reference(None, 3)
+    want, norms = reference(None, 3)
     clipped, _ = reference(1.0, 3)
     assert not all(torch.equal(w, c) for w, c in zip(want, clipped, strict=True))
     model = built()
     engine, *_ = deepspeed.initialize(model=model, config=config(gradient_clipping=0), optimizer=adamw)
-    assert engine.max_grad_norm is None
-    got = train(engine, model, 3)
+    assert engine.max_grad_norm is None and engine.get_global_grad_norm() is None
+    got = train(engine, model, 3, norms)  # the norm is taken all the same, as DeepSpeed's
+    assert engine.get_global_grad_norm() == norms[-1]
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
@@ -128,6 +147,7 @@ def test_zswap_initialize_does_not_clip_without_the_key():
     engine = zswap.initialize(model, cfg, optimizer=adamw(model.parameters()))
     assert engine.max_grad_norm is None and engine.config.gradient_clipping is None
     got = train(engine, model, 3)
+    assert engine.last_grad_norm is None  # nothing asked for it
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
@@ -139,3 +159,61 @@ def test_deepspeed_initialize_clips_its_config_optimizer_at_one():
     )
     assert isinstance(optimizer, zswap.optim.OffloadedAdamW) and engine.max_grad_norm == 1.0
     train(engine, model, 3, norms)  # the norms clipped are torch's
+
+
+@pytest.mark.parametrize("clip", [0, 1.0])
+def test_a_step_whose_norm_is_not_finite_is_skipped_as_deepspeed_does(clip):
+    """DeepSpeed 0.19.8 (checked): norms ``[n, inf, n', n'']``, ``skipped_steps`` 1, the weights those of
+    the steps over the finite batches alone — not NaN."""
+    xs = inputs_with_nan(4, at=1)
+    want, norms = reference(clip or None, 3, [xs[0], *xs[2:]])
+    model = built()
+    engine, *_ = deepspeed.initialize(model=model, config=config(gradient_clipping=clip), optimizer=adamw)
+    applied, seen = [], []
+    with engine:
+        for x in xs:
+            engine.backward(engine(x))
+            engine.step()
+            applied.append(engine.was_step_applied())
+            seen.append(engine.get_global_grad_norm())
+        got = train(engine, model, 0)
+    assert seen == [norms[0], float("inf"), *norms[1:]] and applied == [True, False, True, True]
+    assert (engine.skipped_steps, engine.global_steps) == (1, 4)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("clip", [0, 1.0])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_skipped_step_moves_neither_the_optimizer_nor_the_schedule(dtype, clip, tmp_path):
+    """The config's AdamW and WarmupLR, params and states on NVMe, in fp32 and bf16 (fp32 masters): a run
+    with a NaN batch ends bitwise where a run without that batch ends; the other steps keep the fast path
+    (updated in backward, or deferred when clipping bites)."""
+    xs = inputs_with_nan(5, at=2)
+
+    def run(batches: list[torch.Tensor], where: Path) -> tuple[list[torch.Tensor], zswap.Engine]:
+        nvme = {"device": "nvme", "nvme_path": str(where)}
+        cfg = config(
+            gradient_clipping=clip,
+            optimizer={"type": "AdamW", "params": HYPER},
+            scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}},
+            zero_optimization={"stage": 3, "offload_param": nvme, "offload_optimizer": nvme},
+            **({"bf16": {"enabled": True}} if dtype == "bf16" else {}),
+        )
+        model = built()
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        with engine:
+            for x in batches:
+                engine.backward(engine(x.to(torch.bfloat16) if dtype == "bf16" else x).float())
+                engine.step()
+            return train(engine, model, 0), engine
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    got, engine = run(xs, tmp_path / "a")
+    want, plain = run([*xs[:2], *xs[3:]], tmp_path / "b")
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert engine.lr_scheduler.get_last_lr() == plain.lr_scheduler.get_last_lr()
+    assert (engine.skipped_steps, engine.global_steps, plain.global_steps) == (1, 5, 4)
+    stats = engine.stats()
+    assert stats["steps_overflow_dropped"] == 1, stats
+    assert stats["steps_in_backward"] + stats["steps_deferred"] == 3, stats  # all but the first and the NaN

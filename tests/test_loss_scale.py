@@ -275,3 +275,18 @@ def test_the_autocast_scaler_moves_as_torchs_grad_scaler():
         theirs.update()
         assert ours.loss_scale == theirs.get_scale(), i
     assert ours.loss_scale == 2.0**15
+
+
+def test_fp16_params_under_a_config_without_fp16_on_need_a_readable_dynamic_scale(tmp_path):
+    """``fp16.enabled: "auto"`` keeps the window unread at load; fp16 params then take the dynamic scale, so
+    the engine refuses a window it could not run, naming the key."""
+    cfg = {
+        "fp16": {"enabled": "auto", "loss_scale_window": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    with zswap.Init(cfg):
+        model = torch.nn.Linear(4, 4).half()
+    with pytest.raises(
+        zswap.ConfigError, match=r"^fp16\.loss_scale_window must be a positive integer, got 0$"
+    ):
+        zswap.initialize(model, cfg)

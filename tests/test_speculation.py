@@ -171,6 +171,25 @@ def test_bf16_overflow_check_drops_the_early_step_and_skips(tmp_path):
     ref_e.close()
 
 
+def test_a_skipped_step_keeps_the_clipping_guess(tmp_path):
+    """Clipping that bites on every step: the step after a skipped one is deferred as the one before it
+    was (the skipped step clipped nothing, so it says nothing of the next), not speculated and redone."""
+    pattern = [1.0, 1.0, 1e38, 1.0, 1.0]
+    (_, e), (_, ref_e), seen = run(
+        tmp_path,
+        len(pattern),
+        clip=lambda step: 1e-3,
+        loss_mult=lambda step: pattern[step],
+        bf16={"enabled": True, "check_grad_overflow": True},
+    )
+    assert e.skipped_steps == 1
+    assert counts(seen, "steps_overflow_dropped") == [0, 0, 1, 0, 0]
+    assert counts(seen, "steps_redone") == [0, 0, 0, 0, 0]
+    assert counts(seen, "steps_deferred") == [0, 1, 0, 1, 1]
+    e.close()
+    ref_e.close()
+
+
 def test_fp16_loss_scale_is_the_factor_the_early_step_runs_with(tmp_path):
     pattern = [1.0, 1.0, 6e4, 1.0, 1.0]
     (_, e), (_, ref_e), seen = run(

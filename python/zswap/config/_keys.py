@@ -180,7 +180,8 @@ ZERO = Section(
         "compute_grad_norm": (
             True,
             "false is for ZeRO stages 1 and 2 (DeepSpeed refuses it with stage 3, which zswap always is); "
-            "zswap computes the norm where clipping or get_global_grad_norm() needs it",
+            "zswap.deepspeed's engine takes the norm at every step (DeepSpeed's), zswap.initialize's where "
+            "clipping or the finite check needs it",
         ),
     },
 )

@@ -70,6 +70,8 @@ def to_int(value: Any, *, minimum: int = 0, maximum: int = INT_MAX) -> int:
     """An integer in ``[minimum, maximum]``; an integral float (``5e8``) counts, 1.5 and True do not."""
     if minimum == 1:
         requirement = "must be a positive integer"
+    elif minimum <= -INT_MAX:
+        requirement = "must be an integer"
     elif minimum == 0:
         requirement = "must be a non-negative integer"
     else:
@@ -94,6 +96,8 @@ def to_float(value: Any, *, minimum: float = 0.0, strict_minimum: bool = False) 
     """A finite number ≥ ``minimum`` (> when ``strict_minimum``); integers are accepted, booleans are not."""
     if strict_minimum:
         requirement = "must be a positive number" if minimum == 0 else f"must be a number > {minimum}"
+    elif minimum == -math.inf:
+        requirement = "must be a number"
     else:
         requirement = "must be a non-negative number" if minimum == 0 else f"must be a number ≥ {minimum}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -225,6 +229,35 @@ def to_false(value: Any, *, reason: str) -> bool:
     return False
 
 
+SCHEDULE_INTS = {
+    "warmup_num_steps": 1,
+    "total_num_steps": 1,
+    "cycle_first_step_size": 1,
+    "cycle_second_step_size": 0,
+    "cycle_first_stair_count": 0,
+    "cycle_second_stair_count": 0,
+    "decay_step_size": 0,
+    "lr_range_test_step_size": 1,
+    "last_batch_iteration": -1,
+}
+"""The least value of each integer ``scheduler.params`` key."""
+SCHEDULE_BOOLS = {"lr_range_test_staircase", "cycle_momentum"}
+
+
+def schedule_value(name: str, value: Any) -> Any:
+    """One ``scheduler.params`` value checked for its name: the integers' least values, the booleans, the
+    warmup type; any other a number, or a number per param group."""
+    if name in SCHEDULE_INTS:
+        return to_int(value, minimum=SCHEDULE_INTS[name])
+    if name in SCHEDULE_BOOLS:
+        return to_bool(value)
+    if name == "warmup_type":
+        return to_choice(value, choices=("log", "linear"))
+    if isinstance(value, list | tuple):  # a value per param group
+        return tuple(to_float(item) for item in value)
+    return to_float(value)
+
+
 def _check(function: Callable[..., Any], **options: Any) -> BeforeValidator:
     return BeforeValidator(lambda value: function(value, **options))
 
@@ -235,6 +268,8 @@ StrictBool = Annotated[bool, _check(to_bool)]
 PositiveInt = Annotated[int, _check(to_int, minimum=1)]
 NonNegativeInt = Annotated[int, _check(to_int, minimum=0)]
 PositiveFloat = Annotated[float, _check(to_float, strict_minimum=True)]
+Integer = Annotated[int, _check(to_int, minimum=-INT_MAX)]
+Number = Annotated[float, _check(to_float, minimum=-math.inf)]
 NonNegativeFloat = Annotated[float, _check(to_float)]
 ByteSize = Annotated[int, _check(to_byte_size)]
 BlockSize = Annotated[int, _check(to_block_size)]

@@ -232,12 +232,13 @@ class FP16Config(_Model):
     """Static loss scale; 0 (the default) selects dynamic loss scaling."""
     initial_scale_power: Annotated[int, v.int_between(0, 64)] = 16
     """Dynamic scaling starts at 2**initial_scale_power (default 16)."""
-    loss_scale_window: v.PositiveInt = 1000
-    """Steps without overflow before the scale is raised (default 1000)."""
+    loss_scale_window: v.Integer = 1000
+    """Steps without overflow before the scale is raised (default 1000); positive where the scale is dynamic
+    (`dynamic_problem`)."""
     hysteresis: v.PositiveInt = 2
     """Overflows tolerated before the scale is lowered (default 2)."""
-    min_loss_scale: v.PositiveFloat = 1.0
-    """Floor of the dynamic loss scale (default 1)."""
+    min_loss_scale: v.Number = 1.0
+    """Floor of the dynamic loss scale (default 1); positive where the scale is dynamic."""
     consecutive_hysteresis: v.StrictBool = False
     """Refill the hysteresis after every step without overflow, not only when the scale is raised."""
     auto_cast: v.StrictBool = False
@@ -251,14 +252,25 @@ class FP16Config(_Model):
         """Whether the loss scale is dynamic (``loss_scale`` 0) rather than static."""
         return self.loss_scale == 0
 
+    def dynamic_problem(self) -> str | None:
+        """Why this section cannot drive a dynamic loss scale, else ``None``. Only a dynamic scale reads the
+        window and the floor, so a static scale or fp16 off leaves any value there alone, as DeepSpeed's
+        config does (0.19.8: old configs carry zeros there)."""
+        if self.loss_scale_window < 1:
+            return f"fp16.loss_scale_window must be a positive integer, got {self.loss_scale_window}"
+        if not self.min_loss_scale > 0:
+            return f"fp16.min_loss_scale must be a positive number, got {self.min_loss_scale:g}"
+        return None
+
 
 class BF16Config(_Model):
     """``bf16`` besides ``enabled`` (which sets `ZswapConfig.dtype`)."""
 
     check_grad_overflow: v.StrictBool = False
-    """Skip an optimizer step whose gradients are not finite (counted in ``engine.skipped_steps``), as
-    DeepSpeed's bf16 optimizers do when asked; also spelled ``check_overflow``. Default false: DeepSpeed's
-    ZeRO stage 3 never checks bf16 gradients, and the check reads every gradient once more per step."""
+    """Skip an optimizer step whose gradients are not finite (counted in ``engine.skipped_steps``) under
+    `zswap.initialize`, as DeepSpeed's stage 1 / 2 bf16 optimizer does when asked; also spelled
+    ``check_overflow``. Default false: PyTorch's way. `zswap.deepspeed.initialize` always checks, in every
+    precision, as DeepSpeed 0.19.8's stage 3 does (it skips a step whose gradient norm is not finite)."""
 
 
 class AutocastConfig(_Model):
@@ -401,39 +413,13 @@ class SchedulerConfig(_Model):
                 checked[name] = "auto"
                 continue
             try:
-                checked[name] = _schedule_value(name, value)
+                checked[name] = v.schedule_value(name, value)
             except PydanticCustomError as exc:
                 raise PydanticCustomError(
                     CONFLICT, f"scheduler.params.{name} {exc.message()}, got {v.show(value)}"
                 ) from None
         object.__setattr__(self, "params", tuple(checked.items()))
         return self
-
-
-_SCHEDULE_INTS = {
-    "warmup_num_steps": 1,
-    "total_num_steps": 1,
-    "cycle_first_step_size": 1,
-    "cycle_second_step_size": 0,
-    "cycle_first_stair_count": 0,
-    "cycle_second_stair_count": 0,
-    "decay_step_size": 0,
-    "lr_range_test_step_size": 1,
-    "last_batch_iteration": -1,
-}
-_SCHEDULE_BOOLS = {"lr_range_test_staircase", "cycle_momentum"}
-
-
-def _schedule_value(name: str, value: Any) -> Any:
-    if name in _SCHEDULE_INTS:
-        return v.to_int(value, minimum=_SCHEDULE_INTS[name])
-    if name in _SCHEDULE_BOOLS:
-        return v.to_bool(value)
-    if name == "warmup_type":
-        return v.to_choice(value, choices=("log", "linear"))
-    if isinstance(value, list | tuple):  # a value per param group
-        return tuple(v.to_float(item) for item in value)
-    return v.to_float(value)
 
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -471,6 +457,13 @@ class ZswapConfig(_Model):
     """DeepSpeed's dtype for reducing gradients over ranks: each rank's gradient is rounded to it, summed and
     divided in it, and the average rounded back to the params' dtype (kept in float32 where
     ``grad_accum_dtype`` is float32 too); ``None``: the params' own."""
+
+    @model_validator(mode="after")
+    def _dynamic_scale_readable(self) -> ZswapConfig:
+        problem = self.fp16.dynamic_problem() if self.dtype == "fp16" and self.fp16.dynamic() else None
+        if problem:
+            raise PydanticCustomError(CONFLICT, problem)
+        return self
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""

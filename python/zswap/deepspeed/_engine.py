@@ -5,6 +5,7 @@ scripts call. zswap's own `Engine` keeps its own shapes (``load_checkpoint`` ret
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -84,6 +85,14 @@ class DeepSpeedEngine(runtime.Engine):
     _micro_open = False
     """A backward set as no boundary ran and no ``step()`` followed (Accelerate's loop calls none there):
     the next forward ends its micro-batch first, as ``step()`` would have."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # DeepSpeed's ZeRO-3 takes the global gradient norm at every step and skips a step whose norm is
+        # not finite, in every precision (0.19.8: ``is_invalid_grad_norm`` in stage 3's ``step``), so one
+        # batch of NaN gradients costs a step, not the model. zswap's own Engine keeps PyTorch's way (an
+        # fp32 or bf16 step applies what it is given; fp16 skips); the norm is noted as each gradient lands.
+        self._check_finite = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; what a backward through its outputs gets is DeepSpeed's (`_backward`)."""
@@ -290,8 +299,11 @@ class DeepSpeedEngine(runtime.Engine):
         return self.save_16bit_model(save_dir, save_filename)
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradients' global L2 norm seen by the last step (``None`` when that step did not need it)."""
-        return self.last_grad_norm
+        """The gradients' global L2 norm at the last optimizer step, taken at every step as DeepSpeed's
+        (clipping or not); ``inf`` where it was not finite and that step was skipped, as DeepSpeed reports
+        it; ``None`` before the first step."""
+        norm = self.last_grad_norm
+        return norm if norm is None or math.isfinite(norm) else math.inf
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Whether the backward to come ends the accumulation window, whatever ``gradient_accumulation_steps``
@@ -366,7 +378,7 @@ class DeepSpeedEngine(runtime.Engine):
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step (accumulation boundary) changed the params: false before the
-        first and after one skipped for an fp16 overflow."""
+        first and after one skipped for gradients that were not finite (an fp16 overflow, a NaN)."""
         return getattr(self, "_step_applied", False)
 
     def fp16_enabled(self) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config.models import FP16Config
-from ..errors import ZswapError
+from ..errors import ConfigError, ZswapError
 
 SCALE_FACTOR = 2.0
 """Factor the dynamic scale is lowered and raised by (DeepSpeed's, fixed)."""
@@ -71,6 +71,9 @@ class LossScaler:
         """The scaler an ``fp16`` section describes: static when ``loss_scale`` > 0, else dynamic."""
         if not fp16.dynamic():
             return cls(fp16.loss_scale, dynamic=False)
+        problem = fp16.dynamic_problem()  # fp16 params under a config with fp16 not enabled: seen only here
+        if problem:
+            raise ConfigError(problem)
         return cls(
             2.0**fp16.initial_scale_power,
             dynamic=True,

@@ -146,7 +146,7 @@ class Engine:
         """fp16 runs: the `zswap.loss_scale.LossScaler` (``state_dict``/``load_state_dict``); else None."""
         self._scaled_backward = False  # this accumulation window went through backward(): unscale it
         self.last_grad_norm: float | None = None
-        """Global gradient norm seen by the last `step` (when clipping or the fp16 check needed it)."""
+        """Global gradient norm seen by the last `step` (when clipping or the finite check needed it)."""
         self.early_step = True
         """Escape hatch (docs/configuration.md): False for a loop that changes the lr, clipping or params
         between backward and step as a rule (`zswap.step.earlystep`'s work then wasted). Same results."""
@@ -162,7 +162,7 @@ class Engine:
         self._reuse_outputs = outputs.DEFAULT  # `reuse_backward_outputs`
         self._early: earlystep.EarlyStep | None = None
         self._early_off = ""  # why there is no early step (`zswap.step.speculation.why_not`)
-        self._clipped = False  # the last step's clipping bit: the next one is not speculated
+        self._clipped = False  # the last applied step's clipping bit: the next one is not speculated
         self._tally = stepping.Tally()
         self._grad_stash: int | None = None  # `grad_stash_bytes`, where set
         self._across = True  # `prefetch_across_passes`
@@ -247,7 +247,7 @@ class Engine:
         except BaseException:
             resident.reinstall(held)  # as they were: the step's transaction was aborted
             raise
-        self._clipped = scale is not None and scale != 1.0 / loss_scale  # the next step's guess
+        self._clipped = self._clipped if scale is None else scale != 1.0 / loss_scale  # (skipped: kept)
         if committed:
             assert early is not None
             updated = early.take_resident()
