@@ -4,6 +4,7 @@ plain model built from the same seed. Tiny configs from config objects: nothing 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from zswap import Status, full_grad, param_state
 
 transformers = pytest.importorskip("transformers")
 
+from .conftest import run_ranks  # noqa: E402
 from .test_hf_models import MODELS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
@@ -74,3 +76,11 @@ def test_generate_under_no_grad(model, tmp_path):
         got = m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         want = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+@pytest.mark.dist
+def test_generate_over_two_ranks_whose_sequences_end_apart(tmp_path):
+    """A rank whose sequences ended keeps running the model until every rank's have (transformers'
+    ``synced_gpus``, which zswap's engine makes the default over several ranks): without it the other
+    rank's next gathers wait for a rank that stopped. See `_generate_dist_worker.py`."""
+    run_ranks(Path(__file__).with_name("_generate_dist_worker.py"), tmp_path)

@@ -160,6 +160,10 @@ class ModuleHooks:
                 )
             )
 
+    def hold(self, handle: Any) -> None:
+        """Remove ``handle`` (anything with a ``remove()``, laid over the same module) with these hooks."""
+        self._handles.append(handle)
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()

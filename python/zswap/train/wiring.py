@@ -28,7 +28,7 @@ from ..step import early_build, stepping
 if TYPE_CHECKING:
     from .runtime import Engine
 
-from . import dtypes
+from . import dtypes, generation
 from .sizing import size, unique
 
 
@@ -105,6 +105,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         autocast=_autocast(config, engine.compute_device.torch_device.type),
         ledger=stepping.ForwardLedger(items) if any(st.world_size > 1 for _, st in items) else None,
     )
+    engine._hooks.hold(generation.install(module, max((st.world_size for _, st in items), default=1)))
     leaf_items = {i.index: [(s.p, s.st) for s in i.slots] for i in infos.values() if i.leaf}
     engine._grads = grads.GradSink(engine._items, engine.compute_device, leaf_items)
     engine._grads.names = {id(p): n for n, p in module.named_parameters()}
