@@ -86,6 +86,21 @@ def params_are_rank_zeros(rank: int, world: int) -> None:
             assert torch.equal(p, q), (rank, p, q)
 
 
+HYPER = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+"""The config's AdamW in the scenarios that train against plain torch: fused AdamW's defaults at this lr."""
+
+
+def linear_twins(cfg: dict) -> tuple[nn.Linear, nn.Linear, torch.optim.AdamW]:
+    """A plain ``Linear(6, 5)``, the same built under ``Init(cfg)`` from the same seed, and a fused AdamW
+    at `HYPER` over the plain one."""
+    torch.manual_seed(0)
+    ref = nn.Linear(6, 5)
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = nn.Linear(6, 5)
+    return ref, model, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+
+
 def communication_dtype(rank: int, world: int, tmp: str) -> None:
     """``communication_data_type`` fp16 / bf16 for float32 params: each rank's gradient is rounded to it,
     the ranks sum and divide in it, the average comes back in float32 (DeepSpeed's reduction); bitwise a
@@ -93,19 +108,13 @@ def communication_dtype(rank: int, world: int, tmp: str) -> None:
     for comm, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         path = Path(tmp) / comm
         path.mkdir(exist_ok=True)
-        hyper = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
         cfg = {
             "train_micro_batch_size_per_gpu": 1,
             "communication_data_type": comm,
-            "optimizer": {"type": "AdamW", "params": hyper},
+            "optimizer": {"type": "AdamW", "params": HYPER},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(path)}},
         }
-        torch.manual_seed(0)
-        ref = nn.Linear(6, 5)
-        torch.manual_seed(0)
-        with zswap.Init(cfg):
-            model = nn.Linear(6, 5)
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+        ref, model, opt = linear_twins(cfg)
         with zswap.initialize(model, cfg) as engine:
             for s in range(2):
                 seeds = [torch.Generator().manual_seed(10 * s + r) for r in range(world)]
@@ -196,19 +205,13 @@ def nan_on_one_rank(rank: int, world: int, tmp: str) -> None:
         path = Path(tmp) / f"nan-{clip}"
         path.mkdir(exist_ok=True)
         nvme = {"device": "nvme", "nvme_path": str(path)}
-        hyper = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
         cfg = {
             "train_micro_batch_size_per_gpu": 3,
             "gradient_clipping": clip,
-            "optimizer": {"type": "AdamW", "params": hyper},
+            "optimizer": {"type": "AdamW", "params": HYPER},
             "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme},
         }
-        torch.manual_seed(0)
-        ref = nn.Linear(6, 5)
-        torch.manual_seed(0)
-        with zswap.Init(cfg):
-            model = nn.Linear(6, 5)
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+        ref, model, opt = linear_twins(cfg)
         engine, *_ = deepspeed.initialize(model=model, config=cfg)
         with engine:
             for s in range(3):
