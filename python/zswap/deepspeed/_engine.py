@@ -298,12 +298,15 @@ class DeepSpeedEngine(runtime.Engine):
         """DeepSpeed's old name for `save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
 
-    def get_global_grad_norm(self) -> float | None:
+    def get_global_grad_norm(self) -> torch.Tensor | float | None:
         """The gradients' global L2 norm at the last optimizer step, taken at every step as DeepSpeed's
-        (clipping or not); ``inf`` where it was not finite and that step was skipped, as DeepSpeed reports
-        it; ``None`` before the first step."""
+        (clipping or not), in DeepSpeed's types: a 0-d float32 tensor (scripts call ``.item()`` on it), the
+        float ``inf`` where it was not finite and that step was skipped, ``None`` before the first step.
+        ``engine.last_grad_norm`` has it as a float."""
         norm = self.last_grad_norm
-        return norm if norm is None or math.isfinite(norm) else math.inf
+        if norm is None or not math.isfinite(norm):
+            return None if norm is None else math.inf
+        return torch.tensor(norm, dtype=torch.float32)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Whether the backward to come ends the accumulation window, whatever ``gradient_accumulation_steps``
