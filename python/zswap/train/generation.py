@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -31,13 +29,12 @@ def install(module: nn.Module, world: int) -> Installed:
         if "generate" in vars(m) or not callable(generate):
             continue  # one set on the instance is the caller's (or another engine's): left as it is
         try:
-            signature = inspect.signature(generate)
+            takes = "synced_gpus" in inspect.signature(generate).parameters
         except (TypeError, ValueError):
             continue
-        if "synced_gpus" in signature.parameters:
-            # A method bound to the instance, not the class (shared with models no engine runs); the cycle
-            # it makes (module -> its __dict__ -> method -> module) is the collector's, and `remove` cuts it.
-            wrapper = types.MethodType(_synced(generate, signature), m)
+        if takes:
+            # On the instance, not the class (shared with models no engine runs).
+            wrapper = SyncedGenerate(m)
             vars(m)["generate"] = wrapper
             done.set.append((m, wrapper))
     return done
@@ -47,7 +44,7 @@ class Installed:
     """What `install` set, taken off by `remove` (with the engine's module hooks)."""
 
     def __init__(self) -> None:
-        self.set: list[tuple[nn.Module, Any]] = []
+        self.set: list[tuple[nn.Module, SyncedGenerate]] = []
 
     def remove(self) -> None:
         for m, wrapper in self.set:
@@ -56,15 +53,23 @@ class Installed:
         self.set.clear()
 
 
-def _synced(generate: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:
-    @functools.wraps(generate)
-    def synced(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        try:
-            given = "synced_gpus" in signature.bind_partial(self, *args, **kwargs).arguments
-        except TypeError:
-            given = True  # a call generate cannot take: its own error says why
-        if not given:
-            kwargs["synced_gpus"] = True
-        return generate(self, *args, **kwargs)
+class SyncedGenerate:
+    """``module.generate`` (its class's) with ``synced_gpus`` true unless the call gives it."""
 
-    return synced
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        cls: Any = type(module)
+        self.generate = cls.generate  # the class's function
+        functools.update_wrapper(self, self.generate)  # its name, doc and signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        generate = self.generate
+        if "synced_gpus" not in kwargs:
+            try:
+                bound = inspect.signature(generate).bind_partial(self.module, *args, **kwargs)
+                given = "synced_gpus" in bound.arguments
+            except TypeError:
+                given = True  # a call generate cannot take: its own error says why
+            if not given:
+                kwargs["synced_gpus"] = True
+        return generate(self.module, *args, **kwargs)
