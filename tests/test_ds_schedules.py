@@ -311,3 +311,42 @@ def test_warmup_cosine_with_no_decay_window_stays_at_its_floor():
     for step in range(10, 15):
         sched.step(step)
         assert sched.get_lr_ratio() == pytest.approx(0.1)
+
+
+class _Recorder(torch.optim.lr_scheduler.LambdaLR):
+    """A constant schedule that notes the keywords of each ``step`` (Megatron's ``increment``…); passed to
+    ``initialize`` as its class, which DeepSpeed calls with the optimizer."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.seen: list[dict[str, Any]] = []
+        super().__init__(optimizer, lambda step: 1.0)
+
+    def step(self, **kwargs: Any) -> None:  # type: ignore[override]
+        self.seen.append(kwargs)
+        super().step()
+
+
+def test_step_passes_lr_kwargs_to_the_schedule_on_applied_steps_only():
+    """DeepSpeed's ``engine.step(lr_kwargs=…)``: the keywords reach the schedule's ``step`` after an applied
+    optimizer step — not after a micro-step between boundaries, nor after a step skipped for NaN gradients —
+    and the next step without them steps it plainly."""
+    cfg = base_config(gradient_accumulation_steps=2, train_batch_size=4, train_micro_batch_size_per_gpu=2)
+    model = TwoLayer()
+    engine, _, _, sched = deepspeed.initialize(
+        config=cfg, model=model, model_parameters=model.parameters(), lr_scheduler=_Recorder
+    )
+    with engine:
+        sched.seen.clear()  # (its first step is torch's, at construction)
+        data = list(batches(8))
+        poisoned = data[2][0].clone()
+        poisoned[0, 0] = float("nan")
+        data[2] = (poisoned, data[2][1])
+        for i, (x, y) in enumerate(data[:6]):
+            engine.backward(engine(x, y))
+            engine.step(lr_kwargs={"increment": i})
+        assert engine.skipped_steps == 1  # the second boundary (micro-batches 2 and 3)
+        for x, y in data[6:]:
+            engine.backward(engine(x, y))
+            engine.step()
+        assert engine.lr_scheduler is sched  # the keywords were for those steps only
+    assert sched.seen == [{"increment": 1}, {"increment": 5}, {}]

@@ -24,6 +24,20 @@ from ._args import refuse
 from ._data import training_dataloader
 
 
+class _StepsWith:
+    """A schedule whose ``step()`` passes ``kwargs`` (`DeepSpeedEngine.step`'s ``lr_kwargs``); anything else
+    is the schedule's own."""
+
+    def __init__(self, schedule: Any, kwargs: dict[str, Any]) -> None:
+        self.schedule, self.kwargs = schedule, kwargs
+
+    def step(self) -> None:
+        self.schedule.step(**self.kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.schedule, name)
+
+
 class NoSyncError(ZswapError, AssertionError):
     """`DeepSpeedEngine.no_sync`: no gradient synchronisation to put off (DeepSpeed asserts with ZeRO-3)."""
 
@@ -62,7 +76,8 @@ class DeepSpeedEngine(runtime.Engine):
     ``set_gradient_accumulation_boundary(b)`` says which backward ends the accumulation window, as
     DeepSpeed's does (until called again); ``coalesce_grad_reduction()`` holds the backwards of one step;
     ``deepspeed_io(dataset)`` builds DeepSpeed's loader, ``save_16bit_model`` writes the whole state dict;
-    ``destroy()`` is `close`; ``no_sync()`` raises as DeepSpeed's does under ZeRO-3. A backward through the
+    ``destroy()`` is `close`; ``no_sync()`` raises as DeepSpeed's does under ZeRO-3; ``step(lr_kwargs=…)``
+    hands its keywords to the schedule's ``step``. A backward through the
     tensors ``engine(...)`` returned that `backward` does not run is DeepSpeed's (divided by the
     accumulation steps; under fp16 scaled by ``scale(loss)`` or refused).
     """
@@ -358,7 +373,10 @@ class DeepSpeedEngine(runtime.Engine):
         finally:
             self._coalescing = False
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """`zswap.Engine.step`; ``lr_kwargs``: DeepSpeed's keywords for the schedule's ``step`` (a
+        ``last_batch_iteration``, a Megatron-style ``increment``…), passed where the schedule steps — after
+        an applied optimizer step, not a skipped one nor a micro-step between boundaries."""
         if self._coalescing:
             raise CoalesceError(
                 "engine.step() inside coalesce_grad_reduction(): the block holds one step's backwards; call "
@@ -366,7 +384,13 @@ class DeepSpeedEngine(runtime.Engine):
             )
         self._micro_open = False  # a step between boundaries ends the micro-batch itself
         skipped, boundary = self.skipped_steps, self.is_gradient_accumulation_boundary()
-        super().step()
+        schedule = self.lr_scheduler
+        if lr_kwargs and schedule is not None:
+            self.lr_scheduler = _StepsWith(schedule, dict(lr_kwargs))  # for this step's schedule step only
+        try:
+            super().step()
+        finally:
+            self.lr_scheduler = schedule
         if boundary:
             self._step_applied = self.skipped_steps == skipped
             batch = self.train_batch_size() or 0

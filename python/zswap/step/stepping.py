@@ -92,7 +92,7 @@ def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
                 f"the config has a scheduler section ({cfg.scheduler.type}) and lr_scheduler= was passed "
                 "too; keep one of them"
             )
-        if callable(given) and not hasattr(given, "step"):
+        if callable(given) and (isinstance(given, type) or not hasattr(given, "step")):  # a class: built
             if optimizer is None:
                 raise ConfigError("lr_scheduler= is a callable that takes the optimizer, but there is none")
             return given(optimizer)
