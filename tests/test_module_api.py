@@ -350,6 +350,40 @@ def test_init_dtype_is_the_plain_build_cast(make, tier, tmp_path):
     assert all(got[n].dtype == b.dtype and torch.equal(got[n], b) for n, b in buffers.items())
 
 
+# -- pickling --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_pickling_a_partitioned_param_is_refused_not_saved_empty(tier, tmp_path):
+    """``torch.save(model)`` wrote each partitioned param's empty placeholder: the file loaded as a model
+    without weights and nothing said so. Pickling a managed param is refused (naming the ways that write
+    values); a plain model, a shallow copy, a deep copy and the state dict behave as before."""
+    import copy
+    import io
+    import pickle
+
+    plain, m = pair(tier, tmp_path)
+    refused = r"^pickling a param zswap partitioned \(shape \(5, 7\);.*model\.state_dict\(\)"
+    for save in (
+        lambda: torch.save(m, io.BytesIO()),
+        lambda: pickle.dumps(m),
+        lambda: torch.save(m.state_dict(keep_vars=True), io.BytesIO()),  # the params themselves
+    ):
+        with pytest.raises(ZswapError, match=refused):
+            save()
+    assert copy.copy(m).a.weight is m.a.weight  # a shallow copy pickles nothing
+    assert same(copy.deepcopy(m), plain) == []
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)  # the values, as the plain model's
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert all(torch.equal(loaded[n], v) for n, v in plain.state_dict().items())
+    buf = io.BytesIO()
+    torch.save(plain, buf)  # a plain model pickles as torch's
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=False).a.weight, plain.a.weight)
+
+
 # -- copy.deepcopy ---------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ is an empty tensor of the right dtype on the param's device; `param_state` gives
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import enum
 import itertools
 import weakref
@@ -180,6 +181,28 @@ def register(p: torch.Tensor, state: ParamState) -> None:
     p.ds_id = next(_IDS)  # type: ignore[attr-defined]
     fin = weakref.finalize(p, _forget, id(p), state)
     fin.atexit = False  # at interpreter exit the stores go away whole
+
+
+def _reduce_parameter(p: torch.nn.Parameter) -> Any:
+    """How pickle (``torch.save(model)``, ``pickle.dumps``) reduces an ``nn.Parameter``: torch's own way,
+    except for a managed param, whose ``.data`` is an empty placeholder — the file would load as a model
+    without those weights and nothing would say so. Registered for the type in `copyreg` (which pickle and
+    ``copy.copy`` consult before the class's ``__reduce_ex__``; ``copy.deepcopy`` uses the class's
+    ``__deepcopy__``, and torch's multiprocessing its own reducers)."""
+    state = _REGISTRY.get(id(p))
+    if state is not None:
+        raise ZswapError(
+            f"pickling a param zswap partitioned (shape {tuple(state.shape)}; torch.save(model), pickle) "
+            "would write its empty placeholder, not its values: the file would load without its weights. "
+            "Save model.state_dict() (full values, one param at a time), or write them with "
+            "zswap.save_weights(model, dir) or model.save_pretrained(dir); engine.save_checkpoint(dir) to "
+            "resume training"
+        )
+    return torch.nn.Parameter.__reduce_ex__(p, 2)  # (a copyreg reducer is not told the protocol: torch's
+    # reduce of a param does not read it)
+
+
+copyreg.pickle(torch.nn.Parameter, _reduce_parameter)
 
 
 def _forget(pid: int, state: ParamState) -> None:
