@@ -357,7 +357,8 @@ def test_init_dtype_is_the_plain_build_cast(make, tier, tmp_path):
 def test_pickling_a_partitioned_param_is_refused_not_saved_empty(tier, tmp_path):
     """``torch.save(model)`` wrote each partitioned param's empty placeholder: the file loaded as a model
     without weights and nothing said so. Pickling a managed param is refused (naming the ways that write
-    values); a plain model, a shallow copy, a deep copy and the state dict behave as before."""
+    values) unless it is gathered; a plain model, a shallow copy, a deep copy and the state dict behave as
+    before."""
     import copy
     import io
     import pickle
@@ -371,6 +372,9 @@ def test_pickling_a_partitioned_param_is_refused_not_saved_empty(tier, tmp_path)
     ):
         with pytest.raises(ZswapError, match=refused):
             save()
+    with zswap.GatheredParameters(list(m.parameters())):  # gathered: the full values, as a plain model's
+        whole = pickle.loads(pickle.dumps(m))
+    assert param_state(whole.a.weight) is None and same(whole, plain) == []
     assert copy.copy(m).a.weight is m.a.weight  # a shallow copy pickles nothing
     assert same(copy.deepcopy(m), plain) == []
     buf = io.BytesIO()

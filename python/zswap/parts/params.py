@@ -185,12 +185,13 @@ def register(p: torch.Tensor, state: ParamState) -> None:
 
 def _reduce_parameter(p: torch.nn.Parameter) -> Any:
     """How pickle (``torch.save(model)``, ``pickle.dumps``) reduces an ``nn.Parameter``: torch's own way,
-    except for a managed param, whose ``.data`` is an empty placeholder — the file would load as a model
-    without those weights and nothing would say so. Registered for the type in `copyreg` (which pickle and
+    except for a managed param not gathered, whose ``.data`` is an empty placeholder — the file would load
+    as a model without those weights and nothing would say so (inside ``GatheredParameters`` its ``.data`` is
+    the full tensor, written as a plain param's). Registered for the type in `copyreg` (which pickle and
     ``copy.copy`` consult before the class's ``__reduce_ex__``; ``copy.deepcopy`` uses the class's
     ``__deepcopy__``, and torch's multiprocessing its own reducers)."""
     state = _REGISTRY.get(id(p))
-    if state is not None:
+    if state is not None and not (state.status is Status.AVAILABLE and p.numel() == state.numel):
         raise ZswapError(
             f"pickling a param zswap partitioned (shape {tuple(state.shape)}; torch.save(model), pickle) "
             "would write its empty placeholder, not its values: the file would load without its weights. "
