@@ -319,9 +319,9 @@ class DeepSpeedEngine(runtime.Engine):
         float ``inf`` where it was not finite and that step was skipped, ``None`` before the first step.
         ``engine.last_grad_norm`` has it as a float."""
         norm = self.last_grad_norm
-        if norm is None or not math.isfinite(norm):
-            return None if norm is None else math.inf
-        return torch.tensor(norm, dtype=torch.float32)
+        if norm is None:
+            return None
+        return torch.tensor(norm, dtype=torch.float32) if math.isfinite(norm) else math.inf
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Whether the backward to come ends the accumulation window, whatever ``gradient_accumulation_steps``

@@ -36,7 +36,7 @@ def install(module: nn.Module, world: int) -> Installed:
             # On the instance, not the class (shared with models no engine runs).
             wrapper = SyncedGenerate(m)
             vars(m)["generate"] = wrapper
-            done.set.append((m, wrapper))
+            done.wrapped.append((m, wrapper))
     return done
 
 
@@ -44,13 +44,13 @@ class Installed:
     """What `install` set, taken off by `remove` (with the engine's module hooks)."""
 
     def __init__(self) -> None:
-        self.set: list[tuple[nn.Module, SyncedGenerate]] = []
+        self.wrapped: list[tuple[nn.Module, SyncedGenerate]] = []
 
     def remove(self) -> None:
-        for m, wrapper in self.set:
+        for m, wrapper in self.wrapped:
             if vars(m).get("generate") is wrapper:
                 del vars(m)["generate"]
-        self.set.clear()
+        self.wrapped.clear()
 
 
 class SyncedGenerate:
