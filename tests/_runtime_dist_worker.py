@@ -8,6 +8,7 @@ script does; and the gathered full gradients must be bitwise equal on every rank
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
 from tests.test_runtime import MLP, TinyLM, ids, sq
-from zswap import full_grad, param_state
+from zswap import _hostcomm, full_grad, param_state
 
 
 def config(tier: str, rank: int, swap_root: Path) -> dict:
@@ -80,6 +81,8 @@ def main() -> None:
         for kind in ("mlp", "lm"):
             for tier in ("cpu", "nvme"):
                 check(kind, tier, rank, world, swap_root)
+        ran = [ch.rounds for _, ch in _hostcomm._CHANNELS.values() if ch is not None]
+        assert bool(ran and all(ran)) == (os.environ["ZSWAP_HOST_COLLECTIVES"] == "1"), ran
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -12,5 +12,8 @@ WORKER = Path(__file__).with_name("_runtime_dist_worker.py")
 
 
 @pytest.mark.dist
-def test_two_ranks_match_the_plain_model(tmp_path):
+@pytest.mark.parametrize("transport", ["shared memory", "gloo"])
+def test_two_ranks_match_the_plain_model(transport, tmp_path, monkeypatch):
+    """Through shared memory (ranks on one host, `zswap._hostcomm`) and through gloo's all-to-alls alike."""
+    monkeypatch.setenv("ZSWAP_HOST_COLLECTIVES", "1" if transport == "shared memory" else "0")
     run_ranks(WORKER, tmp_path)

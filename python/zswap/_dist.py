@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _hostcomm
 from .errors import RanksDivergedError, ZswapError, ZswapWarning
 
 if TYPE_CHECKING:
@@ -70,6 +71,13 @@ def is_gloo(group: ProcessGroup | None) -> bool:
     return bool(torch.distributed.get_backend(group) == "gloo")
 
 
+def host_channel(group: ProcessGroup | None) -> _hostcomm.Channel | None:
+    """The shared-memory channel of a gloo ``group`` whose ranks share one host (`zswap._hostcomm`), or
+    ``None``: gloo carries its collectives. The first call on a group is collective (every rank makes it at
+    the same point, as it is made from a gather or a reduction every rank runs)."""
+    return _hostcomm.channel(group)
+
+
 def all_gather_flat(
     out: torch.Tensor,
     local: torch.Tensor,
@@ -85,6 +93,10 @@ def all_gather_flat(
     dist = torch.distributed
     if local.device != out.device:
         local = local.to(out.device)
+    ch = host_channel(group) if out.device.type == "cpu" and is_gloo(group) else None
+    if ch is not None:
+        ch.all_gather(out, local.reshape(-1))
+        return
     if scratch is not None and out.device.type == "cpu" and is_gloo(group):
         n, world = local.numel(), out.numel() // max(local.numel(), 1)
         sent = scratch(n * world, local.dtype)

@@ -332,6 +332,10 @@ def _sum_of_slices(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> boo
     all-to-all 0.2–0.9 ms (benches/README.md, "The step matrix"), and backward makes one per param.
     False where this gloo has no all-to-all (every rank fails alike, so the caller's collectives still
     line up)."""
+    ch = _dist.host_channel(st.group) if flat.device.type == "cpu" else None
+    if ch is not None:  # ranks on one host: through shared memory, summed in the same order
+        ch.sum_slices(out, flat)
+        return True
     pooled = host_buffers(st)
     got = pooled(flat.numel(), flat.dtype) if pooled else torch.empty_like(flat)
     try:

@@ -1,0 +1,64 @@
+"""Gathers and gradient reductions of ranks on one host through shared memory (`zswap._hostcomm`): bitwise
+gloo's results, the fall back to gloo where a rank cannot map the others' memory, and a peer that exits or
+never comes named instead of waited for: see `_hostcomm_dist_worker.py`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zswap import _hostcomm
+
+from .conftest import run_ranks
+
+WORKER = Path(__file__).with_name("_hostcomm_dist_worker.py")
+
+
+def run_case(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int = 2) -> None:
+    monkeypatch.setenv("ZSWAP_HOSTCOMM_CASE", case)
+    run_ranks(WORKER, tmp_path, world=world, timeout=120)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchanges_equal_gloo_bitwise_and_leave_nothing_in_dev_shm(world, tmp_path, monkeypatch):
+    run_case("exchange", tmp_path, monkeypatch, world)
+
+
+@pytest.mark.dist
+def test_a_rank_that_cannot_map_the_others_keeps_every_rank_on_gloo(tmp_path, monkeypatch):
+    run_case("refused", tmp_path, monkeypatch)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("where", ["every rank", "one rank"])
+def test_turned_off_by_the_environment(where, tmp_path, monkeypatch):
+    if where == "every rank":
+        monkeypatch.setenv("ZSWAP_HOST_COLLECTIVES", "0")
+    else:
+        monkeypatch.delenv("ZSWAP_HOST_COLLECTIVES", raising=False)  # the worker turns it off on rank 1
+    run_case("off", tmp_path, monkeypatch)
+
+
+@pytest.mark.dist
+def test_a_peer_that_exits_is_named_and_the_channel_breaks(tmp_path, monkeypatch):
+    run_case("peer_exits", tmp_path, monkeypatch)
+
+
+@pytest.mark.dist
+def test_a_peer_that_never_comes_times_out(tmp_path, monkeypatch):
+    run_case("timeout", tmp_path, monkeypatch)
+
+
+def test_a_zombie_counts_as_exited():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    assert _hostcomm._alive(child.pid)
+    deadline = time.monotonic() + 30
+    while _hostcomm._alive(child.pid):  # it exits, and stays a zombie until waited for
+        assert time.monotonic() < deadline, "a zombie was taken for a running process"
+        time.sleep(0.05)
+    assert child.poll() == 0  # reaped only now
