@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zswap import ZswapError, _dist, _hostcomm
+from zswap import ZswapError, ZswapWarning, _dist, _hostcomm
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
 
@@ -64,26 +65,54 @@ def exchange(rank: int, world: int) -> None:
             assert torch.equal(got, expect), ("reduce", dtype, n)
 
 
+def opened_with_warnings(rank: int, world: int) -> tuple[_hostcomm.Channel | None, list[str]]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ch = _dist.host_channel(None)
+    return ch, [str(w.message) for w in seen if issubclass(w.category, ZswapWarning)]
+
+
+def gather_through_gloo(rank: int, world: int) -> None:
+    out, local = torch.empty(world * 3), torch.full((3,), float(rank))
+    _dist.all_gather_flat(out, local, None)
+    assert out.tolist() == [float(r) for r in range(world) for _ in range(3)]
+
+
 def refused(rank: int, world: int) -> None:
-    """One rank that cannot map a peer's segment: every rank keeps gloo, and gathers still work."""
+    """One rank that cannot map a peer's segment: every rank keeps gloo, says why once, and gathers work."""
     if rank == 1:
 
         def no(*args: object) -> None:
             raise PermissionError("not allowed here")
 
         _hostcomm._attach = no  # type: ignore[assignment]
-    assert _dist.host_channel(None) is None
-    out, local = torch.empty(world * 3), torch.full((3,), float(rank))
-    _dist.all_gather_flat(out, local, None)
-    assert out.tolist() == [float(r) for r in range(world) for _ in range(3)]
+    ch, said = opened_with_warnings(rank, world)
+    assert ch is None
+    assert len(said) == 1 and said[0].startswith(
+        f"the {world} ranks of this process group share one host but not memory (rank 1: cannot map another "
+        "rank's segment: not allowed here): gloo carries"
+    ), said
+    gather_through_gloo(rank, world)
+
+
+def other_host(rank: int, world: int) -> None:
+    """Ranks on different hosts keep gloo, and nothing is said: that is how it has to be."""
+    if rank == 1:
+        _hostcomm._host = lambda: "elsewhere"
+    ch, said = opened_with_warnings(rank, world)
+    assert ch is None and said == [], said
+    assert not glob.glob(f"/dev/shm/zswap-{os.getpid()}-*"), "the segment was left in /dev/shm"
+    gather_through_gloo(rank, world)
 
 
 def off(rank: int, world: int) -> None:
-    """``ZSWAP_HOST_COLLECTIVES=0`` on every rank, or on one only: no channel on any."""
+    """``ZSWAP_HOST_COLLECTIVES=0`` on every rank, or on one only: no channel on any, and nothing said."""
     if os.environ.get("ZSWAP_HOST_COLLECTIVES") is None and rank == 1:
         os.environ["ZSWAP_HOST_COLLECTIVES"] = "0"
     assert _hostcomm.enabled() == (os.environ.get("ZSWAP_HOST_COLLECTIVES") != "0")
-    assert _dist.host_channel(None) is None
+    ch, said = opened_with_warnings(rank, world)
+    assert ch is None and said == [], said
+    gather_through_gloo(rank, world)
 
 
 def peer_exits(rank: int, world: int) -> None:
@@ -127,7 +156,7 @@ def timeout(rank: int, world: int) -> None:
         raise AssertionError("the gather went on without rank 1")
 
 
-CASES = {f.__name__: f for f in (exchange, refused, off, peer_exits, timeout)}
+CASES = {f.__name__: f for f in (exchange, refused, other_host, off, peer_exits, timeout)}
 
 
 def main() -> None:

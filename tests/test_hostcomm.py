@@ -30,8 +30,13 @@ def test_exchanges_equal_gloo_bitwise_and_leave_nothing_in_dev_shm(world, tmp_pa
 
 
 @pytest.mark.dist
-def test_a_rank_that_cannot_map_the_others_keeps_every_rank_on_gloo(tmp_path, monkeypatch):
+def test_a_rank_that_cannot_map_the_others_keeps_every_rank_on_gloo_and_says_why(tmp_path, monkeypatch):
     run_case("refused", tmp_path, monkeypatch)
+
+
+@pytest.mark.dist
+def test_ranks_on_other_hosts_keep_gloo_without_a_word(tmp_path, monkeypatch):
+    run_case("other_host", tmp_path, monkeypatch)
 
 
 @pytest.mark.dist

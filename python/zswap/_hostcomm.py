@@ -33,7 +33,6 @@ KeyboardInterrupt) leaves the ranks out of step: the channel is then broken, and
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
@@ -41,12 +40,13 @@ import platform
 import secrets
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import ZswapError
+from .errors import ZswapError, ZswapWarning
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -60,6 +60,7 @@ _TOKEN = 24  # 16 random bytes: that the segment opened is the one the rank anno
 _SHM = "/dev/shm"
 _SPINS, _YIELDS, _POLL = 64, 2000, 0.0002  # then sleeps of _POLL seconds
 _CHECK_EVERY = 1.0  # seconds between liveness and timeout checks while sleeping
+_OFF = "off"  # a rank's reason for no segment: ZSWAP_HOST_COLLECTIVES=0 (or not x86-64 Linux)
 
 _CHANNELS: dict[int, tuple[Any, Channel | None]] = {}
 """{id(process group): (the group, its channel or None where gloo stays)} — the group kept to tell a
@@ -191,41 +192,54 @@ class Channel:
     @classmethod
     def open(cls, pg: Any) -> Channel | None:
         """Map every rank's segment of ``pg``: collective; ``None`` (on every rank alike) where any rank
-        cannot — another host, another ``/dev/shm``, no room on it."""
+        cannot — another host, another ``/dev/shm``, no room on it — or has host collectives off. Ranks
+        that share a host but could not share memory say why in one `ZswapWarning`."""
         dist = torch.distributed
         rank, world = dist.get_rank(pg), dist.get_world_size(pg)
         if world < 2 or dist.get_backend(pg) != "gloo":
             return None
         size = _HEADER + 2 * SLOT
         mine: tuple[str, mmap.mmap, bytes] | None = None
+        why: str | None = _OFF
         # A rank where host collectives are off (or no segment could be made) still joins the two
         # collectives below, announcing none: every rank then keeps gloo, whatever each one's setting.
         if enabled():
-            with contextlib.suppress(OSError):
-                mine = _create(size)
+            try:
+                mine, why = _create(size), None
+            except OSError as exc:
+                why = f"no segment in {_SHM}: {exc}"
+        segments: list[_Segment] = []
         try:
+            mine_path, mine_token = (mine[0], mine[2]) if mine is not None else (None, None)
             announced: list[Any] = [None] * world
-            me = (_host(), mine[0], mine[2]) if mine is not None else None
-            dist.all_gather_object(announced, me, group=pg)
-            segments: list[_Segment] = []
-            ok = all(a is not None and a[0] == announced[0][0] for a in announced)
-            if ok:
+            dist.all_gather_object(announced, (_host(), mine_path, mine_token, why), group=pg)
+            one_host = len({host for host, *_ in announced}) == 1
+            if one_host and all(path for _, path, _, _ in announced):
                 try:
-                    for j, (_, path, token) in enumerate(announced):
+                    for j, (_, path, token, _) in enumerate(announced):
                         if j == rank and mine is not None:
                             segments.append(_Segment(mine[1]))
                         else:
                             segments.append(_attach(path, size, token))
-                except OSError:
-                    ok = False
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)  # then every rank has mapped every segment
+                except OSError as exc:
+                    why, segments = f"cannot map another rank's segment: {exc}", []
+            failed: list[Any] = [None] * world
+            dist.all_gather_object(failed, why, group=pg)  # past it, every rank has mapped every segment
         finally:
             if mine is not None:
                 os.unlink(mine[0])  # mapped where it is used: nothing stays in /dev/shm
-        if int(flag.item()) == 0:
+        if one_host and _OFF not in failed and any(failed):
+            r, reason = next((r, w) for r, w in enumerate(failed) if w)
+            warnings.warn(
+                f"the {world} ranks of this process group share one host but not memory (rank {r}: "
+                f"{reason}): gloo carries their gathers and gradient reductions, slower; "
+                "ZSWAP_HOST_COLLECTIVES=0 says that is meant",
+                ZswapWarning,
+                stacklevel=2,
+            )
+        if not segments or any(failed):
             return None
-        return cls(rank, segments, [a[1] for a in announced])
+        return cls(rank, segments, [path for _, path, _, _ in announced])
 
     # -- the two exchanges ---------------------------------------------------------------------------
 
