@@ -30,13 +30,17 @@ def test_exchanges_equal_gloo_bitwise_and_leave_nothing_in_dev_shm(world, tmp_pa
 
 
 @pytest.mark.dist
-def test_a_rank_that_cannot_map_the_others_keeps_every_rank_on_gloo_and_says_why(tmp_path, monkeypatch):
-    run_case("refused", tmp_path, monkeypatch)
-
-
-@pytest.mark.dist
-def test_ranks_on_other_hosts_keep_gloo_without_a_word(tmp_path, monkeypatch):
-    run_case("other_host", tmp_path, monkeypatch)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param("refused", id="a rank that cannot map the others keeps every rank on gloo, says why"),
+        pytest.param("other_host", id="ranks on other hosts keep gloo without a word"),
+        pytest.param("peer_exits", id="a peer that exits is named, and the channel breaks"),
+        pytest.param("timeout", id="a peer that never comes times out"),
+    ],
+)
+def test_where_shared_memory_cannot_serve(case, tmp_path, monkeypatch):
+    run_case(case, tmp_path, monkeypatch)
 
 
 @pytest.mark.dist
@@ -47,16 +51,6 @@ def test_turned_off_by_the_environment(where, tmp_path, monkeypatch):
     else:
         monkeypatch.delenv("ZSWAP_HOST_COLLECTIVES", raising=False)  # the worker turns it off on rank 1
     run_case("off", tmp_path, monkeypatch)
-
-
-@pytest.mark.dist
-def test_a_peer_that_exits_is_named_and_the_channel_breaks(tmp_path, monkeypatch):
-    run_case("peer_exits", tmp_path, monkeypatch)
-
-
-@pytest.mark.dist
-def test_a_peer_that_never_comes_times_out(tmp_path, monkeypatch):
-    run_case("timeout", tmp_path, monkeypatch)
 
 
 def test_a_zombie_counts_as_exited():

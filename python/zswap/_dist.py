@@ -84,7 +84,8 @@ def all_gather_flat(
     group: ProcessGroup | None,
     scratch: Callable[[int, torch.dtype], torch.Tensor] | None = None,
 ) -> None:
-    """Fill ``out`` (world × local.numel() elements) with every rank's ``local``, in rank order.
+    """Fill ``out`` (world × local.numel() elements) with every rank's ``local``, in rank order: through
+    shared memory where the group's ranks share a host (`host_channel`), else through the backend.
 
     ``scratch(numel, dtype)``: on gloo, a buffer for ``local`` repeated once per rank, sent as one
     all-to-all straight into ``out``. gloo's own all-gather receives into a new flat tensor of the whole

@@ -331,9 +331,10 @@ def _sum_of_slices(out: torch.Tensor, flat: torch.Tensor, st: ParamState) -> boo
     hold, bitwise. gloo's own reduce-scatter costs 1.5–3.3 ms a call on loopback from 4 KiB to 1 MiB, the
     all-to-all 0.2–0.9 ms (benches/README.md, "The step matrix"), and backward makes one per param.
     False where this gloo has no all-to-all (every rank fails alike, so the caller's collectives still
-    line up)."""
+    line up). Ranks on one host exchange the slices through shared memory instead (`_dist.host_channel`),
+    summed in the same order."""
     ch = _dist.host_channel(st.group) if flat.device.type == "cpu" else None
-    if ch is not None:  # ranks on one host: through shared memory, summed in the same order
+    if ch is not None:
         ch.sum_slices(out, flat)
         return True
     pooled = host_buffers(st)
