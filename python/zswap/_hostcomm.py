@@ -9,10 +9,11 @@ reads the others' out of theirs — one copy in, one copy out, no kernel in the 
 
 A `Channel` per gloo process group (`channel`), opened the first time the group gathers or reduces; opening
 is itself collective (every rank calls it at the same point, being the same collective on every rank), and
-falls back to gloo for good — ``None`` — unless every rank of the group can map every other's segment
-(one host, one ``/dev/shm``, room on it: the pages are reserved with ``posix_fallocate``, so a full tmpfs is
-an error at opening, never a ``SIGBUS`` at a write). The segments are unlinked as soon as every rank has
-mapped them: nothing is left in ``/dev/shm``, whatever happens to the processes later.
+leaves the group on gloo for good — ``None`` — unless every rank of it has host collectives on and can map
+every other's segment (one host, one ``/dev/shm``, room on it: the pages are reserved with
+``posix_fallocate``, so a full tmpfs is an error at opening, never a ``SIGBUS`` at a write); ranks that share
+a host but could not share memory say why in one `ZswapWarning`. The segments are unlinked as soon as every
+rank has mapped them: nothing is left in ``/dev/shm``, whatever happens to the processes later.
 
 Each segment is a header and two slots of `SLOT` bytes. An exchange of any size runs in *rounds* of one slot:
 round k writes slot ``k % 2``, publishes ``ready = k``, waits until every peer's ``ready`` reaches k, reads,
@@ -24,11 +25,12 @@ torch before and after them in program order. That is a publication only under x
 (stores are seen in the order they were made, loads are not reordered with older loads, and a store another
 core observed stays ordered before this core's later stores); elsewhere `channel` returns ``None``.
 
-A wait spins briefly, then yields the core, then sleeps in short polls; while it waits it checks that the
-peers it waits for are alive (``kill(pid, 0)``), and gives up after `torch.distributed.default_pg_timeout`,
-raising a `ZswapError` that names the peer, the exchange and the round. A round interrupted (an exception, a
-KeyboardInterrupt) leaves the ranks out of step: the channel is then broken, and every later use raises.
-``ZSWAP_HOST_COLLECTIVES=0`` turns it off (gloo for every collective, as before).
+A wait spins briefly, then yields the core, then sleeps in short polls; every second it checks that the peer
+it waits for still runs (`_alive`: a zombie counts as exited), and gives up after
+`torch.distributed.default_pg_timeout`, raising a `ZswapError` that names the peer, the exchange and the
+round. A round interrupted (an exception, a KeyboardInterrupt) leaves the ranks out of step: the channel is
+then broken, and every later use raises. ``ZSWAP_HOST_COLLECTIVES=0`` turns it off (gloo for every
+collective, as before).
 """
 
 from __future__ import annotations
