@@ -94,21 +94,22 @@ def all_gather_flat(
     dist = torch.distributed
     if local.device != out.device:
         local = local.to(out.device)
-    ch = host_channel(group) if out.device.type == "cpu" and is_gloo(group) else None
-    if ch is not None:
-        ch.all_gather(out, local.reshape(-1))
-        return
-    if scratch is not None and out.device.type == "cpu" and is_gloo(group):
-        n, world = local.numel(), out.numel() // max(local.numel(), 1)
-        sent = scratch(n * world, local.dtype)
-        for r in range(world):
-            sent[r * n : (r + 1) * n].copy_(local)
-        try:
-            dist.all_to_all_single(out, sent, group=group)
+    if out.device.type == "cpu" and is_gloo(group):
+        ch = host_channel(group)
+        if ch is not None:
+            ch.all_gather(out, local.reshape(-1))
             return
-        except (RuntimeError, NotImplementedError) as exc:
-            if not unsupported(exc):
-                raise
+        if scratch is not None:
+            n, world = local.numel(), out.numel() // max(local.numel(), 1)
+            sent = scratch(n * world, local.dtype)
+            for r in range(world):
+                sent[r * n : (r + 1) * n].copy_(local)
+            try:
+                dist.all_to_all_single(out, sent, group=group)
+                return
+            except (RuntimeError, NotImplementedError) as exc:
+                if not unsupported(exc):
+                    raise
     dist.all_gather_into_tensor(out, local, group=group)  # gloo and NCCL both have the flat form
 
 

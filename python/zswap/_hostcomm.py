@@ -186,10 +186,9 @@ class Channel:
         # The peers whose exit a wait can notice: their pid, seen from here, maps their segment (in another
         # pid namespace the number may name some other process, or none).
         self._watch = [j for j in self._peers if _maps(self._pids[j], paths[j])]
-        self._round = 0
         self._broken: str | None = None
         self.rounds = 0
-        """Rounds run (a test and benchmark figure)."""
+        """Rounds run: the last round's number (every rank's the same)."""
 
     @classmethod
     def open(cls, pg: Any) -> Channel | None:
@@ -300,7 +299,7 @@ class Channel:
                 f"the shared-memory channel of this process group broke earlier ({self._broken}): its ranks "
                 "are out of step; start the processes again"
             )
-        k = self._round + 1
+        k = self.rounds + 1
         slot = k % 2
         me = self._segs[self.rank]
         try:
@@ -313,8 +312,7 @@ class Channel:
         except BaseException as exc:
             self._broken = f"{what}, round {k}, was interrupted: {type(exc).__name__}: {exc}"
             raise
-        self._round = k
-        self.rounds += 1
+        self.rounds = k
 
     def _wait(self, reached: Callable[[int], bool], what: str, k: int) -> None:
         for j in self._peers:
