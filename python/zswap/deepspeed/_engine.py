@@ -8,7 +8,7 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from ..checkpoint import _torchsave, statedict
 from ..checkpoint._atomic import LATEST, fsync_path, temp_name
 from ..errors import ZswapError, ZswapWarning
 from ..train import runtime
-from . import _backward
+from . import _backward, _extras
 from ._args import refuse
 from ._data import training_dataloader
 
@@ -77,7 +77,9 @@ class DeepSpeedEngine(runtime.Engine):
     DeepSpeed's does (until called again); ``coalesce_grad_reduction()`` holds the backwards of one step;
     ``deepspeed_io(dataset)`` builds DeepSpeed's loader, ``save_16bit_model`` writes the whole state dict;
     ``destroy()`` is `close`; ``no_sync()`` raises as DeepSpeed's does under ZeRO-3; ``step(lr_kwargs=…)``
-    hands its keywords to the schedule's ``step``. A backward through the
+    hands its keywords to the schedule's ``step``; ``get_data_parallel_rank()``, ``set_train_batch_size`` /
+    ``set_train_micro_batch_size``, ``load_module_state_dict`` and ``offload_states`` / ``reload_states``
+    behave as DeepSpeed's (`zswap.deepspeed._extras`). A backward through the
     tensors ``engine(...)`` returned that `backward` does not run is DeepSpeed's (divided by the
     accumulation steps; under fp16 scaled by ``scale(loss)`` or refused).
     """
@@ -95,6 +97,9 @@ class DeepSpeedEngine(runtime.Engine):
     checkpoint without it)."""
     _backwards = 0
     """``backward`` calls since the last ``step()``."""
+    _window_from = 0
+    """``micro_steps`` where the accumulation window began: at the last optimizer step or checkpoint load
+    (DeepSpeed counts from 0: the same while ``gradient_accumulation_steps`` stays what it was)."""
     _coalescing = False
     """Inside `coalesce_grad_reduction`."""
     _micro_open = False
@@ -180,8 +185,9 @@ class DeepSpeedEngine(runtime.Engine):
         )
         if tag is None:
             tag = (Path(os.fspath(load_dir)) / LATEST).read_text().strip()
-        if not load_module_only:  # the counters came with the checkpoint
+        if not load_module_only:  # the counters came with the checkpoint; no gradient did: a new window
             self.global_samples = self.global_steps * (self.train_batch_size() or 0)
+            self._window_from = self.micro_steps
         return os.path.join(os.fspath(load_dir), tag), client_state
 
     def empty_partition_cache(self) -> None:
@@ -224,6 +230,32 @@ class DeepSpeedEngine(runtime.Engine):
 
     mp_world_size = 1
     """Model-parallel ranks: zswap partitions over data-parallel ranks only."""
+    mpu: Any = None
+    """DeepSpeed's model-parallel unit: zswap has none (``initialize(mpu=...)`` is refused)."""
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank among the data-parallel ranks: its global rank (zswap has no other parallelism)."""
+        return self.global_rank
+
+    def get_model_parallel_rank(self) -> int:
+        """0: zswap has no model (tensor) parallelism."""
+        return 0
+
+    get_tensor_parallel_rank = get_model_parallel_rank
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Make ``train_batch_size`` samples an optimizer step by changing ``gradient_accumulation_steps``,
+        the micro batch kept, as DeepSpeed's does: a `ValueError` unless it is a multiple of micro batch ×
+        world size. The boundary is then counted with the new steps (call it at a boundary to start a
+        whole window), and each loss `backward` scales is divided by them."""
+        _extras.set_train_batch_size(self, train_batch_size)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Make ``micro_batch_size`` samples a micro-batch on each rank, ``gradient_accumulation_steps`` kept:
+        ``train_batch_size()`` becomes micro batch × accumulation steps × world size, as DeepSpeed's does.
+        It changes what the engine reports (and ``deepspeed_io``'s loaders made after it), not the batches
+        you feed it."""
+        _extras.set_train_micro_batch_size(self, micro_batch_size)
 
     def module_state_dict(
         self,
@@ -240,6 +272,41 @@ class DeepSpeedEngine(runtime.Engine):
                 if not p.requires_grad:
                     state.pop(prefix + name, None)
         return state
+
+    def load_module_state_dict(
+        self,
+        checkpoint: Mapping[str, Any],
+        strict: bool = True,
+        custom_load_fn: Any = None,
+        fetch_z3_params: bool = False,
+        z3_params_to_fetch: Any = None,
+        allowed_missing_keys: Iterable[str] | None = None,
+    ) -> None:
+        """Load ``checkpoint["module"]`` (a state dict of full values) into the module, as DeepSpeed's
+        does: each param is written through to its partitions and swap files, so the fetch keywords change
+        nothing (every param is gathered where it is written). With ``allowed_missing_keys`` a strict load
+        lets those keys be missing and nothing else: a `RuntimeError` naming the rest."""
+        _extras.load_module_state_dict(self, checkpoint, strict, custom_load_fn, allowed_missing_keys)
+
+    def offload_states(
+        self,
+        include: Iterable[Any] | None = None,
+        device: Any = "cpu",
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """DeepSpeed's call to free the device between phases (generation in RL loops, another model's
+        turn). zswap keeps optimizer states, fp32 masters and gradient partitions off the device at all
+        times (on NVMe or in CPU memory); what the device holds between steps is gathered params: those of
+        ``lp_params`` (or every state, ``include`` None) are let go here, as `empty_partition_cache` does,
+        and gathered again where next used. ``device`` must be ``"cpu"`` (DeepSpeed's only choice;
+        ``"nvme"`` is its `ValueError`); ``include`` names DeepSpeed's ``OffloadStateTypeEnum`` values."""
+        _extras.offload_states(self, include, device)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """The end of an `offload_states` phase: nothing to copy back, each param is gathered where it is
+        next used (the next forward's first ones are read ahead as ever)."""
+        self._check_open()
 
     def gradient_clipping(self) -> float:
         """The clip norm `step` applies to the gradients' global L2 norm (0.0: none)."""
@@ -340,9 +407,10 @@ class DeepSpeedEngine(runtime.Engine):
         self.window_ends = None if is_boundary is None else self.is_gradient_accumulation_boundary
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary is None:
-            return super().is_gradient_accumulation_boundary()
-        return self._boundary
+        if self._boundary is not None:
+            return self._boundary
+        window = self.micro_steps - self._window_from + 1  # micro-batches in it with the next one
+        return not self.managed_gradient_accumulation() or window >= self.gradient_accumulation_steps()
 
     def managed_gradient_accumulation(self) -> bool:
         """Whether the engine counts micro-batches to the accumulation boundary (the config's
@@ -392,6 +460,7 @@ class DeepSpeedEngine(runtime.Engine):
         finally:
             self.lr_scheduler = schedule
         if boundary:
+            self._window_from = self.micro_steps
             self._step_applied = self.skipped_steps == skipped
             batch = self.train_batch_size() or 0
             if not self.managed_gradient_accumulation():
