@@ -83,7 +83,7 @@ def test_set_train_batch_size_changes_the_accumulation_steps_from_the_next_windo
         engine.backward(sq(engine(batches[5])))
         engine.step()
         with pytest.raises(
-            zswap.ZswapError, match=r"inside an accumulation window \(1 of its 3 micro-batches"
+            zswap.ZswapError, match=r"inside an accumulation window \(its gradients summed over 3"
         ):
             engine.set_train_batch_size(3)
         engine.backward(sq(engine(batches[6])))
@@ -92,7 +92,12 @@ def test_set_train_batch_size_changes_the_accumulation_steps_from_the_next_windo
         engine.step()
         ref_step(ref, opt, batches[5:8])
         engine.set_train_batch_size(3)
-        for b in batches[8:]:
+        engine.backward(sq(engine(batches[8])))
+        with pytest.raises(zswap.ZswapError, match=r"right after the engine\.step"):
+            engine.set_train_batch_size(6)
+        engine.step()
+        ref_step(ref, opt, batches[8:9])
+        for b in batches[9:]:
             engine.backward(sq(engine(b)))
             engine.step()
             ref_step(ref, opt, [b])

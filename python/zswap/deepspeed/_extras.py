@@ -39,11 +39,11 @@ def set_train_batch_size(engine: DeepSpeedEngine, train_batch_size: int) -> None
             f"engine.set_train_batch_size({train_batch_size}): the batch must be a multiple of "
             f"train_micro_batch_size_per_gpu ({micro}) × world size ({world}) = {micro * world}"
         )
-    if engine.micro_steps != engine._window_from:
+    if engine.micro_steps != engine._window_from or engine._backwards:
         raise ZswapError(
-            f"engine.set_train_batch_size({train_batch_size}): called inside an accumulation window "
-            f"({engine.micro_steps - engine._window_from} of its {engine.gradient_accumulation_steps()} "
-            f"micro-batches ran): call it right after the engine.step() that applies the optimizer"
+            f"engine.set_train_batch_size({train_batch_size}): called inside an accumulation window (its "
+            f"gradients summed over {engine.gradient_accumulation_steps()} micro-batches, the loss divided "
+            f"by that): call it right after the engine.step() that applies the optimizer"
         )
     gas = train_batch_size // (micro * world)
     dtypes.check_accumulation(engine, gas)
