@@ -220,3 +220,52 @@ def test_a_skipped_step_moves_neither_the_optimizer_nor_the_schedule(dtype, clip
     stats = engine.stats()
     assert stats["steps_overflow_dropped"] == 1, stats
     assert stats["steps_in_backward"] + stats["steps_deferred"] == 3, stats  # all but the first and the NaN
+
+
+def subset_reference(steps: int) -> tuple[list[torch.Tensor], list[float]]:
+    """`reference` at clip 1.0 with only ``b`` in the optimizer and in the norm (``a`` requires grad):
+    DeepSpeed's ZeRO-3 takes the norm over its optimizer's groups."""
+    torch.manual_seed(0)
+    ref = Net()
+    opt = adamw(ref.b.parameters())
+    norms = []
+    for x in inputs(steps):
+        ref(x).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.b.parameters(), 1.0)))
+        opt.step()
+        ref.zero_grad()
+    return [p.detach().clone() for p in ref.parameters()], norms
+
+
+@pytest.mark.parametrize("how", ["model_parameters", "optimizer"])
+def test_the_norm_covers_the_optimizers_params_only_as_deepspeeds(how):
+    want, norms = subset_reference(3)
+    everything, _ = reference(1.0, 3)
+    assert min(norms) > 1.0
+    model = built()
+    if how == "model_parameters":
+        cfg = config(optimizer={"type": "AdamW", "params": HYPER})
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.b.parameters())
+    else:
+        engine, *_ = deepspeed.initialize(model=model, config=config(), optimizer=adamw(model.b.parameters()))
+    got = train(engine, model, 3, norms)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not torch.equal(got[2], everything[2])
+
+
+def test_zswap_initialize_takes_the_norm_over_every_gradient_as_clip_grad_norm_of_the_model():
+    torch.manual_seed(0)
+    ref = Net()
+    opt = adamw(ref.b.parameters())
+    norms = []
+    for x in inputs(3):
+        ref(x).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
+        opt.step()
+        ref.zero_grad()
+    model = built()
+    cfg = config()
+    zswap.Init(cfg, module=model)
+    engine = zswap.initialize(model, cfg, optimizer=adamw(model.b.parameters()), max_grad_norm=1.0)
+    got = train(engine, model, 3, norms)
+    assert all(torch.equal(g, w.detach()) for g, w in zip(got, ref.parameters(), strict=True))

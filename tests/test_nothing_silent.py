@@ -3,6 +3,8 @@ naming the zswap way, instead of doing nothing.
 
 - a torch optimizer's ``step()`` (zswap's own included) over managed params outside ``engine.step()``;
 - ``torch.nn.utils.clip_grad_norm_`` over managed params (it would see no gradient and return 0);
+- ``optimizer.zero_grad()`` over managed params (torch's would clear ``p.grad``, where they have none):
+  it drops the engine's gradients, as DeepSpeed's ZeRO-3 optimizer clears its partitions;
 - a forward with no open engine (``initialize`` forgotten, or after ``close()``), which torch would fail
   with ``'weight' must be 2-D``;
 - ``initialize`` of a model on the meta device;
@@ -114,6 +116,42 @@ def test_clip_grad_norm_over_managed_params_raises(tmp_path):
             torch.nn.utils.clip_grad.clip_grad_norm_(list(model.parameters()), 1.0)
         engine.step()
         assert engine.last_grad_norm is not None and engine.last_grad_norm > 1e-3  # the engine's clipping
+
+
+@pytest.mark.parametrize("which", ["engine's", "given", "deepspeed"])
+def test_optimizer_zero_grad_drops_the_engines_gradients(which, tmp_path):
+    """The optimizer's ``zero_grad`` between two backwards: the step applies the second one's only (and
+    one before any backward, as loops call it first, changes nothing)."""
+    cfg = _cfg(tmp_path)
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    model = _model(cfg)
+    if which == "deepspeed":
+        cfg["train_micro_batch_size_per_gpu"] = 3
+        engine, opt, *_ = zswap.deepspeed.initialize(model=model, config={**cfg, "gradient_clipping": 0})
+    elif which == "given":
+        del cfg["optimizer"]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        engine = zswap.initialize(model, cfg, optimizer=opt)
+        assert engine.optimizer is not opt  # adopted: an OffloadedAdamW over its groups
+    else:
+        cfg["optimizer"]["params"]["weight_decay"] = 0.0
+        engine = zswap.initialize(model, cfg)
+        opt = engine.optimizer
+    with engine:
+        for first, second in [(xs[0], xs[1]), (None, xs[2])]:
+            opt.zero_grad()
+            if first is not None:
+                engine.backward(engine(first).square().sum())
+                opt.zero_grad()
+            engine.backward(engine(second).square().sum())
+            engine.step()
+            ref(second).square().sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), ref.parameters(), strict=True))
 
 
 def test_forward_without_an_engine_raises(tmp_path):

@@ -95,6 +95,9 @@ class DeepSpeedEngine(runtime.Engine):
     step (with ``managed_gradient_accumulation: false``, the micro-batches ``backward`` ran since the last
     one); after ``load_checkpoint``, ``global_steps × train_batch_size()`` (DeepSpeed's value for a
     checkpoint without it)."""
+    norm_over_optimizer = True
+    """The global gradient norm (clipping, ``get_global_grad_norm``) covers the params the optimizer steps
+    only, as DeepSpeed's ZeRO-3 takes it over its optimizer's groups (`zswap.step.stepping.normed`)."""
     _backwards = 0
     """``backward`` calls since the last ``step()``."""
     _window_from = 0

@@ -1,7 +1,7 @@
 """Ways of training a zswap model that cannot work are refused where they happen, not left to do nothing.
 
 A param zswap partitioned holds an empty tensor as ``.data`` and keeps its gradient in zswap's gradient store,
-not in ``.grad``. So three ordinary moves would silently do nothing on it:
+not in ``.grad``. So four ordinary moves would silently do nothing on it:
 
 - ``optimizer.step()`` of any torch optimizer over such params (zswap's own `OffloadedAdamW` called outside
   `Engine.step` included): it sees no gradient and changes nothing. A global optimizer step pre-hook
@@ -16,7 +16,13 @@ not in ``.grad``. So three ordinary moves would silently do nothing on it:
   naming `zswap.initialize` and `zswap.GatheredParameters` for a module whose own params are partitioned,
   not gathered, and run by no open engine (and no `zswap.Init` is active: it gathers on access).
 
-All three are installed by `install`, called when the first `zswap.Init` is entered or the first `Engine`
+- ``optimizer.zero_grad()`` over such params: torch clears ``p.grad``, where they have none, and the next
+  backward would sum onto the gradients still in zswap's store (DeepSpeed's ZeRO-3 optimizer clears its
+  partitions). ``torch.optim.Optimizer.zero_grad`` is wrapped: over managed params it also calls
+  ``zero_grad()`` of every open engine that runs them (the optimizer a script built and passed to
+  `zswap.initialize`, which the engine adopted, included).
+
+All four are installed by `install`, called when the first `zswap.Init` is entered or the first `Engine`
 is built, so a process that never uses zswap pays nothing (a global module hook takes every module call off
 torch's fast path). Each check looks at the given params only and lets anything zswap does not manage
 through unchanged.
@@ -36,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import ZswapError
 from .params import Status, param_state
-from .runners import RUNNERS
+from .runners import RUNNERS, runners_of
 
 
 class _State(threading.local):
@@ -91,6 +97,7 @@ def install(building: Callable[[], bool] | None = None) -> None:
         wrapped = _wrap_clip(original)
         torch.nn.utils.clip_grad_norm_ = wrapped
         torch.nn.utils.clip_grad.clip_grad_norm_ = wrapped
+        torch.optim.Optimizer.zero_grad = _wrap_zero_grad(torch.optim.Optimizer.zero_grad)  # type: ignore[method-assign]
         _INSTALLED.extend(
             [
                 register_optimizer_step_pre_hook(_before_step),
@@ -124,6 +131,18 @@ def _wrap_clip(original: Any) -> Any:
         return original(params, *args, **kwargs)
 
     return clip_grad_norm_
+
+
+def _wrap_zero_grad(original: Any) -> Any:
+    @functools.wraps(original)
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not _STATE.depth and _managed(params):
+            for runner in runners_of(params):
+                runner.zero_grad()
+
+    return zero_grad
 
 
 def _before_forward(module: nn.Module, args: Any) -> None:

@@ -44,6 +44,9 @@ class Runner(Protocol):
     def swap_params(self, new: dict[int, torch.Tensor]) -> None:
         """Put ``new[id(old)]`` wherever its optimizer lists ``old``."""
 
+    def zero_grad(self) -> None:
+        """Drop every gradient it accumulated (an optimizer's ``zero_grad`` over its params: `guards`)."""
+
 
 RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
 """The engines opened in this process (a closed one leaves when collected; `open_runners` skips it)."""

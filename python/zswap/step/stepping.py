@@ -218,3 +218,15 @@ def unmanaged(module: torch.nn.Module, managed: set[int], optimizer: Any) -> lis
                 stacklevel=4,
             )
     return others
+
+
+def normed(engine: Any, others: list[torch.Tensor]) -> tuple[list[Any], list[torch.Tensor]]:
+    """``(managed items, unmanaged params)`` whose gradients the global norm covers (clipping, the
+    finiteness check, ``last_grad_norm``): every one with a gradient, as ``clip_grad_norm_`` over
+    ``model.parameters()`` — or, where the engine says so (``norm_over_optimizer``: DeepSpeed's, whose
+    ZeRO-3 takes the norm over its optimizer's param groups), only those its optimizer steps: a param that
+    requires grad but is in no group (``model_parameters`` a subset) counts for nothing."""
+    if not getattr(engine, "norm_over_optimizer", False) or engine.optimizer is None:
+        return engine._items, others
+    held = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    return [item for item in engine._items if id(item[0]) in held], [p for p in others if id(p) in held]

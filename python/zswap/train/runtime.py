@@ -233,11 +233,12 @@ class Engine:
         if early is not None:
             early.prepare(self._items)  # kept only if it ran ahead of this very step (or raises)
         others = stepping.unmanaged(self.module, self._ids, self.optimizer)  # (made after initialize)
+        items, normed = stepping.normed(self, others)  # the params the clip norm covers
         chunk = max(1, self.sizing.live_elements // 2)  # a chunk's params and grads: the live budget
         loss_scale = self.loss_scale if self._scaled_backward else 1.0
         # From the norms noted in backward where it ran early (no gradient read), else from the store.
         scale, self.last_grad_norm = grads.global_scale(
-            self._items, others, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
+            items, normed, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
         )
         # Updated in backward already; deferred, what did not fit its cap is stepped here, in its commit.
         try:
@@ -369,8 +370,7 @@ class Engine:
         return self.train(False)
 
     def adopt_optimizer(self) -> None:
-        """Make `close` close the optimizer too: one a caller built for this engine only (as
-        `zswap.deepspeed.initialize` builds the config's optimizer over ``model_parameters``)."""
+        """Make `close` close the optimizer too (built for this engine only: `zswap.deepspeed.initialize`)."""
         self._owns_optimizer = True
 
     @property
