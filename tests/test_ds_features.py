@@ -59,6 +59,11 @@ REFUSED = [
     ({"gradient_allreduce_op": "SUM"}, r"gradient_allreduce_op .*DeepSpeed's ZeRO-3 does whatever"),
     ({"gradient_allreduce_op": "max"}, r"gradient_allreduce_op must be 'mean' or 'sum', got 'max'"),
     ({"communication_data_type": "int8"}, r"communication_data_type must be a floating-point dtype"),
+    (
+        {"checkpoint": {"tag_validation": "ignore"}},
+        r"tag_validation 'Ignore' is not supported: .*different tags",
+    ),
+    ({"checkpoint": {"tag_validation": "foo"}}, r"must be 'Warn', 'Ignore' or 'Fail', got 'foo'"),
 ]
 
 
@@ -82,6 +87,8 @@ ACCEPTED = [
     {"communication_data_type": "torch.float32"},
     {"communication_data_type": "fp32", "bf16": {"enabled": True}},  # ranks reduce in it
     {"pipeline": {"stages": "auto"}, "activation_checkpointing": {"partition_activations": True}},
+    {"checkpoint": {"tag_validation": "Warn"}},  # DeepSpeed's default (zswap fails on different tags)
+    {"checkpoint": {"tag_validation": "FAIL", "use_node_local_storage": False}},
 ]
 
 

@@ -5,6 +5,8 @@ naming the zswap way, instead of doing nothing.
 - ``torch.nn.utils.clip_grad_norm_`` over managed params (it would see no gradient and return 0);
 - ``optimizer.zero_grad()`` over managed params (torch's would clear ``p.grad``, where they have none):
   it drops the engine's gradients, as DeepSpeed's ZeRO-3 optimizer clears its partitions;
+- a ``.grad`` set by hand on a managed param before ``engine.step()`` (it failed inside the kernel on the
+  placeholder's shape);
 - a forward with no open engine (``initialize`` forgotten, or after ``close()``), which torch would fail
   with ``'weight' must be 2-D``;
 - ``initialize`` of a model on the meta device;
@@ -151,6 +153,30 @@ def test_optimizer_zero_grad_drops_the_engines_gradients(which, tmp_path):
             ref(second).square().sum().backward()
             ref_opt.step()
             ref_opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), ref.parameters(), strict=True))
+
+
+def test_a_grad_set_by_hand_is_refused_before_the_step_changes_anything(tmp_path):
+    cfg = _cfg(tmp_path)
+    cfg["optimizer"]["params"]["weight_decay"] = 0.0
+    model = _model(cfg)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with zswap.initialize(model, cfg) as engine:
+        engine.backward(engine(x).square().sum())
+        model[2].bias.grad = torch.zeros_like(model[2].bias)  # the placeholder's shape, as torch demands
+        message = (
+            "engine.step(): 2.bias have a .grad set by hand, which zswap does not read: a partitioned "
+            "param's gradient lives in zswap's gradient store (p.grad stays None). Make gradients with "
+            "backward, or set one with zswap.deepspeed.utils.safe_set_full_grad(param, value)"
+        )
+        with _raises(zswap.ZswapError, message):
+            engine.step()
+        model[2].bias.grad = None
+        engine.step()  # the backward's gradients, untouched by the refused step
+        ref(x).square().sum().backward()
+        torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True).step()
         assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), ref.parameters(), strict=True))
 
 

@@ -98,6 +98,8 @@ def check(raw: Mapping[Any, Any]) -> list[str]:
     if factor is not None and not (isinstance(factor, int | float) and factor == 1.0):
         _refuse("gradient_predivide_factor", f"{_AVERAGING}; it may only be 1.0")
     _check_allreduce_op(raw.get("gradient_allreduce_op"))
+    checkpoint = raw.get("checkpoint")
+    _check_tag_validation(checkpoint.get("tag_validation") if isinstance(checkpoint, Mapping) else None)
     warned = [f"{key}.enabled" for key in MONITORS if _enabled(raw.get(key))]
     warned += [key for key in MONITOR_SWITCHES if _enabled(raw.get(key))]
     compile_section = raw.get("compile")
@@ -155,6 +157,22 @@ def _check_allreduce_op(op: Any) -> None:
         "gradient_allreduce_op",
         f"{_AVERAGING}, as DeepSpeed's ZeRO-3 does whatever this says; for the sum, multiply the loss by "
         "the world size",
+    )
+
+
+def _check_tag_validation(mode: Any) -> None:
+    """``checkpoint.tag_validation``: DeepSpeed's "Warn" (its default), "Ignore" or "Fail", any case, else
+    its config error. zswap's `save_checkpoint` always fails when ranks pass different tags: "Fail" as
+    asked, "Warn" stricter than asked (the default, so a config that only spells it out still loads);
+    "Ignore" is refused."""
+    name = mode.strip().upper() if isinstance(mode, str) else mode
+    if mode is None or name in ("WARN", "FAIL"):
+        return
+    if name != "IGNORE":
+        raise ConfigError(f"checkpoint.tag_validation must be 'Warn', 'Ignore' or 'Fail', got {v.show(mode)}")
+    raise ConfigError(
+        "checkpoint.tag_validation 'Ignore' is not supported: zswap's save_checkpoint always fails when the "
+        "ranks pass different tags (DeepSpeed's 'Fail'); pass the same tag on every rank"
     )
 
 

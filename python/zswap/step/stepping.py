@@ -25,7 +25,7 @@ import torch
 
 from .. import _dist
 from ..config import ZswapConfig
-from ..errors import ConfigError, ZswapWarning
+from ..errors import ConfigError, ZswapError, ZswapWarning
 from . import schedules
 from .loss_scale import LossScaler
 
@@ -138,9 +138,20 @@ def world_size(items: Any) -> int:
     return max((st.world_size for _, st in items), default=1)
 
 
-def same_passes(items: Any) -> None:
-    """At an optimizer step, before it changes anything: every rank gathered the same params in the same
-    order since the last one (`zswap._dist.check_same`, per process group of ``items``, in their order)."""
+def before_step(module: torch.nn.Module, items: Any) -> None:
+    """At an optimizer step, before it changes anything: no managed param has a ``.grad`` set by hand
+    (zswap keeps its gradient in the gradient store and ``p.grad`` None: the step would miss it, or fail
+    inside the kernel on its placeholder's shape), and every rank gathered the same params in the same order
+    since the last one (`zswap._dist.check_same`, per process group of ``items``, in their order)."""
+    by_hand = {id(p) for p, _ in items if p.grad is not None}
+    if by_hand:
+        names = [n for n, p in module.named_parameters() if id(p) in by_hand] or ["a param of the model"]
+        raise ZswapError(
+            f"engine.step(): {', '.join(names[:3])}{' …' if len(names) > 3 else ''} have a .grad set by "
+            "hand, which zswap does not read: a partitioned param's gradient lives in zswap's gradient store "
+            "(p.grad stays None). Make gradients with backward, or set one with "
+            "zswap.deepspeed.utils.safe_set_full_grad(param, value)"
+        )
     for group in _groups(items):
         _dist.check_same(group)
 

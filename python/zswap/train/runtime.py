@@ -225,7 +225,7 @@ class Engine:
             self._micro_batch_end()
             return
         self._grads.flush()
-        stepping.same_passes(self._items)  # several ranks: they gathered the same params (or it raises)
+        stepping.before_step(self.module, self._items)  # no .grad set by hand; ranks gathered alike
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         held = resident.take(self)  # resident params: stepped in their gathered copy (no read)
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
