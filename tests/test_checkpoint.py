@@ -287,6 +287,48 @@ def test_load_module_only_and_without_optimizer_states(saved):
         assert engine.global_steps == 2 and engine.optimizer.state_dict()["state"] == {}
 
 
+@pytest.mark.parametrize("how", ["load_optimizer_states=False", "load_module_only"])
+def test_a_load_without_optimizer_states_sets_the_masters_as_deepspeed_does(how, tmp_path):
+    """bf16 params with float32 masters in an engine that has stepped: a load that leaves the optimizer's
+    state makes each master the checkpoint's (``load_optimizer_states=False``: DeepSpeed's ZeRO-3 copies
+    its fp32 partitions) or the loaded param widened (``load_module_only``: its ``refresh_fp32_params``);
+    the moments stay. The engine's own masters stayed, and its next step rounded them into the params:
+    the loaded weights were lost."""
+    from zswap.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    config = {**cfg(tmp_path, "nvme", "nvme"), "bf16": {"enabled": True}}
+    m, engine = build(config)
+
+    def steps(n: int) -> None:
+        for i in range(n):
+            x = torch.randn(4, 12, generator=torch.Generator().manual_seed(i)).bfloat16()
+            m(x).float().square().mean().backward()
+            engine.step()
+
+    def masters() -> list[torch.Tensor]:
+        return [safe_get_full_fp32_param(p).clone() for p in m.parameters()]
+
+    with engine:
+        steps(3)
+        engine.save_checkpoint(tmp_path / "ck")
+        saved_masters, saved = masters(), {k: v.clone() for k, v in m.state_dict().items()}
+        steps(2)
+        moments = [safe_get_full_optimizer_state(p, "exp_avg").clone() for p in m.parameters()]
+        assert not all(torch.equal(a, b) for a, b in zip(masters(), saved_masters, strict=True))
+        engine.load_checkpoint(tmp_path / "ck", **{how.split("=")[0]: how == "load_module_only"})
+        assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())
+        with zswap.GatheredParameters(list(m.parameters())):
+            widened = [p.data.float().reshape(-1) for p in m.parameters()]
+        want = saved_masters if how != "load_module_only" else widened
+        assert all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(masters(), want, strict=True))
+        assert all(
+            torch.equal(safe_get_full_optimizer_state(p, "exp_avg"), mo)
+            for p, mo in zip(m.parameters(), moments, strict=True)
+        )
+        differ = [not torch.equal(a.reshape(-1), b) for a, b in zip(saved_masters, widened, strict=True)]
+        assert how == "load_module_only" or any(differ)  # (the masters are not the bf16 weights widened)
+
+
 @pytest.mark.parametrize("otier", TIERS)
 def test_a_params_state_reset_by_a_load_is_left_out_of_the_next_save(otier, tmp_path):
     """A checkpoint from before any step resets every param's optimizer state while their records keep

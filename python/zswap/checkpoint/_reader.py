@@ -166,5 +166,16 @@ class Reader:
         self._files.clear()
 
 
+def window(pieces: list[Piece], start: int, count: int) -> list[Piece]:
+    """The part of ``pieces`` (planned for a whole partition) covering its elements ``[start, start+count)``,
+    re-based to 0."""
+    out = []
+    for pc in pieces:
+        lo, hi = max(pc.out_start, start), min(pc.out_start + pc.count, start + count)
+        if lo < hi:
+            out.append(Piece(pc.file, pc.entry, pc.elem_start + lo - pc.out_start, lo - start, hi - lo))
+    return out
+
+
 def saved_dtype(saved: dict[str, Any]) -> torch.dtype:
     return dtype_of(saved["dtype"])

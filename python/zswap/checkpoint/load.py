@@ -22,8 +22,9 @@ from .._progress import progress
 from ..parts.gather import no_torch_function
 from ..step.optim import OffloadedAdamW
 from ..step.optim._layout import needs_master
+from . import _masters
 from ._collective import agree, group_of
-from ._reader import Piece, Reader
+from ._reader import Piece, Reader, window
 from ._state import check_state, set_rng_state, unpickle
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import (
@@ -124,6 +125,14 @@ class _Plan:
         self.optim: Any = None
         if optimizer and engine.optimizer is not None:
             self.optim = self._plan_optimizer(folder)
+        self.masters: _masters.Plan = {}
+        if self.optim is None and engine.optimizer is not None:  # the masters it holds: DeepSpeed's rules
+            saved_opt = m["optimizer"] if full else None
+            named = (
+                None if saved_opt is None or saved_opt["kind"] != "zswap" else saved_opt["layout"][self.src]
+            )
+            state = None if named is None else {name for name, _, _ in named}
+            self.masters = _masters.plan(engine.optimizer, self.params, r, self.saved, state)
         self.state: dict[str, Any] | None = None
 
     def load_state(self) -> None:
@@ -221,6 +230,7 @@ class _Plan:
             state = self.state
             if self.optim is not None:
                 self._load_optimizer(state)
+            _masters.apply(self.engine.optimizer, self.masters, self.reader)
         if state is None:
             return None
         self._restore_small(state)
@@ -289,7 +299,7 @@ class _Plan:
                 view = views[kind_at[kind]]
                 if view is None:
                     raise CheckpointCorruptError(f"optimizer state of param {i} has no {kind} record here")
-                self.reader.read(_window(pcs, start, n), view)
+                self.reader.read(window(pcs, start, n), view)
 
         opt.stream_state(fill, write=True, params=reads)
 
@@ -308,14 +318,3 @@ class _Plan:
                 obj.load_state_dict(state[attr])
         if self.rank < self.reader.world:  # RNG streams belong to their rank
             set_rng_state(state["rng"])
-
-
-def _window(pieces: list[Piece], start: int, count: int) -> list[Piece]:
-    """The part of ``pieces`` (planned for a whole partition) covering its elements ``[start, start+count)``,
-    re-based to 0."""
-    out = []
-    for pc in pieces:
-        lo, hi = max(pc.out_start, start), min(pc.out_start + pc.count, start + count)
-        if lo < hi:
-            out.append(Piece(pc.file, pc.entry, pc.elem_start + lo - pc.out_start, lo - start, hi - lo))
-    return out
