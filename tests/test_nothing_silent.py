@@ -48,7 +48,7 @@ FORWARD = (
     "call engine = zswap.initialize(model, config) before running the model, or run it inside "
     "`with zswap.GatheredParameters(model.parameters()):`"
 )
-CLOSED = "this zswap Engine is closed: build a new one with zswap.initialize"
+CLOSED = "this zswap Engine is closed: build a new one with initialize()"
 
 
 def _cfg(tmp_path) -> dict:

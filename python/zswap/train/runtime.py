@@ -590,7 +590,7 @@ class Engine:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise EngineClosedError("this zswap Engine is closed: build a new one with zswap.initialize")
+            raise EngineClosedError("this zswap Engine is closed: build a new one with initialize()")
 
     def _slot_for(self, p: torch.Tensor, st: ParamState) -> Slot:
         """The slot of a managed param the model uses without owning it (created on first use)."""
