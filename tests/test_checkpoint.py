@@ -329,6 +329,51 @@ def test_a_load_without_optimizer_states_sets_the_masters_as_deepspeed_does(how,
         assert how == "load_module_only" or any(differ)  # (the masters are not the bf16 weights widened)
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["update in backward", "ordinary step"])
+def test_a_fresh_engine_steps_from_the_checkpoints_masters_without_its_moments(early, tmp_path):
+    """``load_optimizer_states=False`` into an engine that has not stepped (bf16 params): its first step
+    starts Adam afresh from the checkpoint's float32 masters (DeepSpeed's ZeRO-3 restores its fp32
+    partitions whatever that flag says), not from the bf16 params — bitwise torch's AdamW over the saved
+    masters with fresh state. It took them from the params, a bf16 rounding off. A param written after the
+    load starts from what was written."""
+    from zswap.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    config = {**cfg(tmp_path, "nvme", "nvme"), "bf16": {"enabled": True}}
+    config["optimizer"]["params"]["weight_decay"] = 0.0
+
+    def batch(i: int) -> torch.Tensor:
+        return torch.randn(4, 12, generator=torch.Generator().manual_seed(i)).bfloat16()
+
+    m, engine = build(config)
+    with engine:
+        for i in range(3):
+            m(batch(i)).float().square().mean().backward()
+            engine.step()
+        engine.save_checkpoint(tmp_path / "ck")
+        saved = [safe_get_full_fp32_param(p).clone() for p in m.parameters()]
+    m, engine = build(config, seed=3)
+    with engine:
+        engine.early_step, engine.keep_applied_grads = early, True
+        engine.load_checkpoint(tmp_path / "ck", load_optimizer_states=False)
+        with zswap.GatheredParameters([m.net[4].bias], modifier_rank=0):
+            m.net[4].bias.data.fill_(0.5)  # written since the load: its first step starts from the param
+        saved[-1] = torch.full_like(saved[-1], 0.5)
+        seeds = [safe_get_full_fp32_param(p) for p in m.parameters()]  # what the first step starts from
+        assert all(torch.equal(a, b) for a, b in zip(seeds, saved, strict=True))
+        m(batch(9)).float().square().mean().backward()
+        grads = [safe_get_full_grad(p).clone() for p in m.parameters()]
+        engine.step()
+        got = [safe_get_full_fp32_param(p) for p in m.parameters()]
+        with zswap.GatheredParameters(list(m.parameters())):
+            assert all(torch.equal(p.data, g.bfloat16()) for p, g in zip(m.parameters(), got, strict=True))
+        assert engine.stats()["steps_in_backward"] == int(early)
+    want = [s.clone().requires_grad_(True) for s in saved]
+    for w, g in zip(want, grads, strict=True):
+        w.grad = g
+    torch.optim.AdamW(want, lr=1e-2, weight_decay=0.0, fused=True).step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("otier", TIERS)
 def test_a_params_state_reset_by_a_load_is_left_out_of_the_next_save(otier, tmp_path):
     """A checkpoint from before any step resets every param's optimizer state while their records keep

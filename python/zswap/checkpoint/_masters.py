@@ -1,28 +1,33 @@
-"""The float32 masters a checkpoint load leaves where it does not restore the optimizer's state and the
-optimizer already holds masters (bf16 / fp16 params that have stepped) — DeepSpeed's rules:
+"""The float32 masters a checkpoint load leaves where it does not restore the optimizer's state, for
+bf16 / fp16 params (whose optimizer keeps a master) — DeepSpeed's rules:
 
-- ``load_module_only``: each master becomes its loaded 16-bit param, widened (DeepSpeed's
-  ``refresh_fp32_params``);
 - ``load_optimizer_states=False``: each master becomes the checkpoint's (DeepSpeed's ZeRO-3 copies its
   fp32 partitions whatever that flag says), or the loaded param widened where the checkpoint holds none.
+  A param that has not stepped here gets it as a seed: its first step starts its moments afresh from that
+  master (`OffloadedAdamW.seed_masters`), not from the 16-bit param;
+- ``load_module_only``: each master becomes its loaded 16-bit param, widened (DeepSpeed's
+  ``refresh_fp32_params``); a param that has not stepped takes it from the param at its first step anyway.
 
 Moments and step counts stay as they were. Left alone, the old masters would be stepped and rounded into
-the params at the next step: the loaded weights silently lost. An optimizer that has not stepped holds no
-master: its first step takes each from the loaded param."""
+the params at the next step: the loaded weights silently lost."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..parts.params import param_state
+from ..step import early_memory
 from ..step.optim import OffloadedAdamW
 from ..step.optim._layout import needs_master
 from ._reader import Piece, Reader, window
 from .manifest import ParamRecord
 
-Plan = dict[int, tuple[list[Piece], torch.dtype]]
-"""Optimizer param index → the pieces its master is read from and the dtype they are read as."""
+Plan = dict[int, tuple[list[Piece], torch.dtype, bool]]
+"""Optimizer param index → the pieces its master is read from, the dtype they are read as, and whether it
+is a seed (the param has not stepped: `OffloadedAdamW.seed_masters`) rather than a master to overwrite."""
 
 
 def plan(
@@ -32,30 +37,31 @@ def plan(
     saved: dict[str, Any],
     saved_state: set[str] | None,
 ) -> Plan:
-    """Where each master ``opt`` holds comes from: the checkpoint's for the names in ``saved_state`` (those
+    """Where each master of ``opt`` comes from: the checkpoint's for the names in ``saved_state`` (those
     it saved optimizer state for; ``None``: the load takes the module only), else the loaded param's
     pieces (``params``, planned already). Every read is declared to ``reader`` before anything is written."""
     if not isinstance(opt, OffloadedAdamW):
         return {}
     flat = [p for g in opt.param_groups for p in g["params"]]
     loaded = {id(rec.p): (rec, pcs) for rec, pcs in params}
+    stepped = {i for i, _, _ in opt.state_layout()}
     out: Plan = {}
-    for i, _, _ in opt.state_layout():
-        if not needs_master(flat[i]) or id(flat[i]) not in loaded:
+    for i, p in enumerate(flat):
+        if not needs_master(p) or id(p) not in loaded:
             continue
-        rec, pcs = loaded[id(flat[i])]
+        rec, pcs = loaded[id(p)]
         if saved_state is not None and rec.name in saved_state:
             master = reader.pieces(saved[rec.name], "master", rec.start, rec.partition_numel)
             reader.need(master, torch.float32)
-            out[i] = (master, torch.float32)
-        else:
-            out[i] = (pcs, rec.dtype)
+            out[i] = (master, torch.float32, i not in stepped)
+        elif i in stepped:
+            out[i] = (pcs, rec.dtype, False)
     return out
 
 
 def apply(opt: Any, masters: Plan, reader: Reader) -> None:
     """Write each planned master into the optimizer's records (their moments read and written back as
-    they were)."""
+    they were), each seed into its param's record."""
     if not masters:
         return
 
@@ -63,10 +69,22 @@ def apply(opt: Any, masters: Plan, reader: Reader) -> None:
         w = views[2]
         if w is None:
             return
-        pieces, dtype = masters[i]
+        pieces, dtype, _ = masters[i]
         part = w if dtype == torch.float32 else torch.empty(w.numel(), dtype=dtype)
         reader.read(window(pieces, start, w.numel()), part)
         if part is not w:
             w.copy_(part)
 
-    opt.stream_state(fill, write=True, params=masters)
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    seeds = {i: _unchanged(flat[i]) for i, (_, _, seed) in masters.items() if seed}
+    opt.stream_state(fill, write=True, params=[i for i in masters if i not in seeds])
+    opt.seed_masters(fill, seeds)
+
+
+def _unchanged(p: torch.Tensor) -> Callable[[], bool]:
+    """Whether ``p``'s stored partition is still the one loaded now (nothing wrote it since)."""
+    st = param_state(p)
+    if st is None:
+        return lambda: False
+    seen = early_memory.version(st)
+    return lambda: early_memory.unchanged(st, seen)

@@ -46,7 +46,8 @@ def read(p: torch.Tensor, kind: str, *, full: bool, api: str) -> torch.Tensor | 
     if not p.requires_grad:
         return None
     opt, i = _optimizer_index(engine, p, kind, api)
-    if i is not None and opt.records.steps[i] > 0 and (kind != "fp32" or p.dtype != torch.float32):
+    stepped = i is not None and (opt.records.steps[i] > 0 or (kind == "fp32" and opt.seeded(i)))
+    if i is not None and stepped and (kind != "fp32" or p.dtype != torch.float32):
         local = _read_records(opt, i, kind)
     elif kind == "fp32":
         local = _stored_partition(st)

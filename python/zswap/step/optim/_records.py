@@ -38,8 +38,8 @@ class Records:
         self._opt._steps[i] = n
 
     def reset_steps(self, steps: list[int]) -> None:
-        """Every param's step count at once (a loaded state)."""
-        self._opt._steps = list(steps)
+        """Every param's step count at once (a loaded state: no seed left, `OffloadedAdamW.seed_masters`)."""
+        self._opt._steps, self._opt._seeded = list(steps), {}
 
     @property
     def sub_groups(self) -> list[SubGroup]:

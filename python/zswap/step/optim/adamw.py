@@ -17,7 +17,7 @@ records) is saved to its undo log first when any I/O takes part — so a step th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import torch
@@ -107,6 +107,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._sub_groups: list[SubGroup] = []
         self._placed: dict[int, int] = {}  # param index -> its numel, once it has a place in the sub-groups
         self._steps: list[int] = [0] * len(self._params)
+        self._seeded: dict[int, Callable[[], bool]] = {}  # `seed_masters`: whether each seed still holds
         self.records = Records(self)
         """Its records as the early step and checkpoint state use them (`zswap.optim._records`)."""
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -271,8 +272,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         no state to visit: its first step starts it afresh."""
         wanted = None if params is None else set(params)
 
-        def visits(i: int) -> bool:
-            return (wanted is None or i in wanted) and self._steps[i] > 0
+        def visits(i: int) -> bool:  # (a seed only where asked for by name: it is no state to save)
+            return (wanted is None or i in wanted) and (
+                self._steps[i] > 0 or (wanted is not None and self.seeded(i))
+            )
 
         walk = [sg for sg in self._sub_groups if any(visits(s.param) for s in sg.segments)]
 
@@ -282,6 +285,33 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     fn(seg.param, seg.start, views)
 
         self._store.stream(walk, visit, write=write)
+
+    def seed_masters(self, fn: StateVisit, seeds: Mapping[int, Callable[[], bool]]) -> None:
+        """Give the params ``seeds`` names that have taken no step a place, and have ``fn(i, start, views)``
+        write each one's float32 master into its record: their first step starts the moments afresh from
+        that master instead of the param, while ``seeds[i]()`` says the param is as it was (a write to it
+        since — `GatheredParameters`, loaded weights — makes it start from the param again). For a load
+        that keeps a checkpoint's masters, not its moments (`zswap.checkpoint._masters`). `restore_layout`,
+        `load_state_dict` and `close` drop the seeds; a checkpoint saved before that first step holds the
+        param, not the seed (it holds state only for params that stepped)."""
+        wanted = {i for i in seeds if self._steps[i] == 0}
+        if not wanted:
+            return
+        self._place(sorted(wanted))
+        walk = [sg for sg in self._sub_groups if any(s.param in wanted for s in sg.segments)]
+
+        def visit(sg: SubGroup, record: torch.Tensor) -> None:
+            for seg, views in sg.slices(record):
+                if seg.param in wanted:
+                    fn(seg.param, seg.start, views)
+
+        self._store.stream(walk, visit, write=True)
+        self._seeded.update((i, seeds[i]) for i in wanted)
+
+    def seeded(self, i: int) -> bool:
+        """Whether param ``i``'s first step will start from a master `seed_masters` put in its record."""
+        seed = self._seeded.get(i)
+        return self._steps[i] == 0 and seed is not None and seed()
 
     def restore_layout(self, entries: Sequence[tuple[int, int, int]]) -> None:
         """Give each ``(param index, steps taken, elements)`` of a checkpoint its place in the records and its
@@ -293,7 +323,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     f"(the param's state has {self.state_numel(i) if 0 <= i < len(self._params) else 0})"
                 )
         self._place(sorted(i for i, _, _ in entries))
-        self._steps = [0] * len(self._params)
+        self._steps, self._seeded = [0] * len(self._params), {}
         for i, step, _ in entries:
             self._steps[i] = step
 
@@ -302,7 +332,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._store.close()
         self._sub_groups.clear()
         self._placed.clear()
-        self._steps = [0] * len(self._params)
+        self._steps, self._seeded = [0] * len(self._params), {}
 
     def overwrites(self, params: Iterable[torch.Tensor]) -> set[int]:
         """``id`` of each of ``params`` that its next step here stores whole without reading it: a param
@@ -413,7 +443,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if step == 1:  # fresh state, as torch creates it on a param's first step
                 m.zero_()
                 v.zero_()
-                if w is not None:
+                if w is not None and not self.seeded(seg.param):
                     w.copy_(pf)
             cpu_adam_step(
                 pf,
