@@ -42,7 +42,7 @@ def plan(
     pieces (``params``, planned already). Every read is declared to ``reader`` before anything is written."""
     if not isinstance(opt, OffloadedAdamW):
         return {}
-    flat = [p for g in opt.param_groups for p in g["params"]]
+    flat = opt.records.params  # in the order of its param groups: the index is the optimizer's
     loaded = {id(rec.p): (rec, pcs) for rec, pcs in params}
     stepped = {i for i, _, _ in opt.state_layout()}
     out: Plan = {}
@@ -75,8 +75,7 @@ def apply(opt: Any, masters: Plan, reader: Reader) -> None:
         if part is not w:
             w.copy_(part)
 
-    flat = [p for g in opt.param_groups for p in g["params"]]
-    seeds = {i: _unchanged(flat[i]) for i, (_, _, seed) in masters.items() if seed}
+    seeds = {i: _unchanged(opt.records.params[i]) for i, (_, _, seed) in masters.items() if seed}
     opt.stream_state(fill, write=True, params=[i for i in masters if i not in seeds])
     opt.seed_masters(fill, seeds)
 
