@@ -21,6 +21,7 @@ import torch
 
 from ..config import ZswapConfig
 from ..errors import ConfigError
+from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
 from ..step.optim.adopt import REFUSED, is_convertible, refuse_without_masters
 
@@ -91,6 +92,27 @@ def to_zswap(client: torch.optim.Optimizer, cfg: ZswapConfig) -> Any:
     return OffloadedAdamW.from_config(groups, cfg, lr=lr, weight_decay=decay)
 
 
+def flat_state(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` for an optimizer the engine steps as given, over each param's flat partition (one
+    process: the whole param): a tensor saved in its param's shape (a plain Trainer's ``optimizer.pt``) is
+    flattened, as the engine's own state dicts already are. Without it an SGD's momentum would meet the
+    flat gradient at the first step, in a broadcasting error."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state = {}
+    for i, entry in state_dict["state"].items():
+        st = param_state(params[i]) if isinstance(i, int) and i < len(params) else None
+        state[i] = {
+            k: v.reshape(-1)
+            if st is not None
+            and isinstance(v, torch.Tensor)
+            and v.shape == st.shape
+            and st.numel == st.partition_numel
+            else v
+            for k, v in entry.items()
+        }
+    return {**state_dict, "state": state}
+
+
 class EngineStepper(torch.optim.Optimizer):
     """The Trainer's optimizer: ``step()`` is ``engine.step()`` (clipping, the update, zeroing the
     gradients); param groups, state and state dicts are the engine's optimizer's.
@@ -143,7 +165,8 @@ class EngineStepper(torch.optim.Optimizer):
         return self.engine.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.optimizer.load_state_dict(state_dict)
+        opt = self.engine.optimizer
+        opt.load_state_dict(state_dict if isinstance(opt, OffloadedAdamW) else flat_state(opt, state_dict))
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__

@@ -16,12 +16,18 @@ backward                               the Trainer's own (``loss.backward()``): 
                                        and is kept at the step unless clipping bit (then redone)
 ``_clip_grad_norm``, ``optimizer.step``  ``engine.step()``: the global norm, clipping to
                                        ``max_grad_norm``, the update; the logged ``grad_norm`` is that norm
-``save_model``                         `zswap.save_weights` (plain ``from_pretrained`` loads it)
+``save_model``                         `zswap.save_weights` (plain ``from_pretrained`` loads it); a PEFT
+                                       model's own ``save_pretrained`` (its adapters)
 checkpoints (``save_strategy``)        ``engine.save_checkpoint`` into the checkpoint folder, plus the
                                        Trainer's own files (state, schedule, RNG)
 ``resume_from_checkpoint``             ``engine.load_checkpoint``: params, optimizer state, counters; a
                                        ``save_only_model`` checkpoint: its weights through
-                                       ``load_state_dict``, the optimizer afresh (as the plain Trainer)
+                                       ``load_state_dict``, the optimizer afresh (as the plain Trainer);
+                                       a plain Trainer's: its weights, ``optimizer.pt`` and
+                                       ``scheduler.pt`` (`EngineStepper.load_state_dict`)
+``load_best_model_at_end``             ``engine.load_checkpoint`` of the best checkpoint (float32 masters
+                                       included), as transformers' DeepSpeed integration
+a subclass's ``create_optimizer``      the optimizer it builds, taken as one in ``optimizers=``
 =====================================  =================================================================
 
 The engine steps once per accumulation window (its own ``gradient_accumulation_steps`` is 1): the Trainer
@@ -37,7 +43,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME, _is_peft_model
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ..checkpoint import save_weights
@@ -62,6 +68,8 @@ ENGINE_KEYS_DROPPED = (
 """Keys the Trainer honours itself (checked against the arguments by `_fill`), kept from the engine so
 that it does not apply them a second time."""
 
+
+logger = transformers.utils.logging.get_logger(__name__)
 
 _WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 
@@ -102,7 +110,9 @@ class Trainer(transformers.Trainer):
         _refuse(args)
         self.zswap_config: dict[str, Any] = _fill.process(zswap_config, args)
         """The config with the arguments' values filled in (a private copy)."""
-        _check_dtype(model, load_config(self.zswap_config))  # every check, before anything is built
+        cfg = load_config(self.zswap_config)
+        _check_dtype(model, cfg)  # every check, before anything is built
+        _check_best(cfg, args)
         _check_schedule(self.zswap_config, args)
         self.engine: Engine | None = None
         self._grad_norm: torch.Tensor | None = None
@@ -110,8 +120,20 @@ class Trainer(transformers.Trainer):
         # zswap places params and buffers on the compute device itself; a model.to() from Accelerate would
         # move the empty tensors standing for partitioned params. Inputs are moved by the Trainer.
         self.accelerator.device_placement = False
-        _check_given(self.zswap_config, self.optimizer, self.lr_scheduler)
-        self.create_optimizer()
+        _check_given(self.zswap_config, self.optimizer, self.lr_scheduler, "optimizers= passes")
+        built = self.create_optimizer()
+        if self.engine is None:
+            # A subclass's create_optimizer (transformers' documented way to customise the optimizer) built
+            # its own without calling this one: it is taken as an optimizer passed in optimizers= is.
+            own = self.optimizer if self.optimizer is not None else built
+            if own is None:
+                raise ZswapError(
+                    f"{type(self).__name__}.create_optimizer() returned no optimizer: return the optimizer "
+                    "it builds (or pass one in optimizers=)"
+                )
+            _check_given(self.zswap_config, own, None, f"{type(self).__name__}.create_optimizer() builds")
+            self.optimizer = own
+            Trainer.create_optimizer(self)
 
     # -- optimizer, engine, schedule ---------------------------------------------------------------------
 
@@ -199,7 +221,13 @@ class Trainer(transformers.Trainer):
         out: str = str(self.args.output_dir if output_dir is None else output_dir)
         os.makedirs(out, exist_ok=True)
         model: Any = self.model
-        save_weights(model, out)
+        if _is_peft_model(model):
+            # PEFT's own layout (adapter_config.json + the adapters' weights), as the plain Trainer saves
+            # it: PeftModel.from_pretrained and load_adapter (load_best_model_at_end) read it. PEFT reads
+            # the adapters' values only, each gathered as it is read.
+            model.save_pretrained(out, is_main_process=self.args.should_save)
+        else:
+            save_weights(model, out)
         if self.args.should_save:
             generation = getattr(self.model, "generation_config", None)
             if generation is not None and getattr(self.model, "can_generate", lambda: False)():
@@ -218,6 +246,10 @@ class Trainer(transformers.Trainer):
             torch.save(schedule.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not os.path.isdir(resume_from_checkpoint):
+            raise ValueError(
+                f"Can't find a valid checkpoint at {resume_from_checkpoint}"
+            )  # transformers' own
         if _has_engine_checkpoint(resume_from_checkpoint):
             return  # the weights come back with the engine checkpoint (`_load_optimizer_and_scheduler`)
         if not any(os.path.isfile(os.path.join(resume_from_checkpoint, n)) for n in _WEIGHT_FILES):
@@ -230,14 +262,30 @@ class Trainer(transformers.Trainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not _has_engine_checkpoint(checkpoint):
-            return  # no checkpoint, or weights alone (`_load_from_checkpoint`)
+        if checkpoint is None:
+            return
+        if not _has_engine_checkpoint(checkpoint):
+            # A plain Trainer's checkpoint: its optimizer.pt and scheduler.pt (both, as the plain Trainer
+            # takes them) into the engine's optimizer (torch's state-dict layout) and the schedule;
+            # save_only_model's (weights alone): neither, the optimizer starts afresh.
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
         assert self.engine is not None
         self.engine.load_checkpoint(checkpoint)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(path):
             schedule: Any = self.lr_scheduler
             schedule.load_state_dict(torch.load(path, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if self.engine is None or best is None or not _has_engine_checkpoint(best):
+            super()._load_best_model()  # save_only_model's checkpoints: the weights (refused at __init__
+            return  # where the optimizer holds float32 masters, which they would leave stale)
+        # As transformers' DeepSpeed integration does: the whole engine checkpoint, so that bf16 / fp16
+        # params come back with their float32 masters (loading the weights alone would be refused).
+        logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+        self.engine.load_checkpoint(best)
 
     # -- lifetime ------------------------------------------------------------------------------------------
 
@@ -289,6 +337,19 @@ def _check_dtype(model: Any, cfg: Any) -> None:
         )
 
 
+def _check_best(cfg: Any, args: Any) -> None:
+    """``load_best_model_at_end`` over ``save_only_model`` checkpoints reloads weights alone; with bf16 / fp16
+    params, whose float32 masters the optimizer holds, that load is refused — say so before training rather
+    than after it."""
+    if cfg.torch_dtype() is not None and args.load_best_model_at_end and args.save_only_model:
+        raise ConfigError(
+            "load_best_model_at_end=True with save_only_model=True would reload the best weights without "
+            "their float32 master copies, which the optimizer of a bf16 / fp16 model holds: drop "
+            "save_only_model (each checkpoint then holds the engine checkpoint the best model is restored "
+            "from)"
+        )
+
+
 def _check_schedule(config: dict[str, Any], args: Any) -> None:
     """A ``scheduler`` section wins over the arguments' schedule (as under DeepSpeed); an argument that
     asks for another schedule would otherwise be dropped without a word."""
@@ -305,17 +366,18 @@ def _check_schedule(config: dict[str, Any], args: Any) -> None:
         )
 
 
-def _check_given(config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
-    """An optimizer or scheduler in ``optimizers=`` beside a config section of its kind: one of the two
-    would go unused without a word (transformers' DeepSpeed integration drops the passed one)."""
+def _check_given(config: dict[str, Any], optimizer: Any, scheduler: Any, source: str) -> None:
+    """An optimizer or scheduler given (``source``: ``optimizers=``, a subclass's ``create_optimizer``)
+    beside a config section of its kind: one of the two would go unused without a word (transformers'
+    DeepSpeed integration drops the given one)."""
     for key, given, what in (
         ("optimizer", optimizer, "an optimizer"),
         ("scheduler", scheduler, "a scheduler"),
     ):
         if given is not None and config.get(key):
             raise ConfigError(
-                f"optimizers= passes {what} ({type(given).__name__}) and zswap_config has a '{key}' section, "
-                "which would build another: keep one of them"
+                f"{source} {what} ({type(given).__name__}) and zswap_config has a '{key}' section, which "
+                "would build another: keep one of them"
             )
 
 
@@ -331,7 +393,15 @@ def _refuse_running(model: Any) -> None:
 
 
 def _refuse(args: Any) -> None:
-    if args.fp16 or args.fp16_full_eval:
+    for flag, dtype in (("fp16_full_eval", "fp16"), ("bf16_full_eval", "bf16")):
+        if getattr(args, flag, False):
+            raise ConfigError(
+                f"TrainingArguments({flag}=True) casts the whole model to {dtype} (and moves it to the "
+                "device) before evaluating, which would convert its offloaded params for good: build or load "
+                f"the model in {dtype} under zswap.Init (the config's '{dtype}' section) to evaluate in "
+                f"{dtype}"
+            )
+    if args.fp16:
         raise ConfigError(
             "TrainingArguments(fp16=True) uses a gradient scaler that cannot see zswap's gradients: build "
             "the model in fp16 under zswap.Init and set the config's 'fp16' section (the engine scales the "
