@@ -231,3 +231,26 @@ def test_save_model_of_a_peft_model_writes_its_adapters(tmp_path):
     assert got.keys() == trained.keys() and len(got) == 4
     assert [n for n in got if not torch.equal(got[n], trained[n])] == []
     trainer.close()
+
+
+def test_arguments_for_adam_knobs_a_section_leaves_unset_are_a_mismatch(tmp_path):
+    """An ``optimizer`` section without ``betas`` / ``eps`` steps with their defaults (as DeepSpeed's would):
+    ``adam_beta1`` / ``adam_epsilon`` asking for others were dropped without a word. Left at their
+    defaults, the arguments agree and the Trainer builds."""
+    cfg = _config(tmp_path)
+    cfg["optimizer"]["params"] = {"lr": "auto", "weight_decay": "auto"}
+    args = _args(tmp_path / "z", adam_beta1=0.8, adam_epsilon=1e-6)
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_model(cfg), args=args, train_dataset=_data(), zswap_config=cfg)
+    assert str(info.value) == (
+        "zswap_config disagrees with the TrainingArguments:\n"
+        "- optimizer.params.betas unset (so [0.9, 0.999]) vs TrainingArguments "
+        "adam_beta1+adam_beta2=[0.8, 0.999]\n"
+        "- optimizer.params.eps unset (so 1e-08) vs TrainingArguments adam_epsilon=1e-06\n"
+        'set these keys to "auto" (filled from the arguments) or make the two agree'
+    )
+    trainer = zt.Trainer(
+        model=_model(cfg), args=_args(tmp_path / "y"), train_dataset=_data(), zswap_config=cfg
+    )
+    assert [g["betas"] for g in trainer.engine.optimizer.param_groups] == [(0.9, 0.999)] * 2
+    trainer.close()

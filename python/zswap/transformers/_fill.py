@@ -4,8 +4,9 @@ The same mapping transformers applies to a DeepSpeed config (``HfTrainerDeepSpee
 ``trainer_config_process`` when the arguments are known, ``trainer_config_finalize`` once the number of
 training steps is): an ``"auto"`` key takes the argument's value; a key given explicitly must equal it, or
 the run stops with every mismatch listed (a config and a command line that disagree would train one of the
-two ways silently). A key absent from the config stays absent. The caller's mapping is never modified:
-filling works on a deep copy.
+two ways silently). A key absent from the config stays absent; an ``optimizer`` section without ``betas``
+or ``eps`` steps with their defaults, so arguments asking for others are a mismatch too. The caller's
+mapping is never modified: filling works on a deep copy.
 
 =====================================  ===========================================
 config key                             from ``TrainingArguments``
@@ -60,6 +61,19 @@ class Filler:
         elif must_match and node[key] is not None and node[key] != value:
             self.mismatches.append(f"- {dotted}={node[key]!r} vs TrainingArguments {arg}={value!r}")
 
+    def unset(self, key: str, value: Any, default: Any, arg: str) -> None:
+        """A key absent from an ``optimizer`` section steps with ``default`` (as under DeepSpeed): the
+        argument, if it asks for another value, would be dropped without a word."""
+        section = self.config.get("optimizer")
+        if not isinstance(section, dict):
+            return
+        params = section.get("params")
+        given = params if isinstance(params, dict) else {}
+        if key not in given and value != default:
+            self.mismatches.append(
+                f"- optimizer.params.{key} unset (so {default!r}) vs TrainingArguments {arg}={value!r}"
+            )
+
     def only(self, dotted: str, value: Any) -> None:
         """``"auto"`` → ``value``; anything else is kept."""
         node, key = self._node(dotted)
@@ -92,6 +106,10 @@ def process(config: Any, args: Any) -> dict[str, Any]:
     f.match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
     f.match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
     f.match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
+    # Absent, lr and weight_decay are the arguments' (each param group's); betas and eps the section's
+    # defaults, whatever the arguments say.
+    f.unset("betas", [args.adam_beta1, args.adam_beta2], [0.9, 0.999], "adam_beta1+adam_beta2")
+    f.unset("eps", args.adam_epsilon, 1e-8, "adam_epsilon")
     f.only("scheduler.params.warmup_min_lr", 0)
     f.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
     f.match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
