@@ -168,3 +168,21 @@ def test_was_step_applied_says_whether_the_last_step_changed_the_weights():
         assert not engine.was_step_applied()
         step(engine, 0.05, seed=1)
         assert engine.was_step_applied()
+
+
+def test_was_step_applied_is_false_after_each_micro_step_between_boundaries():
+    """DeepSpeed resets it at every ``step()``: with 4 accumulation steps it is true after the 4th and 8th
+    calls only (zswap kept the last boundary's answer through the micro-steps after it)."""
+    cfg = base_config(gradient_accumulation_steps=4)
+    cfg["train_batch_size"] = 4
+    torch.manual_seed(0)
+    model = TwoLayer(hidden=4)
+    engine, *_ = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())
+    applied = []
+    with engine:
+        for i in range(8):
+            g = torch.Generator().manual_seed(i)
+            engine.backward(engine(torch.randn(1, 4, generator=g), torch.randint(0, 4, (1,), generator=g)))
+            engine.step()
+            applied.append(engine.was_step_applied())
+    assert applied == [False, False, False, True] * 2

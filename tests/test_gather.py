@@ -212,3 +212,51 @@ def test_gathering_a_param_whose_prefetch_is_in_flight(tier, modifier_rank, tmp_
             ref.zero_grad()
         assert engine.stats()["prefetch_dropped"] >= 2
     assert all(param_state(w).status is Status.NOT_AVAILABLE for w in weights)
+
+
+@pytest.mark.parametrize(
+    "keep", ["persistent-cpu", "persistent-nvme", "max_in_cpu"], ids=lambda k: k.replace("_", "-")
+)
+def test_without_modifier_rank_a_param_that_stays_gathered_drops_its_change_too(keep, tmp_path):
+    """A param gathered before the block (below the persistence threshold, resident by ``max_in_cpu``):
+    its data may be the stored partition itself, so the block works on a copy; the change is dropped with
+    the warning, as for a param the block gathers, and training goes on as if it never happened. Before, the
+    write was kept silently (on several ranks, each rank's own)."""
+    tier = "nvme" if keep != "persistent-cpu" else "cpu"
+    z: dict = {"offload_param": {"device": tier, "nvme_path": str(tmp_path)}}
+    z["stage3_param_persistence_threshold"] = 100 if keep.startswith("persistent") else 0
+    if keep == "max_in_cpu":
+        z["offload_param"]["max_in_cpu"] = 10**6
+    cfg = {
+        "zero_optimization": z,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+    }
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 8))
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        m = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 8))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    x = torch.randn(2, 8)
+    with zswap.initialize(m, cfg) as engine:
+        for it in range(3):
+            if it == 1:
+                assert param_state(m[1].bias).status is Status.AVAILABLE  # gathered before the block
+                with (
+                    pytest.warns(ZswapWarning, match=r"shape \(8,\).*dropped"),
+                    GatheredParameters(m[1].bias),
+                ):
+                    m[1].bias.data.add_(1.0)
+                with pytest.warns(ZswapWarning, match="dropped"), GatheredParameters(m[1].parameters()):
+                    m[1].bias.data = torch.zeros(8)
+            out = m(x).square().sum()
+            out.backward()
+            engine.step()
+            want = ref(x).square().sum()
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert torch.equal(out.detach(), want.detach()), it
+    assert all(
+        torch.equal(a, b) for a, b in zip(gathered(m.parameters()), gathered(ref.parameters()), strict=True)
+    )

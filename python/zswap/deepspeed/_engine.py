@@ -455,6 +455,7 @@ class DeepSpeedEngine(runtime.Engine):
             )
         self._micro_open = False  # a step between boundaries ends the micro-batch itself
         skipped, boundary = self.skipped_steps, self.is_gradient_accumulation_boundary()
+        self._step_applied = False  # as DeepSpeed's: a micro-step between boundaries applies nothing
         schedule = self.lr_scheduler
         if lr_kwargs and schedule is not None:
             self.lr_scheduler = _StepsWith(schedule, dict(lr_kwargs))  # for this step's schedule step only
@@ -476,8 +477,9 @@ class DeepSpeedEngine(runtime.Engine):
         return [] if self.optimizer is None else [g.get("betas", 0.0) for g in self.optimizer.param_groups]
 
     def was_step_applied(self) -> bool:
-        """Whether the last optimizer step (accumulation boundary) changed the params: false before the
-        first and after one skipped for gradients that were not finite (an fp16 overflow, a NaN)."""
+        """Whether the last ``step()`` applied an optimizer step (changed the params): false before the
+        first, after a micro-step between accumulation boundaries, and after a step skipped for gradients
+        that were not finite (an fp16 overflow, a NaN)."""
         return getattr(self, "_step_applied", False)
 
     def fp16_enabled(self) -> bool:

@@ -302,8 +302,10 @@ class GatheredParameters:
     partition and tier. Without it, changes are dropped — with a `ZswapWarning` if the data did change
     (checked by a checksum taken at entry). If the block raises, changes are dropped and the exception
     propagates. Params that are not managed by zswap are left alone; ``enabled=False`` does nothing.
-    Params already gathered by someone other than a `GatheredParameters` block (a running forward) stay
-    gathered after the block.
+    Params already gathered by someone other than a `GatheredParameters` block (a running forward, a
+    persistent or ``max_in_cpu`` param) stay gathered after the block; without ``modifier_rank`` the block
+    works on a copy of each, so that their changes are dropped too (their data may be the stored partition
+    itself, and each rank's own change would otherwise stay on that rank).
     """
 
     def __init__(self, params: object, modifier_rank: int | None = None, enabled: bool = True) -> None:
@@ -316,6 +318,8 @@ class GatheredParameters:
                     self._items.append((p, st))
         self._fetched: list[Item] = []
         self._marks: list[tuple[int, torch.Size, torch.dtype, int]] = []
+        self._held: list[tuple[torch.Tensor, ParamState, torch.Tensor]] = []
+        """Params gathered before the block: (param, state, data at entry); ``.data`` is the block's copy."""
 
     def __enter__(self) -> None:
         if not self._items:
@@ -337,10 +341,16 @@ class GatheredParameters:
         for _, st in self._items:
             st.gathered_by = self
         if self._modifier_rank is None:
+            fetched = {id(p) for p, _ in self._fetched}
             with no_torch_function():
                 self._marks = [
                     (p.data.data_ptr(), p.shape, p.dtype, checksum(p.data)) for p, _ in self._fetched
                 ]
+                for p, st in self._items:
+                    if id(p) not in fetched and st.status is Status.AVAILABLE:
+                        entry = p.data
+                        p.data = entry.clone()
+                        self._held.append((p, st, entry))
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -351,13 +361,27 @@ class GatheredParameters:
             if exc_type is None and self._modifier_rank is not None:
                 self._write_back()
             else:
+                changed = self._restore_held()
                 if exc_type is None:
-                    self._warn_if_changed()
+                    self._warn_if_changed(changed)
                 release(self._fetched, write_back=False)
         finally:
             for _, st in self._items:
                 st.gathered_by = None
-            self._fetched, self._marks = [], []
+            self._fetched, self._marks, self._held = [], [], []
+
+    def _restore_held(self) -> ParamState | None:
+        """Give each param gathered before the block its data at entry back (unless something released it
+        meanwhile); returns the state of one whose copy was changed, if any."""
+        changed = None
+        with no_torch_function():
+            for p, st, entry in self._held:
+                d = p.data
+                if d.shape != entry.shape or d.dtype != entry.dtype or not torch.equal(d, entry):
+                    changed = changed or st
+                if st.status is Status.AVAILABLE:
+                    p.data = entry
+        return changed
 
     def _write_back(self) -> None:
         fetched = {id(p) for p, _ in self._fetched}
@@ -382,15 +406,17 @@ class GatheredParameters:
             for store in {id(st.store): st.store for _, st in self._items}.values():
                 store.wait_all()
 
-    def _warn_if_changed(self) -> None:
+    def _warn_if_changed(self, changed: ParamState | None) -> None:
         with no_torch_function():
             for (p, st), (ptr, shape, dtype, crc) in zip(self._fetched, self._marks, strict=True):
                 d = p.data
                 if d.data_ptr() != ptr or d.shape != shape or d.dtype != dtype or checksum(d) != crc:
-                    warnings.warn(
-                        f"GatheredParameters: a param of shape {tuple(st.shape)} was changed inside a block "
-                        "without modifier_rank; the change is dropped (pass modifier_rank to keep it)",
-                        ZswapWarning,
-                        stacklevel=3,
-                    )
-                    return
+                    changed = st
+                    break
+        if changed is not None:
+            warnings.warn(
+                f"GatheredParameters: a param of shape {tuple(changed.shape)} was changed inside a block "
+                "without modifier_rank; the change is dropped (pass modifier_rank to keep it)",
+                ZswapWarning,
+                stacklevel=3,
+            )
