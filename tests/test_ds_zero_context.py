@@ -622,3 +622,20 @@ def test_empty_partition_cache_lets_the_persistent_params_go_too(training):
         assert [p.numel() for p in model.parameters()] == [0, 10, 0, 10]
         with zswap.GatheredParameters(list(model.parameters())):
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+
+
+def test_mics_init_is_init_with_a_warning_naming_it():
+    """MiCS only changes where params are sharded: ``MiCS_Init`` builds what ``zero.Init`` builds (the same
+    values, partitioned over the whole group), saying so."""
+    cfg = {"zero_optimization": {"stage": 3, "mics_shard_size": 1}, "train_batch_size": 1}
+    torch.manual_seed(0)
+    ref = TwoLayer(hidden=4)
+    torch.manual_seed(0)
+    with pytest.warns(zswap.ZswapWarning) as caught, deepspeed.zero.MiCS_Init(config_dict_or_path=cfg):
+        model = TwoLayer(hidden=4)
+    assert any(
+        "MiCS_Init partitions each param over the whole process group" in str(w.message) for w in caught
+    )
+    assert all(param_state(p) is not None for p in model.parameters())
+    with zswap.GatheredParameters(list(model.parameters())):
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))

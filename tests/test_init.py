@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
+import subprocess
 import sys
 import threading
 
@@ -356,6 +358,39 @@ def test_world_size_without_torch_distributed_warns(monkeypatch):
         Init(remote_device="cpu")
     monkeypatch.setenv("WORLD_SIZE", "1")
     Init(remote_device="cpu")  # no warning: filterwarnings=error would fail here
+
+
+_ONE_RANK_UNDER_A_LAUNCH = """
+import torch, torch.distributed as dist, zswap
+dist.init_process_group("gloo", store=dist.FileStore(STORE, 1), rank=0, world_size=1)
+try:
+    zswap.Init(remote_device="cpu")
+except zswap.ZswapError as e:
+    print("refused:", e)
+with zswap.Init(remote_device="cpu", process_group=dist.new_group([0])):
+    m = torch.nn.Linear(2, 2)
+print("explicit:", zswap.param_state(m.weight).world_size)
+dist.destroy_process_group()
+"""
+
+
+def test_a_one_rank_default_group_under_a_multi_rank_launch_is_refused(tmp_path):
+    """The launcher says ``WORLD_SIZE=2`` but the default group was initialised with one rank (by another
+    library, before the launch's own): nothing would partition and each rank keep the whole model — an
+    error, as DeepSpeed's ``zero.Init`` makes it. A one-rank group passed explicitly is meant."""
+    script = _ONE_RANK_UNDER_A_LAUNCH.replace("STORE", repr(str(tmp_path / "store")))
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "refused: the launcher set WORLD_SIZE=2 but torch.distributed's default group has 1 rank (it was "
+        "initialised before the launch's own, by another library or init_process_group with world_size=1): "
+        "zswap.Init would partition nothing and every rank keep the whole model. Initialise the default "
+        "group with the launcher's 2 ranks (torch.distributed.init_process_group() from the environment, or "
+        "zswap.deepspeed.init_distributed()); to run one model per process, pass a one-rank process_group "
+        "explicitly",
+        "explicit: 1",
+    ]
 
 
 def test_module_keyword_converts_a_built_model():

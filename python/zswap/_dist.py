@@ -32,11 +32,23 @@ def resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int,
 
 def warn_if_launch_without_dist(group: ProcessGroup | None) -> None:
     """A multi-process launch (``WORLD_SIZE`` > 1) before ``init_process_group`` would give every rank a
-    full copy of every param, silently multiplying memory and disk by the world size."""
+    full copy of every param, silently multiplying memory and disk by the world size. A default group of
+    one rank there (initialised by something else before the launch's own) is an error, as DeepSpeed's
+    ``zero.Init`` makes it: nothing would partition. A one-rank group passed explicitly is meant."""
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE", "1") or "1")
     except ValueError:
         return
+    if world > 1 and group is None and _dist_ready() and torch.distributed.get_world_size() == 1:
+        raise ZswapError(
+            f"the launcher set WORLD_SIZE={world} but torch.distributed's default group has 1 rank (it was "
+            "initialised before the launch's own, by another library or init_process_group with "
+            "world_size=1): zswap.Init would partition nothing and every rank keep the whole model. "
+            f"Initialise the default group with the launcher's {world} ranks "
+            "(torch.distributed.init_process_group() from the environment, or "
+            "zswap.deepspeed.init_distributed()); to run one model per process, pass a one-rank "
+            "process_group explicitly"
+        )
     if world > 1 and group is None and not _dist_ready():
         warnings.warn(
             f"WORLD_SIZE={world} but torch.distributed is not initialised: zswap.Init partitions as a single "

@@ -1,5 +1,5 @@
-"""``deepspeed.zero``'s call shapes on zswap: `Init`, `GatheredParameters`, `register_external_parameter`,
-`unwrap_model_for_generation`."""
+"""``deepspeed.zero``'s call shapes on zswap: `Init` (and `MiCS_Init`), `GatheredParameters`,
+`register_external_parameter`, `unwrap_model_for_generation`."""
 
 from __future__ import annotations
 
@@ -90,6 +90,23 @@ class Init(init.Init):
         )
 
 
+class MiCS_Init(Init):
+    """DeepSpeed's ``deepspeed.zero.MiCS_Init``: `Init`, with a `ZswapWarning`. MiCS shards each param
+    within groups of ``mics_shard_size`` ranks and replicates it across them, which changes where bytes
+    live and how they move, not what training computes; zswap partitions each param over the whole group
+    (the config's ``mics_*`` keys are accepted and ignored likewise)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn(
+            "zswap.deepspeed.zero.MiCS_Init partitions each param over the whole process group, as "
+            "zswap.deepspeed.zero.Init does (MiCS's sharding groups are not implemented; results are the "
+            "same)",
+            ZswapWarning,
+            stacklevel=2,
+        )
+        super().__init__(*args, **kwargs)
+
+
 class GatheredParameters(gather.GatheredParameters):
     """DeepSpeed's ``deepspeed.zero.GatheredParameters(params, modifier_rank=None, fwd_module=None,
     enabled=True)`` over `zswap.GatheredParameters`.
@@ -144,6 +161,7 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
 __all__ = [
     "GatheredParameters",
     "Init",
+    "MiCS_Init",
     "register_external_parameter",
     "unregister_external_parameter",
     "unwrap_model_for_generation",
