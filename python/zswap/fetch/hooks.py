@@ -9,7 +9,8 @@ attribute shared outside the module tree) is fetched on the spot and from then o
 Backward: autograd keeps the param *object* among a node's saved tensors, so gathering its data again before
 the node runs is enough. A node that saves a *view* of a param instead (``F.linear`` saves ``weight.t()``)
 would keep the gathered memory alive until backward; while a hooked forward runs, saved-tensor hooks keep
-such a view as (param, layout) and rebuild it from the param's data when the node runs.
+such a view as (param, layout) and rebuild it from the param's data when the node runs. A user's own
+saved-tensor hooks (``save_on_cpu``…) active around the forward get every other tensor through ours.
 
 When a module's forward under grad mode ends, a hook goes on each output tensor
 (fires right before the first of the module's backward nodes: *pre-backward*, acquires the params again)
@@ -93,6 +94,20 @@ class _ParamView:
     offset: int
 
 
+@dataclass(frozen=True, eq=False)
+class _Outer:
+    """A saved tensor as the user's saved-tensor hooks under ours packed it, with their unpack."""
+
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor]
+
+
+def _is_checkpoints(hooks: tuple[Callable[..., Any], Callable[..., Any]]) -> bool:
+    """Whether the saved-tensor hooks on top are ``torch.utils.checkpoint``'s (a non-reentrant checkpoint's
+    forward or recomputation)."""
+    return getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
 def _raised(output: Any) -> bool:
     """Whether an ``always_call`` post-hook runs because the forward raised (torch calls it from its
     ``except`` block, with no output)."""
@@ -141,6 +156,8 @@ class ModuleHooks:
         self._mode = _ForwardAccess(self)
         self._mode_on = False
         self._saved_hooks_on = False
+        self._outer_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        """The saved-tensor hooks ours were pushed on top of (a user's), which get every other tensor."""
         self._tasks: set[int] = set()
         self._bw_calls: list[_Call] = []
         self._recomputed: list[Slot] = []  # (`_release_forward`)
@@ -251,33 +268,40 @@ class ModuleHooks:
             on, self._autocast_on = self._autocast_on, None
             on.__exit__(None, None, None)
         if self._saved_hooks_on:
-            self._saved_hooks_on = False
+            self._saved_hooks_on, self._outer_hooks = False, None
             torch._C._autograd._pop_saved_tensors_default_hooks()
         if self._mode_on:
             self._mode_on = False
             self._mode.__exit__(None, None, None)
 
     def _push_saved_hooks(self) -> None:
-        # Only where no other saved-tensor hooks are active: theirs take precedence (a checkpoint's
-        # recomputation collects what it saves through its own hooks; on top of them ours would hide
-        # everything from it).
+        # On top of a user's saved-tensor hooks (``saved_tensors_hooks``, ``save_on_cpu``, an activation
+        # offloader), ours pass every other tensor on to theirs. Not on top of a checkpoint's: its
+        # recomputation matches what the re-run saves with what the first forward saved, one by one, through
+        # its own hooks, and ours would hide the params' views from it in one pass and not the other.
         autograd = torch._C._autograd
-        if not torch.is_grad_enabled() or autograd._top_saved_tensors_default_hooks(False) is not None:
+        outer = autograd._top_saved_tensors_default_hooks(False)
+        if not torch.is_grad_enabled() or (outer is not None and _is_checkpoints(outer)):
             return
         try:
             autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
         except RuntimeError:  # saved-tensor hooks are disabled here (inside a functorch transform, say)
             return
+        self._outer_hooks = outer
         self._saved_hooks_on = True
 
-    @staticmethod
-    def _pack(t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> Any:
         base = t._base
-        if base is None or param_state(base) is None:
-            return t
-        return _ParamView(base, t.size(), t.stride(), int(t.storage_offset() - base.storage_offset()))
+        if base is not None and param_state(base) is not None:
+            return _ParamView(base, t.size(), t.stride(), int(t.storage_offset() - base.storage_offset()))
+        outer = self._outer_hooks
+        if outer is None or (base is None and param_state(t) is not None):
+            return t  # a managed param itself: autograd keeps the object, its data is gathered again
+        return _Outer(outer[0](t), outer[1])
 
     def _unpack(self, x: Any) -> torch.Tensor:
+        if isinstance(x, _Outer):
+            return x.unpack(x.packed)
         if not isinstance(x, _ParamView):
             return x
         p = x.param
