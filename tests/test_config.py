@@ -385,7 +385,7 @@ WARNED = {
         "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather",
         "log_trace_cache_warnings", "module_granularity_threshold", "use_multi_rank_bucket_allreduce",
         "pipeline_loading_checkpoint", "override_module_apply", "stage3_model_persistence_threshold",
-        "stage3_use_all_reduce_for_fetch_params", "enable_sanity_checks", "parameter_alignment",
+        "stage3_use_all_reduce_for_fetch_params", "parameter_alignment",
     ],
     "zero_optimization.offload_optimizer": ["fast_init", "ratio", "super_offload", "cpuadam_cores_perc"],
     "optimizer": ["legacy_fusion"],
@@ -401,6 +401,7 @@ DEFAULTS_ONLY = {
         "zeropp_loco_param": (None, {"err_beta": 0.8}, "LoCo has nothing to correct"),
         "zenflow": (None, {}, "ZenFlow"),
         "compute_grad_norm": (True, False, "DeepSpeed refuses it with stage 3"),
+        "enable_sanity_checks": (False, True, "dropped with a ZswapWarning rather than raised"),
     },
     "bf16": {
         "bf16_master_weights_and_grads": (False, True, "fp32 master weights"),

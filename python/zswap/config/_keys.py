@@ -153,9 +153,8 @@ ZERO = Section(
             "save_muon_momentum_buffer_in_memory",
             # Stage 1 / 2 flat-buffer padding (memory layout only).
             "parameter_alignment",
-            # zswap always catches writes under Init (so the switch is moot) and checks what it can.
+            # zswap always catches writes under Init (so the switch is moot).
             "override_module_apply",
-            "enable_sanity_checks",
             "log_trace_cache_warnings",
             # An old key of unknown meaning in DeepSpeed's history: said to be ignored rather than guessed.
             "offload_params",
@@ -177,6 +176,12 @@ ZERO = Section(
         ),
         "zeropp_loco_param": (None, "zswap does not quantize gradients, so LoCo has nothing to correct"),
         "zenflow": (None, "ZenFlow's deferred updates of unimportant params are not implemented by zswap"),
+        "enable_sanity_checks": (
+            False,
+            "zswap's checks are always on, and a change made inside GatheredParameters without modifier_rank "
+            "is dropped with a ZswapWarning rather than raised (make it an error with "
+            "-W error::zswap.ZswapWarning); every step checks that the ranks ran the same passes",
+        ),
         "compute_grad_norm": (
             True,
             "false is for ZeRO stages 1 and 2 (DeepSpeed refuses it with stage 3, which zswap always is); "
