@@ -180,6 +180,26 @@ def test_a_grad_set_by_hand_is_refused_before_the_step_changes_anything(tmp_path
         assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), ref.parameters(), strict=True))
 
 
+def test_a_param_unfrozen_after_initialize_is_refused_naming_it(tmp_path):
+    """Unfreezing mid-training (Lightning's BackboneFinetuning): the engine hooked the gradients of the
+    params that required grad when it was built, so autograd left the unfrozen ones' in ``.grad``; the step
+    says so, rather than that something set a ``.grad`` by hand."""
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    model[0].requires_grad_(False)
+    with zswap.initialize(model, cfg) as engine:
+        model[0].requires_grad_(True)
+        engine.backward(engine(torch.randn(3, 4)).square().sum())
+        message = (
+            "engine.step(): 0.weight, 0.bias required no grad when the engine was built and do now: zswap "
+            "puts its gradient hooks on the params that require grad at zswap.initialize, so autograd left "
+            "these gradients in .grad, which zswap does not read. Unfreeze them before the engine is built "
+            "(under Lightning: before fit, e.g. in configure_model), or build a new engine after unfreezing"
+        )
+        with _raises(zswap.ZswapError, message):
+            engine.step()
+
+
 def test_forward_without_an_engine_raises(tmp_path):
     cfg = _cfg(tmp_path)
     model = _model(cfg)

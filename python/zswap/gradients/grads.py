@@ -87,10 +87,14 @@ class GradSink:
         """The average stays in ``reduce_in`` (float32 where gradients are summed in float32 too)."""
         self.names: dict[int, str] = {}
         """{id(param): its name in the model}, for messages (set by the engine)."""
+        self.frozen: set[int] = set()
+        """Ids of the params that required no grad when the hooks went on (they have none)."""
         for p, st in items:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._make_pre(p, st)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_post(st)))
+            else:
+                self.frozen.add(id(p))
 
     def hand_first_to(self, taker: GradTaker | None) -> None:
         """Offer each complete partition gradient to ``taker`` first (the early step,

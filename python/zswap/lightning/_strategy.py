@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -53,7 +54,7 @@ from ..config import ZswapConfig, load_config, raw_dict
 from ..device import resolve as resolve_device
 from ..errors import ConfigError, ZswapError
 from ..step.optim import OffloadedAdamW
-from ..step.optim.adopt import is_convertible, rebind_schedulers, to_offloaded
+from ..step.optim.adopt import hand_over, is_convertible, rebind_schedulers, to_offloaded
 from ..train import dtypes
 from ..train.runtime import Engine, initialize
 from ._parallel import ProcessGroupStrategy
@@ -211,6 +212,7 @@ class ZswapStrategy(ProcessGroupStrategy):
                 where = f"the {type(client).__name__} from configure_optimizers"
                 owned = to_offloaded(client, self.zswap_config, where)
                 rebind_schedulers([c.scheduler for c in schedulers], client, owned)
+                hand_over(client, owned)  # a module keeping it (``self.opt``) sets what the engine steps
         self._close_open(module)
         given = owned if owned is not None else client
         try:
@@ -226,14 +228,15 @@ class ZswapStrategy(ProcessGroupStrategy):
             raise
         if fitting:
             try:
-                dtypes.check_accumulation(engine, trainer.accumulate_grad_batches)
+                dtypes.check_accumulation(engine, _most_accumulated(trainer))
             except BaseException:
                 engine.close()
                 raise
         self._open(module, _Run(engine, owned))
-        if fitting and trainer.accumulate_grad_batches > 1:
-            # Lightning's windows (its last batch of an epoch ends one early): the early step sums the
-            # earlier backwards' gradients and runs in the window's last (`zswap.step.speculation`).
+        if fitting and _most_accumulated(trainer) > 1:
+            # Lightning's windows (its last batch of an epoch ends one early; a GradientAccumulationScheduler
+            # changes their length between epochs): the early step sums the earlier backwards' gradients
+            # and runs in the window's last (`zswap.step.speculation`).
             loop = trainer.fit_loop
             engine.window_ends = lambda: not loop._should_accumulate()
         self.model = module  # no wrapper: the engine's hooks are on the module itself
@@ -263,7 +266,9 @@ class ZswapStrategy(ProcessGroupStrategy):
             )
         save = self.engine.save_checkpoint
         filepath = self.broadcast(filepath)
-        client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        # ``state_dict`` holds what hooks added (``on_save_checkpoint``: an EMA's weights…); the module's
+        # own weights are the engine's (`lightning_module_state_dict`).
+        client = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
         save(os.fspath(filepath), client_state=client)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -284,6 +289,7 @@ class ZswapStrategy(ProcessGroupStrategy):
                 f"{checkpoint_path}: the engine checkpoint holds no Lightning state (was it written by "
                 "trainer.save_checkpoint under ZswapStrategy?)"
             )
+        client.setdefault("state_dict", {})  # what hooks added at save, for on_load_checkpoint
         return client
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -412,6 +418,16 @@ class ZswapStrategy(ProcessGroupStrategy):
         # the trainer this strategy, so a finalizer holding the run kept all of them (the engine's fetch
         # pool and optimizer ring, its files) alive until the process exited, one engine per fit. Without
         # it they are one cycle that the collector frees whole once nothing outside reaches it.
+
+
+def _most_accumulated(trainer: pl.Trainer) -> int:
+    """The most batches a window of this fit accumulates: ``accumulate_grad_batches``, or what a
+    ``GradientAccumulationScheduler`` sets it to in a later epoch."""
+    most = trainer.accumulate_grad_batches
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, GradientAccumulationScheduler):
+            most = max(most, *callback.scheduling.values())
+    return int(most)
 
 
 def _as_zswap_precision(plugin: Precision) -> ZswapPrecision:

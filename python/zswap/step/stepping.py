@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,12 +138,22 @@ def world_size(items: Any) -> int:
     return max((st.world_size for _, st in items), default=1)
 
 
-def before_step(module: torch.nn.Module, items: Any) -> None:
+def before_step(module: torch.nn.Module, items: Any, frozen: Collection[int] = ()) -> None:
     """At an optimizer step, before it changes anything: no managed param has a ``.grad`` set by hand
     (zswap keeps its gradient in the gradient store and ``p.grad`` None: the step would miss it, or fail
     inside the kernel on its placeholder's shape), and every rank gathered the same params in the same order
-    since the last one (`zswap._dist.check_same`, per process group of ``items``, in their order)."""
+    since the last one (`zswap._dist.check_same`, per process group of ``items``, in their order).
+    ``frozen``: ids of the params the engine put no gradient hooks on (they required no grad then)."""
     by_hand = {id(p) for p, _ in items if p.grad is not None}
+    unfrozen = [n for n, p in module.named_parameters() if id(p) in by_hand and id(p) in frozen]
+    if unfrozen:
+        raise ZswapError(
+            f"engine.step(): {', '.join(unfrozen[:3])}{' …' if len(unfrozen) > 3 else ''} required no grad "
+            "when the engine was built and do now: zswap puts its gradient hooks on the params that require "
+            "grad at zswap.initialize, so autograd left these gradients in .grad, which zswap does not read. "
+            "Unfreeze them before the engine is built (under Lightning: before fit, e.g. in "
+            "configure_model), or build a new engine after unfreezing"
+        )
     if by_hand:
         names = [n for n, p in module.named_parameters() if id(p) in by_hand] or ["a param of the model"]
         raise ZswapError(

@@ -225,7 +225,7 @@ class Engine:
             self._micro_batch_end()
             return
         self._grads.flush()
-        stepping.before_step(self.module, self._items)  # no .grad set by hand; ranks gathered alike
+        stepping.before_step(self.module, self._items, self._grads.frozen)  # no .grad by hand; ranks alike
         grads.wait(self._items)  # a failed gradient write stops the step here, before anything changes
         held = resident.take(self)  # resident params: stepped in their gathered copy (no read)
         self._sched.drop_all()  # the optimizer rewrites partitions: no gathered copy may go stale
