@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+import zswap
+
 pl = pytest.importorskip(
     "lightning.pytorch", reason="the 'lightning' package (zswap[lightning]) is not installed"
 )
@@ -85,3 +87,51 @@ def test_what_on_save_checkpoint_adds_to_the_state_dict_comes_back(tmp_path):
     again = Ema()
     _trainer(ZswapStrategy(_config(tmp_path / "swap"))).validate(again, _data(8), ckpt_path=str(path))
     assert again.loaded is not None and torch.equal(again.loaded["ema.weight"], torch.arange(4.0))
+
+
+class BuiltInInit(Regressor):
+    """Builds its network in ``__init__`` (under ``trainer.init_module()``), not in ``configure_model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 24),
+            torch.nn.Tanh(),
+            torch.nn.Linear(24, 24),
+            torch.nn.Tanh(),
+            torch.nn.Linear(24, 1),
+        )
+
+
+def test_trainer_init_module_partitions_the_model_as_it_is_built(tmp_path):
+    """As Lightning's DeepSpeed strategy runs ``zero.Init`` there: built under ``trainer.init_module()``
+    each param is partitioned and offloaded at once (was built whole in memory), and fit equals plain."""
+    torch.manual_seed(0)
+    ref = BuiltInInit()
+    ref_trainer = _trainer()
+    ref_trainer.fit(ref, _data())
+    trainer = _trainer(ZswapStrategy(_config(tmp_path)))
+    torch.manual_seed(0)
+    with trainer.init_module():
+        ours = BuiltInInit()
+    assert all(zswap.param_state(p) is not None and p.numel() == 0 for p in ours.parameters())
+    trainer.fit(ours, _data())
+    _assert_same_run(ours, ref, 5)
+
+
+@pytest.mark.parametrize("switch", ["partition_activations", "cpu_checkpointing", "profile"])
+def test_deepspeeds_activation_checkpointing_extras_are_refused(tmp_path, switch):
+    """Lightning's DeepSpeed strategy hands them to ``deepspeed.checkpointing.configure``; zswap's
+    checkpoint does none of them, so they were dropped without a word."""
+    with pytest.raises(zswap.ConfigError, match=rf"^activation_checkpointing\.{switch} is on: zswap's "):
+        ZswapStrategy(_config(tmp_path, activation_checkpointing={switch: True}))
+    ZswapStrategy(_config(tmp_path, activation_checkpointing={switch: False}))
+
+
+def test_a_plain_lightning_checkpoint_file_is_refused_saying_how_to_load_it(tmp_path):
+    _, plain = _fit()
+    path = tmp_path / "plain.ckpt"
+    plain.save_checkpoint(path)
+    (tmp_path / "swap").mkdir()
+    with pytest.raises(zswap.ZswapError, match=r"is a file: a plain Lightning checkpoint, not the engine"):
+        _fit(ZswapStrategy(_config(tmp_path / "swap")), ckpt_path=str(path))

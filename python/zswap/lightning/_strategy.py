@@ -134,6 +134,7 @@ class ZswapStrategy(ProcessGroupStrategy):
         self.config: dict[str, Any] = raw_dict(config, "ZswapStrategy config")
         """The config as a plain dict (a private copy)."""
         self.zswap_config: ZswapConfig = load_config(self.config)
+        _refuse_checkpointing_extras(self.config)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -192,6 +193,13 @@ class ZswapStrategy(ProcessGroupStrategy):
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` runs here: under ``zswap.Init`` with the strategy's config dict."""
+        with Init(self._model_config()):
+            yield
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module()``: under ``zswap.Init`` too (Lightning's DeepSpeed strategy runs
+        ``zero.Init`` there at stage 3), so the model is partitioned as it is built."""
         with Init(self._model_config()):
             yield
 
@@ -275,6 +283,13 @@ class ZswapStrategy(ProcessGroupStrategy):
         """Loads an engine checkpoint written by `save_checkpoint` (optimizer state only when fitting) and
         returns the Trainer's state saved with it."""
         load = self.engine.load_checkpoint
+        if os.path.isfile(checkpoint_path):
+            raise ZswapError(
+                f"{checkpoint_path} is a file: a plain Lightning checkpoint, not the engine checkpoint "
+                "folder trainer.save_checkpoint writes under ZswapStrategy. Load its weights into the module "
+                "with module.load_state_dict(torch.load(path)['state_dict']) inside configure_model, after "
+                "building it (zswap writes them into the partitions), and fit without ckpt_path"
+            )
         if weights_only:
             raise TypeError(
                 "ZswapStrategy cannot load with weights_only=True: the Trainer's state saved in the engine "
@@ -418,6 +433,29 @@ class ZswapStrategy(ProcessGroupStrategy):
         # the trainer this strategy, so a finalizer holding the run kept all of them (the engine's fetch
         # pool and optimizer ring, its files) alive until the process exited, one engine per fit. Without
         # it they are one cycle that the collector frees whole once nothing outside reaches it.
+
+
+_CHECKPOINTING_EXTRAS = (
+    "partition_activations",
+    "contiguous_memory_optimization",
+    "cpu_checkpointing",
+    "synchronize_checkpoint_boundary",
+    "profile",
+)
+
+
+def _refuse_checkpointing_extras(config: Mapping[str, Any]) -> None:
+    """Lightning's DeepSpeed strategy hands the ``activation_checkpointing`` section to
+    ``deepspeed.checkpointing.configure``; zswap's checkpoint does none of its extras, so one switched on
+    is refused here rather than dropped (as `zswap.deepspeed.checkpointing.configure` refuses it)."""
+    section = config.get("activation_checkpointing") or {}
+    on = [k for k in _CHECKPOINTING_EXTRAS if isinstance(section, Mapping) and section.get(k)]
+    if on:
+        raise ConfigError(
+            f"activation_checkpointing.{on[0]} is on: zswap's activation checkpointing is torch's "
+            "(torch.utils.checkpoint, or zswap.deepspeed.checkpointing.checkpoint), without DeepSpeed's "
+            "partitioned, contiguous, CPU-held or profiled checkpoints; set it false"
+        )
 
 
 def _most_accumulated(trainer: pl.Trainer) -> int:
