@@ -6,8 +6,10 @@ import copy
 import errno
 import gc
 import json
+import os
 import pathlib
 import pickle
+import re
 import types
 import weakref
 from typing import Any
@@ -25,7 +27,9 @@ from zswap.config import (
     _keys,
     load_config,
     models,
+    parse_json,
 )
+from zswap.config._load import MAX_FILE_BYTES
 from zswap.errors import ConfigError, ZswapWarning
 
 # HF_ZERO3_NVME and RICH hold DeepSpeed tuning keys zswap names in a ZswapWarning (tested on its own below).
@@ -169,11 +173,6 @@ def test_missing_relative_file_says_relative_to_what(tmp_path, monkeypatch):
     assert str(tmp_path) in str(info.value)
 
 
-def test_a_directory_is_an_os_error(tmp_path):
-    with pytest.raises(OSError):
-        load_config(tmp_path)
-
-
 def test_malformed_json_names_file_line_and_column(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{\n  "aio": {\n    "queue_depth": 8,\n  }\n}\n', encoding="utf-8")
@@ -219,6 +218,35 @@ def test_byte_order_mark_is_tolerated(tmp_path):
     path = tmp_path / "ds.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"aio": {"queue_depth": 4}}).encode())
     assert load_config(path).aio.queue_depth == 4
+
+
+def test_only_a_regular_file_of_a_configs_size_is_read(tmp_path):
+    """A FIFO blocked ``open`` forever and a device was read until memory ran out; a directory said
+    ``Is a directory``. Each is refused before it is opened, naming the path."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, why in (
+        (fifo, "not a regular file"),
+        ("/dev/zero", "not a regular file"),
+        (tmp_path, "a directory"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {why}"):
+            load_config(str(path))
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)
+    with pytest.raises(ConfigError, match=r"more than a config file holds"):
+        load_config(big)
+
+
+def test_inline_json_is_read_as_strictly_as_a_file():
+    """``zswap demo --config '{...}'``: the same parser as a file's, so a key given twice is refused (the
+    last one silently won) and a top level that is not an object says so."""
+    with pytest.raises(ConfigError, match="duplicate key 'a'"):
+        parse_json('{"a": 1, "a": 2}')
+    with pytest.raises(ConfigError, match="the top level must be a JSON object, got a JSON array"):
+        parse_json("[1]")
+    assert parse_json('{"train_batch_size": 4}') == {"train_batch_size": 4}
 
 
 def test_non_utf8_file(tmp_path):

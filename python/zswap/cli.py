@@ -105,10 +105,10 @@ def _directory(text: str) -> Path:
 def _config(text: str) -> str:
     """``--config``: a JSON file or a JSON object in the argument; loaded once here to report a typo, a
     missing file or bad JSON as a usage error (the command loads it again)."""
-    from .config import load_config
+    from .config import load_config, parse_json
 
     try:
-        load_config(json.loads(text) if text.lstrip().startswith("{") else text)
+        load_config(parse_json(text) if text.lstrip()[:1] in ("{", "[") else text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(
             f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"

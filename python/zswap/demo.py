@@ -7,7 +7,6 @@ Everything is local: the model is the small transformer below, the data is rando
 
 from __future__ import annotations
 
-import json
 import math
 import resource
 import sys
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ZswapConfig, load_config
+from .config import ZswapConfig, load_config, parse_json
 from .errors import ZswapWarning
 from .step.optim._layout import default_sub_group_size
 
@@ -160,7 +159,7 @@ def default_config(
 
 def user_config(text: str, path: Path) -> ZswapConfig:
     """``--config``: a JSON file or a JSON string; a missing NVMe path is filled with ``path``."""
-    source: Any = json.loads(text) if text.lstrip().startswith("{") else text
+    source: Any = parse_json(text) if text.lstrip()[:1] in ("{", "[") else text
     cfg = load_config(source)
     if cfg.offload_param.device == "nvme" and not cfg.offload_param.nvme_path:
         cfg = cfg.replace(offload_param=cfg.offload_param.replace(nvme_path=[str(path)]))

@@ -13,7 +13,7 @@ sections at top level; only zswap's sections are read. Module map:
 
 from __future__ import annotations
 
-from ._load import ConfigSource, load_config, raw_dict
+from ._load import ConfigSource, load_config, parse_json, raw_dict
 from .models import (
     AioConfig,
     BF16Config,
@@ -38,5 +38,6 @@ __all__ = [
     "ZeroConfig",
     "ZswapConfig",
     "load_config",
+    "parse_json",
     "raw_dict",
 ]

@@ -6,6 +6,7 @@ import copy
 import errno
 import json
 import os
+import stat
 import warnings
 from collections.abc import Mapping
 from typing import Any, TypeAlias
@@ -46,7 +47,8 @@ def load_config(config: ConfigSource = None) -> ZswapConfig:
     Raises:
         TypeError: ``config`` is none of the accepted types.
         FileNotFoundError: the file does not exist (``errno`` ENOENT, ``filename`` set).
-        ConfigError: (a ``ValueError``) malformed JSON (file, line, column), a duplicate key, a top level
+        ConfigError: (a ``ValueError``) a path to something other than a regular file of at most
+            `MAX_FILE_BYTES`, malformed JSON (file, line, column), a duplicate key, a top level
             that is not an object, or a key in zswap's sections that is unknown, misplaced, given twice
             under two names, or has a wrong type or range; the message names the dotted key and the value.
     """
@@ -115,17 +117,37 @@ def _validate(raw: Mapping[Any, Any]) -> ZswapConfig:
     return config
 
 
+MAX_FILE_BYTES = 16 << 20
+"""The largest config file read (DeepSpeed's are a few KiB): a path to something else (a log, a
+checkpoint) is refused before it is read whole."""
+
+
 def _read_json(path: str) -> Mapping[str, Any]:
     """The JSON object in ``path``. Errors name the path; JSON errors are `ConfigError` (the caller
-    prefixes the path), a missing file is `FileNotFoundError`."""
+    prefixes the path), a missing file is `FileNotFoundError`. Only a regular file is read (a FIFO would
+    block forever, a device never end)."""
     try:
-        with open(path, encoding="utf-8-sig") as file:  # -sig: tolerate a byte-order mark
-            text = file.read()
+        info = os.stat(path)
     except FileNotFoundError:
         where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
         raise FileNotFoundError(errno.ENOENT, f"zswap config file not found{where}", path) from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, a device…)"
+        raise ConfigError(f"{kind}: a config is a JSON file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise ConfigError(f"{info.st_size} bytes, more than a config file holds ({MAX_FILE_BYTES} at most)")
+    try:
+        with open(path, encoding="utf-8-sig") as file:  # -sig: tolerate a byte-order mark
+            text = file.read(MAX_FILE_BYTES + 1)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text: {exc}") from None
+    return parse_json(text)
+
+
+def parse_json(text: str) -> dict[str, Any]:
+    """The JSON object in ``text`` (a config file's, or one given inline on the command line), read
+    strictly: a key twice in one object, integers past 64 bits or nesting past `MAX_DEPTH` are
+    `ConfigError`s, as is a top level that is not an object."""
     _check_depth(text)
     try:
         loaded = json.loads(text, object_pairs_hook=_refuse_duplicates, parse_int=_parse_int)
