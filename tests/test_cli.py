@@ -266,3 +266,16 @@ def test_export_into_the_checkpoint_is_a_usage_error_and_writes_nothing(tmp_path
         err.startswith("zswap export: error: the output folder ") and "is inside the checkpoint folder" in err
     )
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
+
+
+def test_empty_paths_and_unwritable_outputs_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``Path("")`` is the current directory: ``zswap export CKPT ''`` wrote there; ``bench --json`` into a
+    missing folder failed only after the whole bench."""
+    line = _usage_error(["export", str(tmp_path), ""], capsys)
+    assert line == "zswap export: error: argument out_dir: an empty path (see zswap export --help)"
+    line = _usage_error(["bench", "--json", str(tmp_path / "no" / "b.json")], capsys)
+    assert line.startswith(
+        f"zswap bench: error: argument --json: '{tmp_path / 'no'}' is not an existing directory"
+    )

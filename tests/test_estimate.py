@@ -73,6 +73,18 @@ def test_a_local_config_is_counted_on_meta(tmp_path: Path) -> None:
     assert est.shape_from_config(folder) == shape
 
 
+def test_a_config_file_of_another_name_is_that_file(tmp_path: Path) -> None:
+    """``--model DIR/llama-70b.json`` counts that file's model, not the one of a ``config.json`` beside it
+    (which it read, silently)."""
+    folder = _tiny_llama(tmp_path / "llama")
+    other = json.loads((folder / "config.json").read_text()) | {"num_hidden_layers": 5}
+    (folder / "deeper.json").write_text(json.dumps(other))
+    layer = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert est.shape_from_config(folder / "deeper.json").params == 2 * 64_000 + 5 * layer + 64
+    (folder / "config.json").unlink()
+    assert est.shape_from_config(folder / "deeper.json").params == 2 * 64_000 + 5 * layer + 64
+
+
 def test_the_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = _tiny_llama(tmp_path / "llama")
     assert main(["estimate", "--model", str(folder), "--dtype", "fp32", "--offload-param", "cpu"]) == 0

@@ -90,6 +90,14 @@ def _shard_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 1GiB") from None
 
 
+def _path(text: str) -> Path:
+    """A path argument; an empty one is refused (``Path("")`` is the current directory, which the user
+    did not name)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text)
+
+
 def _directory(text: str) -> Path:
     """An existing directory a file can be made in (what every command puts there), checked with a
     temporary file that is gone at once: ``/proc`` or a read-only mount fails here, naming the path."""
@@ -99,6 +107,16 @@ def _directory(text: str) -> Path:
             pass
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: cannot create a file there ({e.strerror})") from None
+    return path
+
+
+def _output_file(text: str) -> Path:
+    """A file to write: not a directory, in an existing directory a file can be made in (checked before
+    the command runs, not after)."""
+    path = _path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    _directory(str(path.parent))
     return path
 
 
@@ -285,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--repeat", type=positive, default=3, help="passes per figure; the best counts (default 3)"
     )
-    b.add_argument("--json", type=Path, help="also write the figures to this file")
+    b.add_argument("--json", type=_output_file, help="also write the figures to this file")
     b.set_defaults(func=_bench)
 
     t = sub.add_parser(
@@ -318,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser(
         "export", parents=[common], help="checkpoint folder -> consolidated Hugging Face safetensors weights"
     )
-    x.add_argument("ckpt_dir", type=Path, help="the folder given to engine.save_checkpoint")
-    x.add_argument("out_dir", type=Path, help="where model.safetensors (or shards + index) are written")
+    x.add_argument("ckpt_dir", type=_path, help="the folder given to engine.save_checkpoint")
+    x.add_argument("out_dir", type=_path, help="where model.safetensors (or shards + index) are written")
     x.add_argument("--tag", help="checkpoint tag (default: the one CKPT_DIR/latest names)")
     x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors")
     x.add_argument(
@@ -332,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--params", type=_param_count, help="parameter count, e.g. 7B, 350M or 1234567")
     e.add_argument(
-        "--model", type=Path, help="a local config.json or model folder (built on meta; no download)"
+        "--model", type=_path, help="a local config.json or model folder (built on meta; no download)"
     )
     e.add_argument(
         "--largest-layer", type=_param_count, help="params of the largest layer, with --params (optional)"

@@ -109,13 +109,13 @@ def shape_from_config(path: str | os.PathLike[str]) -> ModelShape:
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"{str(source)!r} does not exist")
-    folder = source.parent if source.is_file() else source
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{str(folder)!r} has no config.json")
+    if source.is_dir() and not (source / "config.json").is_file():
+        raise ValueError(f"{str(source)!r} has no config.json")
     import torch
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    # The file itself where a file is given (any name: ``llama-70b.json``), not its folder's config.json.
+    config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
     with torch.device("meta"):
         try:
             model = transformers.AutoModelForCausalLM.from_config(config)
