@@ -96,6 +96,17 @@ def test_bitwise_the_checkpoint_in_every_layout(layout, tier, tmp_path):
     assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd), layout
 
 
+def test_a_folder_with_model_safetensors_beside_an_index_loads_that_file(tmp_path):
+    """As ``from_pretrained`` resolves the folder: ``model.safetensors`` first (the index came first, so the
+    two loaded different weights from one folder)."""
+    index = write_sharded(reference(seed=2), tmp_path / "ck")
+    save_file(reference(), index.parent / "model.safetensors")
+    m = build("nvme", tmp_path)
+    load_weights(m, index.parent)
+    got, want = current(m), reference()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_values_are_cast_to_the_param_dtype(tmp_path):
     sd = reference()
     save_file(sd, tmp_path / "w.safetensors")

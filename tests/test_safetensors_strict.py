@@ -301,6 +301,11 @@ def _header(pairs: list, data: bytes = b"\0" * 8, fix: int = 0) -> bytes:
             _header([("a", obj([*F32_2[:1], ("shape", [Raw("Infinity")]), F32_2[2]]))]),
             "Infinity is not a JSON",
         ),
+        # In a field safetensors ignores too, serde_json refuses a number past f64 and a lone surrogate
+        # anywhere; Python's json read them as inf and as a str.
+        (_header([("a", obj([*F32_2, ("x", Raw("1e999"))]))]), "number out of range: 1e999"),
+        (_header([("a", obj([*F32_2, ("x", Raw("[-1e400]"))]))]), "number out of range: -1e400"),
+        (_header([("a", obj([*F32_2, ("x", Raw('[["\\udc00"]]'))]))]), "lone surrogate escape"),
         (_header([("a", obj([("dtype", "U8"), ("shape", [2**63]), F32_2[2]]))]), "do not match its size"),
         (_header([("a", obj([*F32_2[:1], ("shape", [2**62, 8]), F32_2[2]]))]), "overflows 64 bits"),
         (_header([("a", obj([*F32_2[:1], ("shape", [True, 2]), F32_2[2]]))]), r"'a': shape\[0\] is True"),

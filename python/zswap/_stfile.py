@@ -98,11 +98,15 @@ def parse_header(fd: int, size: int, path: str) -> tuple[dict[str, TensorEntry],
 
 
 def resolve(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
-    """``name -> TensorEntry`` of the checkpoint at ``path`` (a file, an index, or a folder of them)."""
+    """``name -> TensorEntry`` of the checkpoint at ``path`` (a file, an index, or a folder of them). In a
+    folder, ``model.safetensors`` is the checkpoint where it is there (as ``from_pretrained`` takes it, also
+    beside an index or other files), else its one index, else every ``.safetensors`` file in it."""
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(2, "no checkpoint at this path", str(p))
     if p.is_dir():
+        if (p / "model.safetensors").is_file():  # transformers' order: the single file before any index
+            return merge([str(p / "model.safetensors")])
         indexes = sorted(p.glob("*.safetensors.index.json"))
         files = sorted(p.glob("*.safetensors"))
         if len(indexes) > 1:

@@ -25,6 +25,7 @@ field.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -156,7 +157,10 @@ def _decode(raw: bytes | bytearray, path: str) -> dict[str, Any]:
     if deepest > MAX_DEPTH:
         _refuse(path, f"header is not valid JSON: nested {deepest} levels deep (at most {MAX_DEPTH})")
     try:
-        value = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_int)
+        value = json.loads(
+            text, object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_int, parse_float=_float
+        )
+        _no_lone_surrogate_in_lists(value)
     except _Duplicate as e:
         _refuse(path, f"header names {e.args[0]!r} twice")
     except _Constant as e:
@@ -178,6 +182,31 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"lone surrogate escape in {s!r}")
         out[k] = v
     return out
+
+
+def _no_lone_surrogate_in_lists(value: Any) -> None:
+    """`_pairs` checked every key and string value of an object; a string inside a list (anywhere in an
+    entry or in ``__metadata__``'s neighbours) is checked here, as serde_json checks every string."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            for item in v:
+                if isinstance(item, str):
+                    if _LONE_SURROGATE.search(item):
+                        raise ValueError(f"lone surrogate escape in {item!r}")
+                else:
+                    stack.append(item)
+
+
+def _float(text: str) -> float:
+    # serde_json refuses a number past f64's range ("number out of range"); Python's json makes it inf.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text}")
+    return value
 
 
 def _constant(name: str) -> NoReturn:
