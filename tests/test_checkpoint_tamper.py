@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -247,3 +248,22 @@ def test_a_client_state_load_would_refuse_is_refused_at_save_and_nothing_is_writ
             engine.save_checkpoint(tmp_path / "ckpt", client_state={"fn": lambda: 0})  # not even picklable
         assert [p.name for p in (tmp_path / "ckpt").iterdir()] == []  # no tag, no latest, no temp folder
         engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3, "name": "run"})  # plain: fine
+
+
+@pytest.mark.parametrize("shape", ["longer", "2-d"])
+def test_a_partition_entry_of_another_shape_is_refused_even_resealed(ckpt, tmp_path, shape):
+    """A params-file entry must be exactly its flat partition: one holding more (trailing bytes that would
+    go unread) or stored 2-D was accepted wherever the elements read fit in it."""
+    from safetensors.torch import load_file, save_file
+
+    root, config = ckpt
+    tensors = load_file(root / TAG / PARAMS)
+    name = max(tensors, key=lambda k: tensors[k].numel())
+    t = tensors[name]
+    tensors[name] = torch.cat([t, t]) if shape == "longer" else t.reshape(2, -1)
+    (root / TAG / PARAMS).unlink()
+    save_file(tensors, root / TAG / PARAMS)
+    _reseal_file(root, PARAMS)
+    want = [2 * t.numel()] if shape == "longer" else [2, t.numel() // 2]
+    match = rf"entry '{name}' is not the torch.float32 tensor of shape \[{t.numel()}\] it should be "
+    refused_by_both(root, config, match + rf"\(it is torch.float32 {re.escape(str(want))}\)", tmp_path)

@@ -27,6 +27,8 @@ class Piece:
     elem_start: int
     out_start: int
     count: int
+    entry_shape: tuple[int, ...] | None = None
+    """The shape the whole entry must have (a partition: ``(partition_numel,)``); ``None``: not checked."""
 
 
 class Reader:
@@ -74,7 +76,7 @@ class Reader:
             s = pos // n
             take = min(end, (s + 1) * n) - pos
             name = file_name(s, self.world, kind)
-            out.append(Piece(name, saved["name"], pos - s * n, pos - start, take))
+            out.append(Piece(name, saved["name"], pos - s * n, pos - start, take, (n,)))
             pos += take
         return out
 
@@ -83,9 +85,13 @@ class Reader:
         for pc in pieces:
             f = self.file(pc.file)
             e = f.entry(pc.entry)
-            if e.dtype != dtype or pc.elem_start + pc.count > (e.end - e.begin) // dtype.itemsize:
+            shaped = pc.entry_shape is None or tuple(e.shape) == pc.entry_shape
+            inside = pc.elem_start + pc.count <= (e.end - e.begin) // dtype.itemsize
+            if e.dtype != dtype or not shaped or not inside:
+                want = "" if pc.entry_shape is None else f" of shape {list(pc.entry_shape)}"
                 raise CheckpointCorruptError(
-                    f"{f.path}: entry {pc.entry!r} is not the {dtype} partition it should be"
+                    f"{f.path}: entry {pc.entry!r} is not the {dtype} tensor{want} it should be (it is "
+                    f"{e.dtype} {list(e.shape)})"
                 )
             bb = int(self.infos[pc.file]["block_bytes"])
             first = e.begin + pc.elem_start * dtype.itemsize
@@ -93,10 +99,12 @@ class Reader:
             blocks = self._needed.setdefault(pc.file, {0})  # block 0 holds the header
             blocks.update(range(first // bb, -(-last // bb)))
 
-    def need_entry(self, file: str, entry: str) -> None:
+    def need_entry(self, file: str, entry: str, shape: Any = None) -> None:
+        """Register the whole of ``entry``; ``shape`` (a manifest's, for a buffer): what it must be."""
         f = self.file(file)
         e = f.entry(entry)
-        self.need([Piece(file, entry, 0, 0, (e.end - e.begin) // e.dtype.itemsize)], e.dtype)
+        want = None if shape is None else tuple(int(d) for d in shape)
+        self.need([Piece(file, entry, 0, 0, (e.end - e.begin) // e.dtype.itemsize, want)], e.dtype)
 
     def need_whole(self, name: str) -> None:
         """A file read whole (not safetensors): its size and whole-file CRC are checked."""

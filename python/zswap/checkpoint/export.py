@@ -64,7 +64,7 @@ def export(
                 numel = _numel(spec["shape"])
                 reader.need(reader.pieces(spec, "params", 0, numel), dt)
             else:
-                reader.need_entry(rank0, source)
+                reader.need_entry(rank0, source, spec["shape"])
         configs = [n for n in CONFIG_FILES if n in reader.infos]
         verify_whole(reader, folder)
         out = Path(out_dir)

@@ -61,7 +61,7 @@ def fp32_state_dict(
             plan.append((spec, dtype, pieces))
         rank0 = file_name(0, reader.world, "params")
         for b in m["buffers"]:
-            reader.need_entry(rank0, b["name"])
+            reader.need_entry(rank0, b["name"], b["shape"])
         verify_whole(reader, folder)
         out: dict[str, torch.Tensor] = {}
         for spec, dtype, pieces in plan:

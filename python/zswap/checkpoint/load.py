@@ -163,7 +163,7 @@ class _Plan:
                     f"{folder} is a checkpoint of another model: buffer {name!r} is {found} there, "
                     f"{str(b.dtype).removeprefix('torch.')} {tuple(b.shape)} here"
                 )
-            self.reader.need_entry(file_name(0, self.reader.world, "params"), name)
+            self.reader.need_entry(file_name(0, self.reader.world, "params"), name, s["shape"])
             out.append((b, name))
         return out
 
