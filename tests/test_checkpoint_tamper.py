@@ -267,3 +267,23 @@ def test_a_partition_entry_of_another_shape_is_refused_even_resealed(ckpt, tmp_p
     want = [2 * t.numel()] if shape == "longer" else [2, t.numel() // 2]
     match = rf"entry '{name}' is not the torch.float32 tensor of shape \[{t.numel()}\] it should be "
     refused_by_both(root, config, match + rf"\(it is torch.float32 {re.escape(str(want))}\)", tmp_path)
+
+
+def test_export_in_a_dtype_checks_the_checkpoints_config_before_writing(ckpt, tmp_path):
+    """The dtype goes into the checkpoint's ``config.json`` as it is staged: one that is no JSON object is
+    refused before any weights land (a raw TypeError came after the commit). A config.json already in the
+    output folder, which the checkpoint does not hold, is not rewritten."""
+    root, _ = ckpt
+    (root / TAG / "config.json").write_text("[]")
+    info = _file_info(root / TAG / "config.json").to_json()
+    rewrite(root, lambda m: m["files"].append(info), reseal=True)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointCorruptError, match=r"config\.json: holds a JSON list, not an object"):
+        export(root, out, dtype=torch.bfloat16)
+    assert not out.exists() or list(out.iterdir()) == []
+    (root / TAG / "config.json").unlink()
+    rewrite(root, lambda m: m.update(files=[f for f in m["files"] if f["name"] != "config.json"]), True)
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text("not json, not ours")
+    export(root, out, dtype=torch.bfloat16)
+    assert (out / "config.json").read_text() == "not json, not ours"

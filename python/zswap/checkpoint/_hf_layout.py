@@ -24,6 +24,7 @@ from torch import nn
 
 from ._atomic import fsync_path, io_error, temp_name, write_file
 from ._safetensors import Entry
+from .errors import CheckpointCorruptError
 
 WEIGHTS = "model.safetensors"
 METADATA = {"format": "pt"}
@@ -190,6 +191,19 @@ class Staged:
             with contextlib.suppress(OSError):
                 tmp.unlink()
         self._files = []
+
+
+def with_dtype(config: bytes, dtype: torch.dtype, where: Path) -> bytes:
+    """A checkpoint's ``config.json`` bytes with the dtype the weights are exported in recorded, checked
+    (a JSON object) before anything is written."""
+    try:
+        cfg = json.loads(config)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{where}: not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointCorruptError(f"{where}: holds a JSON {type(cfg).__name__}, not an object")
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
 
 def set_config_dtype(out_dir: Path, dtype: torch.dtype | None) -> None:

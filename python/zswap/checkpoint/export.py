@@ -22,8 +22,8 @@ from ._hf_layout import (
     Staged,
     parse_size,
     plan_shards,
-    set_config_dtype,
     shard_names,
+    with_dtype,
     write_index,
 )
 from ._reader import Reader
@@ -97,9 +97,11 @@ def export(
                 w.abort()
         write_index(staged, shards, names, int(m["total_parameters"]))
         for n in configs:  # the bytes `verify` checked, not the file again
-            write_file(staged.path(n), reader.whole[n])
+            data = reader.whole[n]
+            if n == "config.json" and dtype is not None:
+                data = with_dtype(data, dtype, folder / n)
+            write_file(staged.path(n), data)
         staged.commit()
-        set_config_dtype(out, dtype)
         logging.getLogger(__name__).info("exported %s to %s (%d file(s))", folder, out, len(names))
         return out
     finally:
