@@ -53,6 +53,14 @@ def test_turned_off_by_the_environment(where, tmp_path, monkeypatch):
     run_case("off", tmp_path, monkeypatch)
 
 
+@pytest.mark.dist
+def test_a_rank_waiting_for_a_reduction_its_peer_never_runs_raises_at_once(tmp_path):
+    """One rank reduces one gradient more than the other (a branch detached on one rank): the other went on
+    to engine.step()'s check of the ranks, so the first waited in shared memory until the process group's
+    30-minute timeout. It sees the peer parked in the check and raises `RanksDivergedError`."""
+    run_ranks(Path(__file__).with_name("_diverged_dist_worker.py"), tmp_path, timeout=120)
+
+
 def test_a_zombie_counts_as_exited():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
     assert _hostcomm._alive(child.pid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import zlib
@@ -173,9 +174,11 @@ def check_same(group: ProcessGroup | None, when: tuple[str, str] = AT_STEP) -> N
     device = small_tensor_device(group)
     world = dist.get_world_size(group)
     every = torch.empty(2 * world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(
-        every, torch.tensor([count, digest], dtype=torch.int64, device=device), group=group
-    )
+    ch = _hostcomm.opened(group) if device.type == "cpu" and is_gloo(group) else None
+    with ch.checking() if ch is not None else contextlib.nullcontext():
+        dist.all_gather_into_tensor(
+            every, torch.tensor([count, digest], dtype=torch.int64, device=device), group=group
+        )
     rows = every.view(world, 2).tolist()
     if any(row != rows[0] for row in rows):
         counts = ", ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(rows))

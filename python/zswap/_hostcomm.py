@@ -35,6 +35,7 @@ collective, as before).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -43,12 +44,12 @@ import secrets
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import ZswapError, ZswapWarning
+from .errors import RanksDivergedError, ZswapError, ZswapWarning
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -59,6 +60,7 @@ SLOT = 4 << 20
 _HEADER = 4096  # keeps the slots page-aligned
 _READY, _DONE, _PID = 0, 8, 16  # byte offsets of the header's int64 fields
 _TOKEN = 24  # 16 random bytes: that the segment opened is the one the rank announced
+_CHECKING = 40  # int64: the round a rank would run next, while it waits in the ranks' check instead
 _SHM = "/dev/shm"
 _SPINS, _YIELDS, _POLL = 64, 2000, 0.0002  # then sleeps of _POLL seconds
 _CHECK_EVERY = 1.0  # seconds between liveness and timeout checks while sleeping
@@ -77,6 +79,13 @@ def enabled() -> bool:
         and platform.machine() in ("x86_64", "AMD64")
         and os.path.isdir(_SHM)
     )
+
+
+def opened(group: ProcessGroup | None) -> Channel | None:
+    """``group``'s channel if one was opened (never opens one: no collective)."""
+    pg = group if group is not None else torch.distributed.distributed_c10d._get_default_group()
+    known = _CHANNELS.get(id(pg))
+    return known[1] if known is not None and known[0] is pg else None
 
 
 def channel(group: ProcessGroup | None) -> Channel | None:
@@ -138,6 +147,7 @@ class _Segment:
         self.ready = ctypes.c_int64.from_buffer(mm, _READY)
         self.done = ctypes.c_int64.from_buffer(mm, _DONE)
         self.pid = ctypes.c_int64.from_buffer(mm, _PID)
+        self.checking = ctypes.c_int64.from_buffer(mm, _CHECKING)
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         self.slots = (whole[_HEADER : _HEADER + SLOT], whole[_HEADER + SLOT : _HEADER + 2 * SLOT])
 
@@ -334,7 +344,29 @@ class Channel:
                     self._check(j, what, k, now - start)
                 time.sleep(_POLL)
 
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Around the ranks' check of what they ran (`zswap._dist.check_same`, over the backend): a peer
+        still waiting for this rank in a round it will never run (it ran one collective more) sees it here
+        and raises, instead of waiting for the process group's timeout."""
+        me = self._segs[self.rank]
+        me.checking.value = self.rounds + 1
+        try:
+            yield
+        finally:
+            me.checking.value = 0
+
     def _check(self, j: int, what: str, k: int, waited: float) -> None:
+        parked = self._segs[j].checking.value
+        if 0 < parked <= k:
+            raise RanksDivergedError(
+                f"rank {self.rank} waits for rank {j} in {what} (shared-memory round {k}), but rank {j} "
+                "went on to the ranks' check (at engine.step(), or after a forward no backward follows) "
+                "without it: the ranks ran different collectives — a param got a gradient (or was gathered) "
+                "on some ranks only. Mark the module whose use differs a leaf, whose params are gathered "
+                "and reduced together whatever runs inside it (zswap.deepspeed.utils.set_z3_leaf_modules, "
+                "or the config's zero_optimization.leaf_module)"
+            )
         if j in self._watch and not _alive(self._pids[j]):
             raise ZswapError(
                 f"rank {j} (pid {self._pids[j]}) exited while rank {self.rank} waited for it in {what} "
