@@ -117,3 +117,14 @@ def test_largest_layer_with_a_model_is_refused(tmp_path: Path, capsys: pytest.Ca
     assert "--largest-layer goes with --params" in capsys.readouterr().err
     assert main(["estimate", "--params", "1M", "--largest-layer", "1K", "--dtype", "fp32"]) == 0
     assert "working set" in capsys.readouterr().out
+
+
+def test_counts_are_exact_integers_within_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    """A plain integer is that integer (it went through a float: 123456789012345678901 became …968), past
+    100T is refused, and a largest layer bigger than the model is a usage error."""
+    assert est.parse_count("12345678901234") == 12345678901234
+    assert est.parse_count("1.5B") == 1_500_000_000
+    with pytest.raises(ValueError, match=r"more than 100,000,000,000,000 params"):
+        est.parse_count("123456789012345678901")
+    assert main(["estimate", "--params", "1M", "--largest-layer", "7B"]) == 2
+    assert "--largest-layer 7,000,000,000 is more than --params 1,000,000" in capsys.readouterr().err

@@ -257,6 +257,11 @@ def _estimate(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise UsageError(f"argument --model: {e}") from None
     else:
+        if args.largest_layer is not None and args.largest_layer > args.params:
+            raise UsageError(
+                f"--largest-layer {args.largest_layer:,} is more than --params {args.params:,}: a layer is a "
+                "part of the model"
+            )
         shape = estimate.ModelShape(params=args.params, largest_layer=args.largest_layer)
     est = estimate.estimate(
         shape, dtype=args.dtype, world_size=args.world_size, offload_param=args.offload_param,

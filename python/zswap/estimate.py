@@ -33,15 +33,22 @@ _WHERE = {"none": "gpu", "cpu": "ram", "nvme": "nvme"}
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
+MAX_COUNT = 100 * 10**12
+"""The largest parameter count taken (100T; the table's columns are laid out for such figures)."""
+
+
 def parse_count(text: str) -> int:
     """``'7B'`` → 7_000_000_000 (K, M, B or G, T: powers of ten, as model names use them); a plain integer
     as it is."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMBGT]?)\s*", text.upper())
     if m is None:
         raise ValueError(f"{text!r} is not a parameter count such as 7B, 350M or 1234567")
-    value = round(float(m.group(1)) * _UNITS[m.group(2)])
+    number, unit = m.groups()
+    value = int(number) if "." not in number and not unit else round(float(number) * _UNITS[unit])
     if value <= 0:
         raise ValueError(f"{text!r}: a parameter count must be positive")
+    if value > MAX_COUNT:
+        raise ValueError(f"{text!r}: more than {MAX_COUNT:,} params (100T) is not a model this estimates")
     return value
 
 
