@@ -7,7 +7,6 @@ missing checkpoint folder). Each against the plain Trainer with the same argumen
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any
 
 import pytest
@@ -19,7 +18,15 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import zswap.transformers as zt  # noqa: E402
-from tests.test_transformers_trainer import _args, _build, _config, _data, _logged, _weights  # noqa: E402
+from tests.test_transformers_trainer import (  # noqa: E402
+    _args,
+    _build,
+    _config,
+    _data,
+    _logged,
+    _weights,
+)
+from tests.test_transformers_trainer import _zswap_model as _model  # noqa: E402
 from zswap.deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
@@ -27,14 +34,6 @@ pytestmark = pytest.mark.usefixtures("quiet_transformers")
 # The plain run and the resumed one must not differ by a rounding: the default optim (fused AdamW) is
 # what zswap's kernel computes.
 PLAIN_ARGS = {"gradient_accumulation_steps": 1, "max_steps": 6, "warmup_steps": 2, "max_grad_norm": 1.0}
-
-
-def _model(cfg: Any) -> Any:
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", zswap.ZswapWarning)
-        with zswap.Init(cfg):
-            return _build()
 
 
 def _sgd(model: Any) -> tuple[torch.optim.Optimizer, None]:
