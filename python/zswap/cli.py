@@ -127,10 +127,6 @@ def _config(text: str) -> str:
 
     try:
         load_config(parse_json(text) if text.lstrip()[:1] in ("{", "[") else text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(
-            f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
-        ) from None
     except FileNotFoundError:
         raise argparse.ArgumentTypeError(f"{text!r}: no such file") from None
     except (ValueError, TypeError, OSError) as e:
