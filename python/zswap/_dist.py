@@ -31,7 +31,7 @@ def resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int,
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def warn_if_launch_without_dist(group: ProcessGroup | None) -> None:
+def check_launch(group: ProcessGroup | None) -> None:
     """A multi-process launch (``WORLD_SIZE`` > 1) before ``init_process_group`` would give every rank a
     full copy of every param, silently multiplying memory and disk by the world size. A default group of
     one rank there (initialised by something else before the launch's own) is an error, as DeepSpeed's

@@ -81,24 +81,28 @@ def enabled() -> bool:
     )
 
 
-def opened(group: ProcessGroup | None) -> Channel | None:
-    """``group``'s channel if one was opened (never opens one: no collective)."""
+def _known(group: ProcessGroup | None) -> tuple[Any, tuple[Any, Channel | None] | None]:
+    """(the process group ``group`` names, ``None`` the default one; its `_CHANNELS` entry, if opened)."""
     pg = group if group is not None else torch.distributed.distributed_c10d._get_default_group()
     known = _CHANNELS.get(id(pg))
-    return known[1] if known is not None and known[0] is pg else None
+    return pg, (known if known is not None and known[0] is pg else None)
+
+
+def opened(group: ProcessGroup | None) -> Channel | None:
+    """``group``'s channel if one was opened (never opens one: no collective)."""
+    known = _known(group)[1]
+    return None if known is None else known[1]
 
 
 def channel(group: ProcessGroup | None) -> Channel | None:
     """The shared-memory channel of ``group`` (``None``: the default group), opened on first use — a
     collective call, made by every rank at the same point — or ``None`` where the group keeps gloo."""
-    dist = torch.distributed
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    known = _CHANNELS.get(id(pg))
-    if known is not None and known[0] is pg:
+    pg, known = _known(group)
+    if known is not None:
         return known[1]
-    opened = Channel.open(pg)
-    _CHANNELS[id(pg)] = (pg, opened)
-    return opened
+    made = Channel.open(pg)
+    _CHANNELS[id(pg)] = (pg, made)
+    return made
 
 
 def _host() -> str:

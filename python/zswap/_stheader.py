@@ -160,7 +160,7 @@ def _decode(raw: bytes | bytearray, path: str) -> dict[str, Any]:
         value = json.loads(
             text, object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_int, parse_float=_float
         )
-        _no_lone_surrogate_in_lists(value)
+        _no_lone_surrogate(value)
     except _Duplicate as e:
         _refuse(path, f"header names {e.args[0]!r} twice")
     except _Constant as e:
@@ -177,28 +177,23 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     for k, v in pairs:
         if k in out:
             raise _Duplicate(k)
-        for s in (k, v) if isinstance(v, str) else (k,):
-            if _LONE_SURROGATE.search(s):  # serde_json refuses an unpaired \uD800-\uDFFF escape
-                raise ValueError(f"lone surrogate escape in {s!r}")
         out[k] = v
     return out
 
 
-def _no_lone_surrogate_in_lists(value: Any) -> None:
-    """`_pairs` checked every key and string value of an object; a string inside a list (anywhere in an
-    entry or in ``__metadata__``'s neighbours) is checked here, as serde_json checks every string."""
+def _no_lone_surrogate(value: Any) -> None:
+    """serde_json refuses an unpaired \\uD800-\\uDFFF escape in any string: a key, a value, a list's item."""
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, dict):
+        if isinstance(v, str):
+            if _LONE_SURROGATE.search(v):
+                raise ValueError(f"lone surrogate escape in {v!r}")
+        elif isinstance(v, dict):
+            stack.extend(v)
             stack.extend(v.values())
         elif isinstance(v, list):
-            for item in v:
-                if isinstance(item, str):
-                    if _LONE_SURROGATE.search(item):
-                        raise ValueError(f"lone surrogate escape in {item!r}")
-                else:
-                    stack.append(item)
+            stack.extend(v)
 
 
 def _float(text: str) -> float:

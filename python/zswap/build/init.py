@@ -397,7 +397,7 @@ class Init:
         if dtype is not None and not dtype.is_floating_point:
             raise ConfigError(f"dtype must be a floating dtype to build params in, not {dtype}")
         group, rank, world = _dist.resolve_group(process_group)
-        _dist.warn_if_launch_without_dist(process_group)
+        _dist.check_launch(process_group)
         if device == "nvme":
             store: MemoryStore | NvmeStore = NvmeStore(_open_engine(cfg.offload_param.nvme_path, cfg.aio))
         else:

@@ -138,9 +138,11 @@ def _read_json(path: str) -> Mapping[str, Any]:
         raise ConfigError(f"{info.st_size} bytes, more than a config file holds ({MAX_FILE_BYTES} at most)")
     try:
         with open(path, encoding="utf-8-sig") as file:  # -sig: tolerate a byte-order mark
-            text = file.read(MAX_FILE_BYTES + 1)
+            text = file.read(MAX_FILE_BYTES + 1)  # a file grown since its stat is cut here, and refused
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text: {exc}") from None
+    if len(text) > MAX_FILE_BYTES:
+        raise ConfigError(f"more than a config file holds ({MAX_FILE_BYTES} bytes at most)")
     return parse_json(text)
 
 

@@ -200,7 +200,7 @@ class ZswapStrategy(ProcessGroupStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module()``: under ``zswap.Init`` too (Lightning's DeepSpeed strategy runs
         ``zero.Init`` there at stage 3), so the model is partitioned as it is built."""
-        with Init(self._model_config()):
+        with self.model_sharded_context():
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:

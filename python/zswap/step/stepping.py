@@ -145,25 +145,30 @@ def before_step(module: torch.nn.Module, items: Any, frozen: Collection[int] = (
     since the last one (`zswap._dist.check_same`, per process group of ``items``, in their order).
     ``frozen``: ids of the params the engine put no gradient hooks on (they required no grad then)."""
     by_hand = {id(p) for p, _ in items if p.grad is not None}
-    unfrozen = [n for n, p in module.named_parameters() if id(p) in by_hand and id(p) in frozen]
-    if unfrozen:
-        raise ZswapError(
-            f"engine.step(): {', '.join(unfrozen[:3])}{' …' if len(unfrozen) > 3 else ''} required no grad "
-            "when the engine was built and do now: zswap puts its gradient hooks on the params that require "
-            "grad at zswap.initialize, so autograd left these gradients in .grad, which zswap does not read. "
-            "Unfreeze them before the engine is built (under Lightning: before fit, e.g. in "
-            "configure_model), or build a new engine after unfreezing"
-        )
     if by_hand:
-        names = [n for n, p in module.named_parameters() if id(p) in by_hand] or ["a param of the model"]
+        named = [(n, id(p)) for n, p in module.named_parameters() if id(p) in by_hand]
+        unfrozen = [n for n, i in named if i in frozen]
+        if unfrozen:
+            raise ZswapError(
+                f"engine.step(): {_few(unfrozen)} required no grad when the engine was built and do now: "
+                "zswap puts its gradient hooks on the params that require grad at zswap.initialize, so "
+                "autograd left these gradients in .grad, which zswap does not read. Unfreeze them before the "
+                "engine is built (under Lightning: before fit, e.g. in configure_model), or build a new "
+                "engine after unfreezing"
+            )
         raise ZswapError(
-            f"engine.step(): {', '.join(names[:3])}{' …' if len(names) > 3 else ''} have a .grad set by "
+            f"engine.step(): {_few([n for n, _ in named] or ['a param of the model'])} have a .grad set by "
             "hand, which zswap does not read: a partitioned param's gradient lives in zswap's gradient store "
             "(p.grad stays None). Make gradients with backward, or set one with "
             "zswap.deepspeed.utils.safe_set_full_grad(param, value)"
         )
     for group in _groups(items):
         _dist.check_same(group)
+
+
+def _few(names: list[str]) -> str:
+    """The first three ``names`` for a message, an ellipsis for the rest."""
+    return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
 
 
 class ForwardLedger:
