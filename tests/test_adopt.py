@@ -197,6 +197,19 @@ ELEMENTWISE = {
 }
 
 
+def _trains_as_plain(model: nn.Module, cfg: dict, opt: Any, plain: nn.Module, plain_opt: Any) -> None:
+    with zswap.initialize(model, cfg, optimizer=opt) as engine:
+        for x, y in _data():
+            engine.backward(_loss(model, x, y))
+            engine.step()
+            _loss(plain, x, y).backward()
+            torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 1.0)
+            plain_opt.step()
+            plain_opt.zero_grad()
+        with zswap.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 @pytest.mark.parametrize("name", list(ELEMENTWISE))
 def test_an_elementwise_torch_optimizer_trains_as_plain_torch(name, tier, tmp_path):
@@ -211,16 +224,22 @@ def test_an_elementwise_torch_optimizer_trains_as_plain_torch(name, tier, tmp_pa
     with zswap.Init(cfg):
         model = _model()
     plain_opt = cls(_groups(plain), lr=1e-2, **kw)
-    with zswap.initialize(model, cfg, optimizer=cls(_groups(model), lr=1e-2, **kw)) as engine:
-        for x, y in _data():
-            engine.backward(_loss(model, x, y))
-            engine.step()
-            _loss(plain, x, y).backward()
-            torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 1.0)
-            plain_opt.step()
-            plain_opt.zero_grad()
-        with zswap.GatheredParameters(list(model.parameters())):
-            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+    _trains_as_plain(model, cfg, cls(_groups(model), lr=1e-2, **kw), plain, plain_opt)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_state_made_over_a_plain_model_is_made_again_over_its_partitions(tier, tmp_path):
+    """DeepSpeed's usual order: the model built plainly, the optimizer over it, then ``initialize``. On one
+    rank Adagrad's ``sum`` has the partition's size but the param's shape: made again all the same (it
+    failed with a shape mismatch at the first step)."""
+    cfg = _config(tmp_path, tier)
+    torch.manual_seed(0)
+    plain = _model()
+    torch.manual_seed(0)
+    model = _model()
+    plain_opt = torch.optim.Adagrad(_groups(plain), lr=1e-2, initial_accumulator_value=0.25)
+    opt = torch.optim.Adagrad(_groups(model), lr=1e-2, initial_accumulator_value=0.25)
+    _trains_as_plain(model, cfg, opt, plain, plain_opt)
 
 
 def test_state_made_when_built_is_refused_once_stepped(tmp_path):

@@ -77,6 +77,28 @@ def test_bf16_buffers_are_those_a_bf16_default_dtype_builds_and_batchnorm_matche
         assert torch.equal(dict(model.named_buffers())[name], buf), name
 
 
+class Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        table = torch.arange(4, dtype=torch.int64).float() * 0.25
+        self.register_buffer("table", table.to(torch.get_default_dtype()))  # M2M100's position tables
+        kept = torch.arange(4, dtype=torch.int64).float() * 0.25
+        self.register_buffer("kept", kept.to(torch.float32))  # named: float32 whatever the default
+
+
+def test_a_buffer_cast_to_torchs_default_dtype_takes_the_inits_as_a_bf16_default_build_gives_it(tmp_path):
+    with zswap.Init(cfg(tmp_path)):
+        model = Tables()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        plain = Tables()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert dtypes(model) == dtypes(plain) == {"table": torch.bfloat16, "kept": torch.float32}
+    assert all(torch.equal(b, dict(plain.named_buffers())[n]) for n, b in model.named_buffers())
+
+
 def test_a_buffer_from_outside_or_in_an_init_without_dtype_keeps_its_dtype(tmp_path):
     outside = torch.zeros(3)
 

@@ -108,6 +108,17 @@ def test_dist_init_required_starts_a_group_of_one(monkeypatch, quiet):
         torch.distributed.destroy_process_group()
 
 
+def test_dist_init_required_false_under_a_launch_with_no_group_is_refused(monkeypatch, quiet):
+    """DeepSpeed asserts its backend is initialised; zswap built a one-rank engine on every rank, each
+    training a model of its own."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = TwoLayer()
+    refused = r"^dist_init_required=False, but the launcher set WORLD_SIZE=2"
+    with pytest.raises(zswap.ZswapError, match=refused):
+        deepspeed.initialize(config=base_config(), model=model, dist_init_required=False)
+    assert not torch.distributed.is_initialized()
+
+
 def test_without_an_optimizer_forward_works_and_step_says_what_is_missing(quiet):
     cfg = base_config()
     del cfg["optimizer"]

@@ -154,8 +154,9 @@ def test_cuda_autocast_by_default_is_fp16_with_the_grad_scalers_loss_scale(tmp_p
         with torch.autocast("cuda"):
             want = ref(x)
         assert out.dtype == torch.float16 and torch.equal(out, want)
-        engine.backward(sq(out))
-        scaler.scale(sq(want)).backward()
+        # The loss in float32: a float16 loss's gradient at 2**16 is inf (float16 ends at 65504).
+        engine.backward(sq(out.float()))
+        scaler.scale(sq(want.float())).backward()
         assert_bitwise_grads(m, ref)
 
 
@@ -366,7 +367,8 @@ def test_no_pinned_registration_left_after_close(tmp_path):
 def test_two_ranks_gather_and_reduce_scatter_on_the_gpu(tmp_path):
     from .conftest import run_ranks
 
-    run_ranks(Path(__file__).with_name("_gpu_dist_worker.py"), tmp_path, world=2, timeout=300)
+    # Below benches/gpu_check.sh's 200 s for the whole run, so a hang still leaves its report.
+    run_ranks(Path(__file__).with_name("_gpu_dist_worker.py"), tmp_path, world=2, timeout=150)
 
 
 @pytest.mark.parametrize(

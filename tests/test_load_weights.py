@@ -20,7 +20,7 @@ from torch import nn
 import zswap
 from zswap import LoadWeightsError, ZswapError, load_weights, param_state
 
-from ._pretrained import init_for
+from ._pretrained import gathered_named, init_for
 
 TIERS = ("cpu", "nvme")
 
@@ -287,3 +287,30 @@ def test_nvme_load_buffers_are_reused_for_same_sized_params_and_the_pool_restore
     assert store.pool_bytes == pool_before and store._pooled <= pool_before
     got = current(m)
     assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+
+
+def _marian() -> nn.Module:
+    import transformers
+
+    cfg = transformers.MarianConfig(
+        vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.MarianMTModel(cfg)
+
+
+def test_names_a_transformers_model_tells_from_pretrained_to_pass_over_are_not_missing(tmp_path):
+    """Marian's sinusoidal position tables are left out by ``save_pretrained`` and listed in its
+    ``_keys_to_ignore_on_load_missing``: ``from_pretrained`` loads the folder, so ``load_weights`` does,
+    strict, with the same weights (the tables are made at build)."""
+    torch.manual_seed(0)
+    _marian().save_pretrained(tmp_path / "ckpt")
+    with init_for("nvme", tmp_path):
+        m = _marian()
+    assert load_weights(m, tmp_path / "ckpt") == ([], [])
+    ref = type(m).from_pretrained(tmp_path / "ckpt")
+    got, want = gathered_named(m), dict(ref.named_parameters(remove_duplicate=False))
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name

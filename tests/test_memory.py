@@ -551,6 +551,31 @@ def _own(m: dict[str, int]) -> int:
     return sum(m[k] for k in FETCH_LINES if k != "mem_fetch_elsewhere")
 
 
+@pytest.mark.parametrize(("threshold", "max_in_cpu"), [(64, 0), (0, 1000)])
+def test_on_a_compute_device_no_fetch_line_is_negative(threshold, max_in_cpu, tmp_path):
+    """On a compute device the gathered copies of persistent (or ``max_in_cpu``) params are the device's,
+    so they are not counted as host fetch buffers (``mem_fetch_elsewhere`` went negative by as much)."""
+    from zswap.device import StandInDevice
+
+    cfg = {
+        "zero_optimization": {
+            "stage3_param_persistence_threshold": threshold,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": max_in_cpu},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    with zswap.Init(cfg):
+        m = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    with zswap.initialize(m, cfg, device=StandInDevice()) as engine:
+        for _ in range(2):
+            engine.backward(m(torch.randn(2, 8)).sum())
+            engine.step()
+            lines = _mem(engine.stats())
+            assert all(v >= 0 for v in lines.values()), lines
+            assert sum(lines[k] for k in FETCH_LINES) == lines["mem_fetch_buffers"]
+
+
 def test_the_fetch_buffers_add_up_by_holder_and_a_written_copy_is_counted_back_as_idle(tmp_path):
     """``mem_fetch_buffers`` split by who holds each buffer (`zswap.buffers.fetch_lines`): the lines add up
     at every moment; between passes an engine's own buffers are all on its lines (what is elsewhere is the

@@ -312,6 +312,11 @@ def test_dtype_change_under_an_open_engine_is_refused(tmp_path):
     with zswap.initialize(m, {}, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)):
         with pytest.raises(ZswapError, match="cannot convert the dtype of params an open zswap Engine runs"):
             m.half()
+        # Named, with the way out for a model that converts its own params as it runs (Switch's router).
+        linear = next(c for c in m.modules() if isinstance(c, nn.Linear))
+        named = r"runs \(weight, bias of a Linear, to torch\.bfloat16\).*call \.to\(torch\.bfloat16\) on that"
+        with pytest.raises(ZswapError, match=named):
+            linear.to(torch.bfloat16)
         assert {param_state(p).dtype for p in m.parameters()} == {torch.float32}
     m.half()  # closed: fine
     assert {param_state(p).dtype for p in m.parameters()} == {torch.float16}

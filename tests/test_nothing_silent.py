@@ -156,6 +156,69 @@ def test_optimizer_zero_grad_drops_the_engines_gradients(which, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), ref.parameters(), strict=True))
 
 
+def test_a_models_zero_grad_drops_the_engines_gradients_and_a_part_of_it_is_refused(tmp_path):
+    """``model.zero_grad()`` between two backwards, as the optimizer's: the step applies the second one's
+    only (it summed both, silently). Over a submodule it raises: the engine drops all or none."""
+    cfg = _cfg(tmp_path)
+    cfg["optimizer"]["params"]["weight_decay"] = 0.0
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    model = _model(cfg)
+    with zswap.initialize(model, cfg) as engine:
+        engine.backward(engine(xs[0]).square().sum())
+        with pytest.raises(zswap.ZswapError, match=r"^Linear\.zero_grad\(\) over part of the params"):
+            model[0].zero_grad()
+        model.zero_grad()
+        engine.backward(engine(xs[1]).square().sum())
+        engine.step()
+        ref(xs[1]).square().sum().backward()
+        ref_opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), ref.parameters(), strict=True))
+
+
+def test_zero_grad_keeping_zeros_warns_that_the_gradients_are_dropped(tmp_path):
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    with zswap.initialize(model, cfg) as engine:
+        for zero in (engine.optimizer.zero_grad, model.zero_grad):
+            with pytest.warns(zswap.ZswapWarning, match=r"^zero_grad\(set_to_none=False\) over params"):
+                zero(set_to_none=False)
+
+
+def test_a_param_written_in_place_in_a_forward_warns_that_the_change_is_lost(tmp_path):
+    """A model that changes its own weights in its forward (RWKV's rescaling, under ``no_grad``): the
+    engine drops the gathered copy it was written in, and says so."""
+
+    class Rescaling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+            self.rescaled = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.rescaled:
+                with torch.no_grad():
+                    self.lin.weight.div_(2)
+                self.rescaled = True
+            return self.lin(x)
+
+    cfg = _cfg(tmp_path)
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = Rescaling()
+    with zswap.initialize(model, cfg) as engine:
+        written = r"^a param of shape \(4, 4\) was changed in place"
+        with pytest.warns(zswap.ZswapWarning, match=written), torch.no_grad():
+            engine(torch.randn(2, 4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                engine(torch.randn(2, 4))  # gathered afresh: nothing was written since
+
+
 def test_a_grad_set_by_hand_is_refused_before_the_step_changes_anything(tmp_path):
     cfg = _cfg(tmp_path)
     cfg["optimizer"]["params"]["weight_decay"] = 0.0

@@ -9,9 +9,10 @@ transformers' ``from_pretrained(dtype=…)`` gets both by building with the defa
 would have been in its dtype had it been the default (`Lineage`): what a constructor (`FACTORIES`) returns
 when no dtype is asked for, and the floating outputs of an op whose floating tensor inputs are all such
 tensors or params (torch's promotion keeps that dtype: ``torch.ones(n) * 0.5``), unless the op names a
-dtype (``.float()``, ``.to(torch.float32)``, ``dtype=``). At the Init's exit the buffers of the modules it
-built that are among them take its dtype (`cast_buffers`), but those a Hugging Face model lists to keep in
-float32 (`kept_in_fp32`, as transformers and DeepSpeed keep them).
+dtype (``.float()``, ``.to(torch.float32)``, ``dtype=``), but the one ``torch.get_default_dtype()`` just
+returned (``emb.to(torch.get_default_dtype())``, M2M100's position tables: `watch_default`). At the Init's
+exit the buffers of the modules it built that are among them take its dtype (`cast_buffers`), but those a
+Hugging Face model lists to keep in float32 (`kept_in_fp32`, as transformers and DeepSpeed keep them).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ _CASTS = frozenset(
 )
 """Tensor methods whose output dtype the caller names (``to`` / ``type`` only where they are given one)."""
 
+_DEFAULT_DTYPE = torch.get_default_dtype  # torch's own, whatever an Init installs over it (`watch_default`)
+
 
 class Lineage:
     """The floating tensors built while an Init with a dtype is active that would have been in it as the
@@ -43,6 +46,8 @@ class Lineage:
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.asked = False
+        """``torch.get_default_dtype()`` was called since the last torch call noted (`watch_default`)."""
 
     def __contains__(self, t: object) -> bool:
         ref = self._refs.get(id(t))
@@ -53,6 +58,10 @@ class Lineage:
 
     def note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Record ``func``'s floating outputs where they would have been in the default dtype."""
+        asked, self.asked = self.asked, False
+        if asked and _default_named(func, args, kwargs):
+            self._add(out)  # in the default dtype, whatever it is
+            return
         if kwargs.get("dtype") is not None:
             return
         if func in FACTORIES:
@@ -72,6 +81,28 @@ class Lineage:
 
     def _drop(self, key: int, _: object) -> None:
         self._refs.pop(key, None)  # the callback runs before the id can name another tensor
+
+
+def watch_default(lineage: Lineage, casting: Any) -> Any:
+    """``torch.get_default_dtype`` for an Init to install: notes on ``lineage`` that the default dtype was
+    asked for (while ``casting()``: an Init with a dtype is building on this thread), so that the torch call
+    right after, naming the dtype it returned, counts as asking for the default."""
+
+    @functools.wraps(_DEFAULT_DTYPE)
+    def get_default_dtype() -> torch.dtype:
+        if casting():
+            lineage.asked = True
+        return _DEFAULT_DTYPE()
+
+    return get_default_dtype
+
+
+def _default_named(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` names torch's default dtype (as ``dtype=`` or a ``.to`` / ``.type`` argument)."""
+    named = [kwargs.get("dtype")]
+    if func in (torch.Tensor.to, torch.Tensor.type):
+        named += [a for a in args[1:] if isinstance(a, torch.dtype)]
+    return any(d is not None and d == _DEFAULT_DTYPE() for d in named)
 
 
 def _names_dtype(func: Any, args: tuple[Any, ...]) -> bool:

@@ -130,6 +130,8 @@ class _InitContext:
             self.patches.set(nn.Module, "__init_subclass__", classmethod(_make_init_subclass(self)))
             self.patches.set(nn.Module, "apply", _make_apply(self, nn.Module.apply))
             self.patches.set(nn.Module, "to_empty", _make_to_empty(self, nn.Module.to_empty))
+            casting = lambda: self.active and self.frames[-1].placement.dtype is not None  # noqa: E731
+            self.patches.set(torch, "get_default_dtype", _lineage.watch_default(self.lineage, casting))
             _hf.install(self)  # from_pretrained partitions as it loads (when transformers is imported)
             self.mode = AccessMode(self)
             self.mode.__enter__()

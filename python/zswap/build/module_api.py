@@ -126,6 +126,7 @@ def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
         return plain(self, fn, recurse)
     modules = list(self.modules()) if recurse else [self]
     casts: dict[torch.dtype, list[torch.Tensor]] = {}
+    cast_names: list[str] = []
     for name, p, st in _managed(modules):
         with no_torch_function():
             probe = fn(torch.empty(0, dtype=st.dtype, device=st.device))
@@ -143,8 +144,17 @@ def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
             )
         if probe.dtype != st.dtype:
             casts.setdefault(probe.dtype, []).append(p)
+            cast_names.append(name)
+    if casts and runners_of([p for ps in casts.values() for p in ps]):
+        to = ", ".join(str(d) for d in casts)
+        raise ZswapError(
+            f"cannot convert the dtype of params an open zswap Engine runs ({', '.join(cast_names)} of a "
+            f"{type(self).__name__}, to {to}): its optimizer state and buffers are laid out for them as they "
+            f"are. A model that converts them itself as it runs (a router kept in float32) must have them in "
+            f"that dtype before zswap.initialize: call .to({to}) on that {type(self).__name__} first; else "
+            "engine.close(), then zswap.initialize the model again"
+        )
     if casts:
-        _refuse_if_engine([p for ps in casts.values() for p in ps], "convert the dtype of")
         for dtype, ps in casts.items():
             cast_params(ps, dtype)
     _LOCAL.applying = True

@@ -85,7 +85,8 @@ def initialize(
       loader does.
     - ``dist_init_required``: ``None`` initialises torch.distributed when a launcher set ``WORLD_SIZE``
       and it is not initialised yet; ``True`` always (a single process on ``distributed_port`` when no
-      launcher did); ``False`` never.
+      launcher did); ``False`` never (a `ZswapError` where a launcher set ``WORLD_SIZE`` > 1 and nothing
+      initialised it: each rank would train a model of its own).
     - Clipping: the config's ``gradient_clipping``; without that key (or with ``"auto"``) the global
       gradient norm is clipped to `GRADIENT_CLIPPING_DEFAULT` (1.0), as DeepSpeed >= 0.19.3 does;
       ``gradient_clipping: 0`` turns clipping off. (`zswap.initialize` keeps PyTorch's behaviour: no

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ZswapError
+
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 """DeepSpeed's default ``distributed_port``."""
 
@@ -29,7 +31,9 @@ def init_distributed(
 
     ``dist_init_required`` ``None``: initialise when a launcher set ``WORLD_SIZE`` (``torchrun``,
     ``deepspeed``) and torch.distributed is not initialised; ``True``: initialise (a group of one on
-    ``127.0.0.1:distributed_port`` when no launcher set the environment); ``False``: do nothing.
+    ``127.0.0.1:distributed_port`` when no launcher set the environment); ``False``: do nothing, but
+    raise where a launcher set ``WORLD_SIZE`` > 1 and nothing initialised torch.distributed (each rank
+    would train a model of its own, as DeepSpeed refuses: "Distributed backend is not initialized").
     ``dist_backend`` defaults to nccl where CUDA is available (as DeepSpeed picks its accelerator's
     backend), else gloo. ``rank`` / ``world_size`` (-1: from the environment), ``init_method`` and
     ``timeout`` go to ``init_process_group``. ``auto_mpi_discovery``:
@@ -39,7 +43,17 @@ def init_distributed(
     change nothing zswap does.
     """
     dist = torch.distributed
-    if dist_init_required is False or dist.is_initialized():
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        launched_world = os.environ.get("WORLD_SIZE", "1")
+        if launched_world.isdigit() and int(launched_world) > 1:
+            raise ZswapError(
+                f"dist_init_required=False, but the launcher set WORLD_SIZE={launched_world} and "
+                "torch.distributed is not initialised: each rank would train a model of its own. "
+                "Initialise it before initialize (torch.distributed.init_process_group() or "
+                "zswap.deepspeed.init_distributed()), or leave dist_init_required unset"
+            )
         return
     launched = "WORLD_SIZE" in os.environ
     if dist_init_required is None and not launched and world_size == -1:

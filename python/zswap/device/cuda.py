@@ -67,10 +67,12 @@ class CudaDevice:
     def __init__(self, index: int) -> None:
         self.torch_device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.torch_device)
-        # (completion event, source) of each copy issued, in issue order (one stream: completes in order).
-        # Only the source is held here, never the destination: a released param's GPU memory is freed
-        # when its last user lets go, whatever the copy queue holds.
-        self._inflight: deque[tuple[Any, torch.Tensor]] = deque()
+        # (completion event, what it must keep alive) of each copy issued, in issue order (one stream:
+        # completes in order): its source, and for a copy to the host its destination too (the DMA writes
+        # it until the event: dropped early, its pool would hand it out, or the sweep unregister it, under
+        # the copy). The destination of a copy to the device is never held: a released param's GPU memory
+        # is freed when its last user lets go, whatever the copy queue holds.
+        self._inflight: deque[tuple[Any, tuple[torch.Tensor, ...]]] = deque()
         self._regs = _Registrations(self._register, self._unregister)
         self.pool = ReusePool(
             lambda numel, dtype: torch.empty(numel, dtype=dtype, device=self.torch_device), self._free_point
@@ -86,6 +88,7 @@ class CudaDevice:
         cudart = torch.cuda.cudart()
         err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1 = cudaHostRegisterPortable
         if err != 0:
+            _clear_last_error(cudart)
             self._regs.refused = f"cudaHostRegister({nbytes} bytes) failed with cudaError {err}"
             warnings.warn(
                 f"{self._regs.refused}: engine buffers are not page-locked for the GPU, so every fetch goes "
@@ -97,8 +100,10 @@ class CudaDevice:
         return True
 
     def _unregister(self, ptr: int) -> None:
-        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostUnregister(ptr))
         if err != 0:
+            _clear_last_error(cudart)
             raise ZswapError(f"cudaHostUnregister of host buffer 0x{ptr:x} failed with cudaError {err}")
 
     def register_alloc(self, alloc: Alloc) -> Alloc:
@@ -128,20 +133,22 @@ class CudaDevice:
         else:
             dst = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
             ready = self._free_point()
-        return self._issue(src, dst, ready)
+        return self._issue(src, dst, ready, (src,))
 
-    def _issue(self, src: torch.Tensor, dst: torch.Tensor, ready: Any) -> Copy:
+    def _issue(
+        self, src: torch.Tensor, dst: torch.Tensor, ready: Any, keep: tuple[torch.Tensor, ...]
+    ) -> Copy:
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(ready)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
-        self._inflight.append((done, src))
+        self._inflight.append((done, keep))
         return Copy(dst, None, done)
 
     def d2h(self, t: torch.Tensor, out: torch.Tensor) -> Copy:
         self.reap()
-        return self._issue(t, out, self._free_point())  # t was produced on the compute stream
+        return self._issue(t, out, self._free_point(), (t, out))  # t was produced on the compute stream
 
     def wait(self, copy: Copy) -> torch.Tensor:
         if not copy.done:
@@ -184,3 +191,24 @@ class CudaDevice:
 
     def __repr__(self) -> str:
         return f"CudaDevice({self.torch_device})"
+
+
+def _clear_last_error(cudart: Any) -> None:
+    """Reset the CUDA runtime's last error after a call that failed and was handled here: torch checks
+    ``cudaGetLastError`` after each kernel launch, so a refused ``cudaHostRegister`` left behind would
+    raise at some later, unrelated op. torch's runtime module may not bind the call: the runtime library
+    torch loaded is asked directly then."""
+    get = getattr(cudart, "cudaGetLastError", None)
+    if get is not None:
+        get()
+        return
+    import ctypes
+    import os
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        lib.cudaGetLastError()
+        return

@@ -28,7 +28,7 @@ from .. import memory
 from ..config import ZswapConfig
 from ..errors import ConfigError
 from ..memory import ENGINE_COPY
-from ..parts.params import Item, NvmeStore
+from ..parts.params import Item, NvmeStore, Status
 
 
 def resident(items: list[Item], cfg: ZswapConfig, threshold: int) -> frozenset[int]:
@@ -85,7 +85,10 @@ def pool_idle(store: NvmeStore) -> int:
 def persistent(engine: Any) -> int:
     """Bytes of the persistent (and ``max_in_cpu``) NVMe params gathered now (``mem_persistent_params``),
     within ``mem_fetch_buffers``, each buffer as mapped: they grow with the model's count of small params
-    (biases, norms). Memory tiers hand out the partition itself, so theirs cost nothing more."""
+    (biases, norms). Memory tiers hand out the partition itself, so theirs cost nothing more; on a compute
+    device the gathered copies are the device's, their host buffers let go once copied over."""
+    if not engine.compute_device.passthrough:
+        return 0
     kept = [s for s in engine._slots.values() if s.persistent and s.ours and s.st.tier == "nvme"]
     return sum(capacity(s.st.partition_numel * s.st.dtype.itemsize) for s in kept)
 
@@ -109,10 +112,11 @@ def fetch_lines(engine: Any) -> dict[str, int]:
       of its own there.
     """
     sched, early = engine._sched, engine._early
+    on_host = engine.compute_device.passthrough  # else a gathered copy is the device's: only reads count
     live = sum(
         capacity(s.st.partition_numel * s.st.dtype.itemsize)
         for s in sched.slots.values()
-        if s.ours and not s.persistent and s.st.tier == "nvme"
+        if s.ours and not s.persistent and s.st.tier == "nvme" and (on_host or s.st.status is Status.INFLIGHT)
     )
     live += sum(capacity(e.data.nbytes) for e in sched.next.reads())
     seeds = [e.data for e in sched.next.values()]

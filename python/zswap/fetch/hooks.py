@@ -51,6 +51,7 @@ from ..errors import FunctionalTransformError
 from ..parts._access import _ABSENT, _META_GETSETS, _META_METHODS, _shape_answer
 from ..parts.gather import no_torch_function
 from ..parts.params import ParamState, Status, param_state
+from . import casts
 from .outputs import BackwardOutputs
 from .prefetch import Scheduler, Slot
 
@@ -86,12 +87,14 @@ class _Call:
 
 @dataclass(frozen=True, eq=False)
 class _ParamView:
-    """A saved view of a managed param, kept as its layout instead of its (gathered) memory."""
+    """A saved view of a managed param, or of its copy in ``dtype`` (`zswap.fetch.casts`), kept as its
+    layout instead of its (gathered) memory."""
 
     param: torch.Tensor
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,6 +149,7 @@ class ModuleHooks:
         self._autocast = autocast
         """The context every outermost forward runs in (the config's ``torch_autocast``), or None."""
         self._autocast_on: AbstractContextManager[Any] | None = None
+        self._uncached: AbstractContextManager[None] | None = None  # (`casts.uncached`)
         self._leaf_done = leaf_done
         """Told when a leaf module's backward ends (its index) and when the outermost backward does (None):
         the gradient sink reduces the leaf's gradients then (`zswap.gradients.grads.GradSink.leaf_done`)."""
@@ -213,6 +217,8 @@ class ModuleHooks:
             self._mode.__enter__()
             self._mode_on = True
             self._push_saved_hooks()
+            self._uncached = casts.uncached()  # (in a no_grad pass too: the cache keeps what it casts)
+            self._uncached.__enter__()
             if self._autocast is not None:
                 self._autocast_on = self._autocast()
                 self._autocast_on.__enter__()
@@ -267,6 +273,9 @@ class ModuleHooks:
         if self._autocast_on is not None:
             on, self._autocast_on = self._autocast_on, None
             on.__exit__(None, None, None)
+        if self._uncached is not None:
+            cache, self._uncached = self._uncached, None
+            cache.__exit__(None, None, None)
         if self._saved_hooks_on:
             self._saved_hooks_on, self._outer_hooks = False, None
             torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -294,6 +303,10 @@ class ModuleHooks:
         base = t._base
         if base is not None and param_state(base) is not None:
             return _ParamView(base, t.size(), t.stride(), int(t.storage_offset() - base.storage_offset()))
+        c = t if base is None else base
+        p = casts.param_cast(c, (s.p for s in self._stack[-1].held) if self._stack else ())
+        if p is not None:  # autocast's copy of a weight: cast again in backward
+            return _ParamView(p, t.size(), t.stride(), int(t.storage_offset() - c.storage_offset()), c.dtype)
         outer = self._outer_hooks
         if outer is None or (base is None and param_state(t) is not None):
             return t  # a managed param itself: autograd keeps the object, its data is gathered again
@@ -309,6 +322,8 @@ class ModuleHooks:
         if st is not None and st.status is not Status.AVAILABLE:
             self._hold_until_task_end([self._slot_for(p, st)])  # safety net: its module did not hold it
         with no_torch_function():
+            if x.dtype is not None:
+                return casts.recast(p, x.dtype).as_strided(x.size, x.stride, x.offset)
             return p.detach().as_strided(x.size, x.stride, p.storage_offset() + x.offset)
 
     def on_access(self, found: list[tuple[torch.Tensor, ParamState]]) -> None:

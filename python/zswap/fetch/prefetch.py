@@ -54,6 +54,7 @@ from ..parts.gather import (
     advance,
     cancel_fetch,
     finish_fetch,
+    install,
     no_torch_function,
     release,
     start_fetch,
@@ -202,7 +203,7 @@ class Scheduler:
             s.holds, s.retained = 0, False
             if s.ours and s.st.status is Status.AVAILABLE:
                 self._retire(s)
-                release([s.item], write_back=False)
+                release([s.item], write_back=False, warn=True)
             s.ours = False
         self._retained.clear()
         self.live = 0
@@ -298,8 +299,7 @@ class Scheduler:
                     data, dev = e.data, self.device
                     if dev is not None and not dev.passthrough:  # to the compute device, as a fetch crosses
                         data = dev.wait(dev.h2d(data[: st.partition_numel]))
-                    s.p.data = data[: st.numel].view(st.shape)
-                    st.status = Status.AVAILABLE
+                    install(s.p, st, data[: st.numel].view(st.shape))
                     s.ours = s.retained = True
                     self._retained[id(s.p)] = s
                     self.live += s.numel
@@ -556,7 +556,7 @@ class Scheduler:
 
     def _drop(self, s: Slot) -> None:
         self._retire(s)
-        release([s.item], write_back=False)
+        release([s.item], write_back=False, warn=True)
         self._retained.pop(id(s.p), None)
         s.retained = s.ours = False
         self.live -= s.numel

@@ -431,6 +431,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str], *, strict: bool
     sources, converted_away = _hf_names(model, sources, model_targets)
     p = plan(model_targets, sources)
     p.unexpected += converted_away
+    _hf_ignored(model, p)
     if p.mismatched or (strict and (p.missing or p.unexpected)):
         raise LoadWeightsError(
             describe(p, f"checkpoint {os.fspath(path)}"), p.missing, p.unexpected, p.mismatched
@@ -453,6 +454,28 @@ def _hf_names(
         return sources, []
     resolved = _hfconv.resolve(model, sources, mapping, model_targets)
     return resolved.sources, resolved.unexpected
+
+
+def _hf_ignored(model: nn.Module, p: Plan) -> None:
+    """Drop from ``p`` the missing and unexpected names a transformers model tells ``from_pretrained`` to
+    pass over (``_keys_to_ignore_on_load_missing`` / ``_unexpected``, regular expressions searched in each
+    name; a rotary ``inv_freq`` or ``position_ids`` buffer older checkpoints saved): Marian's sinusoidal
+    position tables, which ``save_pretrained`` leaves out, are not missing."""
+    import re
+
+    if not hasattr(model, "_keys_to_ignore_on_load_missing"):
+        return
+    missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+    unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [n for n, _ in model.named_buffers()]
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
+        unexpected.add(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):
+        unexpected.add(r"(^|\.)position_ids$")
+    for keys, patterns in ((p.missing, missing), (p.unexpected, unexpected)):
+        if patterns:
+            regex = re.compile("|".join(f"({pattern})" for pattern in patterns))
+            keys[:] = [k for k in keys if regex.search(k) is None]
 
 
 def _placement_of(model: nn.Module) -> Placement | None:

@@ -182,8 +182,7 @@ def finish_fetch(loading: Loading, *, private: bool, device: Device | None = Non
                     full = local.to(st.device)
                 else:
                     full = local.clone() if private and handle is None and not copied else local
-                p.data = full[: st.numel].view(st.shape)
-                st.status = Status.AVAILABLE
+                install(p, st, full[: st.numel].view(st.shape))
         except BaseException:
             _abort(loading, loading.items, device)
             raise
@@ -228,17 +227,56 @@ def fetch(items: Sequence[Item], *, private: bool) -> None:
     finish_fetch(start_fetch(items), private=private)
 
 
-def release(items: Iterable[Item], *, write_back: bool, from_first_rank: bool = False) -> None:
+def release(
+    items: Iterable[Item], *, write_back: bool, from_first_rank: bool = False, warn: bool = False
+) -> None:
     """Leave each param partitioned; ``write_back`` stores its current data first (rank 0's with
-    ``from_first_rank``, see `offload`), else drops it."""
+    ``from_first_rank``, see `offload`), else drops it (``warn``: saying so where it was written in place
+    since it was gathered, `warn_if_written`)."""
     with no_torch_function():
         for p, st in items:
             if write_back:
                 offload(p, st, from_first_rank=from_first_rank)
             else:
+                if warn:
+                    warn_if_written(p, st)
                 p.data = torch.empty(0, dtype=st.dtype, device=st.device)
                 st.status = Status.NOT_AVAILABLE
                 st.touched = False
+
+
+def install(p: torch.Tensor, st: ParamState, data: torch.Tensor) -> None:
+    """``data``, the param's full value as stored, becomes ``p``'s gathered data."""
+    p.data = data
+    st.status = Status.AVAILABLE
+    note_gathered(p, st)
+
+
+def note_gathered(p: torch.Tensor, st: ParamState) -> None:
+    """``p``'s data is now its gathered value, as stored: note its version counter (`changed_in_place`)."""
+    st.gathered_version = p._version
+
+
+def changed_in_place(p: torch.Tensor, st: ParamState) -> bool:
+    """Whether ``p`` was written in place (``p.div_(2)`` under ``no_grad``) since its gathered data was
+    installed. A write through ``p.data`` has a counter of its own and is not seen."""
+    return st.status is Status.AVAILABLE and p._version != st.gathered_version
+
+
+def warn_if_written(p: torch.Tensor, st: ParamState) -> None:
+    """Say so where the gathered copy an engine is about to drop was written in place (a model that changes
+    its own weights in its forward, under ``no_grad``): the change is lost, as a `GatheredParameters`
+    block's without ``modifier_rank`` is."""
+    if changed_in_place(p, st):
+        note_gathered(p, st)  # said once per change
+        warnings.warn(
+            f"a param of shape {tuple(st.shape)} was changed in place while an open zswap Engine had it "
+            "gathered (an in-place op on it under torch.no_grad, in a forward say); the engine drops its "
+            "gathered copy, so the change is lost: change params with "
+            "zswap.GatheredParameters(params, modifier_rank=0) outside the forward",
+            ZswapWarning,
+            stacklevel=3,
+        )
 
 
 def checksum(t: torch.Tensor) -> int:
@@ -366,8 +404,9 @@ class GatheredParameters:
                     self._warn_if_changed(changed)
                 release(self._fetched, write_back=False)
         finally:
-            for _, st in self._items:
+            for p, st in self._items:
                 st.gathered_by = None
+                note_gathered(p, st)  # what it holds now is the stored value (written back or restored)
             self._fetched, self._marks, self._held = [], [], []
 
     def _restore_held(self) -> ParamState | None:

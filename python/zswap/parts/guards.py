@@ -16,11 +16,12 @@ not in ``.grad``. So four ordinary moves would silently do nothing on it:
   naming `zswap.initialize` and `zswap.GatheredParameters` for a module whose own params are partitioned,
   not gathered, and run by no open engine (and no `zswap.Init` is active: it gathers on access).
 
-- ``optimizer.zero_grad()`` over such params: torch clears ``p.grad``, where they have none, and the next
-  backward would sum onto the gradients still in zswap's store (DeepSpeed's ZeRO-3 optimizer clears its
-  partitions). ``torch.optim.Optimizer.zero_grad`` is wrapped: over managed params it also calls
-  ``zero_grad()`` of every open engine that runs them (the optimizer a script built and passed to
-  `zswap.initialize`, which the engine adopted, included).
+- ``optimizer.zero_grad()`` or ``model.zero_grad()`` over such params: torch clears ``p.grad``, where they
+  have none, and the next backward would sum onto the gradients still in zswap's store (DeepSpeed's ZeRO-3
+  optimizer clears its partitions). ``torch.optim.Optimizer.zero_grad`` and ``nn.Module.zero_grad`` are
+  wrapped: over managed params they also call ``zero_grad()`` of every open engine that runs them (the
+  optimizer a script built and passed to `zswap.initialize`, which the engine adopted, included); a
+  module's over part of an engine's params raises (the engine drops all its gradients or none).
 
 All four are installed by `install`, called when the first `zswap.Init` is entered or the first `Engine`
 is built, so a process that never uses zswap pays nothing (a global module hook takes every module call off
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -40,7 +42,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..errors import ZswapError
+from ..errors import ZswapError, ZswapWarning
 from .params import Status, param_state
 from .runners import RUNNERS, runners_of
 
@@ -98,6 +100,7 @@ def install(building: Callable[[], bool] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_ = wrapped
         torch.nn.utils.clip_grad.clip_grad_norm_ = wrapped
         torch.optim.Optimizer.zero_grad = _wrap_zero_grad(torch.optim.Optimizer.zero_grad)  # type: ignore[method-assign]
+        nn.Module.zero_grad = _wrap_module_zero_grad(nn.Module.zero_grad)  # type: ignore[method-assign]
         _INSTALLED.extend(
             [
                 register_optimizer_step_pre_hook(_before_step),
@@ -139,10 +142,41 @@ def _wrap_zero_grad(original: Any) -> Any:
         original(self, set_to_none)
         params = [p for group in self.param_groups for p in group["params"]]
         if not _STATE.depth and _managed(params):
+            _note_kept_zeros(set_to_none)
             for runner in runners_of(params):
                 runner.zero_grad()
 
     return zero_grad
+
+
+def _wrap_module_zero_grad(original: Any) -> Any:
+    @functools.wraps(original)
+    def zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        if _STATE.depth or not _managed(self.parameters()):
+            return
+        _note_kept_zeros(set_to_none)
+        for runner in runners_of(self.parameters()):
+            if not any(m is getattr(runner, "module", None) for m in self.modules()):
+                raise ZswapError(
+                    f"{type(self).__name__}.zero_grad() over part of the params an open zswap Engine runs: "
+                    "their gradients live in the engine's store, which drops them all or none; call "
+                    "engine.zero_grad() (or model.zero_grad() on the whole model)"
+                )
+            runner.zero_grad()
+
+    return zero_grad
+
+
+def _note_kept_zeros(set_to_none: bool) -> None:
+    if not set_to_none:
+        warnings.warn(
+            "zero_grad(set_to_none=False) over params zswap partitioned drops their gradients, as "
+            "set_to_none=True does: a param that gets no gradient before the next step is not stepped, "
+            "where torch steps it with a zero gradient (its moments decay, weight decay applies)",
+            ZswapWarning,
+            stacklevel=3,
+        )
 
 
 def _before_forward(module: nn.Module, args: Any) -> None:

@@ -116,6 +116,9 @@ class ParamState:
     """Gathered by `zswap.Init`'s access hook: re-partitioned (written back) at its next sync point."""
     gathered_by: object | None = field(default=None, repr=False)
     """The `GatheredParameters` block holding it gathered, if any."""
+    gathered_version: int = field(default=-1, repr=False)
+    """The param's version counter when its gathered data was installed (`note_gathered`): an engine that
+    drops the data sees an in-place change made since (`changed_in_place`)."""
     grad: torch.Tensor | None = field(default=None, repr=False)
     """This rank's partition of the accumulated gradient (1-D, ``partition_numel`` elements, on the CPU —
     on the param's device for tier "none"), filled by `zswap.initialize`'s backward hooks; ``None`` when

@@ -37,7 +37,7 @@ def take_later(es: EarlyStep, i: int, p: torch.Tensor, st: ParamState, part: tor
         # Where the update only writes the param, nothing is copied over (`early_memory.blank`).
         param_copy: Any = early_memory.blank(es, i, st, data)
         if param_copy is None:
-            param_copy = dev.d2h(data.contiguous(), early_memory.alloc(st, data))
+            param_copy = dev.d2h(data.contiguous(), early_memory.alloc(st, data, dev))
         part = part.reshape(-1).contiguous()
         grad_copy = dev.d2h(part, sink.host_buffer(st, part.numel(), part.dtype))
     es.device = dev

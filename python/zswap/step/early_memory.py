@@ -50,6 +50,7 @@ from .optim._layout import SubGroup
 from .optim._store import CpuStore
 
 if TYPE_CHECKING:
+    from ..device.protocol import Device
     from .earlystep import EarlyStep
 
 
@@ -254,12 +255,17 @@ def unchanged(st: ParamState, seen: Any) -> bool:
     return _same(version(st), seen)
 
 
-def alloc(st: ParamState, like: torch.Tensor) -> torch.Tensor:
+def alloc(st: ParamState, like: torch.Tensor, device: Device | None = None) -> torch.Tensor:
     """A buffer for a copy of ``st``'s partition: from the fetch pool for large NVMe ones (page-aligned:
     written without a bounce copy; backward lets go of one of the same shape at about every gradient, so
-    copies and seeds take the memory of the gathered params they replace), else a new tensor."""
+    copies and seeds take the memory of the gathered params they replace), else a new tensor — page-locked
+    where a compute ``device`` copies into it (`Device.host_empty`: a CUDA copy into pageable memory
+    returns only once it completed, stalling backward's hook) and it is not to become the partition a
+    memory store keeps."""
     if isinstance(st.store, NvmeStore) and like.numel() * like.element_size() >= ENGINE_COPY:
         return st.store._buffer(like.numel(), like.dtype)
+    if device is not None and not in_memory(st):
+        return device.host_empty(like.numel(), like.dtype)
     return torch.empty(like.numel(), dtype=like.dtype)
 
 

@@ -205,7 +205,7 @@ def keep_as_seed(es: EarlyStep, p: torch.Tensor, st: ParamState, sink: Any = Non
     data = p.data.reshape(-1)
     if st.world_size > 1:  # this rank's partition, as stored (the next pass all-gathers it again)
         data = local_slice(data, st.rank, st.partition_numel)
-    copy = early_memory.alloc(st, data)
+    copy = early_memory.alloc(st, data, None if sink is None else sink.device)
     with no_torch_function():
         if sink is None:
             _memcpy(copy, data)

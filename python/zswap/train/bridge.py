@@ -354,7 +354,7 @@ def _rebuild_eager_state(optimizer: Any) -> None:
         st = param_state(p)
         if st is not None and isinstance(entry, Mapping):
             shaped = (v for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-            if any(v.numel() != st.partition_numel for v in shaped):
+            if any(v.shape != (st.partition_numel,) for v in shaped):  # (one rank: the full shape)
                 stale.append((p, st))
     if not stale:
         return

@@ -33,7 +33,7 @@ import torch
 
 from .. import _dist
 from ..fetch.prefetch import Slot
-from ..parts.gather import no_torch_function
+from ..parts.gather import install, no_torch_function
 from ..parts.params import NvmeStore, Status
 
 if TYPE_CHECKING:
@@ -145,8 +145,7 @@ def reinstall(held: dict[int, Held], committed: bool = False) -> None:
         for h in held.values():
             if committed and h.stale:
                 continue
-            h.slot.p.data = h.view
-            h.slot.st.status = Status.AVAILABLE
+            install(h.slot.p, h.slot.st, h.view)
             h.slot.ours = True
 
 
