@@ -123,10 +123,10 @@ def _output_file(text: str) -> Path:
 def _config(text: str) -> str:
     """``--config``: a JSON file or a JSON object in the argument; loaded once here to report a typo, a
     missing file or bad JSON as a usage error (the command loads it again)."""
-    from .config import load_config, parse_json
+    from .config import from_argument, load_config
 
     try:
-        load_config(parse_json(text) if text.lstrip()[:1] in ("{", "[") else text)
+        load_config(from_argument(text))
     except FileNotFoundError:
         raise argparse.ArgumentTypeError(f"{text!r}: no such file") from None
     except (ValueError, TypeError, OSError) as e:

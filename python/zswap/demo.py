@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ZswapConfig, load_config, parse_json
+from .config import ZswapConfig, from_argument, load_config
 from .errors import ZswapWarning
 from .step.optim._layout import default_sub_group_size
 
@@ -159,8 +159,7 @@ def default_config(
 
 def user_config(text: str, path: Path) -> ZswapConfig:
     """``--config``: a JSON file or a JSON string; a missing NVMe path is filled with ``path``."""
-    source: Any = parse_json(text) if text.lstrip()[:1] in ("{", "[") else text
-    cfg = load_config(source)
+    cfg = load_config(from_argument(text))
     if cfg.offload_param.device == "nvme" and not cfg.offload_param.nvme_path:
         cfg = cfg.replace(offload_param=cfg.offload_param.replace(nvme_path=[str(path)]))
     if cfg.offload_optimizer.device == "nvme" and not cfg.offload_optimizer.nvme_path:

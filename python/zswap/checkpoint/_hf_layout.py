@@ -211,6 +211,4 @@ def set_config_dtype(out_dir: Path, dtype: torch.dtype | None) -> None:
     path = out_dir / "config.json"
     if dtype is None or not path.is_file():
         return
-    cfg = json.loads(path.read_text())
-    cfg["dtype"] = str(dtype).removeprefix("torch.")
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    path.write_bytes(with_dtype(path.read_bytes(), dtype, path))

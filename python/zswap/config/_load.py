@@ -146,6 +146,12 @@ def _read_json(path: str) -> Mapping[str, Any]:
     return parse_json(text)
 
 
+def from_argument(text: str) -> ConfigSource:
+    """A command line's ``--config``: the JSON given in the argument itself (it starts with ``{``, or ``[``
+    for `parse_json` to refuse as no object), else the path of a file."""
+    return parse_json(text) if text.lstrip()[:1] in ("{", "[") else text
+
+
 def parse_json(text: str) -> dict[str, Any]:
     """The JSON object in ``text`` (a config file's, or one given inline on the command line), read
     strictly: a key twice in one object, integers past 64 bits or nesting past `MAX_DEPTH` are
