@@ -14,7 +14,7 @@ from zswap.cli import main
 from zswap.swap import SwapEngine
 
 NAMES = [
-    "block size", "queue depth", "worker rings", "engine buffers", "bounce buffers",
+    "block size", "queue depth", "worker rings", "engine buffers", "bounce buffers", "engine buffer reads",
     "fresh read destinations", "drive",
 ]  # fmt: skip
 
@@ -58,6 +58,8 @@ def test_bench_runs_with_the_engines_pick_and_prints_why(
     assert settings["engine buffers"][0] == info["buffer_pages"]
     pages = "huge pages" if info["huge_destinations"] else "base pages"
     assert settings["fresh read destinations"] == [pages, info["huge_destinations_reason"]]
+    reads = "zero-copy" if info["zero_copy_reads"] else "bounced"
+    assert settings["engine buffer reads"] == [reads, info["zero_copy_reads_reason"]]
 
 
 def test_given_settings_are_reported_as_given(
@@ -88,7 +90,8 @@ def test_settings_without_a_block_device() -> None:
         "block_size_reason": "1024 KiB: no block device", "queue_depth_reason": "16: 16 MiB in flight",
         "threads": 2, "buffer_pages": "small", "bounce_pages": "small", "bounce_bytes": 16 << 20,
         "bounce_spare": 1, "fixed_buffers": False, "huge_destinations": False,
-        "huge_destinations_reason": "THP off", "queue_limits": None,
+        "huge_destinations_reason": "THP off", "queue_limits": None, "zero_copy_reads": True,
+        "zero_copy_reads_reason": "zero-copy",
     }  # fmt: skip
     s = bench.settings(info, threads_given=False)
     assert s["drive"][0] == "none"
@@ -99,6 +102,7 @@ def test_settings_without_a_block_device() -> None:
         "next block is copied while every slot is in flight",
     )
     assert s["fresh read destinations"][0] == "base pages"
+    assert s["engine buffer reads"] == ("zero-copy", "zero-copy")
     assert s["block size"] == ("1024 KiB", "no block device")
 
 
@@ -107,7 +111,7 @@ def test_engine_buffers_row_says_how_much_of_a_buffer_the_kernel_backs_with_huge
         "block_size_reason": "4096 KiB: x", "queue_depth_reason": "4: x", "threads": 2, "buffer_pages": "thp",
         "bounce_pages": "thp", "bounce_bytes": 24 << 20, "bounce_spare": 0, "fixed_buffers": True,
         "huge_destinations": False, "huge_destinations_reason": "x", "queue_limits": None,
-        "buffer_huge_share": 0.25,
+        "buffer_huge_share": 0.25, "zero_copy_reads": False, "zero_copy_reads_reason": "virtio",
     }  # fmt: skip
     s = bench.settings(info, threads_given=False)
     assert s["engine buffers"] == (

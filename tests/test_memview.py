@@ -14,7 +14,7 @@ from zswap._memview import tensor_over
 
 
 def test_empty_tensor_is_the_engine_buffer_and_outlives_its_owners(tmp_path: Path) -> None:
-    with zswap.SwapEngine(tmp_path) as eng:
+    with zswap.SwapEngine(tmp_path, zero_copy_reads=True) as eng:
         t = eng.empty((3, 1 << 18), torch.float32)  # 3 MiB: huge-page backed, several blocks
         assert t.data_ptr() % 4096 == 0 and torch.count_nonzero(t) == 0
         want = torch.randn(t.shape, generator=torch.Generator().manual_seed(1))

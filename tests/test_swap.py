@@ -73,13 +73,34 @@ def test_round_trip_is_bitwise_for_plain_and_engine_tensors(engine: SwapEngine, 
     assert engine.stats()["bytes_read"] == engine.stats()["bytes_written"]
 
 
-def test_engine_buffers_avoid_bounce_copies(engine: SwapEngine) -> None:
-    if not engine.info["direct"]:
-        pytest.skip("buffered I/O never bounces")
-    t = engine.empty((4 << 20) // 4, torch.float32)
-    engine.write("k", t).wait()
-    engine.read("k", t).wait()
-    assert engine.stats()["bounced_blocks"] == 0
+@pytest.mark.parametrize("zero_copy_reads", [True, False])
+def test_engine_buffers_avoid_bounce_copies_on_write_and_on_read_where_asked(
+    swap_dir: Path, zero_copy_reads: bool
+) -> None:
+    with SwapEngine(swap_dir, block_size=1 << 20, zero_copy_reads=zero_copy_reads) as e:
+        if not e.info["direct"]:
+            pytest.skip("buffered I/O never bounces")
+        assert (e.info["zero_copy_reads"], e.info["zero_copy_reads_reason"]) == (zero_copy_reads, "given")
+        src = filled((4 << 20) // 4, torch.float32, seed=9)
+        t = e.empty(src.numel(), torch.float32)
+        t.copy_(src)
+        e.write("k", t).wait()
+        assert e.stats()["bounced_blocks"] == 0
+        back = e.empty(src.numel(), torch.float32)
+        e.read("k", back).wait()
+        assert same_bytes(back, src)
+        assert e.stats()["bounced_blocks"] == (0 if zero_copy_reads else 4)
+
+
+def test_reads_bounce_by_default_only_on_a_virtio_disk(swap_dir: Path) -> None:
+    """The engine's own choice follows the disk's driver (`machine::zero_copy_reads`, measured there)."""
+    st = os.stat(swap_dir)
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    link = next((d / "device/driver" for d in (dev, dev / "..") if (d / "device/driver").exists()), None)
+    virtio = link is not None and os.path.basename(os.readlink(link)) == "virtio_blk"
+    with SwapEngine(swap_dir) as e:
+        assert e.info["zero_copy_reads"] is not virtio
+        assert ("virtio" in e.info["zero_copy_reads_reason"]) is virtio
 
 
 def test_backends_store_identical_bytes(swap_dir: Path) -> None:

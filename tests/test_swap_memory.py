@@ -20,7 +20,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def engine(backend: str, swap_dir: Path):
-    with SwapEngine(swap_dir, backend=backend, block_size=MiB, queue_depth=8) as e:
+    # Zero-copy reads where the disk would bounce them by default: these tests cover that path.
+    with SwapEngine(swap_dir, backend=backend, block_size=MiB, queue_depth=8, zero_copy_reads=True) as e:
         yield e
 
 

@@ -60,6 +60,7 @@ class Engine:
         checksum: bool = False,
         pinned_memory_budget: int | None = None,
         lock_memory: bool = False,
+        zero_copy_reads: bool | None = None,
     ) -> Engine: ...
     def write(self, key: str, ptr: int, nbytes: int, keep: object) -> Handle:
         """Copy-on-write: the key reads its previous value until this write completes. `ptr..ptr+nbytes`

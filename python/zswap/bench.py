@@ -309,6 +309,10 @@ def settings(info: dict[str, object], threads_given: bool) -> dict[str, tuple[st
             )
             + _spare_why(int(str(info.get("bounce_spare", 0)))),
         ),
+        "engine buffer reads": (
+            "zero-copy" if info["zero_copy_reads"] else "bounced",
+            str(info["zero_copy_reads_reason"]),
+        ),
         "fresh read destinations": (
             "huge pages" if info["huge_destinations"] else "base pages",
             str(info["huge_destinations_reason"]),

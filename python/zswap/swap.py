@@ -79,6 +79,10 @@ class SwapEngine:
         pinned_memory_budget: bytes of bounce buffers (default one block per slot, plus one spare per
             io_uring ring so a block is copied while every slot is in flight).
         lock_memory: mlock engine buffers where RLIMIT_MEMLOCK allows.
+        zero_copy_reads: whether direct reads land straight in engine buffers (True) or pass through the
+            bounce buffers (False). Default None: the engine decides for the drive, bounced on a virtio
+            disk, where the host's DMA into a large destination measured slower than the copy;
+            `info["zero_copy_reads_reason"]` says why.
 
     `write`/`read` return at once with a `Handle`; the engine keeps the tensor alive until the transfer
     is done, and the caller must not modify a written tensor (or touch a read one) before `wait()`.
@@ -101,6 +105,7 @@ class SwapEngine:
         checksum: Literal["off", "crc32c"] = "off",
         pinned_memory_budget: int | None = None,
         lock_memory: bool = False,
+        zero_copy_reads: bool | None = None,
     ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -118,6 +123,7 @@ class SwapEngine:
             checksum=checksum == "crc32c",
             pinned_memory_budget=_check_int("pinned_memory_budget", pinned_memory_budget),
             lock_memory=bool(lock_memory),
+            zero_copy_reads=None if zero_copy_reads is None else bool(zero_copy_reads),
         )
         self.info: dict[str, Any] = dict(self._engine.info())
         _log.info(

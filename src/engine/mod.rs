@@ -78,6 +78,9 @@ pub struct EngineConfig {
     pub pinned_memory_budget: Option<usize>,
     /// `mlock` engine buffers (bounce and `alloc`) where RLIMIT_MEMLOCK allows.
     pub lock_memory: bool,
+    /// Whether direct reads into engine buffers skip the bounce buffers. Default `None`: decided for
+    /// the drive (`machine::zero_copy_reads`).
+    pub zero_copy_reads: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -92,6 +95,7 @@ impl Default for EngineConfig {
             checksum: false,
             pinned_memory_budget: None,
             lock_memory: false,
+            zero_copy_reads: None,
         }
     }
 }
@@ -160,6 +164,9 @@ pub struct Resolved {
     /// Whether a bounced read advises its destination `MADV_HUGEPAGE`, and why
     /// (`machine::huge_destinations`).
     pub huge_destinations: (bool, &'static str),
+    /// Whether direct reads into engine buffers skip the bounce buffers, and why
+    /// (`machine::zero_copy_reads`: not where any path lies on a virtio disk).
+    pub zero_copy_reads: (bool, &'static str),
     /// Fallbacks taken, one line each, for the caller to warn about.
     pub notes: Vec<String>,
 }
@@ -205,6 +212,18 @@ impl Engine {
             .iter()
             .filter_map(|f| crate::machine::queue_limits(f.raw_fd()))
             .min_by_key(|l| l.max_sectors_kb);
+        let zero_copy_reads = match cfg.zero_copy_reads {
+            Some(given) => (given, "given"),
+            None => files
+                .iter()
+                .map(|f| {
+                    crate::machine::zero_copy_reads(
+                        crate::machine::disk_driver(f.raw_fd()).as_deref(),
+                    )
+                })
+                .find(|z| !z.0)
+                .unwrap_or(crate::machine::zero_copy_reads(None)),
+        };
         let plan = plan_io(limits.as_ref(), crate::buffer::buffer_page());
         let (why_block, why_depth) = pick(&mut cfg, &plan);
         finish_validation(&mut cfg)?;
@@ -268,6 +287,7 @@ impl Engine {
             why_depth,
             limits,
             huge_destinations: crate::machine::huge_destinations(),
+            zero_copy_reads,
             notes,
         };
         Ok(Engine {
@@ -530,13 +550,16 @@ impl Engine {
                     Access::Direct(a) => {
                         // Ordinary (4 KiB-page) memory goes through the huge-page bounce buffers: a
                         // device caps segments per request, so small pages cut every transfer short.
-                        owner.as_ref().is_some_and(|buf| {
-                            let end = buf.as_ptr() as usize + buf.capacity();
-                            (user as usize) % a.mem as usize == 0
+                        // So do reads where the engine measured its bounce buffers faster
+                        // (`machine::zero_copy_reads`).
+                        (op == Op::Write || self.resolved.zero_copy_reads.0)
+                            && owner.as_ref().is_some_and(|buf| {
+                                let end = buf.as_ptr() as usize + buf.capacity();
+                                (user as usize) % a.mem as usize == 0
                                 // Padding past the data is written from (never read into) the buffer.
                                 && (io_len == b.data_len as usize
                                     || (op == Op::Write && user as usize + io_len <= end))
-                        })
+                            })
                     }
                 };
                 BlockJob {

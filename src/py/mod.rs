@@ -30,7 +30,8 @@ struct PyEngine {
 impl PyEngine {
     #[new]
     #[pyo3(signature = (paths, *, block_size=None, queue_depth=None, threads=None, backend="auto",
-                        direct=None, checksum=false, pinned_memory_budget=None, lock_memory=false))]
+                        direct=None, checksum=false, pinned_memory_budget=None, lock_memory=false,
+                        zero_copy_reads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -43,6 +44,7 @@ impl PyEngine {
         checksum: bool,
         pinned_memory_budget: Option<usize>,
         lock_memory: bool,
+        zero_copy_reads: Option<bool>,
     ) -> PyResult<Self> {
         // 0 is the engine's "pick from the drive"; a caller's 0 is an error, not a request for that.
         if block_size == Some(0) {
@@ -79,6 +81,7 @@ impl PyEngine {
             checksum,
             pinned_memory_budget,
             lock_memory,
+            zero_copy_reads,
         };
         // Opening and probing swap files does I/O: let other Python threads run meanwhile.
         let inner = py
@@ -205,6 +208,8 @@ impl PyEngine {
         d.set_item("queue_depth_reason", &r.why_depth)?;
         d.set_item("huge_destinations", r.huge_destinations.0)?;
         d.set_item("huge_destinations_reason", r.huge_destinations.1)?;
+        d.set_item("zero_copy_reads", r.zero_copy_reads.0)?;
+        d.set_item("zero_copy_reads_reason", r.zero_copy_reads.1)?;
         match &r.limits {
             Some(l) => {
                 let q = PyDict::new(py);
