@@ -30,6 +30,14 @@ def _llama() -> Any:
     return transformers.LlamaForCausalLM(conf)
 
 
+def _llama_classifier() -> Any:
+    conf = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForSequenceClassification(conf)
+
+
 def _gpt2() -> Any:
     conf = transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
@@ -39,12 +47,30 @@ def _gpt2() -> Any:
 
 
 # (base model, adapter config, trainable tensors). GPT-2's Conv1D layers: PEFT reads their real shape
-# from ``ds_shape`` (the placeholder's is torch.Size([0])).
+# from ``ds_shape`` (the placeholder's is torch.Size([0])). DoRA (the base weight's norm), PiSSA (an SVD of
+# it, the base rewritten to the residual) and a classifier's ``modules_to_save`` copy read the whole base
+# weight while ``get_peft_model`` runs: through PEFT's ZeRO-3 seam, which zswap points at its own params
+# (`zswap.parts.peft_seam`).
 CASES = {
     "llama-lora": (
         _llama,
         lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
         8,
+    ),
+    "llama-dora": (
+        _llama,
+        lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True),
+        12,
+    ),
+    "llama-pissa": (
+        _llama,
+        lambda: peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa"),
+        4,
+    ),
+    "llama-classifier-lora": (
+        _llama_classifier,
+        lambda: peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"]),
+        9,  # and the classifier's trainable copy (modules_to_save)
     ),
     "gpt2-lora": (_gpt2, lambda: peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True), 4),
     "gpt2-ia3": (
@@ -55,6 +81,13 @@ CASES = {
         4,
     ),
 }
+
+
+def _saved_name(name: str) -> str:
+    """The key PEFT saves a trainable param under: no adapter name, DoRA's magnitude without ``.weight``, a
+    ``modules_to_save`` copy under the module it stands for."""
+    name = name.replace(".modules_to_save.default", "").replace(".default", "")
+    return name.replace("lora_magnitude_vector.weight", "lora_magnitude_vector")
 
 
 def _adapted(case: str, config: dict[str, Any] | None) -> Any:
@@ -92,17 +125,21 @@ def test_adapters_train_bitwise_as_on_the_plain_model_and_save(case, tier, tmp_p
         assert all(zswap.param_state(p) is not None for p in model.parameters())  # the adapters too
         assert model.get_nb_trainable_parameters() == ref.get_nb_trainable_parameters()  # by ds_numel
         for _ in range(3):
-            ids = torch.randint(0, 64, (2, 8), generator=g)
-            loss = model(input_ids=ids, labels=ids).loss
+            ids = torch.randint(1, 64, (2, 8), generator=g)
+            labels = ids[:, 0] % 3 if "classifier" in case else ids
+            loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
             engine.step()
-            want = ref(input_ids=ids, labels=ids).loss
+            want = ref(input_ids=ids, labels=labels).loss
             want.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             ref_opt.step()
             ref_opt.zero_grad()
             assert torch.equal(loss.detach(), want.detach())
-        assert engine.stats()["steps_in_backward"] == 2  # after the first, which makes the records
+        stats = engine.stats()  # after the first step, which makes the records: in backward, or at the norm
+        assert (
+            stats["steps_in_backward"] + stats["steps_deferred"] == 2
+        )  # where clipping bit (the classifier)
         named = dict(model.named_parameters())
         with zswap.GatheredParameters(list(named.values())):
             got = {n: p.detach().clone() for n, p in named.items()}
@@ -111,7 +148,7 @@ def test_adapters_train_bitwise_as_on_the_plain_model_and_save(case, tier, tmp_p
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    adapters = {n.replace(".default", ""): p for n, p in ref.named_parameters() if p.requires_grad}
+    adapters = {_saved_name(n): p for n, p in ref.named_parameters() if p.requires_grad}
     assert saved.keys() == adapters.keys()
     for key, value in saved.items():
         assert torch.equal(value, adapters[key].detach()), key
@@ -135,3 +172,39 @@ def test_merge_and_unload_inside_gathered_parameters_merges_as_on_the_plain_mode
         got = merged(input_ids=ids).logits
     assert torch.equal(got, want(input_ids=ids).logits)
     assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+@pytest.mark.parametrize("case", ["llama-lora", "llama-classifier-lora"])
+def test_save_pretrained_gathers_only_what_peft_writes(case, tmp_path: Path, monkeypatch):
+    """PEFT builds the adapter file from ``model.state_dict()``, which on a partitioned model gathers every
+    param: the whole base in CPU memory to write adapters a thousandth its size. zswap hands PEFT a state
+    dict holding only the entries PEFT's own selection picks (`zswap.checkpoint.peft_save`): the same file,
+    no base weight gathered."""
+    import zswap.checkpoint.peft_save as peft_save
+    import zswap.checkpoint.statedict as statedict
+
+    gathered: list[tuple[int, ...]] = []
+    for mod in (peft_save, statedict):
+        real = mod.full_copy
+
+        def counting(p: Any, st: Any, real: Any = real) -> Any:
+            gathered.append(tuple(st.shape))
+            return real(p, st)
+
+        monkeypatch.setattr(mod, "full_copy", counting)
+    cfg = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    ref, model = _adapted(case, None), _adapted(case, cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        engine = zswap.initialize(model, cfg, optimizer=None)  # the adapters partitioned too
+    with engine:
+        model.save_pretrained(tmp_path / "got")
+    ref.save_pretrained(tmp_path / "want")
+    trainable = [tuple(p.shape) for p in ref.parameters() if p.requires_grad]
+    # The adapters alone (PEFT takes a modules_to_save copy's own state_dict(), which gathers that module):
+    # no base weight's shape among them.
+    assert set(gathered) == set(trainable) and len(gathered) >= len(trainable)
+    from safetensors.torch import load_file
+
+    got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("got", "want"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -128,6 +128,24 @@ def test_state_dict_argument_is_streamed_too(tmp_path):
     assert all(torch.equal(got[n], t) for n, t in files.items())
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_save_pretrained_of_a_partitioned_model_writes_tied_weights_once(model, tmp_path):
+    """``state_dict()`` gathers a param tied under two names (embeddings and LM head) once and puts the same
+    tensor under both, as a plain model's state dict does: ``save_pretrained`` sees the tie and writes the
+    file plain ``save_pretrained`` writes. Before, each name got its own copy and both were written."""
+    from safetensors.torch import load_file
+
+    ckpt = save(model, tmp_path / "ckpt", sharded=False)
+    with init_for("nvme", tmp_path):
+        m = _load(ckpt)
+    sd = m.state_dict()
+    tied = dict(m.all_tied_weights_keys)
+    assert tied and all(sd[target] is sd[source] for target, source in tied.items())
+    m.save_pretrained(tmp_path / "again")
+    want, got = (load_file(d / "model.safetensors") for d in (ckpt, tmp_path / "again"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_trains_like_the_plain_model_loaded_the_plain_way(tmp_path):
     ckpt = save("gpt2", tmp_path / "ckpt", sharded=True)
     cfg = nvme_training_config(tmp_path)

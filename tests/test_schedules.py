@@ -224,7 +224,8 @@ def test_required_parameters_are_config_errors_where_the_schedule_is_built(secti
         ({"type": "WarmupLR", "params": {"warmup_max": 1}}, "unknown key .warmup_max. in scheduler"),
         ({"type": "WarmupLR", "params": {"warmup_type": "cos"}}, "warmup_type must be one of"),
         ({"type": "LRRangeTest", "params": {"lr_range_test_staircase": "yes"}}, "must be true or false"),
-        ({"type": "WarmupLR", "params": {"warmup_num_steps": 2.5}}, "warmup_num_steps must be a positive"),
+        ({"type": "WarmupLR", "params": {"warmup_num_steps": 2.5}}, "warmup_num_steps must be a non-negat"),
+        ({"type": "WarmupLR", "params": {"warmup_num_steps": -1}}, "warmup_num_steps must be a non-negat"),
         ({"type": "WarmupLR", "params": {"warmup_min_lr": -1}}, "warmup_min_lr must be a non-negative"),
         ({"type": "WarmupLR", "params": []}, "scheduler.params must be an object"),
     ],
@@ -232,6 +233,19 @@ def test_required_parameters_are_config_errors_where_the_schedule_is_built(secti
 def test_bad_scheduler_sections_are_config_errors_naming_the_key(section, message):
     with pytest.raises(ConfigError, match=message):
         zswap.load_config({"scheduler": section})
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+@pytest.mark.parametrize("steps", [0, 1])
+def test_a_warmup_of_zero_or_one_step_warms_up_over_two_as_deepspeed_does(kind, steps):
+    params = {"warmup_num_steps": steps} | ({"total_num_steps": 10} if kind != "WarmupLR" else {})
+    assert zswap.load_config({"scheduler": {"type": kind, "params": params}}).scheduler is not None
+    want = _built(kind, params | {"warmup_num_steps": 2}, _opt())
+    got = _built(kind, params, _opt())
+    for _ in range(5):
+        assert got.get_last_lr() == want.get_last_lr()
+        got.step()
+        want.step()
 
 
 def test_state_dict_resumes_the_sequence():

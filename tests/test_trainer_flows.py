@@ -253,3 +253,55 @@ def test_arguments_for_adam_knobs_a_section_leaves_unset_are_a_mismatch(tmp_path
     )
     assert [g["betas"] for g in trainer.engine.optimizer.param_groups] == [(0.9, 0.999)] * 2
     trainer.close()
+
+
+def _lora(model: Any) -> Any:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)  # the adapters' initial values
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+
+
+def _adapters(model: Any) -> dict[str, torch.Tensor]:
+    return {n: w for n, w in _weights(model).items() if "lora_" in n}
+
+
+@pytest.mark.parametrize("saved_by", ["plain", "zswap"])
+def test_a_peft_models_checkpoint_resumes(tmp_path, saved_by):
+    """A PEFT model's checkpoint holds its adapters alone (``adapter_model.safetensors``), whichever Trainer
+    saved it: the plain Trainer's (with ``optimizer.pt`` and ``scheduler.pt``) resumes as the plain Trainer
+    resumes it, and one this Trainer saved with ``save_only_model`` (the optimizer afresh from there) as the
+    plain Trainer resumes its own. Before, both were refused as holding no weights."""
+    only = {"save_only_model": True} if saved_by == "zswap" else {}
+    ckpt_args = {"save_strategy": "steps", "save_steps": 3, **only, **PLAIN_ARGS}
+    torch.manual_seed(0)
+    plain_model = _lora(_build())
+    plain_args = _args(tmp_path / "plain", **ckpt_args)
+    plain = transformers.Trainer(model=plain_model, args=plain_args, train_dataset=_data())
+    plain.train()
+    if saved_by == "zswap":  # the plain Trainer resumes its own weights-only checkpoint: the reference
+        (tmp_path / "first").mkdir()
+        cfg = _config(tmp_path / "first")
+        first = zt.Trainer(model=_lora(_model(cfg)), args=_args(tmp_path / "z0", **ckpt_args),
+                           train_dataset=_data(), zswap_config=cfg)  # fmt: skip
+        first.train()
+        first.close()
+        ckpt = tmp_path / "z0" / "checkpoint-3"
+        torch.manual_seed(0)
+        plain_model = _lora(_build())
+        plain = transformers.Trainer(model=plain_model, args=_args(tmp_path / "plain2", **PLAIN_ARGS),
+                                     train_dataset=_data())  # fmt: skip
+        plain.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-3"))
+    else:
+        ckpt = tmp_path / "plain" / "checkpoint-3"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    cfg = _config(tmp_path)
+    model = _lora(_model(cfg))
+    trainer = zt.Trainer(model=model, args=_args(tmp_path / "z", **PLAIN_ARGS), train_dataset=_data(),
+                         zswap_config=cfg)  # fmt: skip
+    trainer.train(resume_from_checkpoint=str(ckpt))
+    assert trainer.state.global_step == 6
+    want = {n: p.detach() for n, p in plain_model.named_parameters() if "lora_" in n}
+    got = _adapters(model)
+    assert got.keys() == want.keys() and len(got) == 4
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    trainer.close()

@@ -321,6 +321,30 @@ def test_config_file_and_config_section_schedule(tmp_path):
     )
 
 
+def test_a_warmup_decay_section_without_its_peak_lr_must_agree_with_learning_rate(tmp_path):
+    """WarmupDecayLR without ``warmup_max_lr`` warms up to DeepSpeed's 0.001 whatever ``learning_rate`` says:
+    the schedule would drive the optimizer's lr there without a word. A mismatch, as an explicit value is;
+    an explicit ``warmup_num_steps`` is named against the warmup the arguments give."""
+    cfg = _config(tmp_path)
+    cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": "auto"}}
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_zswap_model(cfg), args=_args(tmp_path / "o"), zswap_config=cfg)
+    assert (
+        "- scheduler.params.warmup_max_lr unset (so 0.001) vs TrainingArguments learning_rate=0.005\n"
+        in str(info.value)
+    )
+    cfg["scheduler"]["params"]["warmup_max_lr"] = "auto"
+    trainer = zt.Trainer(model=_zswap_model(cfg), args=_args(tmp_path / "o", warmup_steps=0, max_steps=2),
+                         train_dataset=_data(), zswap_config=cfg)  # fmt: skip
+    with pytest.raises(zswap.ConfigError) as info:
+        trainer.train()
+    assert (
+        "- scheduler.params.warmup_num_steps=2 vs TrainingArguments warmup steps (warmup_steps / "
+        "warmup_ratio, at least 1)=1\n"
+    ) in str(info.value)
+    trainer.close()
+
+
 def test_fp16_arguments_are_refused(tmp_path):
     with pytest.raises(
         zswap.ConfigError, match=re.escape("TrainingArguments(fp16=True) uses a gradient scaler")
@@ -446,18 +470,36 @@ def test_a_given_torch_adamw_and_its_scheduler_become_the_engines(tmp_path):
     trainer.close()
 
 
-def test_a_config_section_sets_the_adam_knobs_whatever_optim_builds(tmp_path):
-    """With an ``optimizer`` section the engine steps zswap's AdamW over the Trainer's param groups, also
-    when ``optim`` builds an SGD: the section's betas and eps are the ones stepped with (they were torch's
-    defaults, which an SGD's groups lack), each group's lr and decay as the Trainer made them."""
+def test_a_config_section_sets_the_adam_knobs(tmp_path):
+    """With an ``optimizer`` section the engine steps zswap's AdamW over the Trainer's param groups: the
+    section's betas and eps are the ones stepped with, each group's lr and decay as the Trainer made them."""
     cfg = _config(tmp_path)
     cfg["optimizer"]["params"].update(betas=[0.8, 0.95], eps=1e-6)
-    args = _args(tmp_path / "o", optim="sgd", adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
+    args = _args(tmp_path / "o", optim="adamw_torch", adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
     trainer = zt.Trainer(model=_zswap_model(cfg), args=args, train_dataset=_data(), zswap_config=cfg)
     groups = trainer.engine.optimizer.param_groups
     assert [(g["betas"], g["eps"], g["lr"]) for g in groups] == [((0.8, 0.95), 1e-6, 5e-3)] * 2
     assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.1]  # biases and norms undecayed
     trainer.close()
+
+
+def test_an_optim_beside_an_optimizer_section_is_refused(tmp_path):
+    """The section builds the optimizer (as DeepSpeed's wins over the arguments): an ``optim`` naming another
+    would be dropped without a word, as ``lr_scheduler_type`` beside a ``scheduler`` section would."""
+    cfg = _config(tmp_path)
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(model=_zswap_model(cfg), args=_args(tmp_path / "o", optim="sgd"), zswap_config=cfg)
+    assert str(info.value) == (
+        "zswap_config has an 'optimizer' section, which builds the optimizer, but TrainingArguments asks for "
+        "optim='sgd': drop the section to use the arguments' optimizer, or leave optim at an AdamW"
+    )
+
+
+def test_torch_compile_is_refused(tmp_path):
+    """dynamo guards on state zswap's hooks change every call: it recompiles to its limit, then runs eagerly
+    with pages of warnings — refused by name rather than slow."""
+    with pytest.raises(zswap.ConfigError, match=re.escape("TrainingArguments(torch_compile=True) compiles")):
+        zt.Trainer(model=_build(), args=_args(tmp_path, torch_compile=True), zswap_config=_config(tmp_path))
 
 
 def test_shape_dependent_optimizer_is_refused(tmp_path):

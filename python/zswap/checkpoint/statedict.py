@@ -42,10 +42,28 @@ def deferred() -> Iterator[None]:
 
 
 def install(module: nn.Module) -> None:
+    from . import peft_save
+
+    peft_save.install()  # a PeftModel's save_pretrained gathers only what it writes
     for m in module.modules():
         if m not in _HOOKED:
             m._register_state_dict_hook(_full_values)
             _HOOKED.add(m)
+
+
+_FILLED: dict[int, tuple[weakref.ref[Any], dict[int, Any]]] = {}
+"""id(state dict being filled) -> (a weakref to it, id(param) -> the value put there): a param tied under
+several names (embeddings and an LM head) gets one value, as a plain model's state dict holds one tensor
+under both names — which ``save_pretrained`` reads as tied and writes once."""
+
+
+def _filled(state_dict: OrderedDict[str, Any]) -> dict[int, Any]:
+    key = id(state_dict)
+    entry = _FILLED.get(key)
+    if entry is None or entry[0]() is not state_dict:
+        entry = (weakref.ref(state_dict, lambda _ref: _FILLED.pop(key, None)), {})
+        _FILLED[key] = entry
+    return entry[1]
 
 
 def _full_values(
@@ -58,4 +76,8 @@ def _full_values(
         key = prefix + name
         if st.status is Status.AVAILABLE or key not in state_dict or state_dict[key] is p:
             continue
-        state_dict[key] = Pending(p, st) if _deferring.get() else full_copy(p, st)
+        values = _filled(state_dict)
+        value = values.get(id(p))
+        if value is None:
+            value = values[id(p)] = Pending(p, st) if _deferring.get() else full_copy(p, st)
+        state_dict[key] = value

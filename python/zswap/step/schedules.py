@@ -96,9 +96,10 @@ def _warmup_fraction(kind: str, it: int, steps: int) -> float:
 
 
 def _check_warmup(steps: object, kind: str) -> None:
-    """The warmup arguments WarmupLR and WarmupCosineLR share: a positive step count and a known kind."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-        raise ValueError(f"warmup_num_steps must be a positive integer, got {steps!r}")
+    """The warmup arguments WarmupLR and WarmupCosineLR share: a step count (0 and 1 warm up over 2 steps,
+    as DeepSpeed's do) and a known kind."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"warmup_num_steps must be a non-negative integer, got {steps!r}")
     _warmup_fraction(kind, 0, 2)  # raises for an unknown kind
 
 

@@ -61,17 +61,17 @@ class Filler:
         elif must_match and node[key] is not None and node[key] != value:
             self.mismatches.append(f"- {dotted}={node[key]!r} vs TrainingArguments {arg}={value!r}")
 
-    def unset(self, key: str, value: Any, default: Any, arg: str) -> None:
-        """A key absent from an ``optimizer`` section steps with ``default`` (as under DeepSpeed): the
-        argument, if it asks for another value, would be dropped without a word."""
-        section = self.config.get("optimizer")
+    def unset(self, key: str, value: Any, default: Any, arg: str, section_name: str = "optimizer") -> None:
+        """A key absent from a section (``optimizer``, ``scheduler``) takes ``default`` (as under DeepSpeed):
+        the argument, if it asks for another value, would be dropped without a word."""
+        section = self.config.get(section_name)
         if not isinstance(section, dict):
             return
         params = section.get("params")
         given = params if isinstance(params, dict) else {}
         if key not in given and value != default:
             self.mismatches.append(
-                f"- optimizer.params.{key} unset (so {default!r}) vs TrainingArguments {arg}={value!r}"
+                f"- {section_name}.params.{key} unset (so {default!r}) vs TrainingArguments {arg}={value!r}"
             )
 
     def only(self, dotted: str, value: Any) -> None:
@@ -112,6 +112,8 @@ def process(config: Any, args: Any) -> dict[str, Any]:
     f.unset("eps", args.adam_epsilon, 1e-8, "adam_epsilon")
     f.only("scheduler.params.warmup_min_lr", 0)
     f.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
+    if (f.config.get("scheduler") or {}).get("type") == "WarmupDecayLR":  # absent: DeepSpeed's 0.001
+        f.unset("warmup_max_lr", args.learning_rate, 0.001, "learning_rate", "scheduler")
     f.match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
     f.match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
     f.check()
@@ -124,7 +126,9 @@ def finalize(config: dict[str, Any], args: Any, num_training_steps: int) -> dict
     f = Filler(config)
     f.match("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")
     warmup = max(1, args.get_warmup_steps(num_training_steps))
-    f.match("scheduler.params.warmup_num_steps", warmup, "warmup_steps")
+    f.match(
+        "scheduler.params.warmup_num_steps", warmup, "warmup steps (warmup_steps / warmup_ratio, at least 1)"
+    )
     f.check()
     return f.config
 

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME, _is_peft_model
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from transformers.utils import (
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 
 from ..checkpoint import save_weights
 from ..config import load_config
@@ -72,6 +79,8 @@ that it does not apply them a second time."""
 logger = transformers.utils.logging.get_logger(__name__)
 
 _WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+_ADAPTER_FILES = (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+"""A PEFT model's weights in a checkpoint: its adapters alone, as both Trainers save them."""
 
 
 def _has_engine_checkpoint(folder: str) -> bool:
@@ -114,6 +123,7 @@ class Trainer(transformers.Trainer):
         _check_dtype(model, cfg)  # every check, before anything is built
         _check_best(cfg, args)
         _check_schedule(self.zswap_config, args)
+        _check_optim(self.zswap_config, args)
         self.engine: Engine | None = None
         self._grad_norm: torch.Tensor | None = None
         super().__init__(model, args, *rest, **kwargs)
@@ -252,13 +262,17 @@ class Trainer(transformers.Trainer):
             )  # transformers' own
         if _has_engine_checkpoint(resume_from_checkpoint):
             return  # the weights come back with the engine checkpoint (`_load_optimizer_and_scheduler`)
-        if not any(os.path.isfile(os.path.join(resume_from_checkpoint, n)) for n in _WEIGHT_FILES):
+        names = _WEIGHT_FILES + (
+            _ADAPTER_FILES if _is_peft_model(self.model if model is None else model) else ()
+        )
+        if not any(os.path.isfile(os.path.join(resume_from_checkpoint, n)) for n in names):
             raise ZswapError(
                 f"{resume_from_checkpoint} holds neither a zswap engine checkpoint (no 'latest' file) nor "
                 "model weights: resume_from_checkpoint takes a checkpoint folder this Trainer saved"
             )
-        # save_only_model=True: weights alone, read through load_state_dict into the partitioned params;
-        # the optimizer and schedule start afresh, as the plain Trainer does with such a checkpoint.
+        # save_only_model=True: weights alone (a PEFT model's: its adapters, through PEFT's load_adapter),
+        # read through load_state_dict into the partitioned params; the optimizer and schedule start afresh,
+        # as the plain Trainer does with such a checkpoint — or, from a plain Trainer's, come from its files.
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -366,6 +380,18 @@ def _check_schedule(config: dict[str, Any], args: Any) -> None:
         )
 
 
+def _check_optim(config: dict[str, Any], args: Any) -> None:
+    """An ``optimizer`` section builds zswap's AdamW (as DeepSpeed's section wins over the arguments); an
+    ``optim`` naming another optimizer would otherwise be dropped without a word."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    if config.get("optimizer") and not optim.startswith("adamw"):
+        raise ConfigError(
+            "zswap_config has an 'optimizer' section, which builds the optimizer, but TrainingArguments asks "
+            f"for optim={optim!r}: drop the section to use the arguments' optimizer, or leave optim at an "
+            "AdamW"
+        )
+
+
 def _check_given(config: dict[str, Any], optimizer: Any, scheduler: Any, source: str) -> None:
     """An optimizer or scheduler given (``source``: ``optimizers=``, a subclass's ``create_optimizer``)
     beside a config section of its kind: one of the two would go unused without a word (transformers'
@@ -401,6 +427,13 @@ def _refuse(args: Any) -> None:
                 f"the model in {dtype} under zswap.Init (the config's '{dtype}' section) to evaluate in "
                 f"{dtype}"
             )
+    if args.torch_compile:
+        raise ConfigError(
+            "TrainingArguments(torch_compile=True) compiles the model, whose partitioned params change "
+            "state under zswap's hooks every call: dynamo recompiles until its limit and then runs the model "
+            "eagerly (docs/troubleshooting.md); leave torch_compile off, or compile a part zswap does not "
+            "partition"
+        )
     if args.fp16:
         raise ConfigError(
             "TrainingArguments(fp16=True) uses a gradient scaler that cannot see zswap's gradients: build "

@@ -1,0 +1,85 @@
+"""``PeftModel.save_pretrained`` on a model whose params zswap partitioned: only what PEFT writes is gathered.
+
+PEFT builds the adapter's file from ``model.state_dict()`` and keeps the entries its method selects (the
+adapters, a ``modules_to_save`` copy, biases or embedding layers where its config asks). The state dict of a
+partitioned model holds every param's full value (`zswap.checkpoint.statedict`): the whole base model in CPU
+memory to write adapters a thousandth its size, which on a model larger than memory is an out-of-memory.
+
+`install` wraps ``PeftModel.save_pretrained`` (once peft is imported; zswap installs it when it partitions a
+model). Called without ``state_dict=`` on a model with partitioned params, the wrapper asks PEFT's own
+selection, ``get_peft_model_state_dict``, for each adapter it will save, over a state dict whose partitioned
+entries are meta tensors of the right shape; the entries PEFT returns (the same tensor objects) are the ones
+gathered, and PEFT is handed that state dict. Where PEFT's selection returns a meta tensor it did not get
+(it made a copy), the wrapper cannot tell what it chose and leaves PEFT to read the whole state dict, as
+before.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+
+from ..parts.params import param_state
+from ._gather import full_copy
+from ._torchsave import Pending
+from .statedict import deferred
+
+_MARK = "_zswap_bounded_save"
+
+
+def install() -> None:
+    peft_model = sys.modules.get("peft.peft_model")
+    cls = getattr(peft_model, "PeftModel", None) if peft_model is not None else None
+    save = getattr(cls, "save_pretrained", None)
+    if cls is None or not callable(save) or getattr(save, _MARK, False):
+        return
+
+    @functools.wraps(save)
+    def save_pretrained(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
+        if "state_dict" not in kwargs and any(param_state(p) is not None for p in self.parameters()):
+            bounded = _selected_state_dict(self, kwargs)
+            if bounded is not None:
+                kwargs["state_dict"] = bounded
+        return save(self, save_directory, *args, **kwargs)
+
+    setattr(save_pretrained, _MARK, True)
+    cls.save_pretrained = save_pretrained
+
+
+def _selected_state_dict(model: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The state dict with only the partitioned entries PEFT will write gathered, or ``None`` where PEFT's
+    choice cannot be read off."""
+    from peft.utils import get_peft_model_state_dict
+
+    with deferred():
+        entries = model.state_dict()
+    stand_ins = {
+        k: torch.empty(v.st.shape, dtype=v.st.dtype, device="meta")
+        for k, v in entries.items()
+        if isinstance(v, Pending)
+    }
+    if not stand_ins:
+        return None
+    key_of = {id(t): k for k, t in stand_ins.items()}
+    probe = {k: stand_ins.get(k, v) for k, v in entries.items()}
+    wanted: set[str] = set()
+    for name in kwargs.get("selected_adapters") or list(model.peft_config):
+        chosen = get_peft_model_state_dict(
+            model,
+            state_dict=probe,
+            adapter_name=name,
+            save_embedding_layers=kwargs.get("save_embedding_layers", "auto"),
+        )
+        for t in chosen.values():
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                if id(t) not in key_of:
+                    return None
+                wanted.add(key_of[id(t)])
+    return {
+        k: full_copy(v.p, v.st) if isinstance(v, Pending) else v
+        for k, v in entries.items()
+        if k not in stand_ins or k in wanted
+    }

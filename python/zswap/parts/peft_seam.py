@@ -1,0 +1,108 @@
+"""PEFT's ZeRO-3 seams, pointed at the params zswap partitions.
+
+PEFT reads (or rewrites) a base layer's whole weight in a few places: DoRA's weight norm, the PiSSA / OLoRA /
+LoftQ / EVA / CorDA initialisations, trainable tokens, CPT. Each runs inside
+``peft.utils.integrations.gather_params_ctx``, which gathers through DeepSpeed only when transformers says
+ZeRO-3 is on — never for zswap's params, so PEFT computed on their empty placeholders and failed with shape
+errors. ``ModulesToSaveWrapper.update`` (``modules_to_save``, and the task types that add it) imports
+``deepspeed`` itself when a param's ``numel()`` is 0 and it carries ``ds_numel``, which zswap sets on every
+partitioned param (PEFT's param counts read it).
+
+`install` (run when zswap partitions a param and peft is imported, and by ``initialize``) changes both, once
+per process, and only for params zswap manages (anything else goes PEFT's own way):
+
+- the generator behind ``gather_params_ctx`` (modules that imported the function by name call it through the
+  closure of the ``contextmanager`` wrapper, so the wrapper's cell is what is replaced) gathers zswap's params
+  with `GatheredParameters` and PEFT's own ``modifier_rank`` (0 where PEFT may rewrite the weight: written
+  back at the end), one layer's params at a time;
+- ``ModulesToSaveWrapper.update`` runs inside a read-only `GatheredParameters` of the wrapped module's
+  params, so the copy PEFT makes for training holds their values (and PEFT never reaches ``deepspeed``).
+
+Params some enclosing block already gathered are whole already and are left to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_MARK = "_zswap_seam"
+_installed = False
+
+
+def install() -> None:
+    """Point PEFT's seams at zswap, if peft is imported and they are not already (cheap once done)."""
+    global _installed
+    if _installed:
+        return
+    integrations = sys.modules.get("peft.utils.integrations")
+    other = sys.modules.get("peft.utils.other")
+    if integrations is None or other is None:
+        return  # not imported (or still importing): the next partitioned param looks again
+    _replace_gather(getattr(integrations, "gather_params_ctx", None))
+    wrapper = getattr(other, "ModulesToSaveWrapper", None)
+    update = getattr(wrapper, "update", None)
+    if wrapper is not None and callable(update) and not getattr(update, _MARK, False):
+        wrapper.update = _gathering_update(update)
+    _installed = True
+
+
+def _managed(params: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(every param in ``params``, those zswap manages that no block has gathered)."""
+    from .gather import flatten_params
+    from .params import param_state
+
+    every = flatten_params(params)
+    todo = []
+    for p in every:
+        st = param_state(p)
+        if st is not None and st.gathered_by is None:
+            todo.append(p)
+    return every, todo
+
+
+def _replace_gather(ctx: Any) -> None:
+    closure = getattr(ctx, "__closure__", None)
+    names = getattr(getattr(ctx, "__code__", None), "co_freevars", ())
+    if not closure or "func" not in names:
+        return  # not contextlib's wrapper: a peft whose seam zswap does not know stays as it is
+    cell = closure[names.index("func")]
+    original = cell.cell_contents
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def gather_params_ctx(
+        param: Any, modifier_rank: int | None = 0, fwd_module: Any = None
+    ) -> Iterator[None]:
+        from .gather import GatheredParameters
+
+        every, todo = _managed(param)
+        if not todo:
+            with contextlib.contextmanager(original)(every, modifier_rank, fwd_module):
+                yield
+            return
+        with GatheredParameters(todo, modifier_rank=modifier_rank):
+            yield
+
+    setattr(gather_params_ctx, _MARK, True)
+    cell.cell_contents = gather_params_ctx
+
+
+def _gathering_update(update: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(update)
+    def gathered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from .gather import GatheredParameters
+
+        original = getattr(self, "original_module", None)
+        _, todo = _managed(original.parameters()) if original is not None else ([], [])
+        with GatheredParameters(todo, modifier_rank=None):
+            return update(self, *args, **kwargs)
+
+    setattr(gathered, _MARK, True)
+    return gathered
