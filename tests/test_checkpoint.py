@@ -278,7 +278,8 @@ def test_load_module_only_and_without_optimizer_states(saved):
         want = {k: v.clone() for k, v in ref.state_dict().items()}
     m, engine = build(config, seed=3)
     with engine:
-        assert engine.load_checkpoint(ckpt, load_module_only=True) is None
+        # The client state comes back as DeepSpeed returns it; nothing else of the state file is used.
+        assert engine.load_checkpoint(ckpt, load_module_only=True) == {"epoch": 3}
         assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
         assert engine.global_steps == 0 and engine.optimizer.state_dict()["state"] == {}
     m, engine = build(config, seed=3)
@@ -474,3 +475,44 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, where):
         assert engine.global_steps == 1
         engine.save_checkpoint(ckpt)  # the next save clears what the killed one left
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]
+
+
+def _micro(m: nn.Module, engine: zswap.Engine, i: int) -> None:
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(100 + i))
+    m(x).square().mean().backward()
+    engine.step()
+
+
+def test_a_load_begins_a_new_accumulation_window(tmp_path: Path) -> None:
+    """A checkpoint holds no gradient, so a load begins a new window, as DeepSpeed's does: of this run's
+    ``gradient_accumulation_steps`` (a resume that changes it 2 → 4 stepped after 2 micro-batches, with half
+    the gradient), and without the gradients of the window the load abandoned (they were applied at the
+    next boundary). A save inside a window says its gradients are not saved."""
+    config = cfg(tmp_path, "nvme", "nvme") | {"gradient_accumulation_steps": 2}
+    m, engine = build(config)
+    with engine:
+        for i in range(6):  # three optimizer steps
+            _micro(m, engine, i)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        _micro(m, engine, 6)  # a window opened
+        with pytest.warns(zswap.ZswapWarning, match=r"accumulation window \(1 of its 2 micro-batches"):
+            engine.save_checkpoint(tmp_path / "mid")
+    # The run resumed with gas 4, straight from the checkpoint: the reference.
+    four = config | {"gradient_accumulation_steps": 4}
+    ref, ref_engine = build(four, seed=5)
+    with ref_engine:
+        ref_engine.load_checkpoint(tmp_path / "ckpt")
+        for i in range(4):
+            assert ref_engine.global_steps == 3
+            _micro(ref, ref_engine, 10 + i)
+        assert ref_engine.global_steps == 4
+        want = snapshot(ref, ref_engine)
+    # The same, loaded into an engine with half a window of gradients of its own.
+    m, engine = build(four, seed=5)
+    with engine:
+        _micro(m, engine, 20)
+        engine.load_checkpoint(tmp_path / "ckpt")
+        for i in range(4):
+            assert engine.global_steps == 3
+            _micro(m, engine, 10 + i)
+        assert same(snapshot(m, engine), want)

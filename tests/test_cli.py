@@ -45,6 +45,22 @@ def test_bad_sizes_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--size: 'lots' must be a size in bytes" in capsys.readouterr().err
 
 
+def test_passes_too_small_to_measure_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """Below 1 MiB a pass measures no drive (tune printed an aio block from 0.00 GB/s everywhere), and a
+    pass must hold the blocks it sweeps: refused with the text typed, exit status 2, before any work."""
+    for command in ("bench", "tune"):
+        line = _usage_error([command, "--size", "1KiB"], capsys)
+        assert line == (
+            f"zswap {command}: error: argument --size: '1KiB' is below 1MiB, too small a pass to measure a "
+            f"drive (see zswap {command} --help)"
+        )
+    assert main(["tune", "--size", "1MiB", "--block-sizes", "256KiB", "4MiB", "8MiB"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "zswap tune: error: --block-sizes 4096KiB 8192KiB exceed --size (1024KiB): a pass must hold at least "
+        "one block (see zswap tune --help)"
+    )
+
+
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """The one stderr line of a usage error (exit status 2)."""
     with pytest.raises(SystemExit) as ei:
@@ -266,6 +282,13 @@ def test_export_into_the_checkpoint_is_a_usage_error_and_writes_nothing(tmp_path
         err.startswith("zswap export: error: the output folder ") and "is inside the checkpoint folder" in err
     )
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
+    # An output folder that cannot be made says why, not a bare errno.
+    (tmp_path / "afile").write_text("")
+    for out, why in [(tmp_path / "afile", "a file is in the way"), (Path("/proc/out"), "No such file")]:
+        assert main(["export", str(tmp_path / "ckpt"), str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("zswap export: error: [Errno ") and "cannot make the output folder (" in err
+        assert why in err and str(out) in err, err
 
 
 def test_empty_paths_and_unwritable_outputs_are_usage_errors(

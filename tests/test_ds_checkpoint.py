@@ -122,7 +122,7 @@ def test_save_then_load_into_another_model(
     assert all(torch.equal(p, q) for p, q in zip(full_params(loaded), full_params(saved), strict=True))
     assert [p.dtype for p in loaded.module.parameters()] == [p.dtype for p in saved.module.parameters()]
     if load_module_only:
-        assert client is None
+        assert client == {"epoch": 3}  # DeepSpeed returns it with the module alone too
         assert loaded.global_steps == 0 and sched.last_batch_iteration == -1
         assert loaded.optimizer.state_dict()["state"] == {}
     else:

@@ -38,6 +38,7 @@ class SharedWeights(nn.Module):
         self.layer1.weight = self.layer2.weight
         self.norm = nn.LayerNorm(10)
         self.register_buffer("seen", torch.zeros(3, dtype=torch.int64))
+        self.register_buffer("scale", torch.full((2,), 1.5))  # bf16 in a bf16 run
         self.frozen = nn.Linear(4, 4)
         self.frozen.requires_grad_(False)
 
@@ -83,11 +84,13 @@ def test_the_state_dict_is_the_float32_values_under_every_name(bf16, tmp_path):
     _, ckpt, values = trained(tmp_path, bf16)
     state = get_fp32_state_dict_from_zero_checkpoint(ckpt)
     plain = SharedWeights().state_dict()
-    assert set(state) == {*values, "seen"} == set(plain)
+    assert set(state) == {*values, "seen", "scale"} == set(plain)
     for name, value in values.items():
         assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
     assert state["layer1.weight"] is state["layer2.weight"]  # one tensor, two names
     assert torch.equal(state["seen"], torch.full((3,), 2, dtype=torch.int64))
+    # A floating buffer comes back in float32 as DeepSpeed's zero_to_fp32 gives it (saved in bf16 there).
+    assert state["scale"].dtype == torch.float32 and torch.equal(state["scale"], torch.full((2,), 1.5))
     fresh = load_state_dict_from_zero_checkpoint(SharedWeights(), ckpt)  # strict
     assert fresh.layer1.weight is fresh.layer2.weight
     assert torch.equal(fresh.layer0.weight, values["layer0.weight"])

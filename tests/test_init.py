@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import inspect
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -340,6 +341,9 @@ def test_nvme_without_path_is_a_config_error():
 
 
 def test_bad_nvme_path_fails_before_any_module_is_built(tmp_path):
+    from zswap.parts import guards
+
+    guards.install()  # process-wide, installed once on purpose by whichever test runs first: not Init's
     before = _snapshot()
     missing = tmp_path / "typo"
     with pytest.raises(FileNotFoundError, match="typo"):
@@ -350,6 +354,29 @@ def test_bad_nvme_path_fails_before_any_module_is_built(tmp_path):
     with pytest.raises(NotADirectoryError):
         Init({"offload_param": {"device": "nvme", "nvme_path": str(afile)}})
     _same(before, _snapshot())
+
+
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+def test_a_bad_nvme_path_is_named_by_its_key(section, tmp_path):
+    """Each section's path is checked where its store opens, and the error names the key; a directory whose
+    file system takes no files (/proc) says so rather than "does not exist" (the kernel's ENOENT)."""
+    cfg = {
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    for path, kind, says in [
+        (tmp_path / "typo", zswap.errors.NvmePathMissing, "does not exist (zswap never creates it)"),
+        ("/proc", zswap.errors.NvmePathNotWritable, "is a directory, but its file system refused a new file"),
+    ]:
+        cfg["zero_optimization"][section]["nvme_path"] = str(path)
+        with pytest.raises(kind, match=re.escape(f"{section}.nvme_path {says}")):
+            with Init(cfg):
+                m = torch.nn.Linear(4, 4)
+            zswap.initialize(m, cfg).close()
+    cfg["zero_optimization"][section]["nvme_path"] = str(tmp_path)
 
 
 def test_world_size_without_torch_distributed_warns(monkeypatch):

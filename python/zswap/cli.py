@@ -54,6 +54,14 @@ def _size(text: str) -> int:
     return int(_checked(to_byte_size, text))
 
 
+def _pass_size(text: str) -> int:
+    """bench's and tune's bytes per pass: at least 1 MiB, below which no drive's rate is measured."""
+    value = _size(text)
+    if value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 1MiB, too small a pass to measure a drive")
+    return value
+
+
 def _block_size(text: str) -> int:
     # Checked here: the engine would refuse it only after a temp dir and a swap file were made.
     return int(_checked(lambda t: to_block_size(to_byte_size(t)), text))
@@ -166,6 +174,12 @@ def _tune(args: argparse.Namespace) -> int:
     from . import bench
     from .swap import SwapEngine
 
+    too_big = [b for b in args.block_sizes or () if b > args.size]
+    if too_big:
+        raise UsageError(
+            f"--block-sizes {' '.join(f'{b >> 10}KiB' for b in too_big)} exceed --size "
+            f"({args.size >> 10}KiB): a pass must hold at least one block"
+        )
     best: tuple[float, int, int] = (0.0, 0, 0)
     with _work_dir(args.path) as d:
         print(f"zswap tune: {args.size / 2**20:.0f} MiB per pass in {d}")
@@ -173,7 +187,9 @@ def _tune(args: argparse.Namespace) -> int:
             pick = e.info
         print(f"zswap's pick here (no aio block): block {pick['block_size_reason']}")
         print(f"{'':24}queue depth {pick['queue_depth_reason']}")
-        block_sizes = args.block_sizes or sorted({256 << 10, 1 << 20, 4 << 20, pick["block_size"]})
+        block_sizes = args.block_sizes or sorted(
+            b for b in {256 << 10, 1 << 20, 4 << 20, pick["block_size"]} if b <= args.size
+        )
         depths = args.queue_depths or sorted({4, 16, 64, pick["queue_depth"]})
         print(f"{'block':>10}{'depth':>8}{'write GB/s':>13}{'read GB/s':>12}")
         for bs in block_sizes:
@@ -292,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", parents=[common], help="engine throughput next to the raw disk (fio, or zswap's raw loop)"
     )
     b.add_argument("--path", type=_directory, help="directory on the drive to test (default: a temp dir)")
-    b.add_argument("--size", type=_size, default=1 << 30, help="bytes per pass, e.g. 1GiB (default)")
+    b.add_argument("--size", type=_pass_size, default=1 << 30, help="bytes per pass, e.g. 1GiB (default)")
     b.add_argument(
         "--block-size", type=_block_size, help="4KiB..64MiB, a power of two (default: the engine's pick)"
     )
@@ -311,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tune", parents=[common], help="sweep block size and queue depth; print the best aio block"
     )
     t.add_argument("--path", type=_directory)
-    t.add_argument("--size", type=_size, default=256 << 20, help="bytes per pass (default 256MiB)")
+    t.add_argument("--size", type=_pass_size, default=256 << 20, help="bytes per pass (default 256MiB)")
     t.add_argument(
         "--block-sizes", type=_block_size, nargs="+", help="default: 256KiB 1MiB 4MiB and the engine's pick"
     )

@@ -16,7 +16,7 @@ import torch
 
 from . import _zswap
 from ._memview import tensor_over
-from .errors import EngineClosedError, InvalidTensorError, ZswapWarning
+from .errors import ConfigError, EngineClosedError, InvalidTensorError, ZswapWarning
 
 if TYPE_CHECKING:
     from ._zswap import Handle
@@ -51,13 +51,13 @@ def _normalize_paths(paths: PathArg | Sequence[PathArg]) -> list[str]:
         out = [os.fspath(p) for p in paths]
         if out:
             return out
-        raise ValueError("SwapEngine needs at least one path")
+        raise ConfigError("SwapEngine needs at least one path")
     raise TypeError(f"paths must be a path or a sequence of paths, got {type(paths).__name__}")
 
 
 def _check_int(name: str, value: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return value
 
 
@@ -108,11 +108,11 @@ class SwapEngine:
         zero_copy_reads: bool | None = None,
     ) -> None:
         if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+            raise ConfigError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         if direct != "auto" and not isinstance(direct, bool):
-            raise ValueError(f"direct must be True, False or 'auto', got {direct!r}")
+            raise ConfigError(f"direct must be True, False or 'auto', got {direct!r}")
         if checksum not in _CHECKSUMS:
-            raise ValueError(f"checksum must be one of {_CHECKSUMS}, got {checksum!r}")
+            raise ConfigError(f"checksum must be one of {_CHECKSUMS}, got {checksum!r}")
         self._engine = _zswap.Engine(
             _normalize_paths(paths),
             block_size=_check_int("block_size", block_size),
@@ -177,6 +177,12 @@ class SwapEngine:
         """Forgets `key` and returns its space (after transfers still using it finish)."""
         _check_key(key)
         self._engine.free(key)
+
+    def trim(self) -> None:
+        """Gives the swap files' free space back to the file system now. A freed key's space is otherwise
+        kept for reuse (and given back only once more than 128 MiB and twice the live bytes lie idle),
+        since a rewrite to it costs no new allocation."""
+        self._engine.trim()
 
     def empty(self, shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised-looking (zero-filled) tensor living in an engine buffer: page-aligned, on huge

@@ -104,10 +104,24 @@ impl Default for EngineConfig {
 /// `ZSWAP_DISABLE_IO_URING=1` refuses it with EPERM: an escape hatch around a misbehaving kernel, and
 /// how the fallback path is tested on machines where io_uring works.
 pub fn probe_io_uring() -> std::result::Result<(), i32> {
-    if std::env::var_os("ZSWAP_DISABLE_IO_URING").is_some_and(|v| !v.is_empty() && v != "0") {
+    if io_uring_disabled() {
         return Err(libc::EPERM);
     }
     uring::probe()
+}
+
+/// Whether `ZSWAP_DISABLE_IO_URING` asks for the psync backend (set, not empty, not "0").
+pub fn io_uring_disabled() -> bool {
+    std::env::var_os("ZSWAP_DISABLE_IO_URING").is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Why io_uring was refused with `errno`, for a note or an error.
+fn refusal(errno: i32) -> String {
+    if io_uring_disabled() {
+        "ZSWAP_DISABLE_IO_URING is set".into()
+    } else {
+        crate::error::strerror(errno)
+    }
 }
 
 /// What a worker thread needs besides its own ring or buffer.
@@ -243,16 +257,21 @@ impl Engine {
                 Err(errno) if want == Backend::Auto => {
                     notes.push(format!(
                         "io_uring unavailable ({}), using the psync backend",
-                        crate::error::strerror(errno)
+                        refusal(errno)
                     ));
                     Backend::Psync
                 }
                 Err(errno) => {
+                    let why = if io_uring_disabled() {
+                        "backend 'io_uring' requested but ZSWAP_DISABLE_IO_URING is set".into()
+                    } else {
+                        "backend 'io_uring' requested but io_uring_setup failed".into()
+                    };
                     return Err(Error::Unavailable {
                         feature: Feature::IoUring,
                         errno,
-                        why: "backend 'io_uring' requested but io_uring_setup failed".into(),
-                    })
+                        why,
+                    });
                 }
             },
         };
@@ -507,6 +526,16 @@ impl Engine {
         for l in &idle {
             self.store.free(l);
         }
+    }
+
+    /// Gives every free byte of the swap files back to the file system now (after the versions writes
+    /// replaced are freed): what a caller done with a set of keys calls so that the space they held does
+    /// not stay reserved for reuse.
+    pub fn trim(&self) -> Result<()> {
+        let _open = self.open()?;
+        self.reclaim();
+        self.store.trim();
+        Ok(())
     }
 
     /// Allocates space for a new version; on ENOSPC first waits for replaced versions still in use

@@ -135,6 +135,11 @@ impl PyEngine {
         py.detach(|| e.free(key)).map_err(|e| to_pyerr(py, e))
     }
 
+    fn trim(&self, py: Python<'_>) -> PyResult<()> {
+        let e = &self.inner;
+        py.detach(|| e.trim()).map_err(|e| to_pyerr(py, e))
+    }
+
     fn contains(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         self.inner.contains(key).map_err(|e| to_pyerr(py, e))
     }

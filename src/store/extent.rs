@@ -136,6 +136,18 @@ impl ExtentAllocator {
         out
     }
 
+    /// Marks every free extent punched and returns them all: a merged extent marked punched may still
+    /// hold allocated blocks (the part of it reused and freed again), which only punching it all returns.
+    pub fn take_all(&mut self) -> Vec<(u64, u64)> {
+        self.by_off
+            .iter_mut()
+            .map(|(&off, f)| {
+                f.punched = true;
+                (off, f.size)
+            })
+            .collect()
+    }
+
     /// The file was truncated to `len` (≥ `end`): nothing above it can hold a hole any more.
     pub fn truncated_to(&mut self, len: u64) {
         self.holes_below = self.holes_below.min(len);
@@ -204,6 +216,21 @@ mod tests {
             prop_assert_eq!(a.end(), 0);
             prop_assert_eq!(a.free_extents(), 0);
         }
+    }
+
+    #[test]
+    fn take_all_returns_merged_extents_take_unpunched_passes_over() {
+        let mut a = ExtentAllocator::new(UNIT);
+        let x = a.alloc(1 << 20);
+        let y = a.alloc(1 << 20);
+        let _z = a.alloc(1 << 20);
+        a.free(x.off, 1 << 20);
+        assert_eq!(a.take_unpunched(), vec![(x.off, 1 << 20)]);
+        // y's blocks hold data; freed next to the punched x they merge into one extent marked punched.
+        a.free(y.off, 1 << 20);
+        assert!(a.take_unpunched().is_empty());
+        assert_eq!(a.take_all(), vec![(x.off, 2 << 20)]);
+        assert_eq!(a.take_all(), vec![(x.off, 2 << 20)]); // every free byte, each time
     }
 
     #[test]

@@ -146,12 +146,26 @@ impl Store {
             let live = a.end() - a.free_bytes();
             let idle = a.unpunched_bytes() + file.size().saturating_sub(a.end());
             if idle > PUNCH_SLACK && idle > 2 * live + file::growth_step(a.end()) {
-                let ranges = a.take_unpunched();
+                // Every free extent: one marked punched may have merged with freed blocks that hold data.
+                let ranges = a.take_all();
                 let keep = a.end();
                 // Under the allocator lock, so no punched range is handed out before it is punched.
                 file.give_back(&ranges, keep);
                 a.truncated_to(file.size());
             }
+        }
+    }
+
+    /// Returns every free range of every file to the file system now and truncates each file to its
+    /// high-water mark (`free` does so only past `PUNCH_SLACK`, keeping space a rewrite would reuse).
+    pub fn trim(&self) {
+        for file in &self.files {
+            let mut a = lock(&file.alloc);
+            let ranges = a.take_all();
+            let keep = a.end();
+            // Under the allocator lock, so no punched range is handed out before it is punched.
+            file.give_back(&ranges, keep);
+            a.truncated_to(file.size());
         }
     }
 

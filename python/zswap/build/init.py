@@ -20,9 +20,7 @@ exit.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -36,7 +34,7 @@ from .. import _dist, memory
 from .. import pool as _pool
 from ..checkpoint import statedict
 from ..config import load_config
-from ..errors import ConfigError, NvmePathMissing, NvmePathNotADirectory, NvmePathNotWritable, ZswapError
+from ..errors import ConfigError, ZswapError
 from ..parts import guards as _guards
 from ..parts._access import AccessMode
 from ..parts.gather import Placement, fetch, manage, no_torch_function, offload
@@ -474,15 +472,7 @@ def _open_engine(paths: Any, aio: Any) -> Any:
         raise ConfigError(
             "remote_device='nvme' needs zero_optimization.offload_param.nvme_path (an existing directory)"
         )
-    for path in paths:
-        # OSError's str() appends the path: "[Errno 2] offload_param.nvme_path does not exist ...: '/x'".
-        key, name = "offload_param.nvme_path", os.fspath(path)
-        if not os.path.exists(path):
-            raise NvmePathMissing(errno.ENOENT, f"{key} does not exist (zswap never creates it)", name)
-        if not os.path.isdir(path):
-            raise NvmePathNotADirectory(errno.ENOTDIR, f"{key} is not a directory", name)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise NvmePathNotWritable(errno.EACCES, f"{key} is not writable", name)
     from ..store.storage import open_dir  # the native engine is loaded only when NVMe is used
 
-    return open_dir(list(paths), aio)  # shared with gradients and optimizer records on the same paths
+    # Shared with gradients and optimizer records on the same paths.
+    return open_dir(list(paths), aio, "offload_param.nvme_path")

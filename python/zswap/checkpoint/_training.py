@@ -20,6 +20,8 @@ class TrainingState(Protocol):
     global_steps: int
     skipped_steps: int
     micro_steps: int
+    _window_from: int
+    """``micro_steps`` where the accumulation window began (a load begins one)."""
     lr_scheduler: Any
     """Saved and restored through ``state_dict``/``load_state_dict`` when not ``None``."""
     loss_scaler: Any

@@ -74,7 +74,13 @@ def export(
                     f"zswap export: the output folder {out} is inside the checkpoint folder {inner}; "
                     "writing there would change the checkpoint"
                 )
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # a file in the way, a path no folder can be made under (/proc)
+            why = "a file is in the way" if out.exists() and not out.is_dir() else os.strerror(err.errno or 0)
+            raise type(err)(
+                err.errno, f"zswap export: cannot make the output folder ({why})", str(out)
+            ) from err
         staged = Staged(out)
         shards = plan_shards(entries, limit)
         names = shard_names(len(shards))

@@ -32,8 +32,10 @@ BIN = "pytorch_model.bin"
 def fp32_state_dict(
     ckpt_dir: str | os.PathLike[str], tag: str | None = None, *, exclude_frozen: bool = False
 ) -> dict[str, torch.Tensor]:
-    """``name → tensor`` of checkpoint ``ckpt_dir/tag`` (default: the one ``latest`` names), params in
-    float32. ``exclude_frozen``: only the params the saved optimizer holds (its param groups)."""
+    """``name → tensor`` of checkpoint ``ckpt_dir/tag`` (default: the one ``latest`` names), params and
+    floating-point buffers in float32 (as DeepSpeed's ``zero_to_fp32`` gives them; integer and boolean
+    buffers keep their dtype). ``exclude_frozen``: only the params the saved optimizer holds (its param
+    groups)."""
     folder, _ = resolve(ckpt_dir, tag)
     m = read_manifest(folder)
     optim = m.get("optimizer") if isinstance(m.get("optimizer"), dict) else None
@@ -73,7 +75,8 @@ def fp32_state_dict(
         for b in m["buffers"]:
             flat = torch.empty(math.prod(b["shape"]), dtype=dtype_of(b["dtype"]))
             reader.file(rank0).read_elements(b["name"], 0, flat)
-            out[b["name"]] = flat.view(b["shape"])
+            value = flat.view(b["shape"])
+            out[b["name"]] = value.float() if value.is_floating_point() else value
         return out
     finally:
         reader.close()

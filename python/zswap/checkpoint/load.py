@@ -120,8 +120,7 @@ class _Plan:
             self.params.append((rec, pcs))
         self.buffers = self._plan_buffers(folder)
         self.state_file = file_name(self.src, r.world, "state")
-        if full:
-            r.need_whole(self.state_file)
+        r.need_whole(self.state_file)  # a module-only load returns its client_state too
         self.optim: Any = None
         if optimizer and engine.optimizer is not None:
             self.optim = self._plan_optimizer(folder)
@@ -137,12 +136,12 @@ class _Plan:
 
     def load_state(self) -> None:
         """Unpickle ``state.pt`` (checksum verified) with ``weights_only=True`` and check what the load
-        will use of it, before anything is written."""
-        if not self.full:
-            return
+        will use of it, before anything is written (a module-only load uses its ``client_state`` alone,
+        which it returns as DeepSpeed does)."""
         path = self.reader.folder / self.state_file
         state = unpickle(self.reader.whole[self.state_file], path)
-        self.state = check_state(state, path, self._state_needs())
+        needs = self._state_needs() if self.full else {"rng": False, "optimizer": None}
+        self.state = check_state(state, path, needs)
 
     def _state_needs(self) -> dict[str, Any]:
         opt = self.engine.optimizer
@@ -233,7 +232,8 @@ class _Plan:
             _masters.apply(self.engine.optimizer, self.masters, self.reader)
         if state is None:
             return None
-        self._restore_small(state)
+        if self.full:
+            self._restore_small(state)
         return state["client_state"]
 
     def _load_params(self) -> None:
@@ -310,6 +310,13 @@ class _Plan:
         e.skipped_steps = int(m["skipped_steps"])
         if hasattr(e, "micro_steps"):
             e.micro_steps = int(m.get("micro_steps", 0))
+            # A load begins a new accumulation window (as DeepSpeed's does): of this run's
+            # gradient_accumulation_steps, whatever the saved run's was, and with no gradient of the
+            # window the load abandoned (the checkpoint holds none).
+            e._window_from = e.micro_steps
+            zero = getattr(e, "zero_grad", None)
+            if callable(zero):
+                zero()
         for attr in ("lr_scheduler", "loss_scaler"):
             if attr == "lr_scheduler" and not self.scheduler:
                 continue  # load_lr_scheduler_states=False: the schedule stays where this run has it

@@ -15,13 +15,14 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._progress import progress
-from ..errors import ZswapError
+from ..errors import ZswapError, ZswapWarning
 from ..step.optim import OffloadedAdamW
 from ..step.optim._layout import needs_master
 from . import _atomic
@@ -53,6 +54,25 @@ if TYPE_CHECKING:
     from ._training import TrainingState
 
 
+def _warn_mid_window(engine: TrainingState) -> None:
+    """A save inside an accumulation window keeps none of that window's gradients (DeepSpeed saves none
+    either, without a word): say so, since a resume from it differs from the run that goes on."""
+    gas = getattr(engine, "gradient_accumulation_steps", None)
+    batch = getattr(getattr(engine, "config", None), "batch", None)
+    if not callable(gas) or not getattr(batch, "managed_gradient_accumulation", False):
+        return
+    window = int(gas())
+    done = (engine.micro_steps - engine._window_from) % window
+    if done:
+        warnings.warn(
+            f"save_checkpoint inside an accumulation window ({done} of its {window} micro-batches have run): "
+            "their gradients are not saved, and a load begins a new window; save after the engine.step() "
+            "that ends the window to resume exactly",
+            ZswapWarning,
+            stacklevel=4,
+        )
+
+
 def save_checkpoint(
     engine: TrainingState,
     save_dir: str | os.PathLike[str],
@@ -63,6 +83,7 @@ def save_checkpoint(
 ) -> Path:
     """See `zswap.Engine.save_checkpoint`. Returns the tag folder."""
     root = check_dir(save_dir, "save_checkpoint: save_dir")
+    _warn_mid_window(engine)
     records = describe(engine.module)
     group, rank, world = group_of(records)
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)

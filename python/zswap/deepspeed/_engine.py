@@ -100,9 +100,6 @@ class DeepSpeedEngine(runtime.Engine):
     only, as DeepSpeed's ZeRO-3 takes it over its optimizer's groups (`zswap.step.stepping.normed`)."""
     _backwards = 0
     """``backward`` calls since the last ``step()``."""
-    _window_from = 0
-    """``micro_steps`` where the accumulation window began: at the last optimizer step or checkpoint load
-    (DeepSpeed counts from 0: the same while ``gradient_accumulation_steps`` stays what it was)."""
     _coalescing = False
     """Inside `coalesce_grad_reduction`."""
     _micro_open = False
@@ -188,9 +185,8 @@ class DeepSpeedEngine(runtime.Engine):
         )
         if tag is None:
             tag = (Path(os.fspath(load_dir)) / LATEST).read_text().strip()
-        if not load_module_only:  # the counters came with the checkpoint; no gradient did: a new window
+        if not load_module_only:  # the counters came with the checkpoint (a new window began there)
             self.global_samples = self.global_steps * (self.train_batch_size() or 0)
-            self._window_from = self.micro_steps
         return os.path.join(os.fspath(load_dir), tag), client_state
 
     def empty_partition_cache(self) -> None:

@@ -559,7 +559,8 @@ def _own(cfg: Any, **policy: Any) -> NvmeGrads:
     paths = cfg.offload_optimizer.nvme_path
     if not paths:
         raise ConfigError("offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'")
-    return NvmeGrads(open_dir(list(paths), cfg.aio), owns_engine=True, **policy)  # shared by path
+    store = open_dir(list(paths), cfg.aio, "offload_optimizer.nvme_path")  # shared by path
+    return NvmeGrads(store, owns_engine=True, **policy)
 
 
 def detach(items: Iterable[tuple[torch.Tensor, ParamState]], stores: Iterable[GradStore]) -> None:

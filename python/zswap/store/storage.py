@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import itertools
 import os
 import threading
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from .._interrupts import deferred
-from ..errors import ZswapError
+from ..errors import NvmePathError, NvmePathMissing, NvmePathNotADirectory, NvmePathNotWritable, ZswapError
 from .namespaces import Namespace, _named
 from .queue import WriteQueue, _Write, await_point
 
@@ -85,6 +86,10 @@ class Storage:
         if self._open <= 0 and self.owns_engine and not self.closed:
             self.queue.drain()
             self.engine.close()
+        elif not self.closed and hasattr(self.engine, "trim"):
+            # Another namespace (the params') keeps the engine: the space this one freed (an engine's
+            # optimizer records, its gradients) goes back to the file system rather than staying reserved.
+            self.engine.trim()
 
     def close_if_unused(self) -> None:
         """Close an engine zswap opened that no namespace uses (a construction that failed half-way)."""
@@ -114,10 +119,15 @@ def storage_for(engine: Any) -> Storage:
     return s
 
 
-def open_dir(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], aio: Any = None) -> Storage:
+def open_dir(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    aio: Any = None,
+    config_key: str = "nvme_path",
+) -> Storage:
     """The storage on swap directory ``paths`` (one, or several striped): the open one if any namespace
     still uses the same directories (its engine settings are kept), else one on a new engine built with
-    ``aio`` (a config's `AioConfig`; None: engine defaults) that is closed with its last namespace."""
+    ``aio`` (a config's `AioConfig`; None: engine defaults) that is closed with its last namespace. A path
+    that cannot hold swap files raises an `NvmePathError` naming ``config_key``."""
     from ..swap import SwapEngine  # the native engine is loaded only when NVMe is used
 
     plist = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
@@ -125,9 +135,27 @@ def open_dir(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], a
     s = _BY_DIR.get(key)
     if s is not None and not s.closed:
         return s
-    engine = SwapEngine.from_config(aio, [os.fspath(p) for p in plist]) if aio is not None else None
-    if engine is None:
-        engine = SwapEngine([os.fspath(p) for p in plist])
+    for path in plist:
+        # OSError's str() appends the path: "[Errno 2] offload_param.nvme_path does not exist ...: '/x'".
+        name = os.fspath(path)
+        if not os.path.exists(path):
+            raise NvmePathMissing(errno.ENOENT, f"{config_key} does not exist (zswap never creates it)", name)
+        if not os.path.isdir(path):
+            raise NvmePathNotADirectory(errno.ENOTDIR, f"{config_key} is not a directory", name)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise NvmePathNotWritable(errno.EACCES, f"{config_key} is not writable", name)
+    try:
+        engine = SwapEngine.from_config(aio, [os.fspath(p) for p in plist]) if aio is not None else None
+        if engine is None:
+            engine = SwapEngine([os.fspath(p) for p in plist])
+    except NvmePathError as e:  # every path is a writable directory (above): the file system refused a file
+        code = int(getattr(e, "errno", 0) or 0)
+        raise NvmePathNotWritable(
+            code,
+            f"{config_key} is a directory, but its file system refused a new file in it "
+            f"({os.strerror(code)}; /proc and /sys, for instance, take none)",
+            getattr(e, "filename", None),
+        ) from e
     s = Storage(engine, owns_engine=True)
     s.paths = key
     _BY_DIR[key] = s

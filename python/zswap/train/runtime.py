@@ -101,11 +101,10 @@ def build(
 class Engine:
     """Runs ``module``'s forward and backward with its params streamed in; `step` applies the optimizer.
 
-    The optimizer is either *partition-aware* (its ``steps_partitions`` attribute is true: it reads the
-    partition gradients through `zswap.gradstore.store_of` and updates the stores itself) or an ordinary
-    param-based one over the model's params (``torch.optim.AdamW``, `zswap.optim.OffloadedAdamW`), which
-    `step_partitions` shows each param's local partition. Also a context manager that calls `close` on exit.
-    """
+    The optimizer is *partition-aware* (``steps_partitions`` true: it reads the partition gradients through
+    `zswap.gradstore.store_of` and updates the stores itself) or an ordinary one over the model's params
+    (``torch.optim.AdamW``, `zswap.optim.OffloadedAdamW`), shown each param's local partition by
+    `step_partitions`. Also a context manager that calls `close` on exit."""
 
     # Laid over the model by `zswap.train.wiring.wire` (again after a change of params' shapes).
     sizing: Sizing
@@ -115,6 +114,7 @@ class Engine:
     _stores: dict[int, Any]
     _hooks: ModuleHooks
     _grads: grads.GradSink
+    _window_from = 0  # `micro_steps` where the accumulation window began (a load begins a new one)
 
     def __init__(
         self,
@@ -129,8 +129,7 @@ class Engine:
         memory.bound_heap()  # what torch frees between steps goes back to the kernel (zswap.memory)
         self.module = module
         self.compute_device = _device.resolve(device)
-        """The compute device as zswap drives it (`zswap.device`: copy streams, registered buffers);
-        `device` is the `torch.device` it computes on."""
+        """The compute device as zswap drives it (copy streams, registered buffers); `device`: its torch's."""
         self.config = config
         self.closed = False
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -316,7 +315,8 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step` call applies the optimizer (ends an accumulation window)."""
-        return not self.config.batch.managed_gradient_accumulation or (self.micro_steps + 1) % self._gas == 0
+        managed = self.config.batch.managed_gradient_accumulation
+        return not managed or (self.micro_steps - self._window_from + 1) % self._gas == 0
 
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step (the config's ``gradient_accumulation_steps``, or derived from
@@ -505,7 +505,7 @@ class Engine:
         load_lr_scheduler_states: bool = True,
     ) -> Any:
         """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), saved at any world size;
-        returns its ``client_state`` (``None`` with ``load_module_only``). With
+        returns its ``client_state`` (with ``load_module_only`` too, as DeepSpeed). With
         ``load_lr_scheduler_states=False`` the schedule keeps this run's state. Everything is validated
         first: a bad checkpoint raises a `zswap.ZswapError` and changes nothing."""
         from ..checkpoint import load_checkpoint

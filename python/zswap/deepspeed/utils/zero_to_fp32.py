@@ -23,7 +23,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
     exclude_frozen_parameters: bool = False,
     lazy_mode: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """``name → float32 tensor`` (buffers at their dtype) of the checkpoint, all in memory.
+    """``name → float32 tensor`` of the checkpoint (integer and boolean buffers at their dtype), all in
+    memory.
     ``exclude_frozen_parameters``: only the params the saved optimizer holds. ``lazy_mode`` is accepted and
     reads every tensor at once: DeepSpeed's lazy values are read at their ``.contiguous()``, which these
     answer too."""

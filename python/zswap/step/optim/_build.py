@@ -41,7 +41,8 @@ def config_kwargs(
             raise ConfigError(
                 "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
             )
-        engine = open_dir(list(off.nvme_path), cfg.aio)  # shared with params/gradients on the same paths
+        # Shared with params and gradients on the same paths.
+        engine = open_dir(list(off.nvme_path), cfg.aio, "offload_optimizer.nvme_path")
         owned = True
     read, write = off.pipeline_read, off.pipeline_write
     if off.buffer_count is not None:
