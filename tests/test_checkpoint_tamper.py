@@ -242,10 +242,13 @@ def test_a_client_state_load_would_refuse_is_refused_at_save_and_nothing_is_writ
     m, engine = build(cfg(tmp_path, "nvme", "nvme"))
     with engine:
         train(m, engine, 1)
-        with pytest.raises(CheckpointArgumentError, match=r"client_state .* cannot read back"):
-            engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3, "obj": Opaque()})
-        with pytest.raises(CheckpointArgumentError, match=r"client_state .* cannot read back"):
+        # The message names the entry and its type (torch's own says only which types it takes).
+        with pytest.raises(CheckpointArgumentError, match=r"client_state .* cannot read back") as info:
+            engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3, "obj": [1, Opaque()]})
+        assert f"(['client_state']['obj'][1] is a {__name__}.Opaque)" in str(info.value)
+        with pytest.raises(CheckpointArgumentError, match=r"client_state .* cannot read back") as info:
             engine.save_checkpoint(tmp_path / "ckpt", client_state={"fn": lambda: 0})  # not even picklable
+        assert "(['client_state']['fn'] is a builtins.function)" in str(info.value)
         assert [p.name for p in (tmp_path / "ckpt").iterdir()] == []  # no tag, no latest, no temp folder
         engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3, "name": "run"})  # plain: fine
 

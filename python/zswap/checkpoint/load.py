@@ -23,10 +23,11 @@ from ..parts.gather import no_torch_function
 from ..step.optim import OffloadedAdamW
 from ..step.optim._layout import needs_master
 from . import _masters
-from ._collective import agree, group_of
+from ._atomic import LATEST
+from ._collective import agree, all_gather, group_of
 from ._reader import Piece, Reader, window
 from ._state import check_state, set_rng_state, unpickle
-from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .errors import CheckpointArgumentError, CheckpointCorruptError, CheckpointMismatchError
 from .manifest import (
     STATE_KINDS,
     ParamRecord,
@@ -46,6 +47,21 @@ if TYPE_CHECKING:
 
 WRITE_BATCH_BYTES = 64 << 20
 """Partition writes queued to a store before waiting for them."""
+
+
+def has_latest(engine: TrainingState, load_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``load_dir/latest`` exists, decided on every rank alike: some ranks seeing it and others
+    not (a node-local folder not copied everywhere) is a `CheckpointArgumentError` on all of them, never
+    some ranks loading while the others do not."""
+    group, _, world = group_of(describe(engine.module))
+    seen = all_gather(os.path.isfile(os.path.join(os.fspath(load_dir), LATEST)), group, world)
+    if all(seen) or not any(seen):
+        return bool(seen[0])
+    raise CheckpointArgumentError(
+        f"load_checkpoint: {os.path.join(os.fspath(load_dir), LATEST)!r} is there on rank(s) "
+        f"{', '.join(str(r) for r, s in enumerate(seen) if s)} but not on "
+        f"{', '.join(str(r) for r, s in enumerate(seen) if not s)}: every rank must see the same checkpoint"
+    )
 
 
 def load_checkpoint(
@@ -83,6 +99,15 @@ def load_checkpoint(
     try:
         agree(error, "load_checkpoint (validation)", group, world)
         assert plan is not None
+        # Each rank resolved its tag itself (its own ``latest``, which a save may have replaced meanwhile,
+        # or its own copy of the folder): one checkpoint, or none loads.
+        tags = all_gather(plan.reader.folder.name, group, world)
+        if len(set(tags)) > 1:
+            raise CheckpointArgumentError(
+                "load_checkpoint: the ranks resolved different checkpoints ("
+                + ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+                + "): pass the same tag= on every rank, or give each the same 'latest'"
+            )
         client_state = plan.apply()
         logging.getLogger(__name__).info("checkpoint loaded: %s (rank %d of %d)", folder, rank, world)
         return client_state

@@ -189,13 +189,34 @@ def _pickled(state: dict[str, Any]) -> bytes:
         torch.save(state, buf)
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:
-        lines = str(e).strip().splitlines()
+        found = _foreign(state, "")
+        where = f"{found[0]} is a {found[1]}" if found else f"{type(e).__name__}: {e}".strip().splitlines()[0]
         raise CheckpointArgumentError(
             "save_checkpoint: client_state (or the lr scheduler's / loss scaler's state_dict) holds objects "
             "other than tensors, numbers, strings and plain containers, which load_checkpoint cannot read "
-            f"back safely ({type(e).__name__}: {lines[-1] if lines else ''})"
+            f"back safely ({where})"
         ) from None
     return buf.getvalue()
+
+
+_PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.dtype, torch.device)
+
+
+def _foreign(obj: Any, path: str) -> tuple[str, str] | None:
+    """(where, type) of the first object in ``obj`` that is neither plain nor a plain container."""
+    if isinstance(obj, dict):
+        items: Any = ((f"{path}[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, list | tuple | set | frozenset) and type(obj) in (list, tuple, set, frozenset):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    elif type(obj) in _PLAIN or isinstance(obj, torch.Tensor):
+        return None
+    else:
+        return path or "the state", f"{type(obj).__module__}.{type(obj).__qualname__}"
+    for where, value in items:
+        found = _foreign(value, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _names(opt: Any, records: list[ParamRecord]) -> list[list[str]]:

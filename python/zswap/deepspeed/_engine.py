@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..checkpoint import _torchsave, statedict
 from ..checkpoint._atomic import LATEST, fsync_path, temp_name
+from ..checkpoint.load import has_latest
 from ..errors import ZswapError, ZswapWarning
 from ..train import runtime
 from . import _backward, _extras
@@ -167,7 +168,7 @@ class DeepSpeedEngine(runtime.Engine):
             load_module_strict=(load_module_strict, True),
             custom_load_fn=(custom_load_fn, None),
         )
-        if tag is None and load_dir not in (None, "") and not (Path(os.fspath(load_dir)) / LATEST).is_file():
+        if tag is None and load_dir not in (None, "") and not has_latest(self, load_dir):
             warnings.warn(
                 f"load_checkpoint: no {LATEST!r} file in {os.fspath(load_dir)!r}: nothing loaded, "
                 f"returning (None, None) as DeepSpeed does (pass tag= to load a given checkpoint)",
