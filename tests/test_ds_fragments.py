@@ -248,6 +248,36 @@ def test_bf16_master_and_moments_are_written_and_stepped_from(tmp_path):
             assert torch.equal(weight.detach(), got.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_gathered_write_to_a_param_with_a_master_is_refused(tmp_path, dtype):
+    """``GatheredParameters(modifier_rank=0)`` writes the param back, but a bf16 param's float32 master (its
+    optimizer record) would be stepped at the next step and rounded over the write: the write was lost
+    without a word (DeepSpeed loses it too). Refused, the change dropped, naming the way that sets both;
+    an unchanged block and a float32 param (no master) write back as before."""
+    engine, _ = build(config(tmp_path, dtype=dtype), dtype=dtype)
+    with engine:
+        engine.backward(engine(*batch(0, dtype)))
+        engine.step()
+        weight = engine.module.linears[2].weight
+        with zswap.GatheredParameters([weight], modifier_rank=0):
+            before = weight.detach().clone()  # read alone: written back unchanged
+        if dtype == torch.bfloat16:
+            refused = pytest.raises(
+                ZswapError, match=r"holds its float32 master copy.*safe_set_full_fp32_param"
+            )
+            with refused, zswap.GatheredParameters([weight], modifier_rank=0):
+                weight.data.fill_(1.0)
+            with zswap.GatheredParameters([weight]):
+                assert torch.equal(weight.detach(), before)  # the change dropped
+            utils.safe_set_full_fp32_param(weight, torch.ones(HIDDEN, 1))  # the way: the param follows it
+            assert torch.equal(utils.safe_get_full_fp32_param(weight), torch.ones(HIDDEN, 1))
+        else:
+            with zswap.GatheredParameters([weight], modifier_rank=0):
+                weight.data.fill_(1.0)
+            with zswap.GatheredParameters([weight]):
+                assert torch.equal(weight.detach(), torch.ones(HIDDEN, 1))
+
+
 def test_a_write_between_backward_and_step_needs_the_gradients_kept(tmp_path):
     engine, _ = build(config(tmp_path))
     with engine:

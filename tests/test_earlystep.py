@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import zswap
 from zswap import GatheredParameters, earlystep, full_grad, param_state
@@ -330,3 +331,56 @@ def test_a_param_first_used_after_the_first_step_is_stepped_in_the_same_commit(t
         assert stats["steps_partly_reason"] == "a param got its first gradient"
         with GatheredParameters(list(model.parameters())):
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("when", ["after-backward", "mid-window"])
+@pytest.mark.parametrize("early", [True, False], ids=["early", "ordinary"])
+def test_a_param_frozen_after_its_gradient_came_is_stepped_as_torch_steps_it(tmp_path, when, early):
+    """torch's AdamW steps every param that has a ``.grad``, whatever its ``requires_grad`` now says: a
+    layer frozen between ``backward`` and the step (or between micro-batches) is stepped with the gradient
+    it has. The update in backward did so; the ordinary step skipped it (its step count fell behind)."""
+    gas = 2 if when == "mid-window" else 1
+    cfg = {
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "gradient_accumulation_steps": gas,
+    }
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    plain = make()
+    with zswap.Init(cfg):
+        model = make()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    engine = zswap.initialize(model, cfg)
+    engine.early_step = early
+    g = torch.Generator().manual_seed(1)
+    with engine:
+        for step in range(3):
+            for k in range(gas):
+                x = torch.randn(3, 4, generator=g)
+                for m in (model, plain):
+                    (m(x).square().mean() / gas).backward()
+                    if step == 1 and k == 0 and when == "mid-window":
+                        m[0].requires_grad_(False)
+                if k < gas - 1:
+                    engine.step()  # not a boundary
+            if step == 1 and when == "after-backward":
+                model[0].requires_grad_(False)
+                plain[0].requires_grad_(False)
+            engine.step()
+            opt.step()
+            opt.zero_grad()
+        with zswap.GatheredParameters(list(model.parameters())):
+            bad = [
+                n
+                for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True)
+                if not torch.equal(p, q)
+            ]
+        assert bad == []
+        assert list(engine.optimizer.records.steps) == [int(opt.state[p]["step"]) for p in plain.parameters()]

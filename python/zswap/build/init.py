@@ -32,7 +32,7 @@ from torch import nn
 
 from .. import _dist, memory
 from .. import pool as _pool
-from ..checkpoint import statedict
+from ..checkpoint import peft_save, statedict
 from ..config import load_config
 from ..errors import ConfigError, ZswapError
 from ..parts import guards as _guards
@@ -164,6 +164,7 @@ class _InitContext:
         frame.built.add(module)
         self.manage_new(module.parameters(), frame)
         statedict.install(module)  # state_dict() gathers partitioned params instead of returning empties
+        peft_save.install()  # PEFT's seams (gathering a base weight, saving adapters), once peft is imported
         for orphan in list(frame.orphans):
             self.manage_new(orphan.parameters(recurse=False), frame)
         self.sync_touched()
@@ -422,6 +423,7 @@ class Init:
                     manage(p, self._placement)
         module_api.attach(module.modules())
         statedict.install(module)
+        peft_save.install()
         self._placement.store.wait_all()
 
     def __enter__(self) -> Init:

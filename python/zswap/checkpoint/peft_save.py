@@ -5,13 +5,13 @@ adapters, a ``modules_to_save`` copy, biases or embedding layers where its confi
 partitioned model holds every param's full value (`zswap.checkpoint.statedict`): the whole base model in CPU
 memory to write adapters a thousandth its size, which on a model larger than memory is an out-of-memory.
 
-`install` wraps ``PeftModel.save_pretrained`` (once peft is imported; zswap installs it when it partitions a
-model). Called without ``state_dict=`` on a model with partitioned params, the wrapper asks PEFT's own
-selection, ``get_peft_model_state_dict``, for each adapter it will save, over a state dict whose partitioned
-entries are meta tensors of the right shape; the entries PEFT returns (the same tensor objects) are the ones
-gathered, and PEFT is handed that state dict. Where PEFT's selection returns a meta tensor it did not get
-(it made a copy), the wrapper cannot tell what it chose and leaves PEFT to read the whole state dict, as
-before.
+`install` wraps ``PeftModel.save_pretrained`` (once peft is imported; `zswap.Init` installs it with the
+state-dict hook when it partitions a module). Called without ``state_dict=`` on a model with partitioned
+params, the wrapper asks PEFT's own selection, ``get_peft_model_state_dict``, for each adapter it will save,
+over a state dict whose partitioned entries are meta tensors of the right shape; the entries PEFT returns
+(the same tensor objects) are the ones gathered, and PEFT is handed that state dict. Where PEFT's selection
+returns a meta tensor it did not get (it made a copy), the wrapper cannot tell what it chose and leaves PEFT
+to read the whole state dict, as before.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..parts import peft_seam
 from ..parts.params import param_state
 from ._gather import full_copy
 from ._torchsave import Pending
@@ -31,6 +32,9 @@ _MARK = "_zswap_bounded_save"
 
 
 def install() -> None:
+    """Both PEFT seams, once peft is imported: this one, and `zswap.parts.peft_seam` (where PEFT reads a
+    base layer's whole weight, it gathers it)."""
+    peft_seam.install()
     peft_model = sys.modules.get("peft.peft_model")
     cls = getattr(peft_model, "PeftModel", None) if peft_model is not None else None
     save = getattr(cls, "save_pretrained", None)

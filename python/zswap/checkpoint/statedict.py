@@ -42,9 +42,6 @@ def deferred() -> Iterator[None]:
 
 
 def install(module: nn.Module) -> None:
-    from . import peft_save
-
-    peft_save.install()  # a PeftModel's save_pretrained gathers only what it writes
     for m in module.modules():
         if m not in _HOOKED:
             m._register_state_dict_hook(_full_values)
@@ -52,9 +49,11 @@ def install(module: nn.Module) -> None:
 
 
 _FILLED: dict[int, tuple[weakref.ref[Any], dict[int, Any]]] = {}
-"""id(state dict being filled) -> (a weakref to it, id(param) -> the value put there): a param tied under
-several names (embeddings and an LM head) gets one value, as a plain model's state dict holds one tensor
-under both names — which ``save_pretrained`` reads as tied and writes once."""
+"""id(state dict being filled) -> (a weakref to it, id(param) -> the value gathered for it): a param tied
+under several names (embeddings and an LM head) is gathered once, and each name gets a view of that one
+storage, as a plain model's state dict holds (``param.detach()`` under each name) — which
+``save_pretrained`` reads as tied and writes once. (Inside `deferred`, `zswap.checkpoint._torchsave`
+writes a param once whatever names it has.)"""
 
 
 def _filled(state_dict: OrderedDict[str, Any]) -> dict[int, Any]:
@@ -76,8 +75,11 @@ def _full_values(
         key = prefix + name
         if st.status is Status.AVAILABLE or key not in state_dict or state_dict[key] is p:
             continue
+        if _deferring.get():
+            state_dict[key] = Pending(p, st)
+            continue
         values = _filled(state_dict)
         value = values.get(id(p))
         if value is None:
-            value = values[id(p)] = Pending(p, st) if _deferring.get() else full_copy(p, st)
-        state_dict[key] = value
+            value = values[id(p)] = full_copy(p, st)
+        state_dict[key] = value.detach()

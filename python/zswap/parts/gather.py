@@ -358,6 +358,9 @@ class GatheredParameters:
         self._marks: list[tuple[int, torch.Size, torch.dtype, int]] = []
         self._held: list[tuple[torch.Tensor, ParamState, torch.Tensor]] = []
         """Params gathered before the block: (param, state, data at entry); ``.data`` is the block's copy."""
+        self._mastered: list[tuple[torch.Tensor, ParamState, int]] = []
+        """With ``modifier_rank``: params whose float32 master an open engine's optimizer holds, with their
+        data's checksum at entry (a change the write-back would store, and the next step undo)."""
 
     def __enter__(self) -> None:
         if not self._items:
@@ -378,6 +381,12 @@ class GatheredParameters:
         fetch(self._fetched, private=True)
         for _, st in self._items:
             st.gathered_by = self
+        if self._modifier_rank is not None:
+            masters: set[int] = set()
+            for runner in open_runners():
+                masters |= runner.mastered()
+            with no_torch_function():
+                self._mastered = [(p, st, checksum(p.data)) for p, st in self._items if id(p) in masters]
         if self._modifier_rank is None:
             fetched = {id(p) for p, _ in self._fetched}
             with no_torch_function():
@@ -397,6 +406,7 @@ class GatheredParameters:
             return
         try:
             if exc_type is None and self._modifier_rank is not None:
+                self._refuse_stale_master()
                 self._write_back()
             else:
                 changed = self._restore_held()
@@ -444,6 +454,31 @@ class GatheredParameters:
                     st.store.put(st.key, local_slice(flat, st.rank, st.partition_numel).clone())
             for store in {id(st.store): st.store for _, st in self._items}.values():
                 store.wait_all()
+
+    def _refuse_stale_master(self) -> None:
+        """A change to a param whose float32 master an open engine's optimizer holds would be stored, then
+        undone by the next step (which steps the master and rounds it into the param): refused on every rank
+        alike (the modifier rank's verdict), the change dropped, as `load_weights` refuses such a load."""
+        with no_torch_function():
+            changed = next((st for p, st, crc in self._mastered if checksum(p.data) != crc), None)
+        if self._items[0][1].world_size > 1:
+            st0 = self._items[0][1]
+            flag = torch.tensor([0 if changed is None else 1], device=_dist.small_tensor_device(st0.group))
+            _dist.broadcast(flag, self._modifier_rank or 0, st0.group)
+            if int(flag.item()) and changed is None:
+                changed = st0
+        if changed is None:
+            return
+        self._restore_held()
+        release(self._fetched, write_back=False)
+        self._fetched = []
+        raise ZswapError(
+            f"GatheredParameters(modifier_rank={self._modifier_rank}): a param of shape "
+            f"{tuple(changed.shape)} was changed, but the optimizer of an open zswap Engine holds its "
+            "float32 master copy, which its next step would write over the change; the change is dropped. "
+            "Set the master with zswap.deepspeed.utils.safe_set_full_fp32_param(param, value) (the param "
+            "follows it at the next step), or change the param before the first step"
+        )
 
     def _warn_if_changed(self, changed: ParamState | None) -> None:
         with no_torch_function():

@@ -23,7 +23,6 @@ from ..errors import ZswapError
 from ..pool import BufferPool, is_free
 from ..pool import _storage_uses as _storage_uses  # (its old path)
 from ..store import storage as _storage
-from . import peft_seam
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -176,7 +175,6 @@ def register(p: torch.Tensor, state: ParamState) -> None:
     if id(p) in _REGISTRY:
         raise ZswapError(f"param of shape {tuple(state.shape)} is already managed by zswap")
     _REGISTRY[id(p)] = state
-    peft_seam.install()  # PEFT gathers a base layer's weight through its ZeRO-3 seam: zswap's, once imported
     # DeepSpeed ZeRO-3's attributes for a partitioned param's real shape and size (a managed param's is
     # never changed: a resize makes new params): PEFT reads ds_shape where p.shape is the placeholder (GPT-2's
     # Conv1D, 3-D expert weights) and ds_numel to count params; ds_id marks a partitioned param for scripts

@@ -8,8 +8,8 @@ errors. ``ModulesToSaveWrapper.update`` (``modules_to_save``, and the task types
 ``deepspeed`` itself when a param's ``numel()`` is 0 and it carries ``ds_numel``, which zswap sets on every
 partitioned param (PEFT's param counts read it).
 
-`install` (run when zswap partitions a param and peft is imported, and by ``initialize``) changes both, once
-per process, and only for params zswap manages (anything else goes PEFT's own way):
+`install` (run when `zswap.Init` partitions a module, with its state-dict hook: once peft is imported) changes
+both, once per process, and only for params zswap manages (anything else goes PEFT's own way):
 
 - the generator behind ``gather_params_ctx`` (modules that imported the function by name call it through the
   closure of the ``contextmanager`` wrapper, so the wrapper's cell is what is replaced) gathers zswap's params
@@ -30,6 +30,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from .gather import GatheredParameters, flatten_params
+from .params import param_state
 
 _MARK = "_zswap_seam"
 _installed = False
@@ -54,9 +57,6 @@ def install() -> None:
 
 def _managed(params: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(every param in ``params``, those zswap manages that no block has gathered)."""
-    from .gather import flatten_params
-    from .params import param_state
-
     every = flatten_params(params)
     todo = []
     for p in every:
@@ -80,8 +80,6 @@ def _replace_gather(ctx: Any) -> None:
     def gather_params_ctx(
         param: Any, modifier_rank: int | None = 0, fwd_module: Any = None
     ) -> Iterator[None]:
-        from .gather import GatheredParameters
-
         every, todo = _managed(param)
         if not todo:
             with contextlib.contextmanager(original)(every, modifier_rank, fwd_module):
@@ -97,8 +95,6 @@ def _replace_gather(ctx: Any) -> None:
 def _gathering_update(update: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(update)
     def gathered(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from .gather import GatheredParameters
-
         original = getattr(self, "original_module", None)
         _, todo = _managed(original.parameters()) if original is not None else ([], [])
         with GatheredParameters(todo, modifier_rank=None):

@@ -25,7 +25,8 @@ from torch.autograd import function as _function
 
 INSIDE = (
     "its first gradient came in a backward run inside another (a reentrant activation checkpoint around "
-    "the model's last layers): keep them outside the checkpoint, or use use_reentrant=False"
+    "the last layers with trainable params — the head, or with a frozen head the last block's adapters): "
+    "use use_reentrant=False, or keep those layers outside the checkpoint"
 )
 """Why no early step runs in a backward whose first gradient came from a nested one: the outer backward's
 end, where the update must finish, cannot be watched from inside it."""

@@ -354,7 +354,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _collect(self) -> list[int]:
         todo = []
         for i, p in enumerate(self._params):
-            if not p.requires_grad or p.grad is None:
+            if p.grad is None:  # as torch: a param frozen after its gradient came is stepped
                 continue
             g = p.grad
             if g.layout != torch.strided:
