@@ -513,7 +513,7 @@ class NvmeGrads(GradStore):
         self._applied.clear()
         self._gen_applied.clear()
         self.stash_bytes = 0
-        self.ns.close()
+        self.ns.close(give_back=True)
 
     def _check(self) -> None:
         if self._error is not None:

@@ -8,8 +8,9 @@ errors. ``ModulesToSaveWrapper.update`` (``modules_to_save``, and the task types
 ``deepspeed`` itself when a param's ``numel()`` is 0 and it carries ``ds_numel``, which zswap sets on every
 partitioned param (PEFT's param counts read it).
 
-`install` (run when `zswap.Init` partitions a module, with its state-dict hook: once peft is imported) changes
-both, once per process, and only for params zswap manages (anything else goes PEFT's own way):
+`install` (run by `zswap.checkpoint.peft_save.install` whenever `zswap.Init` partitions a module, once peft is
+imported) changes both, once per process, and only for params zswap manages (anything else goes PEFT's own
+way):
 
 - the generator behind ``gather_params_ctx`` (modules that imported the function by name call it through the
   closure of the ``contextmanager`` wrapper, so the wrapper's cell is what is replaced) gathers zswap's params
@@ -46,7 +47,7 @@ def install() -> None:
     integrations = sys.modules.get("peft.utils.integrations")
     other = sys.modules.get("peft.utils.other")
     if integrations is None or other is None:
-        return  # not imported (or still importing): the next partitioned param looks again
+        return  # not imported (or still importing): the next partitioned module looks again
     _replace_gather(getattr(integrations, "gather_params_ctx", None))
     wrapper = getattr(other, "ModulesToSaveWrapper", None)
     update = getattr(wrapper, "update", None)

@@ -217,8 +217,10 @@ class Namespace:
         if physical is not None:
             self.storage.free_quiet(physical)
 
-    def close(self) -> None:
-        """Wait for the writes, free every value, let go of the storage. Idempotent; raises nothing."""
+    def close(self, give_back: bool = False) -> None:
+        """Wait for the writes, free every value, let go of the storage. Idempotent; raises nothing.
+        ``give_back``: return the storage's free space to the file system now (a namespace that lived as
+        long as an engine: its optimizer records, its gradients), not keep it for reuse."""
         if self._closed:
             return
         for w in [*self._pending.values(), *self._dropped]:
@@ -229,7 +231,7 @@ class Namespace:
         self._error = None
         self._failed.clear()
         self._closed = True
-        self.storage._released()
+        self.storage._released(give_back)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -81,12 +81,12 @@ class Storage:
     def physical(self, prefix: str, name: str) -> str:
         return f"{prefix}/{name}@{next(self._versions)}"
 
-    def _released(self) -> None:
+    def _released(self, give_back: bool = False) -> None:
         self._open -= 1
         if self._open <= 0 and self.owns_engine and not self.closed:
             self.queue.drain()
             self.engine.close()
-        elif not self.closed and hasattr(self.engine, "trim"):
+        elif give_back and not self.closed and hasattr(self.engine, "trim"):
             # Another namespace (the params') keeps the engine: the space this one freed (an engine's
             # optimizer records, its gradients) goes back to the file system rather than staying reserved.
             self.engine.trim()

@@ -205,7 +205,7 @@ class NvmeStore:
         """Frees the records and the ring (the engine closes with the last namespace of a storage zswap
         opened). Idempotent."""
         self._ring = []
-        self.ns.close()
+        self.ns.close(give_back=True)
 
 
 def _settle(h: Handle | None) -> Exception | None:
