@@ -132,7 +132,7 @@ pub fn disk_driver(fd: RawFd) -> Option<String> {
 /// reads cycling through 16 MiB of destination ran at 2.87, fio's figure (fio reuses bs × depth of
 /// buffer), and through the bounce buffers plus a copy at 2.6-3.0 (the knee lies between 16 and 32
 /// MiB of destination). Writes showed no such effect (3.05-3.10 GB/s from 16 MiB or 1 GiB), so they
-/// stay zero-copy. The copy costs 0.09 CPU s/GB on the worker thread.
+/// stay zero-copy. The copy costs 0.07-0.09 CPU s/GB on the worker thread.
 pub fn zero_copy_reads(driver: Option<&str>) -> (bool, &'static str) {
     if driver == Some("virtio_blk") {
         (

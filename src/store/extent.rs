@@ -136,8 +136,9 @@ impl ExtentAllocator {
         out
     }
 
-    /// Marks every free extent punched and returns them all: a merged extent marked punched may still
-    /// hold allocated blocks (the part of it reused and freed again), which only punching it all returns.
+    /// Marks every free extent punched and returns them all: blocks freed next to an extent already
+    /// punched merge into it, marked punched, though they still hold data; only punching it all returns
+    /// them.
     pub fn take_all(&mut self) -> Vec<(u64, u64)> {
         self.by_off
             .iter_mut()

@@ -33,7 +33,8 @@ class Runner(Protocol):
         """Release every copy it gathered or is prefetching (they are gathered again at their next use)."""
 
     def mastered(self) -> set[int]:
-        """Ids of the params whose float32 master copy its optimizer holds."""
+        """Ids of the params whose float32 master copy its optimizer holds and steps from, whatever the
+        param now says (a param not yet stepped starts from one written meanwhile)."""
 
     def check_resizable(self, params: list[torch.Tensor]) -> None:
         """Raise (before anything changed) if it could not follow a change of these params' sizes."""

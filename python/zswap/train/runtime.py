@@ -571,10 +571,10 @@ class Engine:
         records = resize.records_of(self.optimizer)
         if records is None:
             return set()
-        params = records.params
+        params, steps = records.params, records.steps  # (not yet stepped: a write is seen and stepped from)
         return {
             id(params[seg.param]) for sg in records.sub_groups for seg in sg.segments
-            if params[seg.param].dtype != torch.float32
+            if params[seg.param].dtype != torch.float32 and steps[seg.param] > 0
         }  # fmt: skip
 
     def check_resizable(self, params: list[torch.Tensor]) -> None:
