@@ -8,6 +8,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,15 @@ def engine(tmp: Path, rank: int) -> tuple[nn.Module, zswap.Engine]:
     return model, eng
 
 
+def refused(kind: type[Exception], call: Any, *args: Any, **kwargs: Any) -> Exception:
+    """The error of ``kind`` that ``call(*args, **kwargs)`` raises (it must raise one)."""
+    try:
+        call(*args, **kwargs)
+    except kind as e:
+        return e
+    raise AssertionError(f"{call.__name__}{args} raised no {kind.__name__}")
+
+
 def main() -> None:
     rank, world, init_file, tmp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -51,31 +61,22 @@ def main() -> None:
             mine = tmp / f"copy{rank}"
             shutil.copytree(tmp / "ckpt", mine)
             (mine / "latest").write_text("ab"[rank])
-            try:
-                eng.load_checkpoint(str(mine))
-            except CheckpointArgumentError as e:
-                assert "the ranks resolved different checkpoints (rank 0: 'a', rank 1: 'b')" in str(e), e
-            else:
-                raise AssertionError("ranks loading different checkpoints went on")
+            e = refused(CheckpointArgumentError, eng.load_checkpoint, str(mine))
+            assert "the ranks resolved different checkpoints (rank 0: 'a', rank 1: 'b')" in str(e), e
             # 'latest' on rank 0's folder only: refused on both, not (None, None) on one rank alone.
-            (mine / "latest").unlink() if rank == 1 else (mine / "latest").write_text("a")
-            try:
-                eng.load_checkpoint(str(mine))
-            except CheckpointArgumentError as e:
-                assert "is there on rank(s) 0 but not on 1" in str(e), e
+            if rank == 1:
+                (mine / "latest").unlink()
             else:
-                raise AssertionError("a 'latest' seen on one rank only was not refused")
+                (mine / "latest").write_text("a")
+            e = refused(CheckpointArgumentError, eng.load_checkpoint, str(mine))
+            assert "is there on rank(s) 0 but not on 1" in str(e), e
             # A file missing on rank 1: the same error class on both ranks (``except FileNotFoundError``).
             if rank == 1:
                 (mine / "latest").write_text("a")
                 os.remove(next((mine / "a").glob("rank00001-of-00002.*params*")))
             dist.barrier()
-            try:
-                eng.load_checkpoint(str(mine), tag="a")
-            except CheckpointNotFoundError as e:
-                assert isinstance(e, FileNotFoundError) and (rank == 1 or "failed on rank 1" in str(e)), e
-            else:
-                raise AssertionError("a missing file was not refused")
+            e = refused(CheckpointNotFoundError, eng.load_checkpoint, str(mine), tag="a")
+            assert isinstance(e, FileNotFoundError) and (rank == 1 or "failed on rank 1" in str(e)), e
     finally:
         dist.destroy_process_group()
 
