@@ -248,6 +248,15 @@ def test_env_on_a_file_says_it_is_not_a_directory(tmp_path: Path, capsys: pytest
     assert line == f"zswap env: error: argument --path: '{f}' is not a directory (see zswap env --help)"
 
 
+def test_demo_size_below_the_smallest_model_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # Once it built the smallest model (2 MiB) whatever the size asked, saying nothing.
+    assert main(["demo", "--size", "1KiB"]) == 2
+    assert capsys.readouterr().err == (
+        "zswap demo: error: argument --size: 1,024 bytes is below the smallest demo model (2 layers × 128 "
+        "wide, 2 MiB of fp32); give 2MiB or more (see zswap demo --help)\n"
+    )
+
+
 def test_estimate_needs_exactly_one_source(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate"]) == 2
     assert capsys.readouterr().err == (

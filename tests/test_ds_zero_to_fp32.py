@@ -6,6 +6,9 @@ written as ``pytorch_model.bin`` or safetensors shards, or loaded into a plain m
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -138,3 +141,28 @@ def test_refusals_say_why(tmp_path):
         engine.save_checkpoint(tmp_path / "bare")
     with pytest.raises(CheckpointArgumentError, match="saved without an optimizer"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path / "bare", exclude_frozen_parameters=True)
+
+
+def test_the_script_left_in_the_folder_runs_as_deepspeeds(tmp_path):
+    """DeepSpeed's ``save_checkpoint`` leaves ``zero_to_fp32.py`` in ``save_dir``, and Hugging Face's docs run
+    it there (``python zero_to_fp32.py . OUT``): zswap's does the same work, with DeepSpeed's arguments."""
+    _, ckpt, _ = trained(tmp_path, True)
+    script = ckpt / "zero_to_fp32.py"
+    assert os.access(script, os.X_OK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [".", str(tmp_path / "out"), "--safe_serialization", "-t", "global_step2"]
+    run = subprocess.run(
+        [sys.executable, script.name, *args],
+        cwd=ckpt, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    state = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    loaded = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(loaded) == set(state) and all(torch.equal(loaded[k], v) for k, v in state.items())
+    bad = subprocess.run(
+        [sys.executable, script.name, ".", str(tmp_path / "out2"), "--tag", "nope"],
+        cwd=ckpt, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 1 and bad.stderr.startswith("zero_to_fp32.py: error: ")
+    assert "checkpoint tag 'nope' does not exist" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "out2").exists()

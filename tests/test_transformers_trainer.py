@@ -207,6 +207,7 @@ def test_resume_from_checkpoint_is_exact(reference, tmp_path):
     assert first.state.global_step == 2
     ckpt = out / "checkpoint-2"
     assert (ckpt / "latest").is_file() and (ckpt / "scheduler.pt").is_file()  # the engine checkpoint
+    assert (ckpt / "zero_to_fp32.py").is_file()  # as DeepSpeed leaves it: Hugging Face's docs run it
     model = _zswap_model(cfg)  # fresh weights: the checkpoint must bring back the trained ones
     second = zt.Trainer(model=model, args=args, train_dataset=_data(), zswap_config=cfg)
     second.train(resume_from_checkpoint=True)

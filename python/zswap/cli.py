@@ -209,6 +209,10 @@ def _tune(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
+    try:
+        demo.Shape.for_bytes(args.size)
+    except ValueError as e:  # before a temp dir is made: the demo would build no model
+        raise UsageError(f"argument --size: {e}") from None
     with _work_dir(args.path) as d:
         demo.run(d, args.size, args.config, args.steps)
     return 0

@@ -61,7 +61,11 @@ class Shape:
             layers = round((elements - vocab * width - SEQ * width) / per_layer)
             if layers >= 2:
                 return cls(vocab, width, layers, width // 64, SEQ)
-        return cls(512, 128, 2, 2, SEQ)
+        smallest = cls(512, 128, 2, 2, SEQ)
+        raise ValueError(
+            f"{size:,} bytes is below the smallest demo model ({smallest.layers} layers × "
+            f"{smallest.width} wide, {_mib(smallest.params * 4)} of fp32); give 2MiB or more"
+        )
 
 
 class Block(nn.Module):

@@ -118,3 +118,27 @@ def write_state_dict(
     finally:
         staged.abort()
     return out
+
+
+SCRIPT = "zero_to_fp32.py"
+"""The script DeepSpeed's ``save_checkpoint`` leaves in ``save_dir`` (users run ``python zero_to_fp32.py .
+OUTPUT_DIR`` there, as Hugging Face's docs say); zswap's runs `zswap.deepspeed.utils.zero_to_fp32`."""
+
+_SCRIPT_TEXT = """#!/usr/bin/env python
+# Left here by zswap's save_checkpoint where DeepSpeed leaves its own script of this name: this folder's
+# float32 weights written out, DeepSpeed's arguments (python zero_to_fp32.py . OUTPUT_DIR [-t TAG]
+# [--safe_serialization] [--max_shard_size 5GB] [--exclude_frozen_parameters]). Needs zswap installed.
+from zswap.deepspeed.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+"""
+
+
+def write_script(save_dir: str | os.PathLike[str]) -> None:
+    """`SCRIPT` in ``save_dir``, executable, complete before it takes its name (one rank calls it)."""
+    path = Path(save_dir) / SCRIPT
+    staged = path.with_name(f".{SCRIPT}.tmp")
+    staged.write_text(_SCRIPT_TEXT)
+    staged.chmod(0o755)
+    os.replace(staged, path)

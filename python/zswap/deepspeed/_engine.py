@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..checkpoint import _torchsave, statedict
 from ..checkpoint._atomic import LATEST, fsync_path, temp_name
+from ..checkpoint.fp32 import write_script
 from ..checkpoint.load import has_latest
 from ..errors import ZswapError, ZswapWarning
 from ..train import runtime
@@ -151,6 +152,8 @@ class DeepSpeedEngine(runtime.Engine):
         )
         tag = None if tag is None else str(tag)  # DeepSpeed takes any tag and formats it
         super().save_checkpoint(save_dir, tag, client_state or {}, save_latest=bool(save_latest))
+        if self.global_rank == 0:
+            write_script(save_dir)  # DeepSpeed leaves its zero_to_fp32.py there; scripts run it
         return True
 
     def load_checkpoint(

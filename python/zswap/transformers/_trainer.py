@@ -54,6 +54,7 @@ from transformers.utils import (
 )
 
 from ..checkpoint import save_weights
+from ..checkpoint.fp32 import write_script
 from ..config import load_config
 from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..parts.params import param_state
@@ -252,6 +253,7 @@ class Trainer(transformers.Trainer):
         assert self.engine is not None
         self.engine.save_checkpoint(output_dir)  # params, optimizer state, counters: streamed
         if self.args.should_save:
+            write_script(output_dir)  # where DeepSpeed leaves its own zero_to_fp32.py (its docs run it)
             schedule: Any = self.lr_scheduler
             torch.save(schedule.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

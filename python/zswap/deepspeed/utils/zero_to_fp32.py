@@ -7,7 +7,9 @@ a tied param is a key; the persistent buffers are keys too). The folder is ``eng
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
 import torch
 from torch import nn
@@ -66,8 +68,46 @@ def load_state_dict_from_zero_checkpoint(
     return model
 
 
+def main(argv: list[str] | None = None) -> int:
+    """DeepSpeed's ``zero_to_fp32.py`` command line (``python -m zswap.deepspeed.utils.zero_to_fp32
+    CHECKPOINT_DIR OUTPUT_DIR``, or the script `zswap.deepspeed`'s ``save_checkpoint`` leaves in its folder):
+    its arguments, `convert_zero_checkpoint_to_fp32_state_dict`'s work. An error is one line, status 1
+    (``-d`` / ``--debug``: the traceback)."""
+    p = argparse.ArgumentParser(
+        prog="zero_to_fp32.py", description="A zswap checkpoint's float32 weights, written as Hugging Face's."
+    )
+    p.add_argument("checkpoint_dir", help="the folder save_checkpoint wrote (save_dir)")
+    p.add_argument("output_dir", help="where the weights go (pytorch_model.bin, or safetensors)")
+    p.add_argument("--max_shard_size", default="5GB", help="shards past this size (default 5GB)")
+    p.add_argument("--safe_serialization", action="store_true", help="safetensors files")
+    p.add_argument("-t", "--tag", help="the checkpoint under checkpoint_dir (default: the one latest names)")
+    p.add_argument("--exclude_frozen_parameters", action="store_true", help="only the params trained")
+    p.add_argument("-d", "--debug", action="store_true", help="show the traceback of an error")
+    args = p.parse_args(argv)
+    try:
+        convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir,
+            args.output_dir,
+            max_shard_size=args.max_shard_size,
+            safe_serialization=args.safe_serialization,
+            tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
+        )
+    except (OSError, ValueError, ZswapError) as e:
+        if args.debug:
+            raise
+        print(f"zero_to_fp32.py: error: {e}", file=sys.stderr)
+        return 1
+    print(f"zero_to_fp32.py: float32 weights written to {args.output_dir}")
+    return 0
+
+
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
