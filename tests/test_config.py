@@ -475,14 +475,36 @@ def test_every_deepspeed_key_is_of_one_kind():
     assert listed <= {k for spec in sections for k in spec.warned}
 
 
+# Values DeepSpeed 0.19.8's schema (pydantic, lax) accepts and refuses, by the type it gives a key.
+DS_ACCEPTS = {
+    "bool": (True, 0, "false", "auto"),
+    "int": (-1, 3, "7"),
+    "int>0": (3, 5e8, "auto"),
+    "int>=0": (0, 3.0),
+    "fraction": (0, 0.5, True),
+    None: (True, 3, "auto", {"x": [1]}, "complete nonsense"),  # untyped: any value
+}
+DS_REFUSES = {
+    "bool": (2, "banana", [True]),
+    "int": ("x", 1.5, {}),
+    "int>0": (0, -3, "5e8"),
+    "int>=0": (-1, 1.5),
+    "fraction": (1.5, -0.1, "half"),
+}
+
+
+def _typed(path: str, key: str) -> str | None:
+    specs = (_keys.ZERO, _keys.OFFLOAD_OPTIMIZER, _keys.OPTIMIZER, _keys.OPTIMIZER_PARAMS, _keys.BF16)
+    return {spec.path: spec for spec in specs}[path].deepspeed_types.get(key)
+
+
 @pytest.mark.parametrize(
     ("path", "key", "value"),
     [
         (p, k, v)
         for p, keys in SILENT.items()
         for k in keys
-        for v in (True, 3, "auto", {"x": [1]}, "complete nonsense")
-        if k != "stage" or v in (True, 3, "auto")  # a stage DeepSpeed refuses is refused (test_ds_config)
+        for v in (DS_ACCEPTS[_typed(p, k)] if k != "stage" else (True, 3, "auto"))  # test_ds_config: stage
     ],
 )
 def test_deepspeed_keys_zswap_already_honours_are_ignored_silently(path, key, value, recwarn):
@@ -490,12 +512,30 @@ def test_deepspeed_keys_zswap_already_honours_are_ignored_silently(path, key, va
     assert not [w for w in recwarn if issubclass(w.category, ZswapWarning)]
 
 
-@pytest.mark.parametrize(("path", "key"), [(p, k) for p, keys in WARNED.items() for k in keys])
-@pytest.mark.parametrize("value", [True, 3, "auto", {"x": [1]}])
+@pytest.mark.parametrize(
+    ("path", "key", "value"),
+    [(p, k, v) for p, keys in WARNED.items() for k in keys for v in DS_ACCEPTS[_typed(p, k)] if v != 0],
+)
 def test_deepspeed_tuning_keys_are_ignored_with_a_warning_naming_them(path, key, value):
     with pytest.warns(ZswapWarning, match=rf"zswap ignores these DeepSpeed settings.*: {path}\.{key}$"):
         cfg = load_config(_place(path, key, value))
     assert cfg == load_config(_without(path))
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "value"),
+    [
+        (spec.path, k, v)
+        for spec in (_keys.ZERO, _keys.OFFLOAD_OPTIMIZER, _keys.BF16)
+        for k, kind in spec.deepspeed_types.items()
+        for v in DS_REFUSES[kind]
+    ],
+)
+def test_values_deepspeed_refuses_for_keys_zswap_does_not_read_are_refused(path, key, value):
+    """Once accepted whatever they held ("overlap_comm": "banana"): a config DeepSpeed refuses is refused."""
+    refused = rf"^{path}\.{key} must be .* \(DeepSpeed's schema refuses it too\), got"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(_place(path, key, value))
 
 
 def test_one_warning_names_every_ignored_key():

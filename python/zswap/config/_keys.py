@@ -7,12 +7,13 @@ DeepSpeed's business and are never looked at.
 DeepSpeed keys zswap does not read fall in three kinds, each decided by what DeepSpeed does with it:
 
 - ``warned``: performance, logging or debugging knobs of DeepSpeed's own machinery, which change no result;
-  accepted with any value, and each one present is named in one `zswap.ZswapWarning` ("ignored").
+  accepted with any value DeepSpeed's schema takes (``deepspeed_types``), and each one present is named in
+  one `zswap.ZswapWarning` ("ignored").
 - ``defaults_only``: keys that change results in DeepSpeed (quantized communication, bf16 master weights…);
   accepted at DeepSpeed's default (or null / "auto"), any other value is a `ConfigError` saying why.
 - ``ignored``: keys whose DeepSpeed meaning zswap already has, or that only apply to ZeRO stages other than
   3 (``stage``, ``elastic_checkpoint``, ``stage3_gather_16bit_weights_on_model_save``): accepted silently
-  (a ``stage`` DeepSpeed's schema refuses is a `ConfigError`: `zswap.config._layout`).
+  (a value DeepSpeed's schema refuses is a `ConfigError`, ``stage``'s in `zswap.config._layout`).
 
 The ignored sets were taken from DeepSpeed's own config schema (``deepspeed/runtime/zero/config.py``,
 ``offload_config.py``, ``swap_tensor/constants.py``, ``runtime/constants.py``), old spellings included, so
@@ -48,6 +49,9 @@ class Section:
     """DeepSpeed keys that change results: key → (the only value accepted, why no other is)."""
     warned_unless: Mapping[str, object] = field(default_factory=dict)
     """Fields kept in the model but without effect: named in the `ZswapWarning` when not this value."""
+    deepspeed_types: Mapping[str, str] = field(default_factory=dict)
+    """Ignored and warned keys → the type DeepSpeed's schema gives them (`zswap.config._values.DS_TYPES`):
+    a value it would refuse is refused here too, though zswap does not read it."""
 
     def known(self) -> tuple[str, ...]:
         """Every key accepted here, for suggestions."""
@@ -73,6 +77,12 @@ OFFLOAD_OPTIMIZER = Section(
     # stays on the GPU); super_offload, convert_grad_on_cpu, cpuadam_cores_perc: where and on how many
     # cores its CPU Adam runs. None changes an updated weight.
     warned=frozenset({"fast_init", "ratio", "super_offload", "convert_grad_on_cpu", "cpuadam_cores_perc"}),
+    deepspeed_types={
+        "fast_init": "bool",
+        "super_offload": "bool",
+        "ratio": "fraction",
+        "cpuadam_cores_perc": "fraction",
+    },
 )
 
 STAGE3_KNOBS = (
@@ -90,6 +100,19 @@ CPU_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload
 
 CPU_OFFLOAD_OLD = {"cpu_offload_params": "cpu_offload_param"}
 """Older spellings of the deprecated switches."""
+
+_DS_BOOLS = (
+    "elastic_checkpoint", "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "ignore_unused_parameters", "legacy_stage1", "memory_efficient_linear",
+    "cpu_offload_use_pin_memory", "contiguous_gradients", "overlap_comm", "reduce_scatter",
+    "allgather_partitions", "use_multi_rank_bucket_allreduce", "round_robin_gradients",
+    "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential", "allgather_sequential", "pipeline_loading_checkpoint",
+    "save_muon_momentum_buffer_in_memory", "parameter_alignment", "override_module_apply",
+    "log_trace_cache_warnings",
+)  # fmt: skip
+"""The ignored and warned `zero_optimization` keys DeepSpeed's schema types as booleans."""
 
 ZERO = Section(
     path="zero_optimization",
@@ -124,6 +147,17 @@ ZERO = Section(
     # Their DeepSpeed default is what zswap does; the other value (an error on unused params in stage 2, a
     # plain F.linear) is not, and is named in the warning.
     warned_unless={"ignore_unused_parameters": True, "memory_efficient_linear": True},
+    # DeepSpeed 0.19.8's DeepSpeedZeroConfig (the old spellings it no longer has stay unchecked).
+    deepspeed_types={
+        **dict.fromkeys(_DS_BOOLS, "bool"),
+        "reduce_bucket_size": "int>0",
+        "allgather_bucket_size": "int>=0",
+        "zero_hpz_partition_size": "int>=0",
+        "stage3_model_persistence_threshold": "int>=0",
+        "model_persistence_threshold": "int>=0",
+        "stage3_module_granularity_threshold": "int",
+        "module_granularity_threshold": "int",
+    },
     warned=frozenset(
         {
             # Communication bucketing, overlap and collectives.
@@ -236,6 +270,7 @@ BF16 = Section(
     # DeepSpeed's bf16 optimizer (ZeRO 0/1) applying gradients as they come: zswap accumulates them in fp32
     # where they land and updates once per step.
     warned=frozenset({"immediate_grad_update"}),
+    deepspeed_types={"immediate_grad_update": "bool"},
     defaults_only={
         "bf16_master_weights_and_grads": (False, "zswap always keeps fp32 master weights for bf16 params"),
         "bf16_optimizer_states": (False, "zswap keeps Adam's moments in fp32"),

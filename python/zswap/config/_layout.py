@@ -272,6 +272,8 @@ def _read(
         if not isinstance(key, str):
             raise ConfigError(f"{where} has a key that is not a string: {v.show(key)}")
         off_default = key in spec.warned_unless and not _same(value, spec.warned_unless[key])
+        if key in spec.deepspeed_types and value is not None:  # null: not set
+            _deepspeed_accepts(f"{where}.{key}", spec.deepspeed_types[key], value)
         if out is not None and value is not None and off_default:  # only these keys: never a deep compare
             out.skipped.append(f"{where}.{key}")
         if key in spec.fields:
@@ -314,6 +316,15 @@ def _require_default(key: str, value: Any, default: object, reason: str) -> None
             raise ConfigError(f"{key} {exc.message()}, got {v.show(value)}") from None
         raise ConfigError(f"{key} must be {str(default).lower()}: {reason}, got {v.show(value)}")
     raise ConfigError(f"{key} is not supported: {reason}; remove it (got {v.show(value)})")
+
+
+def _deepspeed_accepts(key: str, kind: str, value: Any) -> None:
+    """`ConfigError` where DeepSpeed's schema would refuse ``value`` for ``key``, which zswap does not read:
+    a config is not silently taken that DeepSpeed refuses."""
+    try:
+        v.deepspeed_accepts(kind, value)
+    except PydanticCustomError as exc:
+        raise ConfigError(f"{key} {exc.message()}, got {v.show(value)}") from None
 
 
 def _known_in(path: str) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ configs write sizes as ``5e8``).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 
 INVALID = "zswap_invalid"
@@ -256,6 +257,33 @@ def schedule_value(name: str, value: Any) -> Any:
     if isinstance(value, list | tuple):  # a value per param group
         return tuple(to_float(item) for item in value)
     return to_float(value)
+
+
+DS_TYPES: dict[str, tuple[Any, str]] = {
+    "bool": (bool, "must be true or false"),
+    "int": (int, "must be an integer"),
+    "int>0": (Annotated[int, Field(gt=0)], "must be a positive integer"),
+    "int>=0": (Annotated[int, Field(ge=0)], "must be a non-negative integer"),
+    "fraction": (Annotated[float, Field(ge=0.0, le=1.0)], "must be a number from 0 to 1"),
+}
+"""The types DeepSpeed's schema gives the keys zswap accepts and does not read, with what each requires."""
+
+
+@functools.cache
+def _deepspeed_adapter(kind: str) -> TypeAdapter[Any]:
+    return TypeAdapter(DS_TYPES[kind][0])
+
+
+def deepspeed_accepts(kind: str, value: Any) -> None:
+    """`invalid` where DeepSpeed's schema refuses ``value`` for a key of type ``kind`` (pydantic's lax mode,
+    as DeepSpeed validates: ``"true"`` is a boolean there, ``5e8`` an integer). ``"auto"`` passes: Hugging
+    Face's config templates write it, and fill it in before DeepSpeed sees it."""
+    if isinstance(value, str) and value.strip().casefold() == "auto":
+        return
+    try:
+        _deepspeed_adapter(kind).validate_python(value)
+    except ValidationError:
+        raise invalid(f"{DS_TYPES[kind][1]} (DeepSpeed's schema refuses it too)") from None
 
 
 def _check(function: Callable[..., Any], **options: Any) -> BeforeValidator:
