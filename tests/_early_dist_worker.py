@@ -91,7 +91,7 @@ def check(
         s = e.stats()
         seen.append((s["steps_in_backward"], s["steps_redone"], s["steps_deferred"]))
         parts.append(s["steps_deferred_partly"] if cap is None else s["steps_in_backward_partly"])
-        assert same(params_of(m), params_of(ref)), (rank, step)
+        assert same(params_of(m), params_of(ref)), (rank, step, root.name)
         assert same(optim_state(e.optimizer, m), optim_state(ref_e.optimizer, ref)), (rank, step)
         assert e.last_grad_norm == ref_e.last_grad_norm, (rank, step)
     assert [b for b, _, _ in seen] == expect, (rank, limits, gas, seen, e.stats()["steps_ordinary_reason"])

@@ -1,7 +1,8 @@
 """One rank of tests/test_step_shapes.py's two-rank case: ``python _step_shapes_dist_worker.py RANK WORLD
 INIT_FILE SWAP_ROOT``.
 
-Each rank trains `Shaped` (tied weights, a branch taken on every other step) on its own micro-batches; the
+Each rank trains `Shaped` (tied weights, a branch taken on every other step or in each step's first
+micro-batch only) on its own micro-batches; the
 reference is plain PyTorch on DDP's averaged gradients. Without clipping, or with clipping that does not
 bite, params are bitwise equal. The global norm is built from each rank's partition norms (DDP's
 ``clip_grad_norm_`` takes each whole gradient's norm), so it agrees to rounding, and where clipping bites
@@ -72,7 +73,7 @@ def main() -> None:
     init_file, root = sys.argv[3], Path(sys.argv[4])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for kind in ("tied", "branch"):
+        for kind in ("tied", "branch", "first-micro"):
             for name in SETUPS:
                 check(kind, name, rank, world, root)
         check("tied", "nvme", rank, world, root, scheduled="every")

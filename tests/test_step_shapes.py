@@ -1,7 +1,9 @@
 """The step pipeline on model shapes that bend its bookkeeping, against plain PyTorch in RAM (fused AdamW or
 Adam after ``clip_grad_norm_``): tied weights (one record, one gradient summed from two uses), frozen params
-(no gradient, no record), and a branch taken on every other step (a param whose gradient is missing on half
-the steps: plain PyTorch leaves it and its moments alone then, and so must the update in backward). Params
+(no gradient, no record), a branch taken on every other step (a param whose gradient is missing on half
+the steps: plain PyTorch leaves it and its moments alone then, and so must the update in backward), and a
+branch taken in each step's first micro-batch only (an expert the boundary micro-batch does not route to:
+its gradient, complete before the backward that runs the update, is updated with the rest). Params
 after 5 optimizer steps and every step's gradient norm must be bitwise equal, and the steps after the first
 must have taken the fast path (in backward, or deferred where clipping bites) wherever the setup allows it.
 """
@@ -33,7 +35,7 @@ class Shaped(nn.Module):
         self.emb = nn.Embedding(VOCAB, width)
         self.a = nn.Linear(width, 2 * width)
         self.b = nn.Linear(2 * width, width)
-        self.c = nn.Linear(width, width, bias=False)  # used by "branch" on even steps only
+        self.c = nn.Linear(width, width, bias=False)  # "branch": on even steps only; "first-micro": see forward
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCAB, bias=False)
         if kind == "tied":
@@ -41,10 +43,10 @@ class Shaped(nn.Module):
         if kind == "frozen":
             self.a.requires_grad_(False)
 
-    def forward(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, step: int, micro: int = 0) -> torch.Tensor:
         h = self.emb(ids)
         h = h + self.b(torch.tanh(self.a(h)))
-        if self.kind == "branch" and step % 2 == 0:
+        if (self.kind == "branch" and step % 2 == 0) or (self.kind == "first-micro" and micro == 0):
             h = h + self.c(h)
         logits = self.head(self.ln(h)).flatten(0, 1)
         return nn.functional.cross_entropy(logits, ids.roll(1, 1).flatten()) * 30  # norms well above 1
@@ -101,7 +103,7 @@ def plain(
     for s in range(STEPS):
 
         def backward(k: int, r: int, s: int = s) -> None:
-            (ref(xs[(s * gas + k) * world + r], s) / gas).backward()
+            (ref(xs[(s * gas + k) * world + r], s, k) / gas).backward()
 
         ddp_grads(trainable, gas, world, backward)
         if clip:
@@ -155,7 +157,7 @@ def through_zswap(
     with zswap.initialize(model, cfg, optimizer=given, device=device) as engine:
         for s in range(STEPS):
             for k in range(gas):
-                engine.backward(model(xs[s * gas + k], s))
+                engine.backward(model(xs[s * gas + k], s, k))
                 if lr_at is not None and k == gas - 1:
                     for g in engine.optimizer.param_groups:
                         for key, value in _hypers(lr_at(s)).items():
@@ -203,11 +205,12 @@ SETUPS: dict[str, dict[str, Any]] = {
         "adam": "Adam",
         "given": True,
     },
+    "stand-in-gas2": {"tiers": ("nvme", "nvme"), "device": "standin", "gas": 2, "clip": None},
 }
 
 
 @pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
-@pytest.mark.parametrize("kind", ["tied", "frozen", "branch"])
+@pytest.mark.parametrize("kind", ["tied", "frozen", "branch", "first-micro"])
 def test_model_shapes_train_bitwise_plain_pytorch(kind, setup, tmp_path):
     chosen = SETUPS[setup]
     want, want_norms = plain(kind, chosen.get("adam", "AdamW"), chosen["gas"], chosen["clip"])

@@ -459,6 +459,19 @@ class NvmeGrads(GradStore):
         buf = self._alloc(numel, dtype) if self._loads is None else self._loads.take(numel, dtype)[0]
         return buf, self.ns.read(key, buf)
 
+    def earlier(self, st: ParamState) -> tuple[torch.Tensor, Any]:
+        # The committed value, without committing the generation of the backward running now (its end
+        # does, and raises its errors); this key has nothing in that generation.
+        key = self.key(st)
+        if key in self._gen_meta or key in self._applied or key not in self._meta:
+            raise KeyError(f"param {st.key} has no gradient of earlier backwards alone")
+        self._check()
+        kept = self._stash.get(key)
+        if kept is not None:
+            return kept, None
+        buf = self._alloc(*self._meta[key])
+        return buf, self.ns.read(key, buf)
+
     def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         with memory.purpose("grads"):
             return self.engine.empty((numel,), dtype)  # page-aligned: read without a bounce copy

@@ -81,6 +81,11 @@ class GradStore:
         The tensor may be modified in place (clipping) but is not stored back."""
         raise NotImplementedError
 
+    def earlier(self, st: ParamState) -> tuple[torch.Tensor, Any]:
+        """`load`, from inside a backward that gave ``st`` no gradient: the sum the earlier ones left
+        (this backward's own writes are left to its end). Read only."""
+        return self.load(st)
+
     def clear(self, sts: Iterable[ParamState]) -> None:
         raise NotImplementedError
 

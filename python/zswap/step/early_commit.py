@@ -388,6 +388,7 @@ def reset(es: EarlyStep) -> None:
     es.staged = 0
     es.swaps = []
     es.passed = set()
+    es.earlier = frozenset()
     es.outside = frozenset()
     es.capped = False
     es.part_why = ""

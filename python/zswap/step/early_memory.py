@@ -240,6 +240,20 @@ def has_grads(es: EarlyStep, gs: object) -> bool:
     return any((st := param_state(p)) is not None and st.grad is not None for p in es.opt.records.params)
 
 
+def summed(es: EarlyStep) -> frozenset[int]:
+    """The params (optimizer indices) with a gradient in their store as a backward begins: at an
+    accumulation boundary, the sums earlier micro-batches left."""
+    out = set()
+    for i, p in enumerate(es.opt.records.params):
+        st = param_state(p)
+        if st is None:
+            continue
+        gs = store_of(st)
+        if gs.key(st) in gs._meta if isinstance(gs, NvmeGrads) else st.grad is not None:  # committed
+            out.add(i)
+    return frozenset(out)
+
+
 def version(st: ParamState) -> Any:
     """``st``'s stored partition as it is now (see the module docstring)."""
     if isinstance(st.store, NvmeStore):

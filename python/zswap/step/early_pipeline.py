@@ -11,7 +11,8 @@ import torch
 
 from ..memory import ENGINE_COPY
 from ..parts.gather import no_torch_function
-from ..parts.params import NvmeStore, ParamState, local_slice
+from ..gradients.gradstore import store_of
+from ..parts.params import NvmeStore, ParamState, Status, local_slice, param_state
 from ..store.storage import _memcpy
 from . import early_memory
 from .optim._layout import SubGroup
@@ -227,6 +228,47 @@ def landed_micro(es: EarlyStep) -> list[tuple[torch.Tensor, torch.Tensor, str | 
     for dev, copy in es.micro_copies:
         dev.synchronize(copy)
     return es.micro
+
+
+def late_sums(es: EarlyStep) -> None:
+    """At the end of backward: params whose whole gradient came in earlier micro-batches of this step (an
+    expert, a branch the boundary micro-batch did not take) arrive with their stored sums, final now, and
+    their partitions read, as this backward's gradients would, so their records are updated with the rest
+    rather than dropping the early step for the ordinary one (which reads the same). Once only: a deferred
+    step's `ordinary_part` later lets go of held params it does not count as passed."""
+    params = es.opt.records.params
+    for i in sorted(es.earlier - es.ready.keys() - es.passed):
+        if es.state != "running":
+            return  # it gave up (`_arrive`, for room)
+        st = param_state(params[i])
+        if not es.opt.records.placed(i):  # its first gradient: as `EarlyStep._on_grad` leaves one
+            if es.opt.records.sub_groups:
+                es.passed.add(i)
+                es.part_why = es.part_why or "a param got its first gradient"
+            continue
+        if i in es.outside:
+            es.passed.add(i)
+            continue
+        grad, handle = store_of(st).earlier(st)
+        copy = early_memory.copy_of(es, i, st, _partition(es, i, st, params[i]))
+        version = early_memory.version(st)
+        if handle is not None:
+            handle.wait()
+        es._arrive(i, st, copy, grad, version, es.task)
+
+
+def _partition(es: EarlyStep, i: int, st: ParamState, p: torch.Tensor) -> torch.Tensor:
+    """This rank's partition of param ``i`` outside its backward: a stand-in where the update only writes
+    it, the gathered copy's slice where it stays gathered on the host, else read from its store."""
+    if i in es.masters:
+        return torch.empty(st.partition_numel, dtype=st.dtype, device="meta")
+    if st.status is Status.AVAILABLE and p.device.type == "cpu":
+        data = p.data.reshape(-1)
+        return local_slice(data, st.rank, st.partition_numel) if st.world_size > 1 else data
+    data, handle = st.store.load(st.key, st.partition_numel, st.dtype)
+    if handle is not None:
+        handle.wait()
+    return data
 
 
 def finish(es: EarlyStep) -> None:

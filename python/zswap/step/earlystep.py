@@ -142,6 +142,9 @@ class EarlyStep:
     """Params not held: those ``outside`` that got a gradient and, deferred, those whose gradient came
     once the copies and gradients held had reached `cap` (and every later one: ``capped``). Their records
     take the ordinary step in the commit (`early_commit.ordinary_part`), from their stored gradients."""
+    earlier: frozenset[int]
+    """Params whose gradients earlier micro-batches of this step left in their store, as backward began:
+    one this backward gives none arrives at its end with that sum (`early_pipeline.late_sums`)."""
     outside: frozenset[int]
     """Params outside the part this backward updates (`early_memory.plan_part`; none where all fit)."""
     capped: bool
@@ -444,6 +447,7 @@ class EarlyStep:
         self.seeding = early_memory.on_nvme(seeds)
         self.staying = self.resident()
         self.index = {id(p): i for i, p in enumerate(self.opt.records.params)}
+        self.earlier = early_memory.summed(self) if guess.sums else frozenset()
         self.txn = Transaction()
         early_memory.uses(self)
 
@@ -461,6 +465,8 @@ class EarlyStep:
             return
         try:
             early_device.land(self, block=True)  # a compute device's last copies
+            if self.state == "running":  # (deferred: held to the step, as every other param)
+                early_pipeline.late_sums(self)
             if self.state == "running" and self.factor is not None:
                 early_pipeline.finish(self)
         except Exception as exc:
