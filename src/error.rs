@@ -80,6 +80,9 @@ pub enum Error {
     Spawn { errno: i32, what: String },
     /// The key's last write failed, so it holds no data.
     Poisoned { key: String, cause: Box<Error> },
+    /// The engine was opened in process `owner`; `now` is a fork of it, where its rings and worker
+    /// threads do not exist (fork copies only the calling thread).
+    Forked { owner: u32, now: u32 },
 }
 
 /// A facility `backend="io_uring"` or `direct=True` insists on.
@@ -223,6 +226,12 @@ impl fmt::Display for Error {
                     "key {key:?} holds no data: its last write failed: {cause}"
                 )
             }
+            Error::Forked { owner, now } => write!(
+                f,
+                "this swap engine was opened in process {owner}, and process {now} is a fork of it: its \
+                 io_uring rings and worker threads stay with the parent (fork copies one thread), so it \
+                 cannot be used here; open a new one in this process"
+            ),
         }
     }
 }

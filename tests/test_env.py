@@ -85,6 +85,9 @@ def test_io_uring_and_direct_io_agree_with_the_engine(
     assert info["direct"] == checks["direct_io"]["ok"] == checks["direct_io"]["direct"]
     assert info["io_align"] == checks["direct_io"]["offset_align"]
     assert info["mem_align"] == checks["direct_io"]["mem_align"]
+    # The bounce buffers memlock must cover are the engine's own on this drive (once a fixed 16 MiB).
+    assert checks["memlock"]["fixed_buffer_bytes"] == info["bounce_bytes"]
+    assert info["fixed_buffers"] == (info["fixed_buffers_reason"] == "")
 
 
 def test_disabled_io_uring_is_a_no_with_its_reason_and_the_fallback(

@@ -35,7 +35,9 @@ class Shaped(nn.Module):
         self.emb = nn.Embedding(VOCAB, width)
         self.a = nn.Linear(width, 2 * width)
         self.b = nn.Linear(2 * width, width)
-        self.c = nn.Linear(width, width, bias=False)  # "branch": on even steps only; "first-micro": see forward
+        self.c = nn.Linear(
+            width, width, bias=False
+        )  # "branch": on even steps only; "first-micro": see forward
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCAB, bias=False)
         if kind == "tied":

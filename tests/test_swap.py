@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from zswap.errors import (
     EngineClosedError,
     NvmePathMissing,
     NvmePathNotADirectory,
+    NvmePathNotWritable,
     SwapIOError,
     UnknownKeyError,
     ZswapWarning,
@@ -120,6 +122,80 @@ def test_reads_bounce_by_default_only_on_a_virtio_disk(swap_dir: Path) -> None:
     with SwapEngine(swap_dir) as e:
         assert e.info["zero_copy_reads"] is not virtio
         assert ("virtio" in e.info["zero_copy_reads_reason"]) is virtio
+
+
+def test_a_forked_child_is_refused_the_engine_and_leaves_it_to_the_parent(swap_dir: Path) -> None:
+    """fork copies one thread: the child has none of the engine's workers. Its calls raise saying so, and
+    its close() and its interpreter's exit tear nothing down (joining the missing threads panicked; the
+    read was refused as unmapped memory); the parent reads its data after."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, torch, zswap
+        e = zswap.SwapEngine({str(swap_dir)!r})
+        x = torch.arange(1 << 18, dtype=torch.float32)
+        e.write("k", x).wait()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                e.read("k", torch.empty_like(x))
+            except BaseException as exc:  # a Rust panic is a BaseException
+                print("child", type(exc).__name__, exc, flush=True)
+            e.close()
+            print("child closed", e.closed, flush=True)
+            sys.exit(0)  # the interpreter's finalization drops the engine too
+        _, status = os.waitpid(pid, 0)
+        y = torch.empty_like(x)
+        e.read("k", y).wait()
+        print("parent", os.waitstatus_to_exitcode(status), torch.equal(x, y), os.getpid())
+        e.close()
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    child, closed, parent = run.stdout.splitlines()
+    assert parent.startswith("parent 0 True ")
+    owner = parent.split()[-1]
+    assert child.startswith(f"child ZswapError this swap engine was opened in process {owner}, and process ")
+    assert closed == "child closed False"
+
+
+def _without_ipc_lock(memlock: int, script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run as a process that lacks CAP_IPC_LOCK, its RLIMIT_MEMLOCK ``memlock`` bytes (a
+    user's lot: root's capability makes every pin succeed)."""
+    if shutil.which("setpriv") is None or shutil.which("prlimit") is None or os.geteuid() != 0:
+        pytest.skip("needs root with setpriv and prlimit (util-linux) to drop CAP_IPC_LOCK")
+    cmd = ["setpriv", "--bounding-set=-ipc_lock", "prlimit", f"--memlock={memlock}:{memlock}"]
+    return subprocess.run(
+        [*cmd, sys.executable, "-W", "always", "-c", textwrap.dedent(script)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_memlock_limits_are_said_not_silent(swap_dir: Path) -> None:
+    """Below the bounce buffers' size, registration (and lock_memory's mlock) is refused: once silent,
+    now `info` says why and lock_memory=True warns; at 0, io_uring's own refusal names the limit."""
+    run = _without_ipc_lock(
+        8 << 20,
+        f"""
+        import zswap
+        with zswap.SwapEngine({str(swap_dir)!r}, lock_memory=True) as e:
+            print(e.info["fixed_buffers"], e.info["bounce_bytes"], e.info["fixed_buffers_reason"])
+        """,
+    )
+    assert run.returncode == 0, run.stderr
+    fixed, nbytes, why = run.stdout.split(" ", 2)
+    assert fixed == "False" and int(nbytes) > 8 << 20
+    assert why.startswith(
+        f"registering the {int(nbytes) >> 20} MiB of bounce buffers failed: Cannot allocate"
+    )
+    assert f"RLIMIT_MEMLOCK (8192 KiB here, {int(nbytes) >> 10} KiB needed) without CAP_IPC_LOCK" in why
+    assert "ZswapWarning: lock_memory: the" in run.stderr and "could not be locked" in run.stderr
+    run = _without_ipc_lock(0, f"import zswap; print(zswap.SwapEngine({str(swap_dir)!r}).info['backend'])")
+    assert run.returncode == 0 and run.stdout == "psync\n", run.stderr
+    assert (
+        "io_uring unavailable (Cannot allocate memory: pinned memory is charged to RLIMIT_MEMLOCK (0 KiB"
+        in (run.stderr)
+    )
 
 
 def test_backends_store_identical_bytes(swap_dir: Path) -> None:
@@ -292,6 +368,10 @@ def test_missing_and_bad_paths(tmp_path: Path) -> None:
     with pytest.raises(NotADirectoryError) as ei2:
         SwapEngine(f)
     assert isinstance(ei2.value, NvmePathNotADirectory) and isinstance(ei2.value, zswap.ZswapError)
+    # A directory that exists, on a file system that takes no new file: once said not to exist.
+    with pytest.raises(NvmePathNotWritable, match=r"exists, but its file system refused a new file") as ei3:
+        SwapEngine("/proc")
+    assert ei3.value.errno == 2 and ei3.value.filename == "/proc"
 
 
 def test_io_error_names_errno_path_offset_length_and_leaves_source_intact(engine: SwapEngine) -> None:

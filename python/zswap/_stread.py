@@ -62,8 +62,10 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not"
-            raise NotRegularFileError(f"{path}: is {kind} a regular file; only regular files are read")
+            kind = (
+                "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a special file"
+            )
+            raise NotRegularFileError(f"{path}: is {kind}, not a regular file; only regular files are read")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

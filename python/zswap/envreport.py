@@ -24,9 +24,10 @@ from . import _zswap
 CHECKS = ("torch", "io_uring", "memlock", "direct_io", "hugetlb", "thp", "block_device", "cpu_adam", "cuda")
 """Every check `collect()` reports, in report order."""
 
-# The engine's defaults (EngineConfig::default in src/engine/mod.rs): its bounce buffers are
-# queue_depth × block_size bytes, registered as io_uring fixed buffers, which the kernel charges to
-# RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK.
+# The engine's defaults where no drive tells it more (EngineConfig::default in src/engine/mod.rs): its
+# bounce buffers, about queue_depth × block_size bytes, are registered as io_uring fixed buffers, which the
+# kernel charges to RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK. `collect` asks an engine on the
+# directory for what it picks there instead.
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_QUEUE_DEPTH = 16
 _CAP_IPC_LOCK, _CAP_SYS_ADMIN = 14, 21
@@ -191,17 +192,33 @@ def _io_uring_reason(
     return f"{name}: io_uring_setup failed: {os.strerror(err)}"
 
 
-def check_memlock() -> Check:
+def bounce_bytes(path: Path | None) -> int:
+    """Bytes of bounce buffers an engine on ``path`` holds with its own picks (the defaults' where none
+    can be opened there)."""
+    if path is not None:
+        try:
+            engine = _zswap.Engine([str(path)])
+        except OSError:
+            pass
+        else:
+            try:
+                return int(engine.info()["bounce_bytes"])
+            finally:
+                engine.close()
+    return DEFAULT_BLOCK_SIZE * DEFAULT_QUEUE_DEPTH
+
+
+def check_memlock(need: int = DEFAULT_BLOCK_SIZE * DEFAULT_QUEUE_DEPTH) -> Check:
+    """Whether ``need`` bytes of bounce buffers can be registered (pinned) with io_uring."""
     soft, hard = _memlock()
     cap = _has_cap(_CAP_IPC_LOCK)
-    need = DEFAULT_BLOCK_SIZE * DEFAULT_QUEUE_DEPTH
     details = {"soft": soft, "hard": hard, "cap_ipc_lock": cap, "fixed_buffer_bytes": need}
     summary = f"RLIMIT_MEMLOCK {_memlock_text(soft)} (hard {_memlock_text(hard)})" + (
         ", CAP_IPC_LOCK" if cap else ""
     )
     if soft is None or cap or soft >= need:
         return Check(
-            True, summary, f"the {_mib(need)} of default bounce buffers register as io_uring fixed buffers",
+            True, summary, f"the engine's {_mib(need)} of bounce buffers register as io_uring fixed buffers",
             details=details,
         )  # fmt: skip
     return Check(
@@ -433,7 +450,7 @@ def collect(path: Path) -> dict[str, Any]:
     checks: dict[str, Check] = {
         "torch": check_torch(),
         "io_uring": check_io_uring(),
-        "memlock": check_memlock(),
+        "memlock": check_memlock(bounce_bytes(path)),
         "direct_io": check_direct_io(path),
         "hugetlb": check_hugetlb(thp.details["mode"]),
         "thp": thp,

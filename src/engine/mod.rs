@@ -119,6 +119,14 @@ pub fn io_uring_disabled() -> bool {
 fn refusal(errno: i32) -> String {
     if io_uring_disabled() {
         "ZSWAP_DISABLE_IO_URING is set".into()
+    } else if errno == libc::ENOMEM {
+        // The probe's ring is tiny: ENOMEM there is the memlock charge (every kernel before 5.12, and
+        // later ones where the ring's pages are still accounted) or a limit of 0.
+        format!(
+            "{}{}",
+            crate::error::strerror(errno),
+            workers::memlock_hint(None)
+        )
     } else {
         crate::error::strerror(errno)
     }
@@ -164,6 +172,8 @@ pub struct Resolved {
     pub queue_depth: usize,
     pub threads: usize,
     pub fixed_buffers: bool,
+    /// Why the bounce buffers are not registered io_uring buffers ("" where they are).
+    pub fixed_why: String,
     pub bounce_pages: PageKind,
     pub bounce_bytes: usize,
     /// Bounce buffers each io_uring ring holds beyond one per slot, filled while every slot is in flight.
@@ -298,6 +308,7 @@ impl Engine {
             queue_depth: cfg.queue_depth,
             threads: started.threads,
             fixed_buffers: started.fixed_buffers,
+            fixed_why: started.fixed_why,
             bounce_pages: started.bounce_pages,
             bounce_bytes: started.bounce_bytes,
             bounce_spare: started.bounce_spare,
@@ -534,8 +545,7 @@ impl Engine {
     pub fn trim(&self) -> Result<()> {
         let _open = self.open()?;
         self.reclaim();
-        self.store.trim();
-        Ok(())
+        self.store.trim()
     }
 
     /// Allocates space for a new version; on ENOSPC first waits for replaced versions still in use

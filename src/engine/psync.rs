@@ -22,6 +22,10 @@ impl PsyncWorker {
         self.bounce.page_kind()
     }
 
+    pub fn locked(&self) -> bool {
+        self.bounce.locked()
+    }
+
     pub fn run(self, ctx: WorkerCtx) {
         while let Some(job) = ctx.rx.recv() {
             self.transfer(job, &ctx);

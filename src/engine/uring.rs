@@ -52,7 +52,8 @@ pub(crate) struct UringWorker {
     bufs: Vec<usize>,
     ahead: Option<Ahead>,
     nbuf: usize,
-    fixed: bool,
+    /// Whether the bounce buffers are registered: the errno the kernel refused them with otherwise.
+    fixed: std::result::Result<(), i32>,
     block_size: usize,
 }
 
@@ -82,7 +83,8 @@ impl UringWorker {
             .collect();
         // SAFETY: the iovecs describe `bounce`, which this worker owns and which outlives the ring's use
         // of it: the ring is dropped with the worker, before or together with `bounce` (field order).
-        let fixed = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
+        let fixed = unsafe { ring.submitter().register_buffers(&iovecs) }
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EINVAL));
         Ok(UringWorker {
             ring,
             bounce,
@@ -106,8 +108,13 @@ impl UringWorker {
         self.nbuf * self.block_size
     }
 
-    pub fn fixed_buffers(&self) -> bool {
-        self.fixed
+    /// The errno registering the bounce buffers failed with (`None`: registered).
+    pub fn fixed_refusal(&self) -> Option<i32> {
+        self.fixed.err()
+    }
+
+    pub fn locked(&self) -> bool {
+        self.bounce.locked()
     }
 
     pub fn page_kind(&self) -> crate::buffer::PageKind {
@@ -357,7 +364,7 @@ impl UringWorker {
         let ptr = unsafe { s.mem.add(s.done) };
         let len = (s.job.io_len - s.done) as u32;
         let off = s.job.file_offset + s.done as u64;
-        let fixed = s.buf.filter(|_| self.fixed).map(|b| b as u16);
+        let fixed = s.buf.filter(|_| self.fixed.is_ok()).map(|b| b as u16);
         let entry = match (s.job.op, fixed) {
             (Op::Read, Some(b)) => opcode::ReadFixed::new(fd, ptr, len, b).offset(off).build(),
             (Op::Read, None) => opcode::Read::new(fd, ptr, len).offset(off).build(),

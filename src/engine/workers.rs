@@ -18,6 +18,8 @@ pub(super) struct Started {
     pub handles: Vec<JoinHandle<()>>,
     pub threads: usize,
     pub fixed_buffers: bool,
+    /// Why the bounce buffers are not registered ("" where they are).
+    pub fixed_why: String,
     pub bounce_pages: PageKind,
     pub bounce_bytes: usize,
     /// Bounce buffers each ring holds beyond one per slot (0 for psync).
@@ -36,7 +38,7 @@ pub(super) fn start(
     let budget = cfg.pinned_memory_budget.unwrap_or(default_budget(cfg));
     if backend == Backend::IoUring {
         match rings(cfg, budget) {
-            Ok(rings) => return spawn_rings(rings, ctx),
+            Ok(rings) => return spawn_rings(rings, ctx, cfg.lock_memory, notes),
             Err(Error::Unavailable { errno, why, .. }) if want == Backend::Auto => {
                 notes.push(format!(
                     "io_uring unavailable ({}: {why}), using the psync backend",
@@ -55,16 +57,22 @@ pub(super) fn start(
         handles: Vec::new(),
         threads,
         fixed_buffers: false,
+        fixed_why: "the psync backend has no io_uring ring to register them with".into(),
         bounce_pages: PageKind::Small,
         bounce_bytes: 0,
         bounce_spare: 0,
     };
+    let mut locked = true;
     for i in 0..threads {
         let w = psync::PsyncWorker::new(cfg.block_size, cfg.lock_memory)?;
         s.bounce_pages = w.page_kind();
         s.bounce_bytes += cfg.block_size;
+        locked &= w.locked();
         s.handles
             .push(spawn(format!("zswap-psync-{i}"), ctx(), move |c| w.run(c))?);
+    }
+    if cfg.lock_memory && !locked {
+        notes.push(unlocked_note(s.bounce_bytes));
     }
     Ok(s)
 }
@@ -105,41 +113,92 @@ fn rings(cfg: &EngineConfig, budget: usize) -> Result<Vec<uring::UringWorker>> {
         .collect()
 }
 
-fn spawn_rings(rings: Vec<uring::UringWorker>, ctx: &dyn Fn() -> WorkerCtx) -> Result<Started> {
+fn spawn_rings(
+    rings: Vec<uring::UringWorker>,
+    ctx: &dyn Fn() -> WorkerCtx,
+    lock: bool,
+    notes: &mut Vec<String>,
+) -> Result<Started> {
     let mut s = Started {
         backend: Backend::IoUring,
         handles: Vec::new(),
         threads: rings.len(),
         fixed_buffers: true,
+        fixed_why: String::new(),
         bounce_pages: PageKind::Small,
         bounce_bytes: 0,
         bounce_spare: 0,
     };
+    let total: usize = rings.iter().map(uring::UringWorker::bounce_bytes).sum();
+    let mut locked = true;
     for (i, w) in rings.into_iter().enumerate() {
-        s.fixed_buffers &= w.fixed_buffers();
+        if let (Some(errno), true) = (w.fixed_refusal(), s.fixed_buffers) {
+            s.fixed_buffers = false;
+            s.fixed_why = format!(
+                "registering the {} MiB of bounce buffers failed: {} (errno {errno}){}; plain io_uring \
+                 reads and writes instead (the same data path, a little more CPU per request)",
+                total >> 20,
+                crate::error::strerror(errno),
+                if errno == libc::ENOMEM { memlock_hint(Some(total)) } else { String::new() },
+            );
+        }
+        locked &= w.locked();
         s.bounce_pages = w.page_kind();
         s.bounce_bytes += w.bounce_bytes();
         s.bounce_spare = w.spare();
         s.handles
             .push(spawn(format!("zswap-uring-{i}"), ctx(), move |c| w.run(c))?);
     }
+    if lock && !locked {
+        notes.push(unlocked_note(total));
+    }
     Ok(s)
+}
+
+/// RLIMIT_MEMLOCK's soft limit in bytes (`None`: unlimited or unreadable).
+fn memlock_limit() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct we pass.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0;
+    (ok && lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
+}
+
+/// Why memory the kernel pins (`need` bytes, where known) was refused, where RLIMIT_MEMLOCK is the
+/// likely cause.
+pub(super) fn memlock_hint(need: Option<usize>) -> String {
+    let Some(limit) = memlock_limit() else {
+        return String::new();
+    };
+    let need = need.map_or(String::new(), |n| format!(", {} KiB needed", n / 1024));
+    format!(
+        ": pinned memory is charged to RLIMIT_MEMLOCK ({} KiB here{need}) without CAP_IPC_LOCK; raise \
+         it (ulimit -l unlimited, LimitMEMLOCK=, docker --ulimit memlock=-1)",
+        limit / 1024
+    )
+}
+
+/// The note (a Python `ZswapWarning`) for `lock_memory` that locked nothing.
+fn unlocked_note(bytes: usize) -> String {
+    format!(
+        "lock_memory: the {} MiB of bounce buffers could not be locked (mlock refused{}), so they may be \
+         swapped out",
+        bytes >> 20,
+        memlock_hint(Some(bytes))
+    )
 }
 
 /// Why a ring of `entries` was refused, with the memlock limit when that is the likely cause.
 pub(super) fn ring_refusal(entries: u32, errno: i32) -> Error {
     let mut why = format!("io_uring_setup of a {entries}-entry ring failed");
     if errno == libc::ENOMEM {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit fills the struct we pass.
-        if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0 {
+        if let Some(limit) = memlock_limit() {
             why.push_str(&format!(
                 "; ring memory is charged to RLIMIT_MEMLOCK ({} KiB here) without CAP_IPC_LOCK — \
                  lower aio.queue_depth or raise the limit (ulimit -l)",
-                lim.rlim_cur / 1024
+                limit / 1024
             ));
         }
     }

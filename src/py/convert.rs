@@ -30,12 +30,19 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             libc::ENOENT | libc::EACCES | libc::EPERM | libc::ENOTDIR | libc::EROFS
         ) =>
         {
+            // ENOENT from creating a file in a directory that exists: a pseudo file system (/proc).
+            let there = *errno == libc::ENOENT && path.is_dir();
             let name = match *errno {
-                libc::ENOENT => "NvmePathMissing",
+                libc::ENOENT if !there => "NvmePathMissing",
                 libc::ENOTDIR => "NvmePathNotADirectory",
                 _ => "NvmePathNotWritable",
             };
             let what = match *errno {
+                libc::ENOENT if there => format!(
+                    "swap directory exists, but its file system refused a new file in it ({}; /proc \
+                     and /sys, for instance, take none)",
+                    strerror(libc::ENOENT)
+                ),
                 libc::ENOENT => "swap directory does not exist (zswap never creates it)".to_owned(),
                 libc::ENOTDIR => "swap path is not a directory".to_owned(),
                 e => format!("swap directory is not writable ({})", strerror(e)),
@@ -114,6 +121,7 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
         }
         Error::UnknownKey(_) => make(&class("UnknownKeyError")?, (e.to_string(),))?,
         Error::Closed => make(&class("EngineClosedError")?, (e.to_string(),))?,
+        Error::Forked { .. } => make(&class("ZswapError")?, (e.to_string(),))?,
         Error::InvalidArgument(m) => make(&class("ConfigError")?, (m.clone(),))?,
         Error::Memory(m) => make(&class("InvalidTensorError")?, (m.clone(),))?,
         Error::Unavailable { feature, errno, .. } => {

@@ -24,6 +24,9 @@ type Orphans = Arc<Mutex<Vec<(Arc<Request>, Py<PyAny>)>>>;
 struct PyEngine {
     inner: Arc<Engine>,
     orphans: Orphans,
+    /// The process that opened it: in a forked child every call is refused and nothing is torn down
+    /// (joining worker threads that were never copied would panic).
+    pid: u32,
 }
 
 #[pymethods]
@@ -90,6 +93,7 @@ impl PyEngine {
         Ok(PyEngine {
             inner: Arc::new(inner),
             orphans: Arc::default(),
+            pid: std::process::id(),
         })
     }
 
@@ -102,6 +106,7 @@ impl PyEngine {
         nbytes: usize,
         keep: Py<PyAny>,
     ) -> PyResult<PyHandle> {
+        self.owned(py)?;
         self.sweep(py);
         let e = &self.inner;
         self.check_memory(py, "write source", ptr, nbytes, memcheck::Access::Read)?;
@@ -122,6 +127,7 @@ impl PyEngine {
         nbytes: usize,
         keep: Py<PyAny>,
     ) -> PyResult<PyHandle> {
+        self.owned(py)?;
         self.sweep(py);
         let e = &self.inner;
         self.check_memory(py, "read destination", ptr, nbytes, memcheck::Access::Write)?;
@@ -131,34 +137,41 @@ impl PyEngine {
     }
 
     fn free(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        self.owned(py)?;
         let e = &self.inner;
         py.detach(|| e.free(key)).map_err(|e| to_pyerr(py, e))
     }
 
     fn trim(&self, py: Python<'_>) -> PyResult<()> {
+        self.owned(py)?;
         let e = &self.inner;
         py.detach(|| e.trim()).map_err(|e| to_pyerr(py, e))
     }
 
     fn contains(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        self.owned(py)?;
         self.inner.contains(key).map_err(|e| to_pyerr(py, e))
     }
 
     fn nbytes(&self, py: Python<'_>, key: &str) -> PyResult<u64> {
+        self.owned(py)?;
         self.inner.len_of(key).map_err(|e| to_pyerr(py, e))
     }
 
     fn keys(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.owned(py)?;
         self.inner.keys().map_err(|e| to_pyerr(py, e))
     }
 
     /// A zero-filled, page-aligned buffer of `nbytes` exposing the buffer protocol.
     fn alloc(&self, py: Python<'_>, nbytes: usize) -> PyResult<PyBuffer> {
+        self.owned(py)?;
         let buf = self.inner.alloc(nbytes).map_err(|e| to_pyerr(py, e))?;
         Ok(PyBuffer {
             buf,
             len: nbytes,
             engine: Arc::downgrade(&self.inner),
+            pid: self.pid,
         })
     }
 
@@ -199,6 +212,7 @@ impl PyEngine {
         d.set_item("queue_depth", r.queue_depth)?;
         d.set_item("threads", r.threads)?;
         d.set_item("fixed_buffers", r.fixed_buffers)?;
+        d.set_item("fixed_buffers_reason", &r.fixed_why)?;
         d.set_item(
             "bounce_pages",
             format!("{:?}", r.bounce_pages).to_lowercase(),
@@ -243,8 +257,12 @@ impl PyEngine {
         self.inner.is_closed()
     }
 
-    /// Finishes queued I/O, stops the workers and closes (and so frees) the swap files.
+    /// Finishes queued I/O, stops the workers and closes (and so frees) the swap files. In a forked
+    /// child it does nothing: the files and threads are the parent's.
     fn close(&self, py: Python<'_>) {
+        if self.owned(py).is_err() {
+            return;
+        }
         let e = &self.inner;
         py.detach(|| e.close());
         self.orphans
@@ -294,7 +312,28 @@ impl PyEngine {
     }
 }
 
+impl Drop for PyEngine {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child's copy: the engine's threads were not copied, so its teardown (joining
+            // them) would panic, and its files are the parent's to free. Leaking one reference keeps
+            // `Engine::drop` from ever running here; the child's exit returns the memory.
+            std::mem::forget(Arc::clone(&self.inner));
+        }
+    }
+}
+
 impl PyEngine {
+    /// `Error::Forked` in a process forked from the one that opened the engine.
+    fn owned(&self, py: Python<'_>) -> PyResult<()> {
+        let now = std::process::id();
+        if now == self.pid {
+            return Ok(());
+        }
+        let owner = self.pid;
+        Err(to_pyerr(py, Error::Forked { owner, now }))
+    }
+
     /// Refuses memory the transfer cannot use (null, unmapped, read-only for a read) before any byte
     /// moves. Engine buffers are known good; the closed check comes first so a closed engine always
     /// says so.
@@ -394,6 +433,7 @@ struct PyBuffer {
     buf: Arc<AlignedBuf>,
     len: usize,
     engine: Weak<Engine>,
+    pid: u32,
 }
 
 #[pymethods]
@@ -420,6 +460,9 @@ impl PyBuffer {
 
 impl Drop for PyBuffer {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            return; // a forked child's copy: the engine's registry is the parent's (`PyEngine::drop`)
+        }
         if let Some(e) = self.engine.upgrade() {
             e.release_buffer(self.buf.as_ptr() as usize);
         }

@@ -182,22 +182,35 @@ impl SwapFile {
     }
 
     /// Returns the given free ranges to the file system and truncates the file to `keep` bytes (the
-    /// allocator's high-water mark). Best effort: a file system without hole punching keeps the space,
-    /// which costs nothing but disk. The caller holds the allocator, so none of the ranges is in use.
-    pub fn give_back(&self, ranges: &[(u64, u64)], keep: u64) {
+    /// allocator's high-water mark). A file system without hole punching (EOPNOTSUPP) keeps the space,
+    /// which costs nothing but disk; any other failure is the first error, after every range was tried
+    /// (the space stays allocated, the data is untouched). The caller holds the allocator, so none of the
+    /// ranges is in use.
+    pub fn give_back(&self, ranges: &[(u64, u64)], keep: u64) -> Result<()> {
+        let mut first = None;
         for &(off, len) in ranges {
-            let _ = self.fallocate(
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                off,
-                len,
-            );
+            let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+            match self.fallocate(punch, off, len) {
+                Ok(()) | Err(libc::EOPNOTSUPP) => {}
+                Err(errno) => {
+                    first
+                        .get_or_insert_with(|| Error::io(Op::Allocate, errno, &self.dir, off, len));
+                }
+            }
         }
         let _g = self.grow_lock.lock().unwrap_or_else(|e| e.into_inner());
         let keep = align_up(keep, UNIT);
-        // SAFETY: ftruncate on our own open descriptor; no memory is passed.
-        if keep < self.size() && unsafe { libc::ftruncate(self.fd, keep as i64) } == 0 {
-            self.size.store(keep, Ordering::Release);
+        let size = self.size();
+        if keep < size {
+            // SAFETY: ftruncate on our own open descriptor; no memory is passed.
+            if unsafe { libc::ftruncate(self.fd, keep as i64) } == 0 {
+                self.size.store(keep, Ordering::Release);
+            } else {
+                let e = Error::io(Op::Allocate, last_errno(), &self.dir, keep, size - keep);
+                first.get_or_insert(e);
+            }
         }
+        first.map_or(Ok(()), Err)
     }
 
     /// Bytes the file system holds for this file (`st_blocks × 512`).

@@ -150,7 +150,9 @@ impl Store {
                 let ranges = a.take_all();
                 let keep = a.end();
                 // Under the allocator lock, so no punched range is handed out before it is punched.
-                file.give_back(&ranges, keep);
+                // Best effort here, in the middle of a free: what is not given back stays allocated
+                // (reused, and returned at close); `trim`, which a caller asks for, reports it.
+                let _ = file.give_back(&ranges, keep);
                 a.truncated_to(file.size());
             }
         }
@@ -158,15 +160,21 @@ impl Store {
 
     /// Returns every free range of every file to the file system now and truncates each file to its
     /// high-water mark (`free` does so only past `PUNCH_SLACK`, keeping space a rewrite would reuse).
-    pub fn trim(&self) {
+    /// The first failure (`give_back`) once every file was tried.
+    pub fn trim(&self) -> Result<()> {
+        let mut first = Ok(());
         for file in &self.files {
             let mut a = lock(&file.alloc);
             let ranges = a.take_all();
             let keep = a.end();
             // Under the allocator lock, so no punched range is handed out before it is punched.
-            file.give_back(&ranges, keep);
+            let r = file.give_back(&ranges, keep);
             a.truncated_to(file.size());
+            if first.is_ok() {
+                first = r;
+            }
         }
+        first
     }
 
     /// Closes every file, which frees their space at once.
@@ -199,7 +207,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
+    use crate::error::{Error, Op};
 
     #[test]
     fn layout_stripes_blocks_round_robin() {
@@ -218,6 +226,30 @@ mod tests {
         );
         let b = l.block(5);
         assert_eq!((b.path, b.file_offset, b.data_len), (0, 100, 7));
+    }
+
+    #[test]
+    fn a_failed_give_back_is_reported_after_every_range_was_tried() {
+        let d = tempfile::tempdir().unwrap();
+        let (f, _) = SwapFile::create(d.path(), None).unwrap();
+        f.ensure_size(4 << 20).unwrap();
+        let before = f.allocated_bytes();
+        // A range the kernel refuses (fallocate: EINVAL for a zero length), then one it punches.
+        match f.give_back(&[(1 << 20, 0), (2 << 20, 1 << 20)], 4 << 20) {
+            Err(Error::Io {
+                op: Op::Allocate,
+                errno: libc::EINVAL,
+                offset,
+                length: 0,
+                ..
+            }) => assert_eq!(offset, 1 << 20),
+            other => panic!("expected the EINVAL of the first range, got {other:?}"),
+        }
+        assert!(
+            f.allocated_bytes() <= before - (1 << 20),
+            "the second range was punched too"
+        );
+        assert!(f.give_back(&[(0, 1 << 20)], 0).is_ok());
     }
 
     #[test]

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ..gradients.gradstore import store_of
 from ..memory import ENGINE_COPY
 from ..parts.gather import no_torch_function
-from ..gradients.gradstore import store_of
 from ..parts.params import NvmeStore, ParamState, Status, local_slice, param_state
 from ..store.storage import _memcpy
 from . import early_memory
@@ -241,6 +241,8 @@ def late_sums(es: EarlyStep) -> None:
         if es.state != "running":
             return  # it gave up (`_arrive`, for room)
         st = param_state(params[i])
+        if st is None:  # (`early_memory.summed` took managed params only)
+            continue
         if not es.opt.records.placed(i):  # its first gradient: as `EarlyStep._on_grad` leaves one
             if es.opt.records.sub_groups:
                 es.passed.add(i)

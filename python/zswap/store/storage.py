@@ -30,6 +30,7 @@ import errno
 import itertools
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,7 +39,14 @@ import numpy as np
 import torch
 
 from .._interrupts import deferred
-from ..errors import NvmePathError, NvmePathMissing, NvmePathNotADirectory, NvmePathNotWritable, ZswapError
+from ..errors import (
+    NvmePathError,
+    NvmePathMissing,
+    NvmePathNotADirectory,
+    NvmePathNotWritable,
+    ZswapError,
+    ZswapWarning,
+)
 from .namespaces import Namespace, _named
 from .queue import WriteQueue, _Write, await_point
 
@@ -89,7 +97,15 @@ class Storage:
         elif give_back and not self.closed and hasattr(self.engine, "trim"):
             # Another namespace (the params') keeps the engine: the space this one freed (an engine's
             # optimizer records, its gradients) goes back to the file system rather than staying reserved.
-            self.engine.trim()
+            try:
+                self.engine.trim()
+            except OSError as exc:  # a close goes on: the space stays the engine's until it closes
+                warnings.warn(
+                    f"the swap space freed at this close could not be given back to the file system ({exc}); "
+                    "it stays allocated to the swap files until their engine closes",
+                    ZswapWarning,
+                    stacklevel=3,
+                )
 
     def close_if_unused(self) -> None:
         """Close an engine zswap opened that no namespace uses (a construction that failed half-way)."""
