@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,25 @@ def test_a_failure_while_running_is_one_line_and_status_1(monkeypatch, capsys):
         "zswap bench: error: [Errno 28] No space left on device: '/mnt/nvme0/zswap-swap' "
         "(--debug shows the traceback)\n"
     )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_termination_cleans_up_as_an_interrupt_does(signum, monkeypatch, tmp_path, capsys):
+    """SIGTERM in fio's pass ended the process at once, leaving its file of --size bytes in the directory."""
+    from zswap import bench
+
+    def fio_pass(target: Path, *a: object) -> tuple[float, float]:
+        target.write_bytes(b"x" * 4096)  # what fio had written so far
+        os.kill(os.getpid(), signum)
+        raise AssertionError("the signal raises before this")
+
+    monkeypatch.setattr(bench.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(bench, "_fio_pass", fio_pass)
+    before = signal.getsignal(signum)
+    assert main(["bench", "--path", str(tmp_path), "--size", "64MiB"]) == 128 + signum
+    assert capsys.readouterr().err == f"zswap bench: terminated ({signal.Signals(signum).name})\n"
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signum) is before  # put back
 
 
 @pytest.mark.parametrize("where", ["before", "after"])

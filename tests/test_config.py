@@ -776,7 +776,25 @@ def test_a_section_must_be_an_object(section):
             {"optimizer": {"type": "Adam", "params": {"weight_decay": -0.1}}},
             "optimizer.params.weight_decay must be a non-negative number, got -0.1",
         ),
-        ({"optimizer": {"type": "SGD"}}, "optimizer.type must be one of 'Adam', 'AdamW', got 'SGD'"),
+        (
+            {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}},  # the type, not momentum
+            "optimizer.type must be one of 'Adam', 'AdamW', got 'SGD': zswap's offloaded optimizer is "
+            "Adam / AdamW (its state on NVMe or in CPU memory). torch's SGD runs with its state in CPU "
+            "memory: remove the optimizer section and pass it, initialize(..., "
+            "optimizer=torch.optim.SGD(model.parameters(), ...))",
+        ),
+        (
+            {"optimizer": {"type": "Lamb"}},
+            "optimizer.type must be one of 'Adam', 'AdamW', got 'Lamb': zswap's offloaded optimizer is "
+            "Adam / AdamW (its state on NVMe or in CPU memory). DeepSpeed's own others (Lamb, "
+            "OneBitAdam...) are not implemented; an element-wise torch optimizer can be passed instead: "
+            "initialize(..., optimizer=torch.optim.SGD(...))",
+        ),
+        (
+            {"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}},
+            "unknown key 'max_grad_norm' in optimizer.params; clipping is the top-level gradient_clipping "
+            "(as DeepSpeed says)",
+        ),
         ({"optimizer": {"params": {"lr": 1e-3}}}, "optimizer.type is required"),
         ({"optimizer": {"type": "auto"}}, "optimizer.type must be one of 'Adam', 'AdamW', got 'auto'"),
         (
@@ -1129,13 +1147,13 @@ def test_to_dict_is_the_trimmed_layout():
     assert set(out) == {
         "offload_param", "offload_optimizer", "aio", "optimizer", "bf16", "fp16",
         "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-        "stage3_max_reuse_distance", "sub_group_size", "leaf_module", "gradient_clipping",
+        "stage3_max_reuse_distance", "sub_group_size", "leaf_module",
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
         "dataloader_drop_last", "managed_gradient_accumulation", "torch_autocast", "data_types",
         "communication_data_type",
     }  # fmt: skip
     assert out["leaf_module"] == {"classes": ["Block"], "names": [], "name_suffixes": ["mlp"]}
-    assert out["gradient_clipping"] == "auto"
+    assert "gradient_clipping" not in out  # absent stays absent ("auto" is the Hugging Face Trainer's)
     assert out["offload_param"]["nvme_path"] == ["/n0", "/n1"]
     assert out["offload_optimizer"]["nvme_path"] is None
     assert out["stage3_max_live_parameters"] == "auto"
@@ -1233,7 +1251,9 @@ def test_public_names():
 
 def test_gradient_clipping_is_read_from_the_top_level():
     assert load_config({"gradient_clipping": 1.0, "train_batch_size": 8}).gradient_clipping == 1.0
-    assert load_config({"gradient_clipping": "auto"}).gradient_clipping is None
+    auto = load_config({"gradient_clipping": "auto"})
+    assert auto.gradient_clipping is None and auto.gradient_clipping_auto
+    assert load_config(auto.to_dict()) == auto and load_config(load_config({}).to_dict()) == load_config({})
     cfg = load_config({"gradient_clipping": 0.5})
     assert load_config(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="gradient_clipping must be a non-negative number, got -1"):

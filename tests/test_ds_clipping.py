@@ -152,6 +152,20 @@ def test_zswap_initialize_does_not_clip_without_the_key():
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def test_zswap_initialize_refuses_auto_clipping_it_has_no_trainer_to_fill():
+    """``"auto"`` is the Hugging Face Trainer's max_grad_norm; in a hand-written loop it once meant no
+    clipping, silently (a Trainer config reused there stopped clipping). ``max_grad_norm=`` decides it."""
+    cfg = config() | {"gradient_clipping": "auto"}
+    model = built()
+    zswap.Init(cfg, module=model)
+    with pytest.raises(
+        zswap.ConfigError, match=r'gradient_clipping is "auto", which the Hugging Face Trainer'
+    ):
+        zswap.initialize(model, cfg, optimizer=adamw(model.parameters()))
+    with zswap.initialize(model, cfg, optimizer=adamw(model.parameters()), max_grad_norm=1.0) as engine:
+        assert engine.max_grad_norm == 1.0
+
+
 def test_deepspeed_initialize_clips_its_config_optimizer_at_one():
     _, norms = reference(1.0, 3)
     model = built()

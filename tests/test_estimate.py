@@ -30,6 +30,8 @@ def test_everything_on_nvme_bf16_four_ranks() -> None:
         "optimizer states": {"gpu": 0, "ram": 0, "nvme": part * 12},
     }
     assert e.total("nvme") == part * 16 == 28_000_000_000
+    # Copy-on-write doubles the space in use; the files grow ahead of it by at most 1 GiB.
+    assert e.swap_files() == 2 * 28_000_000_000 + (1 << 30)
 
 
 def test_tiers_move_the_bytes_and_fp32_has_no_master_copy() -> None:
@@ -107,8 +109,9 @@ def test_the_command_reports_a_folder_without_config(
 def test_world_size_adds_the_whole_jobs_nvme(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--params", "7B", "--world-size", "4"]) == 0
     text = capsys.readouterr().out
-    assert "NVMe, all ranks" in text and "104.31 GiB" in text  # 4 × 1.75e9 × 16 B
-    assert "26.08 GiB" in text
+    assert "26.08 GiB" in text  # 1.75e9 × 16 B a rank
+    assert "swap files, peak" in text and "53.15 GiB" in text  # 2 × that + 1 GiB of growth
+    assert "NVMe, all ranks" in text and "212.62 GiB" in text
 
 
 def test_largest_layer_with_a_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,3 +131,35 @@ def test_counts_are_exact_integers_within_bounds(capsys: pytest.CaptureFixture[s
         est.parse_count("123456789012345678901")
     assert main(["estimate", "--params", "1M", "--largest-layer", "7B"]) == 2
     assert "--largest-layer 7,000,000,000 is more than --params 1,000,000" in capsys.readouterr().err
+
+
+def test_the_swap_files_of_a_run_stay_within_the_estimate(tmp_path: Path) -> None:
+    """The estimate's disk figure once counted the bytes in use alone; a run's files reached twice and more
+    (copy-on-write versions, freed space kept, the files' growth ahead of use)."""
+    import torch
+
+    import zswap
+
+    for dtype in ("fp32", "bf16"):
+        swap = tmp_path / dtype
+        swap.mkdir()
+        nvme = {"device": "nvme", "nvme_path": str(swap)}
+        cfg = {
+            "zero_optimization": {"offload_param": nvme, "offload_optimizer": nvme},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "bf16": {"enabled": dtype == "bf16"},
+        }
+        torch.manual_seed(0)
+        with zswap.Init(cfg):
+            model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        engine = zswap.initialize(model, cfg)
+        x = torch.randn(4, 512, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        peak = 0
+        files = zswap.param_state(model[0].weight).store.engine  # type: ignore[union-attr]
+        for _ in range(6):
+            engine.backward(model(x).float().square().mean())
+            engine.step()
+            peak = max(peak, files.stats()["allocated_bytes"])
+        engine.close()
+        bound = est.estimate(8 * (512 * 512 + 512), dtype=dtype).swap_files()
+        assert 0 < peak <= bound, (dtype, peak, bound)

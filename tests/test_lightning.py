@@ -203,9 +203,11 @@ def test_adam_with_l2_decay_equals_plain_trainer(tmp_path):
     assert trainer.optimizers[0].param_groups[0]["decoupled_weight_decay"] is False
 
 
-def test_gradient_clipping_by_norm_equals_plain_trainer(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"gradient_clipping": "auto"}], ids=["absent", "auto"])
+def test_gradient_clipping_by_norm_equals_plain_trainer(tmp_path, extra):
+    """``"auto"`` (Hugging Face's "the front end's") is the Trainer's gradient_clip_val here."""
     ref, _ = _fit(gradient_clip_val=0.05)
-    ours, trainer = _fit(ZswapStrategy(_config(tmp_path)), gradient_clip_val=0.05)
+    ours, trainer = _fit(ZswapStrategy(_config(tmp_path, **extra)), gradient_clip_val=0.05)
     _assert_same_run(ours, ref, STEPS)
     assert trainer.strategy.engine.last_grad_norm is not None
 

@@ -14,8 +14,10 @@ import argparse
 import contextlib
 import errno
 import json
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -403,10 +405,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     an error while running returns 1 after one line on stderr (``--debug``: raised with its traceback)."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with _terminable():
+            return int(args.func(args))
     except KeyboardInterrupt:
         print(f"zswap {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _Terminated as t:
+        print(f"zswap {args.command}: terminated ({signal.Signals(t.signum).name})", file=sys.stderr)
+        return 128 + t.signum
     except UsageError as exc:
         if getattr(args, "debug", False):
             raise
@@ -417,6 +423,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"zswap {args.command}: error: {_one_line(exc)} (--debug shows the traceback)", file=sys.stderr)
         return EXIT_RUNTIME
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP while a command ran (a BaseException, as KeyboardInterrupt: no ``except
+    Exception`` on the way takes it for a failure to handle)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _terminable() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP raise `_Terminated` in the main thread, so a command's cleanup (its temp
+    dir, fio's file, the engine's swap files) runs as after Ctrl-C; their default action ended the process
+    on the spot, leaving a file of ``--size`` bytes behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Terminated(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -104,8 +104,11 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
             raise ConfigError("scheduler.params has a key that is not a string")
         given["params"] = ("scheduler.params", dict(params))
         out.put("scheduler", given)
-    if raw.get("gradient_clipping") is not None:  # DeepSpeed keeps it at top level; "auto" = zswap's default
-        out.data["gradient_clipping"] = _detach(raw["gradient_clipping"])
+    clip = raw.get("gradient_clipping")  # DeepSpeed keeps it at top level
+    if isinstance(clip, str) and clip.strip().casefold() == "auto":
+        out.data["gradient_clipping_auto"] = True  # each front end's own default (`own_clipping`)
+    elif clip is not None:
+        out.data["gradient_clipping"] = _detach(clip)
         out.origins[("gradient_clipping",)] = "gradient_clipping"
     return out
 
@@ -168,6 +171,12 @@ def _cpu_offload_switches(zero: Mapping[Any, Any] | None) -> dict[str, str]:
 def _read_optimizer(optimizer: Mapping[Any, Any], out: Assembled) -> dict[str, tuple[str, Any]]:
     params = _section(optimizer, "params", "optimizer.params") or {}
     given = _read(optimizer, k.OPTIMIZER, "optimizer", out)
+    _check_type(given.get("type", ("", None))[1])  # before its params: SGD's momentum is no typo
+    if "max_grad_norm" in params:
+        raise ConfigError(
+            "unknown key 'max_grad_norm' in optimizer.params; clipping is the top-level gradient_clipping "
+            "(as DeepSpeed says)"
+        )
     given.update(_read(params, k.OPTIMIZER_PARAMS, "optimizer.params", out))
     _require_flag(params, "amsgrad", False, "AMSGrad is not supported by zswap")
     _require_flag(params, "bias_correction", True, "Adam without bias correction is not supported by zswap")
@@ -182,6 +191,31 @@ def _read_optimizer(optimizer: Mapping[Any, Any], out: Assembled) -> dict[str, t
         # DeepSpeed builds torch.optim.AdamW(**params) then, so an absent weight_decay is torch's default.
         given["weight_decay"] = ("optimizer.params.torch_adam", TORCH_ADAMW_WEIGHT_DECAY)
     return given
+
+
+def _check_type(kind: Any) -> None:
+    """`ConfigError` for an ``optimizer.type`` zswap builds no optimizer for, naming the way it offers."""
+    if not isinstance(kind, str) or kind.strip().casefold() in ("adam", "adamw", "auto"):
+        return  # the model's own check words the rest (a non-string, "auto")
+    name = _ELEMENTWISE.get(kind.strip().casefold())
+    raise ConfigError(
+        f"optimizer.type must be one of 'Adam', 'AdamW', got {v.show(kind)}: zswap's offloaded optimizer is "
+        "Adam / AdamW (its state on NVMe or in CPU memory). "
+        + (
+            f"torch's {name} runs with its state in CPU memory: remove the optimizer section and pass it, "
+            f"initialize(..., optimizer=torch.optim.{name}(model.parameters(), ...))"
+            if name is not None
+            else "DeepSpeed's own others (Lamb, OneBitAdam...) are not implemented; an element-wise torch "
+            "optimizer can be passed instead: initialize(..., optimizer=torch.optim.SGD(...))"
+        )
+    )
+
+
+_ELEMENTWISE = {
+    n.casefold(): n
+    for n in ("SGD", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
+}
+"""The element-wise torch optimizers `initialize(optimizer=...)` steps as given, by config spelling."""
 
 
 TORCH_ADAMW_WEIGHT_DECAY = 0.01
@@ -340,7 +374,8 @@ def _unknown_key(key: str, spec: k.Section, where: str) -> ConfigError:
     close = spec.closest(key)
     if close is not None:
         return ConfigError(f"unknown key {key!r} in {where}; did you mean {close!r}?")
-    readable = ", ".join(repr(name) for name in (*spec.fields, *spec.aliases, *sorted(spec.subsections)))
+    names = (*spec.fields, *spec.aliases, *sorted(spec.subsections), *sorted(spec.checked))
+    readable = ", ".join(repr(name) for name in names)
     return ConfigError(f"unknown key {key!r} in {where}; zswap reads {readable}")
 
 

@@ -231,7 +231,7 @@ def to_false(value: Any, *, reason: str) -> bool:
 
 
 SCHEDULE_INTS = {
-    "warmup_num_steps": 0,  # DeepSpeed's schedules warm up over max(2, it) steps
+    "warmup_num_steps": 1,  # DeepSpeed ≥ 0.19.6 refuses 0; its schedules warm up over max(2, it) steps
     "total_num_steps": 1,
     "cycle_first_step_size": 1,
     "cycle_second_step_size": 0,

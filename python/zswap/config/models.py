@@ -360,10 +360,14 @@ class BatchConfig(_Model):
         if train is None and micro is not None:
             train = micro * gas * world_size
         if train is not None and micro is not None and train != micro * gas * world_size:
+
+            def given(value: int | None, used: int) -> str:
+                return str(value) if value is not None else f"{used}, derived from the others"
+
             raise ConfigError(
                 f"train_batch_size ({self.train_batch_size}) must equal train_micro_batch_size_per_gpu "
-                f"({self.train_micro_batch_size_per_gpu}) × gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}) × world size ({world_size}) = "
+                f"({given(self.train_micro_batch_size_per_gpu, micro)}) × gradient_accumulation_steps "
+                f"({given(self.gradient_accumulation_steps, gas)}) × world size ({world_size}) = "
                 f'{micro * gas * world_size}; fix one of the three (or set it to "auto")'
             )
         return train, micro, gas
@@ -445,8 +449,10 @@ class ZswapConfig(_Model):
     bf16: BF16Config = Field(default_factory=BF16Config)
     gradient_clipping: v.NonNegativeFloat | None = None
     """DeepSpeed's top-level ``gradient_clipping``: clip the gradients' global L2 norm to this before each
-    step; 0 = no clipping. ``None`` (absent or ``"auto"``): no clipping under `zswap.initialize`, 1.0 under
-    `zswap.deepspeed.initialize` (DeepSpeed's default since 0.19.3)."""
+    step; 0 = no clipping. ``None``: no clipping under `zswap.initialize`, 1.0 under `zswap.deepspeed`'s
+    (DeepSpeed's default since 0.19.3); ``"auto"`` too, flagged (Hugging Face's: `own_clipping`)."""
+    gradient_clipping_auto: v.StrictBool = False
+    """``gradient_clipping`` was ``"auto"``."""
     batch: BatchConfig = Field(default_factory=BatchConfig)
     """The top-level batch keys (gradient accumulation)."""
     scheduler: SchedulerConfig | None = None
@@ -468,6 +474,17 @@ class ZswapConfig(_Model):
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a `torch.dtype`, or ``None`` to keep the dtype the params were built with."""
         return _as_torch(self.dtype)
+
+    def own_clipping(self) -> float | None:
+        """`zswap.initialize`'s clip norm where no ``max_grad_norm=`` is given: ``gradient_clipping`` (0 or
+        absent: none); ``"auto"`` (the Hugging Face Trainer's ``max_grad_norm``) is a `ConfigError`."""
+        if self.gradient_clipping_auto:
+            raise ConfigError(
+                'gradient_clipping is "auto", which the Hugging Face Trainer fills in from its '
+                "max_grad_norm; in your own loop write a number (1.0 clips as the Trainer does by default, 0 "
+                "does not clip) or pass initialize(..., max_grad_norm=...)"
+            )
+        return self.gradient_clipping or None
 
     def to_dict(self) -> dict[str, Any]:
         """This config in the trimmed layout (zswap's sections at top level), as plain JSON values.
@@ -494,7 +511,8 @@ class ZswapConfig(_Model):
         bf16, fp16 = enabled[self.dtype]
         out["bf16"] = {"enabled": bf16, **self.bf16._json_fields()}
         out["fp16"] = {"enabled": fp16, **self.fp16._json_fields()}
-        out["gradient_clipping"] = _to_json(self.gradient_clipping)
+        if self.gradient_clipping is not None or self.gradient_clipping_auto:  # absent stays absent
+            out["gradient_clipping"] = _to_json(self.gradient_clipping)
         out.update(self.batch._json_fields())
         out["torch_autocast"] = self.torch_autocast._json_fields()
         out["data_types"] = self.data_types._json_fields()

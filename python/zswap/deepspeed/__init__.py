@@ -111,7 +111,7 @@ def initialize(
     way = "Pass a torch Adam / AdamW or use the config's optimizer section"
     refuse_without_masters(optimizer, cfg.dtype, "the client optimizer", way)
     if cfg.gradient_clipping is None:  # absent (or "auto"): DeepSpeed's default; an explicit 0 stays off
-        cfg = cfg.replace(gradient_clipping=GRADIENT_CLIPPING_DEFAULT)
+        cfg = cfg.replace(gradient_clipping=GRADIENT_CLIPPING_DEFAULT, gradient_clipping_auto=False)
     engine = runtime.build(DeepSpeedEngine, model, cfg, optimizer, lr_scheduler, None, None)
     if owned:
         engine.adopt_optimizer()

@@ -409,6 +409,8 @@ class ZswapStrategy(ProcessGroupStrategy):
         optimizer step) too when nothing is trained."""
         cfg = copy.deepcopy(self._model_config())
         cfg["gradient_accumulation_steps"] = 1
+        if str(cfg.get("gradient_clipping")).strip().casefold() == "auto":
+            del cfg["gradient_clipping"]  # Hugging Face's "the front end's": the Trainer's gradient_clip_val
         if "train_batch_size" in cfg:
             cfg["train_batch_size"] = "auto"  # derived again from the micro batch, with one micro-step
         if not use_section:

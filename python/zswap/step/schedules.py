@@ -96,10 +96,10 @@ def _warmup_fraction(kind: str, it: int, steps: int) -> float:
 
 
 def _check_warmup(steps: object, kind: str) -> None:
-    """The warmup arguments WarmupLR and WarmupCosineLR share: a step count (0 and 1 warm up over 2 steps,
-    as DeepSpeed's do) and a known kind."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"warmup_num_steps must be a non-negative integer, got {steps!r}")
+    """The warmup arguments WarmupLR and WarmupCosineLR share: a positive step count (1 warms up over 2
+    steps; 0 is refused, as DeepSpeed ≥ 0.19.6 refuses it) and a known kind."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"warmup_num_steps must be a positive integer, got {steps!r}")
     _warmup_fraction(kind, 0, 2)  # raises for an unknown kind
 
 
@@ -317,7 +317,15 @@ class OneCycle(Schedule):
     def _apply(self) -> None:
         super()._apply()
         if self.cycle_momentum:
-            for group, betas in zip(self.optimizer.param_groups, self.get_mom(), strict=True):
+            moms = self.get_mom()
+            if any(b0 >= 1 for b0, _ in moms):  # DeepSpeed's optimizer runs on with it; Adam's refuses it
+                raise ConfigError(
+                    f"OneCycle's decay_mom_rate {self.decay_mom_rate:g} takes beta1 to "
+                    f"{max(b0 for b0, _ in moms):g} at step {self.last_batch_iteration} (after the cycle, "
+                    "the momentum grows by it every decay_step_size steps), and Adam needs beta1 below 1: "
+                    "lower decay_mom_rate or cycle_max_mom, or set cycle_momentum false"
+                )
+            for group, betas in zip(self.optimizer.param_groups, moms, strict=True):
                 group["betas"] = betas
 
 

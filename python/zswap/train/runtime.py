@@ -86,7 +86,7 @@ def build(
         raise TypeError(f"initialize takes an nn.Module, not {type(model).__name__}")
     cfg = load_config(config)
     if max_grad_norm is None:
-        max_grad_norm = cfg.gradient_clipping or None
+        max_grad_norm = cfg.own_clipping()
     elif (
         isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float) or not max_grad_norm > 0
     ):
