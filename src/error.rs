@@ -41,6 +41,8 @@ pub enum Error {
         offset: u64,
         length: u64,
         key: Option<String>,
+        /// The key's block the transfer was part of (`None` outside a transfer: an allocation, an open).
+        block: Option<usize>,
     },
     /// A read returned 0 bytes before the requested range was complete.
     UnexpectedEof {
@@ -48,6 +50,7 @@ pub enum Error {
         offset: u64,
         length: u64,
         key: Option<String>,
+        block: Option<usize>,
     },
     /// A block read back did not match the CRC32C recorded when it was written.
     Checksum {
@@ -137,7 +140,16 @@ impl Error {
             offset,
             length,
             key: None,
+            block: None,
         }
+    }
+
+    /// The same error, naming the key's block it happened in (transfers only).
+    pub(crate) fn in_block(mut self, b: usize) -> Self {
+        if let Error::Io { block, .. } | Error::UnexpectedEof { block, .. } = &mut self {
+            *block = Some(b);
+        }
+        self
     }
 
     pub(crate) fn from_io(op: Op, e: &io::Error, path: &std::path::Path) -> Self {
@@ -164,10 +176,14 @@ impl fmt::Display for Error {
                 offset,
                 length,
                 key,
+                block,
             } => {
                 write!(f, "{op} failed: {} (errno {errno})", strerror(*errno))?;
                 if let Some(k) = key {
                     write!(f, ", key={k:?}")?;
+                }
+                if let Some(b) = block {
+                    write!(f, ", block={b}")?;
                 }
                 write!(f, ", path={path:?}, offset={offset}, length={length}")
             }
@@ -176,10 +192,14 @@ impl fmt::Display for Error {
                 offset,
                 length,
                 key,
+                block,
             } => {
                 write!(f, "read hit end of file")?;
                 if let Some(k) = key {
                     write!(f, ", key={k:?}")?;
+                }
+                if let Some(b) = block {
+                    write!(f, ", block={b}")?;
                 }
                 write!(f, ", path={path:?}, offset={offset}, length={length}")
             }

@@ -198,6 +198,29 @@ def test_memlock_limits_are_said_not_silent(swap_dir: Path) -> None:
     )
 
 
+def test_a_file_size_limit_grows_the_file_by_just_what_is_needed(tmp_path: Path) -> None:
+    """Under RLIMIT_FSIZE the growth ahead of need (64 MiB) is refused with EFBIG: once a 4 MiB write
+    failed so with 10 MiB allowed; now the file grows by what the write needs, as after ENOSPC."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux)")
+    script = f"""
+        import zswap, torch
+        with zswap.SwapEngine({str(tmp_path)!r}) as e:
+            e.write("a", torch.zeros(1 << 20)).wait()
+            print(e.stats()["file_bytes"] >> 20)
+            try:
+                e.write("b", torch.zeros(2 << 20)).wait()
+            except OSError as x:
+                print(x.errno, x.length)
+    """
+    run = subprocess.run(
+        ["prlimit", f"--fsize={10 << 20}", sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["4", f"27 {8 << 20}"]  # EFBIG: 8 MiB more would pass 10 MiB
+
+
 def test_backends_store_identical_bytes(swap_dir: Path) -> None:
     if zswap._zswap.io_uring_available() is not None:
         pytest.skip("io_uring refused on this machine")
@@ -383,6 +406,8 @@ def test_io_error_names_errno_path_offset_length_and_leaves_source_intact(engine
         h.wait()
     err = ei.value
     assert (err.errno, err.key, err.length) == (5, "k", 1 << 20)
+    # The second completion: on a ring block 1, across psync's threads any of the 12 (once always None).
+    assert 0 <= err.block < src.nbytes >> 20 and f"block={err.block}" in str(err)
     assert err.path == str(engine.info["paths"][0]) and err.offset is not None and err.offset % 4096 == 0
     assert "write failed: Input/output error" in str(err) and "key='k'" in str(err)
     with pytest.raises(SwapIOError):  # raised every time it is waited on

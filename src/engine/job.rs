@@ -115,7 +115,7 @@ impl BlockJob {
         let len = (self.io_len - done) as u64;
         let dir = &self.store.files[self.path].dir;
         if res < 0 {
-            return Err(Error::io(self.op, (-res) as i32, dir, off, len));
+            return Err(Error::io(self.op, (-res) as i32, dir, off, len).in_block(self.block));
         }
         if res == 0 && len > 0 {
             return Err(match self.op {
@@ -124,10 +124,11 @@ impl BlockJob {
                     offset: off,
                     length: len,
                     key: None,
+                    block: Some(self.block),
                 },
                 // A write that makes no progress would loop forever; the kernel reports ENOSPC this way
                 // on some file systems.
-                _ => Error::io(self.op, libc::ENOSPC, dir, off, len),
+                _ => Error::io(self.op, libc::ENOSPC, dir, off, len).in_block(self.block),
             });
         }
         Ok(res as usize)

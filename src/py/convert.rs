@@ -56,6 +56,7 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             offset,
             length,
             key,
+            block,
         } => swap_io(
             &class("SwapIOError")?,
             *errno,
@@ -64,13 +65,14 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             *offset,
             *length,
             key.clone(),
-            None,
+            *block,
         )?,
         Error::UnexpectedEof {
             path,
             offset,
             length,
             key,
+            block,
         } => swap_io(
             &class("SwapIOError")?,
             libc::EIO,
@@ -79,7 +81,7 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             *offset,
             *length,
             key.clone(),
-            None,
+            *block,
         )?,
         Error::Checksum {
             key,

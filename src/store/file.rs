@@ -165,7 +165,8 @@ impl SwapFile {
         loop {
             match self.fallocate(0, cur, target - cur) {
                 Ok(()) => break,
-                Err(libc::ENOSPC) if target > need => target = need,
+                // Growth ahead of need refused (a full disk, a file-size limit): just what is needed.
+                Err(libc::ENOSPC | libc::EFBIG) if target > need => target = need,
                 Err(errno) => {
                     return Err(Error::io(Op::Allocate, errno, &self.dir, cur, need - cur))
                 }
