@@ -30,6 +30,8 @@ from torch import nn
 
 import zswap
 import zswap.deepspeed
+from zswap.gradients import grads
+from zswap.parts import guards
 
 STEP = (
     "{name}.step() over params zswap partitioned does nothing: their data and gradients live in zswap's "
@@ -118,6 +120,44 @@ def test_clip_grad_norm_over_managed_params_raises(tmp_path):
             torch.nn.utils.clip_grad.clip_grad_norm_(list(model.parameters()), 1.0)
         engine.step()
         assert engine.last_grad_norm is not None and engine.last_grad_norm > 1e-3  # the engine's clipping
+
+
+def test_clip_grad_value_over_managed_params_raises_naming_a_clamping_hook(tmp_path):
+    """It failed inside a torch kernel ("Expected !nested_tensorlist[0].empty()"); a loop catching that
+    trained unclipped."""
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    with zswap.initialize(model, cfg) as engine:
+        model(torch.randn(3, 4)).square().sum().backward()
+        with _raises(zswap.ZswapError, guards.VALUE_MESSAGE):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        engine.step()
+    assert "p.register_hook(lambda g: g.clamp(-value, value))" in guards.VALUE_MESSAGE
+    plain = nn.Linear(2, 2)
+    plain(torch.ones(1, 2)).sum().backward()
+    torch.nn.utils.clip_grad_value_(plain.parameters(), 0.1)  # a plain model's is torch's own
+    assert plain.weight.grad is not None and plain.weight.grad.abs().max() <= 0.1
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_users_post_accumulate_grad_hook_is_refused_naming_register_hook(when, tmp_path):
+    """zswap takes each gradient from .grad in its own post-accumulate hook: one registered after it saw
+    None (its mask silently dropped), one before saw a micro-batch's gradient where PyTorch gives the sum."""
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    seen = []
+
+    def hook(p: torch.Tensor) -> None:
+        seen.append(p.grad)
+
+    if when == "before":
+        model[0].weight.register_post_accumulate_grad_hook(hook)
+    with zswap.initialize(model, cfg) as engine:
+        if when == "after":
+            model[0].weight.register_post_accumulate_grad_hook(hook)
+        with _raises(zswap.ZswapError, grads.hooked_message("0.weight")):
+            engine.backward(model(torch.randn(3, 4)).square().sum())
+    assert "param.register_hook(fn)" in grads.hooked_message("w")
 
 
 @pytest.mark.parametrize("which", ["engine's", "given", "deepspeed"])
@@ -449,3 +489,67 @@ def test_a_weight_decay_split_by_placeholder_shapes_is_refused(kind, tmp_path):
     biases = [p for p in model.parameters() if len(zswap.param_state(p).shape) == 1]  # BitFit: no matrices
     bitfit = kind([{"params": [], "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}], lr=1e-2)
     zswap.initialize(model, cfg, optimizer=bitfit).close()
+
+
+def test_a_plateau_schedule_is_refused_where_step_has_no_metric_to_give(tmp_path):
+    """engine.step() calls the schedule's step() with nothing: ReduceLROnPlateau raised a TypeError at
+    every step, after the weights moved and before the gradients were cleared. zswap.deepspeed's
+    step(lr_kwargs=...) hands it the metric, as DeepSpeed's."""
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    with pytest.raises(
+        zswap.ConfigError, match=r"lr_scheduler= is a ReduceLROnPlateau, which steps on a metric"
+    ):
+        zswap.initialize(model, cfg, lr_scheduler=lambda opt: plateau(opt, patience=0))
+    engine, *_ = zswap.deepspeed.initialize(
+        model=model, config=cfg | {"train_micro_batch_size_per_gpu": 3},
+        lr_scheduler=lambda opt: plateau(opt, patience=0, factor=0.5),
+    )  # fmt: skip
+    with engine:
+        for _ in range(3):
+            engine.backward(engine(torch.randn(3, 4)).square().sum())
+            engine.step(lr_kwargs={"metrics": 1.0})  # never better: the lr halves after each step
+        assert engine.get_lr() == [1e-2 * 0.5**2]
+
+
+def test_a_schedule_that_raises_leaves_the_step_applied_and_the_gradients_cleared(tmp_path):
+    """The error comes out of engine.step(); the gradients it applied do not carry into the next step."""
+
+    class Broken(torch.optim.lr_scheduler.ConstantLR):
+        def step(self, epoch: object = None) -> None:
+            if getattr(self, "built", False):
+                raise RuntimeError("schedule failed")
+            self.built = True  # (the constructor steps once)
+
+    cfg = _cfg(tmp_path)
+    twins = []
+    for broken in (True, False):
+        model = _model(cfg)
+        engine = zswap.initialize(model, cfg, lr_scheduler=Broken if broken else None)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            engine.backward(model(torch.randn(3, 4, generator=g)).square().sum())
+            if broken:
+                with pytest.raises(RuntimeError, match="schedule failed"):
+                    engine.step()
+            else:
+                engine.step()
+        twins.append(_snapshot(model))
+        engine.close()
+    assert all(torch.equal(a, b) for a, b in zip(*twins, strict=True))
+
+
+def test_a_non_finite_norm_is_said_so_not_taken_for_clipping(tmp_path):
+    """fp32 without an overflow check applies a NaN gradient as PyTorch does; the early step's drop was
+    reported as "clipping bit" with clipping far above the norm."""
+    cfg = _cfg(tmp_path) | {"gradient_clipping": 1e6}
+    model = _model(cfg)
+    with zswap.initialize(model, cfg) as engine:
+        for i in range(3):
+            engine.backward(model(torch.randn(3, 4)).square().mean() * (float("nan") if i == 2 else 1.0))
+            engine.step()
+        stats = engine.stats()
+    assert stats["steps_ordinary_reason"] == (
+        "the gradient norm is not finite (gradient scale nan), and no check skips the step"
+    )

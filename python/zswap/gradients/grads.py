@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import _dist
 from ..device import Alloc, Copy, Device, ReusePool, on_host
-from ..errors import SparseGradientError
+from ..errors import SparseGradientError, ZswapError
 from ..parts.gather import host_buffers, no_torch_function
 from ..parts.params import Item, NvmeStore, ParamState, Status, param_state
 from .gradstore import LOW_PRECISION, MemoryGrads, NvmeGrads, store_of
@@ -39,6 +39,16 @@ def sparse_message(name: str) -> str:
         f"{name} has a sparse gradient (nn.Embedding or F.embedding with sparse=True): zswap partitions, "
         "reduces and offloads dense gradients only. Build the embedding with sparse=False: the same "
         "values, and what Adam needs (torch's Adam and AdamW refuse sparse gradients too)"
+    )
+
+
+def hooked_message(name: str) -> str:
+    return (
+        f"{name} has a post-accumulate-grad hook besides zswap's (register_post_accumulate_grad_hook): "
+        "zswap takes each gradient from .grad as it lands, to reduce and offload it, so such a hook would "
+        "see .grad None, or one micro-batch's gradient rather than the sum, and what it changed would be "
+        "lost. Hook the gradient itself instead, param.register_hook(fn) (run on each backward's gradient "
+        "before zswap takes it; a value it returns replaces it), and clip with gradient_clipping"
     )
 
 
@@ -197,6 +207,9 @@ class GradSink:
             if me is None:
                 return
             with no_torch_function():
+                hooks = p._post_accumulate_grad_hooks
+                if hooks is not None and len(hooks) > 1:  # the caller's too, before or after ours
+                    raise ZswapError(hooked_message(me.names.get(id(p), st.key)))
                 grad = p.grad
                 p.grad = None  # never left holding a full-size gradient
                 if st.status is not Status.AVAILABLE:

@@ -10,7 +10,8 @@ not in ``.grad``. So four ordinary moves would silently do nothing on it:
 - ``torch.nn.utils.clip_grad_norm_`` over them: it sees no gradient and returns 0. The function is wrapped
   (module attribute, so callers that look it up at call time — Accelerate, Lightning, transformers — get the
   wrapper); with managed params among those it is given it raises, naming the engine's clipping. Inside
-  `Engine.step` the original runs untouched.
+  `Engine.step` the original runs untouched. ``clip_grad_value_`` likewise (it failed in a torch kernel),
+  naming a gradient hook that clamps.
 - a forward with no open engine (``initialize`` forgotten, or after ``engine.close()``): torch would fail
   deep in a kernel with ``'weight' must be 2-D``. A global module forward pre-hook raises a `ZswapError`
   naming `zswap.initialize` and `zswap.GatheredParameters` for a module whose own params are partitioned,
@@ -70,6 +71,12 @@ CLIP_MESSAGE = (
     "the global norm instead — zswap.initialize(..., max_grad_norm=...) or the config's "
     "'gradient_clipping' — and read the norm from engine.last_grad_norm"
 )
+VALUE_MESSAGE = (
+    "torch.nn.utils.clip_grad_value_ over params zswap partitioned cannot see their gradients (they live in "
+    "zswap's gradient store, not in p.grad): engine.step() clips by the global norm (max_grad_norm= or the "
+    "config's 'gradient_clipping'); to clamp each element instead, hook each param's gradient before zswap "
+    "takes it: p.register_hook(lambda g: g.clamp(-value, value))"
+)
 FORWARD_MESSAGE = (
     "{module} has params zswap partitioned that are not gathered, and no open zswap Engine runs them "
     "({why}): call engine = zswap.initialize(model, config) before running the model, or run it inside "
@@ -96,9 +103,12 @@ def install(building: Callable[[], bool] | None = None) -> None:
         if _INSTALLED:
             return
         original = torch.nn.utils.clip_grad_norm_
-        wrapped = _wrap_clip(original)
+        wrapped = _wrap_clip(original, CLIP_MESSAGE)
         torch.nn.utils.clip_grad_norm_ = wrapped
         torch.nn.utils.clip_grad.clip_grad_norm_ = wrapped
+        by_value = _wrap_clip(torch.nn.utils.clip_grad_value_, VALUE_MESSAGE)
+        torch.nn.utils.clip_grad_value_ = by_value
+        torch.nn.utils.clip_grad.clip_grad_value_ = by_value
         torch.optim.Optimizer.zero_grad = _wrap_zero_grad(torch.optim.Optimizer.zero_grad)  # type: ignore[method-assign]
         nn.Module.zero_grad = _wrap_module_zero_grad(nn.Module.zero_grad)  # type: ignore[method-assign]
         _INSTALLED.extend(
@@ -121,19 +131,19 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         raise ZswapError(STEP_MESSAGE.format(what=f"{type(optimizer).__name__}.step()"))
 
 
-def _wrap_clip(original: Any) -> Any:
+def _wrap_clip(original: Any, message: str) -> Any:
     @functools.wraps(original)
-    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:
             return original(parameters, *args, **kwargs)
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
         params = list(parameters)
         if _managed(params):
-            raise ZswapError(CLIP_MESSAGE)
+            raise ZswapError(message)
         return original(params, *args, **kwargs)
 
-    return clip_grad_norm_
+    return clip
 
 
 def _wrap_zero_grad(original: Any) -> Any:

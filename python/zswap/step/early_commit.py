@@ -5,6 +5,7 @@ them; and the checks that raise `GradientsNotKeptError` where gradients were let
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -114,7 +115,12 @@ def commit(es: EarlyStep, scale: float | None, ordinary: Ordinary | None = None)
     deferred = es.guess.factor is None
     if not deferred and scale != es.guess.factor:
         es.tally.redone += 1
-        drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
+        if math.isfinite(scale):
+            drop(es, f"clipping bit (gradient scale {scale!r}; the early step assumed {es.guess.factor!r})")
+        else:  # no finite check asked for (fp32, bf16 without check_grad_overflow): applied as PyTorch does
+            drop(
+                es, f"the gradient norm is not finite (gradient scale {scale!r}), and no check skips the step"
+            )
         return False
     rest = ordinary_part(es)
     if rest and ordinary is None:

@@ -83,9 +83,10 @@ class Tally:
         }
 
 
-def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
+def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any, with_kwargs: bool = False) -> Any:
     """The engine's schedule: ``given`` (a scheduler, or a callable taking the optimizer and returning
-    one, as DeepSpeed allows), else the config's ``scheduler`` section, else ``None``."""
+    one, as DeepSpeed allows), else the config's ``scheduler`` section, else ``None``. ``with_kwargs``:
+    the engine's ``step`` hands the schedule keywords (`zswap.deepspeed`'s ``lr_kwargs``)."""
     if given is not None:
         if cfg.scheduler is not None:
             raise ConfigError(
@@ -95,8 +96,15 @@ def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
         if callable(given) and (isinstance(given, type) or not hasattr(given, "step")):  # a class: built
             if optimizer is None:
                 raise ConfigError("lr_scheduler= is a callable that takes the optimizer, but there is none")
-            return given(optimizer)
+            given = given(optimizer)
         _drives(given, optimizer)
+        if not with_kwargs and isinstance(given, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "lr_scheduler= is a ReduceLROnPlateau, which steps on a metric (scheduler.step(val_loss)) "
+                "that engine.step() does not have: step it yourself after each evaluation and pass no "
+                "lr_scheduler= (or use zswap.deepspeed, whose engine.step(lr_kwargs={'metrics': ...}) "
+                "passes it, as DeepSpeed's)"
+            )
         return given
     if cfg.scheduler is None:
         return None
@@ -106,6 +114,16 @@ def lr_scheduler(cfg: ZswapConfig, optimizer: Any, given: Any) -> Any:
             "'optimizer' section"
         )
     return schedules.build(cfg.scheduler, optimizer)
+
+
+def schedule_and_clear(engine: Any, scale: float | None) -> None:
+    """After an optimizer step: the schedule's step (not after a skipped one), then the gradients
+    cleared, whatever the schedule raised (the step is applied: its gradients must not carry over)."""
+    try:
+        if scale is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.step()
+    finally:
+        engine.zero_grad()
 
 
 def _drives(scheduler: Any, optimizer: Any) -> None:

@@ -115,6 +115,7 @@ class Engine:
     _hooks: ModuleHooks
     _grads: grads.GradSink
     _window_from = 0  # `micro_steps` where the accumulation window began (a load begins a new one)
+    _lr_kwargs = False  # `step` hands the schedule keywords (`zswap.deepspeed`'s)
 
     def __init__(
         self,
@@ -185,7 +186,7 @@ class Engine:
             bf16 = config.dtype == "bf16" or any(st.dtype == torch.bfloat16 for _, st in self._items)
             self.loss_scaler = stepping.loss_scaler(config, self._fp16, self.device.type)
             self._check_finite = self.loss_scaler is not None or (bf16 and config.bf16.check_grad_overflow)
-            self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler)
+            self.lr_scheduler = stepping.lr_scheduler(config, self.optimizer, lr_scheduler, self._lr_kwargs)
             self._early = early_build.for_engine(self)
             self._grads.hand_first_to(self._early)
             self._io_base = stats.io_counters(self)  # now with the gradients' and the optimizer's engines
@@ -291,11 +292,10 @@ class Engine:
         self.micro_steps += 1
         if self.loss_scaler is not None:
             self.loss_scaler.update(scale is None)
-        if scale is not None and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.zero_grad()
-        # Persistent params the step dropped, gathered again: from ``updated`` (`resident.values`) or read.
-        self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent], updated)
+        try:
+            stepping.schedule_and_clear(self, scale)
+        finally:  # persistent params the step dropped, gathered again: from ``updated`` or read
+            self._sched.fetch_persistent([s for s in self._slots.values() if s.persistent], updated)
         memory.trim()  # the step's freed tensors back to the kernel before the next forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
