@@ -212,7 +212,7 @@ def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
     try:
-        demo.Shape.for_bytes(args.size)
+        demo.Shape.for_bytes(args.size, strict=True)
     except ValueError as e:  # before a temp dir is made: the demo would build no model
         raise UsageError(f"argument --size: {e}") from None
     with _work_dir(args.path) as d:

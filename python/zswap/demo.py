@@ -53,8 +53,9 @@ class Shape:
         return self.vocab * d + self.seq * d + self.layers * (12 * d * d + 13 * d) + 2 * d
 
     @classmethod
-    def for_bytes(cls, size: int) -> Shape:
-        """The widest shape (up to 1024) with at least two layers that holds about ``size`` bytes of fp32."""
+    def for_bytes(cls, size: int, *, strict: bool = False) -> Shape:
+        """The widest shape (up to 1024) with at least two layers that holds about ``size`` bytes of fp32;
+        below the smallest (2 × 128 wide) that one, or with ``strict`` a `ValueError` (`zswap demo`)."""
         elements = size // 4
         for width, vocab in ((1024, 8192), (512, 4096), (256, 2048), (128, 512)):
             per_layer = 12 * width * width + 13 * width
@@ -62,6 +63,8 @@ class Shape:
             if layers >= 2:
                 return cls(vocab, width, layers, width // 64, SEQ)
         smallest = cls(512, 128, 2, 2, SEQ)
+        if not strict:
+            return smallest
         raise ValueError(
             f"{size:,} bytes is below the smallest demo model ({smallest.layers} layers × "
             f"{smallest.width} wide, {_mib(smallest.params * 4)} of fp32); give 2MiB or more"

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import _dist
 from ..device import Alloc, Copy, Device, ReusePool, on_host
-from ..errors import SparseGradientError, ZswapError
+from ..errors import SparseGradientError
 from ..parts.gather import host_buffers, no_torch_function
 from ..parts.params import Item, NvmeStore, ParamState, Status, param_state
 from .gradstore import LOW_PRECISION, MemoryGrads, NvmeGrads, store_of
@@ -39,16 +39,6 @@ def sparse_message(name: str) -> str:
         f"{name} has a sparse gradient (nn.Embedding or F.embedding with sparse=True): zswap partitions, "
         "reduces and offloads dense gradients only. Build the embedding with sparse=False: the same "
         "values, and what Adam needs (torch's Adam and AdamW refuse sparse gradients too)"
-    )
-
-
-def hooked_message(name: str) -> str:
-    return (
-        f"{name} has a post-accumulate-grad hook besides zswap's (register_post_accumulate_grad_hook): "
-        "zswap takes each gradient from .grad as it lands, to reduce and offload it, so such a hook would "
-        "see .grad None, or one micro-batch's gradient rather than the sum, and what it changed would be "
-        "lost. Hook the gradient itself instead, param.register_hook(fn) (run on each backward's gradient "
-        "before zswap takes it; a value it returns replaces it), and clip with gradient_clipping"
     )
 
 
@@ -101,8 +91,10 @@ class GradSink:
         """Ids of the params that required no grad when the hooks went on (they have none)."""
         for p, st in items:
             if p.requires_grad:
-                self._handles.append(p.register_hook(self._make_pre(p, st)))
+                post: list[int] = []  # its handle's key, once registered (`_make_pre` keeps it last)
+                self._handles.append(p.register_hook(self._make_pre(p, st, post)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_post(st)))
+                post.append(self._handles[-1].id)
             else:
                 self.frozen.add(id(p))
 
@@ -180,13 +172,19 @@ class GradSink:
     # see them: a strong reference from a hook back to the param (or to this sink, which reaches it
     # through the early step's optimizer) made an uncollectable cycle, so an Engine dropped without
     # `close` kept its buffers mapped until the process exited. They hold both weakly.
-    def _make_pre(self, p: torch.Tensor, st: ParamState) -> Any:
+    def _make_pre(self, p: torch.Tensor, st: ParamState, post: list[int]) -> Any:
         param, sink = weakref.ref(p), weakref.ref(self)
 
         def pre(grad: torch.Tensor) -> None:
             p, me = param(), sink()
             if p is None or me is None:
                 return
+            # A caller's post-accumulate-grad hook registered after ours would run after `post` took the
+            # gradient, and see .grad None: ours goes last again (re-inserted under its key, which its
+            # handle removes), so such a hook sees, and may change, each backward's gradient.
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is not None and post and next(reversed(hooks)) != post[0]:
+                hooks[post[0]] = hooks.pop(post[0])
             # AccumulateGrad lays a new gradient out like the param and copies it into that layout, which
             # fails on an empty ``.data``. The module hooks keep a param gathered until its gradient is in,
             # so this is a safety net (a param whose last use needs no data, outside every hooked module):
@@ -207,9 +205,6 @@ class GradSink:
             if me is None:
                 return
             with no_torch_function():
-                hooks = p._post_accumulate_grad_hooks
-                if hooks is not None and len(hooks) > 1:  # the caller's too, before or after ours
-                    raise ZswapError(hooked_message(me.names.get(id(p), st.key)))
                 grad = p.grad
                 p.grad = None  # never left holding a full-size gradient
                 if st.status is not Status.AVAILABLE:

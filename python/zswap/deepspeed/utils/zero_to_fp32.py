@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ZswapError) as e:
         if args.debug:
             raise
-        print(f"zero_to_fp32.py: error: {e}", file=sys.stderr)
+        sys.stderr.write(f"zero_to_fp32.py: error: {e}\n")
         return 1
-    print(f"zero_to_fp32.py: float32 weights written to {args.output_dir}")
+    sys.stdout.write(f"zero_to_fp32.py: float32 weights written to {args.output_dir}\n")
     return 0
 
 
