@@ -3,10 +3,13 @@ CPU (user, sys), minor page faults and voluntary context switches, and per phase
 (user, sys, idle, iowait, steal) and the swap disk's read / write rates and busy time.
 
     python benches/bench_phases.py [--size 2GiB] [--steps 4] [--path DIR] [--plain | --output-pool]
+        [--clip NORM]
 
 The model, batch and config are `benches/bench_step_bytes.py`'s (`zswap.demo.GPT` of ``--size`` fp32
 bytes, params and AdamW states on NVMe); ``--plain`` runs the same model in RAM with
-``torch.optim.AdamW(fused=True)`` instead, the compute baseline. The first step places the optimizer
+``torch.optim.AdamW(fused=True)`` instead, the compute baseline; ``--clip`` clips the global norm (the
+engine's ``max_grad_norm``; in RAM ``clip_grad_norm_``) and prints how each zswap step ran (in backward,
+deferred, redone, ordinary). The first step places the optimizer
 records; read the steps after it. The machine figures come from ``/proc/stat`` and the disk holding
 ``--path`` from ``/proc/diskstats``, so they include everything else running: on a shared VM the steal
 column says how much of the wall time the host took. It is a profile for finding the cause of a step time
@@ -23,6 +26,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step_bytes import forward_loss, peak_rss, setup_ram, setup_zswap  # the same model and config
@@ -63,6 +69,23 @@ def _window(a: Sample, b: Sample, wall: float) -> str:
     )
 
 
+def _clipped(apply: Any, params: list[torch.nn.Parameter], norm: float) -> Any:
+    def clip_then_apply() -> None:
+        torch.nn.utils.clip_grad_norm_(params, norm)
+        apply()
+
+    return clip_then_apply
+
+
+def _how(engine: Any) -> str:
+    """How the engine's step ran, from the counters' moves since the last call ("" in RAM)."""
+    if engine is None:
+        return ""
+    s = engine.stats(reset=True)
+    keys = ("steps_in_backward", "steps_deferred", "steps_redone", "steps_ordinary")
+    return " " + "/".join(str(s[k]) for k in keys) + " b/d/r/o"
+
+
 def main(argv: list[str] | None = None) -> int:
     from zswap.cli import _size
 
@@ -76,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="engine.reuse_backward_outputs = True (zswap.outputs; off by default)",
     )
+    ap.add_argument("--clip", type=float, help="clip the gradients' global norm to this")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="zswap-phases-") as tmp:
         path = args.path or Path(tmp)
@@ -85,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         s = setup_ram(size) if args.plain else setup_zswap(size, path)
         if args.output_pool and s.engine is not None:
             s.engine.reuse_backward_outputs = True
+        if args.clip is not None and s.engine is not None:
+            s.engine.max_grad_norm = args.clip
+        elif args.clip is not None:
+            s = s._replace(apply=_clipped(s.apply, list(s.model.parameters()), args.clip))
         try:
             for i in range(args.steps):
                 r0, s0, t0 = resource.getrusage(resource.RUSAGE_SELF), _sample(disk), time.perf_counter()
@@ -103,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"    forward  [{_window(s0, s1, t1 - t0)}]", flush=True)
                 print(f"    backward [{_window(s1, s2, t2 - t1)}]", flush=True)
+                print(f"    step     [{_window(s2, _sample(disk), t3 - t2)}]{_how(s.engine)}", flush=True)
             if s.engine is not None:
                 pool = s.engine._hooks.outputs.pool
                 print(f"output pool: {pool.made} buffers made, {pool.reused} outputs reused", flush=True)

@@ -19,7 +19,7 @@ PHASE = re.compile(
 )
 
 
-@pytest.mark.parametrize("flags", [[], ["--plain"], ["--output-pool"]])
+@pytest.mark.parametrize("flags", [[], ["--plain"], ["--output-pool"], ["--clip", "0.5"]])
 def test_bench_phases_prints_each_step_and_phase(tmp_path, flags):
     args = [sys.executable, str(SCRIPT), "--size", "8MiB", "--steps", "2", "--path", str(tmp_path)]
     out = subprocess.run(args + flags, capture_output=True, text=True, timeout=300)
@@ -33,6 +33,10 @@ def test_bench_phases_prints_each_step_and_phase(tmp_path, flags):
     losses = [float(m.group(6)) for m in steps]
     assert losses[1] < losses[0]  # it trains
     assert sum(1 for line in lines if PHASE.match(line)) == 4
+    steps_ran = [line.split("] ")[-1] for line in lines if line.startswith("    step     [")]
+    assert len(steps_ran) == 2
+    if "--clip" in flags:  # how each zswap step ran: the first makes the records (ordinary)
+        assert steps_ran[0] == "0/0/0/1 b/d/r/o" and steps_ran[1].endswith(" b/d/r/o")
     assert lines[-1].startswith("VmHWM:")
     pool = re.fullmatch(r"output pool: (\d+) buffers made, (\d+) outputs reused", lines[-2])
     assert (pool is None) == (flags == ["--plain"])
