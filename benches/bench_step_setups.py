@@ -37,6 +37,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "CPU, clipping 1e6 (never bites)": {"gradient_clipping": 1e6},
     "CPU, clipping 1e-4 (always bites)": {"gradient_clipping": 1e-4},
     "CPU, GAS 2": {"gradient_accumulation_steps": 2},
+    "CPU, GAS 2, a layer in the first micro-batch only": {"gradient_accumulation_steps": 2, "first_only": True},
     "CPU, reentrant activation checkpointing": {"reentrant": True},
     "CPU, lr set between backward and step": {"lr_before_step": True},
     "CPU, lr set there at the last step only": {"lr_at_last": True},
@@ -109,6 +110,21 @@ class _Checkpointed(torch.nn.Module):
         return self.layers[3](x)
 
 
+class _FirstOnly(torch.nn.Module):
+    """The same four layers, the third run in each step's first micro-batch only (an expert the window's
+    last micro-batch does not route to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+        self.first = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[1](self.layers[0](x))
+        x = self.layers[2](x) if self.first else x
+        return self.layers[3](x)
+
+
 def _run(
     root: Path, setup: dict[str, Any], early: bool, steps: int, seed: int = 0
 ) -> tuple[float, float, str]:
@@ -133,6 +149,8 @@ def _run(
         with zswap.Init(cfg):
             if setup.get("reentrant"):
                 model: torch.nn.Module = _Checkpointed()
+            elif setup.get("first_only"):
+                model = _FirstOnly()
             else:
                 model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
         given = None
@@ -147,7 +165,8 @@ def _run(
     with engine:
         for step in range(steps):
             engine.stats(reset=True)
-            for _ in range(gas):
+            for k in range(gas):
+                model.first = k == 0  # (read by `_FirstOnly` alone)
                 engine.backward(engine(torch.randn(8, 256, generator=g).to(dtype)).float().square().mean())
                 if setup.get("lr_before_step"):  # a schedule applied right before the step
                     for group in engine.optimizer.param_groups:
