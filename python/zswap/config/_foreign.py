@@ -6,10 +6,10 @@ elastic batch sizes, tensor or sequence parallelism, apex AMP, gradient pre-scal
 them, and running on as if they were off would train something other than the config says: each one switched
 on is a `ConfigError` naming the key, why, and what to do. Sections that feed DeepSpeed's monitors and tools
 (TensorBoard, W&B, the flops profiler, autotuning …) change no result: each one switched on is named in the
-loader's "ignored" warning. The rest outside zswap's sections (``steps_per_print``,
-``zero_allow_untested_optimizer``, ``activation_checkpointing`` — which
-`zswap.deepspeed.checkpointing.configure` reads —, a ``pipeline`` section, which acts only on DeepSpeed's
-pipeline modules …) is never looked at. "Switched on" follows DeepSpeed's parsing: an ``enabled`` key (default
+loader's "ignored" warning, as are ``activation_checkpointing``'s extras (read by
+`zswap.deepspeed.checkpointing.configure`, which refuses them). The rest outside zswap's sections
+(``steps_per_print``, ``zero_allow_untested_optimizer``, a ``pipeline`` section, which acts only on
+DeepSpeed's pipeline modules …) is never looked at. "Switched on" follows DeepSpeed's parsing: an ``enabled`` key (default
 false), a size above 1, a value off its default.
 """
 
@@ -54,6 +54,15 @@ MONITORS = (
 """Sections with an ``enabled`` key that only feed DeepSpeed's monitors, profilers and tools."""
 
 MONITOR_SWITCHES = ("wall_clock_breakdown", "memory_breakdown", "sparse_gradients", "graph_harvesting")
+CHECKPOINTING_SWITCHES = (
+    "partition_activations",
+    "contiguous_memory_optimization",
+    "cpu_checkpointing",
+    "synchronize_checkpoint_boundary",
+    "profile",
+)
+"""``activation_checkpointing``'s extras: read by ``deepspeed.checkpointing.configure`` alone (which
+`zswap.deepspeed.checkpointing.configure` and the Lightning strategy refuse); where on, the loader names them."""
 """Top-level booleans of DeepSpeed's machinery (timers, sparse all-reduce, CUDA graphs): same results."""
 
 _AVERAGING = "zswap sums the ranks' gradients, then divides by the world size (DeepSpeed's default)"
@@ -102,6 +111,11 @@ def check(raw: Mapping[Any, Any]) -> list[str]:
     _check_tag_validation(checkpoint.get("tag_validation") if isinstance(checkpoint, Mapping) else None)
     warned = [f"{key}.enabled" for key in MONITORS if _enabled(raw.get(key))]
     warned += [key for key in MONITOR_SWITCHES if _enabled(raw.get(key))]
+    section = raw.get("activation_checkpointing")
+    if isinstance(section, Mapping):
+        warned += [
+            f"activation_checkpointing.{k}" for k in CHECKPOINTING_SWITCHES if _enabled(section.get(k))
+        ]
     compile_section = raw.get("compile")
     if isinstance(compile_section, Mapping) and _enabled(compile_section.get("deepcompile")):
         warned.append("compile.deepcompile")
