@@ -37,7 +37,10 @@ SETUPS: dict[str, dict[str, Any]] = {
     "CPU, clipping 1e6 (never bites)": {"gradient_clipping": 1e6},
     "CPU, clipping 1e-4 (always bites)": {"gradient_clipping": 1e-4},
     "CPU, GAS 2": {"gradient_accumulation_steps": 2},
-    "CPU, GAS 2, a layer in the first micro-batch only": {"gradient_accumulation_steps": 2, "first_only": True},
+    "CPU, GAS 2, a layer in the first micro-batch only": {
+        "gradient_accumulation_steps": 2,
+        "first_only": True,
+    },
     "CPU, reentrant activation checkpointing": {"reentrant": True},
     "CPU, lr set between backward and step": {"lr_before_step": True},
     "CPU, lr set there at the last step only": {"lr_at_last": True},

@@ -9,8 +9,8 @@ on is a `ConfigError` naming the key, why, and what to do. Sections that feed De
 loader's "ignored" warning, as are ``activation_checkpointing``'s extras (read by
 `zswap.deepspeed.checkpointing.configure`, which refuses them). The rest outside zswap's sections
 (``steps_per_print``, ``zero_allow_untested_optimizer``, a ``pipeline`` section, which acts only on
-DeepSpeed's pipeline modules …) is never looked at. "Switched on" follows DeepSpeed's parsing: an ``enabled`` key (default
-false), a size above 1, a value off its default.
+DeepSpeed's pipeline modules …) is never looked at. "Switched on" follows DeepSpeed's parsing: an
+``enabled`` key (default false), a size above 1, a value off its default.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ CHECKPOINTING_SWITCHES = (
     "profile",
 )
 """``activation_checkpointing``'s extras: read by ``deepspeed.checkpointing.configure`` alone (which
-`zswap.deepspeed.checkpointing.configure` and the Lightning strategy refuse); where on, the loader names them."""
+`zswap.deepspeed.checkpointing.configure` and the Lightning strategy refuse); the loader names those on."""
 """Top-level booleans of DeepSpeed's machinery (timers, sparse all-reduce, CUDA graphs): same results."""
 
 _AVERAGING = "zswap sums the ranks' gradients, then divides by the world size (DeepSpeed's default)"
