@@ -183,7 +183,7 @@ class GradSink:
             # gradient, and see .grad None: ours goes last again (re-inserted under its key, which its
             # handle removes), so such a hook sees, and may change, each backward's gradient.
             hooks = p._post_accumulate_grad_hooks
-            if hooks is not None and post and next(reversed(hooks)) != post[0]:
+            if hooks is not None and post and post[0] in hooks and next(reversed(hooks)) != post[0]:
                 hooks[post[0]] = hooks.pop(post[0])
             # AccumulateGrad lays a new gradient out like the param and copies it into that layout, which
             # fails on an empty ``.data``. The module hooks keep a param gathered until its gradient is in,
