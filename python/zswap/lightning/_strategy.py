@@ -133,8 +133,8 @@ class ZswapStrategy(ProcessGroupStrategy):
     ) -> None:
         self.config: dict[str, Any] = raw_dict(config, "ZswapStrategy config")
         """The config as a plain dict (a private copy)."""
+        _refuse_checkpointing_extras(self.config)  # before the loader, which only names them (ignored)
         self.zswap_config: ZswapConfig = load_config(self.config)
-        _refuse_checkpointing_extras(self.config)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
