@@ -171,9 +171,8 @@ pub struct Resolved {
     pub block_size: usize,
     pub queue_depth: usize,
     pub threads: usize,
-    pub fixed_buffers: bool,
-    /// Why the bounce buffers are not registered io_uring buffers ("" where they are).
-    pub fixed_why: String,
+    /// Why the bounce buffers are not registered io_uring buffers (`None`: they are).
+    pub fixed_refused: Option<String>,
     pub bounce_pages: PageKind,
     pub bounce_bytes: usize,
     /// Bounce buffers each io_uring ring holds beyond one per slot, filled while every slot is in flight.
@@ -307,8 +306,7 @@ impl Engine {
             block_size: cfg.block_size,
             queue_depth: cfg.queue_depth,
             threads: started.threads,
-            fixed_buffers: started.fixed_buffers,
-            fixed_why: started.fixed_why,
+            fixed_refused: started.fixed_refused,
             bounce_pages: started.bounce_pages,
             bounce_bytes: started.bounce_bytes,
             bounce_spare: started.bounce_spare,

@@ -17,9 +17,8 @@ pub(super) struct Started {
     pub backend: Backend,
     pub handles: Vec<JoinHandle<()>>,
     pub threads: usize,
-    pub fixed_buffers: bool,
-    /// Why the bounce buffers are not registered ("" where they are).
-    pub fixed_why: String,
+    /// Why the bounce buffers are not registered io_uring buffers (`None`: they are).
+    pub fixed_refused: Option<String>,
     pub bounce_pages: PageKind,
     pub bounce_bytes: usize,
     /// Bounce buffers each ring holds beyond one per slot (0 for psync).
@@ -56,8 +55,7 @@ pub(super) fn start(
         backend: Backend::Psync,
         handles: Vec::new(),
         threads,
-        fixed_buffers: false,
-        fixed_why: "the psync backend has no io_uring ring to register them with".into(),
+        fixed_refused: Some("the psync backend has no io_uring ring to register them with".into()),
         bounce_pages: PageKind::Small,
         bounce_bytes: 0,
         bounce_spare: 0,
@@ -123,8 +121,7 @@ fn spawn_rings(
         backend: Backend::IoUring,
         handles: Vec::new(),
         threads: rings.len(),
-        fixed_buffers: true,
-        fixed_why: String::new(),
+        fixed_refused: None,
         bounce_pages: PageKind::Small,
         bounce_bytes: 0,
         bounce_spare: 0,
@@ -132,15 +129,14 @@ fn spawn_rings(
     let total: usize = rings.iter().map(uring::UringWorker::bounce_bytes).sum();
     let mut locked = true;
     for (i, w) in rings.into_iter().enumerate() {
-        if let (Some(errno), true) = (w.fixed_refusal(), s.fixed_buffers) {
-            s.fixed_buffers = false;
-            s.fixed_why = format!(
+        if let (Some(errno), None) = (w.fixed_refusal(), &s.fixed_refused) {
+            s.fixed_refused = Some(format!(
                 "registering the {} MiB of bounce buffers failed: {} (errno {errno}){}; plain io_uring \
                  reads and writes instead (the same data path, a little more CPU per request)",
                 total >> 20,
                 crate::error::strerror(errno),
                 if errno == libc::ENOMEM { memlock_hint(Some(total)) } else { String::new() },
-            );
+            ));
         }
         locked &= w.locked();
         s.bounce_pages = w.page_kind();
@@ -193,14 +189,13 @@ fn unlocked_note(bytes: usize) -> String {
 /// Why a ring of `entries` was refused, with the memlock limit when that is the likely cause.
 pub(super) fn ring_refusal(entries: u32, errno: i32) -> Error {
     let mut why = format!("io_uring_setup of a {entries}-entry ring failed");
-    if errno == libc::ENOMEM {
-        if let Some(limit) = memlock_limit() {
-            why.push_str(&format!(
-                "; ring memory is charged to RLIMIT_MEMLOCK ({} KiB here) without CAP_IPC_LOCK — \
-                 lower aio.queue_depth or raise the limit (ulimit -l)",
-                limit / 1024
-            ));
-        }
+    let hint = if errno == libc::ENOMEM {
+        memlock_hint(None)
+    } else {
+        String::new()
+    };
+    if !hint.is_empty() {
+        why.push_str(&format!("{hint}, or lower aio.queue_depth"));
     }
     Error::Unavailable {
         feature: Feature::IoUring,

@@ -211,8 +211,11 @@ impl PyEngine {
         d.set_item("block_size", r.block_size)?;
         d.set_item("queue_depth", r.queue_depth)?;
         d.set_item("threads", r.threads)?;
-        d.set_item("fixed_buffers", r.fixed_buffers)?;
-        d.set_item("fixed_buffers_reason", &r.fixed_why)?;
+        d.set_item("fixed_buffers", r.fixed_refused.is_none())?;
+        d.set_item(
+            "fixed_buffers_reason",
+            r.fixed_refused.as_deref().unwrap_or(""),
+        )?;
         d.set_item(
             "bounce_pages",
             format!("{:?}", r.bounce_pages).to_lowercase(),

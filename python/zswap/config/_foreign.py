@@ -54,6 +54,8 @@ MONITORS = (
 """Sections with an ``enabled`` key that only feed DeepSpeed's monitors, profilers and tools."""
 
 MONITOR_SWITCHES = ("wall_clock_breakdown", "memory_breakdown", "sparse_gradients", "graph_harvesting")
+"""Top-level booleans of DeepSpeed's machinery (timers, sparse all-reduce, CUDA graphs): same results."""
+
 CHECKPOINTING_SWITCHES = (
     "partition_activations",
     "contiguous_memory_optimization",
@@ -63,7 +65,6 @@ CHECKPOINTING_SWITCHES = (
 )
 """``activation_checkpointing``'s extras: read by ``deepspeed.checkpointing.configure`` alone (which
 `zswap.deepspeed.checkpointing.configure` and the Lightning strategy refuse); the loader names those on."""
-"""Top-level booleans of DeepSpeed's machinery (timers, sparse all-reduce, CUDA graphs): same results."""
 
 _AVERAGING = "zswap sums the ranks' gradients, then divides by the world size (DeepSpeed's default)"
 

@@ -105,7 +105,7 @@ def assemble(raw: Mapping[Any, Any]) -> Assembled:
         given["params"] = ("scheduler.params", dict(params))
         out.put("scheduler", given)
     clip = raw.get("gradient_clipping")  # DeepSpeed keeps it at top level
-    if isinstance(clip, str) and clip.strip().casefold() == "auto":
+    if v.is_auto(clip):
         out.data["gradient_clipping_auto"] = True  # each front end's own default (`own_clipping`)
     elif clip is not None:
         out.data["gradient_clipping"] = _detach(clip)
@@ -340,7 +340,7 @@ def _read(
 
 def _require_default(key: str, value: Any, default: object, reason: str) -> None:
     """`ConfigError` unless ``value`` is DeepSpeed's default for ``key`` (null and "auto" count as it)."""
-    if value is None or (isinstance(value, str) and value.casefold() == "auto"):
+    if value is None or v.is_auto(value):
         return
     if isinstance(default, bool):
         try:

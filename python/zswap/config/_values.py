@@ -274,11 +274,16 @@ def _deepspeed_adapter(kind: str) -> TypeAdapter[Any]:
     return TypeAdapter(DS_TYPES[kind][0])
 
 
+def is_auto(value: Any) -> bool:
+    """Whether a config value is ``"auto"`` (any case): Hugging Face's "filled in elsewhere"."""
+    return isinstance(value, str) and value.casefold() == "auto"
+
+
 def deepspeed_accepts(kind: str, value: Any) -> None:
     """`invalid` where DeepSpeed's schema refuses ``value`` for a key of type ``kind`` (pydantic's lax mode,
     as DeepSpeed validates: ``"true"`` is a boolean there, ``5e8`` an integer). ``"auto"`` passes: Hugging
     Face's config templates write it, and fill it in before DeepSpeed sees it."""
-    if isinstance(value, str) and value.strip().casefold() == "auto":
+    if is_auto(value):
         return
     try:
         _deepspeed_adapter(kind).validate_python(value)

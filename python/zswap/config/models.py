@@ -51,7 +51,7 @@ class _Model(BaseModel):
         return {
             key: value
             for key, value in data.items()
-            if not (value is None or (_is_auto(value) and key not in cls._auto_refused))
+            if not (value is None or (v.is_auto(value) and key not in cls._auto_refused))
         }
 
     def __repr_args__(self) -> Iterator[tuple[str, Any]]:
@@ -411,9 +411,9 @@ class SchedulerConfig(_Model):
                 close = _keys.Section("scheduler.params", tuple(spec)).closest(name)
                 hint = f"; did you mean {close!r}?" if close else f"; {self.type} takes {', '.join(spec)}"
                 raise PydanticCustomError(CONFLICT, f"unknown key {name!r} in scheduler.params{hint}")
-            if value is None or (_is_auto(value) and name != "warmup_max_lr"):
+            if value is None or (v.is_auto(value) and name != "warmup_max_lr"):
                 continue
-            if _is_auto(value):  # Hugging Face's "the optimizer's lr"
+            if v.is_auto(value):  # Hugging Face's "the optimizer's lr"
                 checked[name] = "auto"
                 continue
             try:
@@ -532,10 +532,6 @@ def _as_torch(name: DType | None) -> torch.dtype | None:
 
     dtype: torch.dtype = getattr(torch, _TORCH_DTYPES[name])
     return dtype
-
-
-def _is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value.casefold() == "auto"
 
 
 def _to_json(value: Any) -> Any:

@@ -98,9 +98,9 @@ class DeepSpeedEngine(runtime.Engine):
     one); after ``load_checkpoint``, ``global_steps × train_batch_size()`` (DeepSpeed's value for a
     checkpoint without it)."""
     norm_over_optimizer = True
-    _lr_kwargs = True  # `step(lr_kwargs=...)`: DeepSpeed's ReduceLROnPlateau gets its metric so
     """The global gradient norm (clipping, ``get_global_grad_norm``) covers the params the optimizer steps
     only, as DeepSpeed's ZeRO-3 takes it over its optimizer's groups (`zswap.step.stepping.normed`)."""
+    _lr_kwargs = True  # `step(lr_kwargs=...)` hands the schedule its keywords (ReduceLROnPlateau's metric)
     _backwards = 0
     """``backward`` calls since the last ``step()``."""
     _coalescing = False

@@ -452,12 +452,7 @@ class NvmeGrads(GradStore):
                 "engine.keep_applied_grads = True before backward to read gradients between backward and "
                 'step (with "auto", the default, they are kept from the next backward on, after this error)'
             )
-        numel, dtype = self._meta[key]
-        kept = self._stash.get(key)
-        if kept is not None:
-            return kept, None  # as `MemoryGrads.load`: the kept tensor itself
-        buf = self._alloc(numel, dtype) if self._loads is None else self._loads.take(numel, dtype)[0]
-        return buf, self.ns.read(key, buf)
+        return self._committed_value(key)
 
     def earlier(self, st: ParamState) -> tuple[torch.Tensor, Any]:
         # The committed value, without committing the generation of the backward running now (its end
@@ -466,10 +461,16 @@ class NvmeGrads(GradStore):
         if key in self._gen_meta or key in self._applied or key not in self._meta:
             raise KeyError(f"param {st.key} has no gradient of earlier backwards alone")
         self._check()
+        return self._committed_value(key)
+
+    def _committed_value(self, key: str) -> tuple[torch.Tensor, Any]:
+        """``key``'s committed gradient: the kept tensor itself (as `MemoryGrads.load`), or a buffer being
+        read (a `step_loads` pool's where one is open) and its handle."""
+        numel, dtype = self._meta[key]
         kept = self._stash.get(key)
         if kept is not None:
             return kept, None
-        buf = self._alloc(*self._meta[key])
+        buf = self._alloc(numel, dtype) if self._loads is None else self._loads.take(numel, dtype)[0]
         return buf, self.ns.read(key, buf)
 
     def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

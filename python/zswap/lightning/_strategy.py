@@ -409,7 +409,7 @@ class ZswapStrategy(ProcessGroupStrategy):
         optimizer step) too when nothing is trained."""
         cfg = copy.deepcopy(self._model_config())
         cfg["gradient_accumulation_steps"] = 1
-        if str(cfg.get("gradient_clipping")).strip().casefold() == "auto":
+        if self.zswap_config.gradient_clipping_auto:
             del cfg["gradient_clipping"]  # Hugging Face's "the front end's": the Trainer's gradient_clip_val
         if "train_batch_size" in cfg:
             cfg["train_batch_size"] = "auto"  # derived again from the micro batch, with one micro-step
