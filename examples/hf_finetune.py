@@ -47,7 +47,7 @@ def config(nvme: str, lr: float) -> dict:
 
 
 def build(model_path: str | None, vocab: int, dim: int, layers: int) -> torch.nn.Module:
-    if model_path is not None and os.path.isdir(model_path):
+    if model_path is not None:
         return transformers.AutoModelForCausalLM.from_pretrained(model_path)
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--nvme", help="directory for the swap files (default: a new temp dir)")
     args = parser.parse_args()
+    if args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"--model {args.model!r} is not a directory (one written by save_pretrained)")
 
     torch.manual_seed(0)
     chars = sorted(set(TEXT))

@@ -18,7 +18,16 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zswap
-from tests.test_leaf_modules import ByRank, MoE, WithMixtral, config, data, train_hf_moe, train_plain_step
+from tests.test_leaf_modules import (
+    ByRank,
+    MoE,
+    Skipping,
+    WithMixtral,
+    config,
+    data,
+    train_hf_moe,
+    train_plain_step,
+)
 from zswap.deepspeed import utils
 from zswap.device import StandInDevice
 from zswap.errors import RanksDivergedError
@@ -70,6 +79,31 @@ def moe_on_the_device_path(rank: int, tmp: Path) -> None:
     moe_with_leaf_blocks(rank, tmp, StandInDevice())
 
 
+def a_leaf_one_rank_passes_through(rank: int, tmp: Path) -> None:
+    """Rank 1's leaf returns its input: its backward still ends (and reduces) where rank 0's does, not at
+    the end of the backward after the next module's collectives (every rank waited on the other)."""
+    torch.manual_seed(0)
+    cfg = config(tmp)
+    cfg["zero_optimization"]["leaf_module"] = {"names": ["skip"]}
+    with zswap.Init(cfg):
+        model = Skipping()
+    with zswap.initialize(model, cfg) as engine:
+        compare(engine, model, Skipping, rank, seed=40)
+
+
+def leaves_kept_gathered_by_max_in_cpu(rank: int, tmp: Path) -> None:
+    """Leaves whose params all stay gathered (``max_in_cpu``) are reduced at their backward's end too
+    (they had no backward hooks: their gradients waited for a reduction that never came, untrained)."""
+    torch.manual_seed(0)
+    cfg = config(tmp)
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**6
+    with zswap.Init(cfg):
+        model = MoE()
+    utils.set_z3_leaf_modules(model, ["MoEBlock"])
+    with zswap.initialize(model, cfg) as engine:
+        compare(engine, model, MoE, rank, seed=50)
+
+
 def mixtral_blocks_are_leaves_by_default(rank: int, tmp: Path) -> None:
     with zswap.Init(config(tmp)):
         model = WithMixtral()
@@ -111,6 +145,8 @@ def main() -> None:
                 by_rank_in_evaluation,
                 moe_with_leaf_blocks,
                 moe_on_the_device_path,
+                a_leaf_one_rank_passes_through,
+                leaves_kept_gathered_by_max_in_cpu,
                 mixtral_blocks_are_leaves_by_default,
                 hf_mixtral,
             )

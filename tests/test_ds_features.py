@@ -315,8 +315,9 @@ def test_a_config_optimizer_without_lr_runs_at_deepspeeds_default(section, sourc
 
 def test_an_auto_lr_stays_an_error_naming_the_key(quiet):
     cfg = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": "auto"}}}
-    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr is 'auto' \(or missing\)"):
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr is 'auto' \(or missing\)") as e:
         deepspeed.initialize(model=Mlp(), config=cfg)
+    assert "lr= to zswap.optim.OffloadedAdamW.from_config, or pass optimizer= to zswap.init" in str(e.value)
 
 
 def test_a_communication_dtype_on_one_rank_reduces_nothing(tmp_path):

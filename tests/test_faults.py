@@ -234,6 +234,36 @@ def test_a_failed_backward_counts_for_nothing_and_can_be_run_again(params, op, c
             assert same(grads_of(m), [p.grad for p in ref.parameters()]), where
 
 
+@pytest.mark.parametrize("states", ["cpu", "nvme"])
+def test_a_backward_a_user_hook_breaks_keeps_its_sums_in_memory_and_none_on_nvme(states, tmp_path):
+    """docs/troubleshooting.md: in CPU memory what the broken backward summed stays (as PyTorch's
+    ``.grad``); on NVMe that backward's gradient writes are one transaction, never made live."""
+
+    class Broken(Exception):
+        pass
+
+    def boom(_: torch.Tensor) -> None:
+        raise Broken
+
+    cfg = cfg_for(tmp_path, "nvme", states)
+    m, ref = build(TinyLM, cfg)
+    with engine_for(m, cfg) as engine:
+        engine.early_step = False
+        first = []
+        for mm in (m, ref):
+            sq(mm(ids(seed=0))).backward()
+            first.append([zswap.full_grad(p).clone() for p in mm.parameters()])
+            out = mm(ids(seed=1))
+            mm.pos.register_hook(boom)  # `pos` is used first: its gradient comes last, the blocks' before
+            with pytest.raises(Broken):
+                sq(out).backward()
+        plain = [p.grad for p in ref.parameters()]
+        assert not same(plain, first[1])  # PyTorch kept the blocks' sums of the broken backward
+        assert same(grads_of(m), plain if states == "cpu" else first[0])
+        engine.zero_grad()
+        assert all(full_grad(p) is None for p in m.parameters())
+
+
 # -- forward ----------------------------------------------------------------------------------------------
 
 

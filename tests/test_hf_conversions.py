@@ -187,7 +187,7 @@ def test_load_weights_on_a_plain_module_needs_the_model_names(tmp_path):
 
     with init_for("cpu", tmp_path):
         m = Plain()
-    with pytest.raises(zswap.LoadWeightsError, match=r"missing keys: .*experts\.gate_up_proj") as info:
+    with pytest.raises(zswap.LoadWeightsError, match=r"missing keys?: .*experts\.gate_up_proj") as info:
         zswap.load_weights(m, ckpt)
     assert any(re.search(r"experts\.0\.", k) for k in info.value.unexpected_keys)
 

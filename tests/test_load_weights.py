@@ -132,7 +132,7 @@ def test_strict_lists_every_problem_at_once_and_writes_nothing(tmp_path):
     assert isinstance(err, ZswapError) and isinstance(err, ValueError)
     msg = str(err)
     assert "2 missing keys: a.bias, norm.running_var" in msg
-    assert "1 unexpected keys: extra.weight" in msg
+    assert "1 unexpected key: extra.weight" in msg and "1 shape mismatch: b.weight" in msg
     assert "b.weight is [4, 5] in the checkpoint, [3, 5] in the model" in msg
     assert (err.missing_keys, err.unexpected_keys) == (["a.bias", "norm.running_var"], ["extra.weight"])
     after = current(m)

@@ -322,6 +322,29 @@ def test_live_budget_is_never_exceeded(tmp_path):
     assert s["prefetch_hits"] > 0 and s["persistent_elements"] > 0
 
 
+@pytest.mark.parametrize("between", ["chained", "tanh"])
+def test_backward_hands_over_one_module_at_a_time(between, tmp_path):
+    # Module i's output is module i+1's input (nn.Sequential): backward releases module i+1's params before
+    # it gathers module i's, as DeepSpeed does, so a budget of one module holds in backward as in forward.
+    def make() -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(5):
+            layers += [nn.Linear(8, 8)] + ([nn.Tanh()] if between == "tanh" else [])
+        return nn.Sequential(*layers)
+
+    one = 8 * 8 + 8
+    knobs = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+             "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": one}  # fmt: skip
+    m, ref = build(make, config("nvme", tmp_path, **knobs))
+    with engine_for(m, config("nvme", tmp_path, **knobs)) as engine:
+        for seed in (1, 2):
+            engine.stats(reset=True)
+            train_pass(m, ref, torch.randn(2, 8, generator=torch.Generator().manual_seed(seed)), sq)
+            s = engine.stats()
+            assert s["peak_live_elements"] == one and s["budget_exceeded"] == 0, s
+        assert_same_grads(m, ref)
+
+
 def test_autograd_keeps_no_gathered_weight_alive_until_backward(tmp_path):
     # F.linear saves weight.t(), a view: kept as a reference to the param, not as the gathered memory.
     from zswap.params import _storage_uses

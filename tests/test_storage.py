@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import zswap
 from zswap import SwapIOError, param_state
@@ -287,6 +288,26 @@ def test_open_dir_shares_one_storage_per_directory(tmp_path):
         assert a.engine.closed  # the last namespace closed the engine zswap opened
 
 
+def test_one_directory_with_other_aio_settings_gets_its_own_engine(tmp_path):
+    """A second model on the same ``nvme_path`` asking for other ``aio`` settings gets them (its own
+    engine, its own swap files): a checksum it asked for is on; settings equal to the defaults share."""
+    base = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    checked = {**base, "aio": {"checksum": "crc32c", "backend": "psync", "block_size": 65536}}
+    same_as_default = {**base, "aio": {"checksum": "off", "backend": "auto"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        with zswap.Init(base):
+            a = nn.Linear(64, 64)
+        with zswap.Init(checked):
+            b = nn.Linear(64, 64)
+        with zswap.Init(same_as_default):
+            c = nn.Linear(64, 64)
+    ea, eb, ec = (param_state(m.weight).store.engine for m in (a, b, c))
+    assert eb is not ea and ec is ea
+    assert eb.info["checksum"] and eb.info["backend"] == "psync" and eb.info["block_size"] == 65536
+    assert not ea.info["checksum"]
+
+
 def test_params_gradients_and_optimizer_records_share_one_engine(tmp_path):
     cfg = {
         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
@@ -305,6 +326,36 @@ def test_params_gradients_and_optimizer_records_share_one_engine(tmp_path):
         engine.step()
         kinds = {k.split("/")[0] for k in list(st.store.engine.keys())}
         assert kinds == {"p", "o"}  # params and records in the one engine (gradients were cleared)
+
+
+def test_growth_refused_on_a_small_ext4_gives_back_what_it_got(tmp_path):
+    """ext4 keeps the blocks a refused fallocate allocated (tmpfs undoes them): the swap file's growth
+    ahead of need, refused on a file system smaller than it, must not leave them taken from it."""
+    import shutil
+    import subprocess
+
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(48 << 20)  # below the first growth step (64 MiB)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make an ext4 image here: {made.stderr.strip()}")
+    up = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True)
+    if up.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here: {up.stderr.strip()}")
+    try:
+        free = shutil.disk_usage(mnt).free
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zswap.ZswapWarning)
+            s = zs.open_dir(mnt)
+        ns = s.namespace("p")
+        ns.put("a", t(1 << 10, 0))
+        assert free - shutil.disk_usage(mnt).free <= 1 << 20  # the file holds what it stores, not the fs
+        assert torch.equal(read(ns, "a", 1 << 10), t(1 << 10, 0))
+        ns.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_real_full_file_system_keeps_the_old_value_and_space_freed_is_reused(tmp_path):

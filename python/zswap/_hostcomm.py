@@ -26,11 +26,11 @@ torch before and after them in program order. That is a publication only under x
 core observed stays ordered before this core's later stores); elsewhere `channel` returns ``None``.
 
 A wait spins briefly, then yields the core, then sleeps in short polls; every second it checks that the peer
-it waits for still runs (`_alive`: a zombie counts as exited), and gives up after
-`torch.distributed.default_pg_timeout`, raising a `ZswapError` that names the peer, the exchange and the
-round. A round interrupted (an exception, a KeyboardInterrupt) leaves the ranks out of step: the channel is
-then broken, and every later use raises. ``ZSWAP_HOST_COLLECTIVES=0`` turns it off (gloo for every
-collective, as before).
+it waits for still runs (`_alive`: a zombie counts as exited), and gives up after the group's timeout
+(``init_process_group``'s ``timeout``; `Channel._timeout`), raising a `ZswapError` that names the peer,
+the exchange and the round. A round interrupted (an exception, a KeyboardInterrupt) leaves the ranks out of
+step: the channel is then broken, and every later use raises. ``ZSWAP_HOST_COLLECTIVES=0`` turns it off
+(gloo for every collective, as before).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import secrets
 import socket
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -201,6 +202,8 @@ class Channel:
         # pid namespace the number may name some other process, or none).
         self._watch = [j for j in self._peers if _maps(self._pids[j], paths[j])]
         self._broken: str | None = None
+        self._group: Callable[[], Any] = lambda: None
+        """The process group (weakly): a wait gives up after its timeout (`_timeout`)."""
         self.rounds = 0
         """Rounds run: the last round's number (every rank's the same)."""
 
@@ -254,7 +257,9 @@ class Channel:
             )
         if not segments or any(failed):
             return None
-        return cls(rank, segments, [path for _, path, _, _ in announced])
+        made = cls(rank, segments, [path for _, path, _, _ in announced])
+        made._group = weakref.ref(pg)
+        return made
 
     # -- the two exchanges ---------------------------------------------------------------------------
 
@@ -376,10 +381,19 @@ class Channel:
                 f"rank {j} (pid {self._pids[j]}) exited while rank {self.rank} waited for it in {what} "
                 f"(shared-memory round {k})"
             )
-        limit = torch.distributed.default_pg_timeout.total_seconds()
+        limit = self._timeout()
         if waited >= limit:
             raise ZswapError(
                 f"rank {self.rank} waited {waited:.0f} s for rank {j} in {what} (shared-memory round {k}), "
-                f"past the process group's default timeout of {limit:.0f} s: the ranks no longer run the "
-                "same collectives"
+                f"past the process group's timeout of {limit:g} s: the ranks no longer run the same "
+                "collectives"
             )
+
+    def _timeout(self) -> float:
+        """Seconds a wait may last: the group's timeout as gloo keeps it (``init_process_group``'s or
+        ``new_group``'s ``timeout``, or `torch.distributed.set_timeout`), else torch's default."""
+        with contextlib.suppress(Exception):
+            pg = self._group()
+            if pg is not None:
+                return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        return float(torch.distributed.default_pg_timeout.total_seconds())

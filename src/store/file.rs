@@ -163,13 +163,20 @@ impl SwapFile {
         let generous = align_up(need.max(cur + growth_step(cur)), UNIT);
         let mut target = generous;
         loop {
-            match self.fallocate(0, cur, target - cur) {
+            let errno = match self.fallocate(0, cur, target - cur) {
                 Ok(()) => break,
+                Err(errno) => errno,
+            };
+            // A refused fallocate may have allocated part of the range and grown the file over it (ext4
+            // keeps the extents it made before ENOSPC): cut the file back to `cur`, or that part would
+            // stay taken from the file system, unused, until the engine closes.
+            // SAFETY: ftruncate on our own descriptor; nothing lies past `cur`, which the allocator has
+            // not been given (the size is published below, under `grow_lock`).
+            unsafe { libc::ftruncate(self.fd, cur as i64) };
+            match errno {
                 // Growth ahead of need refused (a full disk, a file-size limit): just what is needed.
-                Err(libc::ENOSPC | libc::EFBIG) if target > need => target = need,
-                Err(errno) => {
-                    return Err(Error::io(Op::Allocate, errno, &self.dir, cur, need - cur))
-                }
+                libc::ENOSPC | libc::EFBIG if target > need => target = need,
+                _ => return Err(Error::io(Op::Allocate, errno, &self.dir, cur, need - cur)),
             }
         }
         self.size.store(target, Ordering::Release);

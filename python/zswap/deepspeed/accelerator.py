@@ -6,7 +6,7 @@ CPU. `get_accelerator` answers for that same device, with the methods DeepSpeed 
 from DeepSpeed's CPU accelerator on purpose: `communication_backend_name` is ``"gloo"`` (the CPU backend
 torch ships and zswap runs on; DeepSpeed's CPU accelerator names oneCCL's ``"ccl"``), and `current_device`
 is an int. DeepSpeed's compiled-op builders (``create_op_builder``, ``get_op_builder``…) are not part of
-zswap: asking for one is an `AttributeError` naming `zswap.OffloadedAdamW`, zswap's CPU Adam.
+zswap: asking for one is an `AttributeError` naming `zswap.optim.OffloadedAdamW`, zswap's CPU Adam.
 """
 
 from __future__ import annotations
@@ -208,8 +208,8 @@ class Accelerator:
         if name in _TENSOR_TYPES:  # DeepSpeed's legacy tensor-type names: a tensor maker on this device
             return functools.partial(torch.tensor, dtype=_TENSOR_TYPES[name], device=self._name)
         why = (
-            "DeepSpeed's compiled ops are not part of zswap (its CPU Adam is zswap.OffloadedAdamW, built by "
-            "zswap.deepspeed.initialize from the config's optimizer section)"
+            "DeepSpeed's compiled ops are not part of zswap (its CPU Adam is zswap.optim.OffloadedAdamW, "
+            "built by zswap.deepspeed.initialize from the config's optimizer section)"
             if "op_builder" in name
             else f"it answers DeepSpeed's device, seed, stream, memory and dtype calls for {self._name!r}"
         )

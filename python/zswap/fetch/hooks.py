@@ -16,9 +16,12 @@ When a module's forward under grad mode ends, a hook goes on each output tensor
 (fires right before the first of the module's backward nodes: *pre-backward*, acquires the params again)
 and on each non-param input (fires right before the node that produced it, after all of the module's nodes:
 *post-backward*, releases them). The CPU autograd engine runs ready nodes in decreasing creation order, so
-every node a module created has run by then. A module whose inputs need no grad (token ids) releases at
-the end of the backward, from a callback queued on the graph task. Nothing is inserted into the graph, so
-gradients are summed in the same order as in a plain model. On the CPU the nodes between a call's outputs
+every node a module created has run by then. Where one module's output is the next one's input, the later
+module's post-backward hook is moved ahead of the earlier one's pre-backward hook on that tensor: it
+releases before the next gathers, so a live budget of one module holds in backward too
+(`_order`). A module whose inputs need no grad (token ids) releases at the end of the backward,
+from a callback queued on the graph task. Nothing is inserted into the graph, so gradients are summed in
+the same order as in a plain model. On the CPU the nodes between a call's outputs
 and inputs also get the hooks that compute their large matmul outputs into reused memory
 (`zswap.outputs`).
 
@@ -46,6 +49,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import FunctionalTransformError
 from ..parts._access import _ABSENT, _META_GETSETS, _META_METHODS, _shape_answer
@@ -164,6 +168,8 @@ class ModuleHooks:
         """The saved-tensor hooks ours were pushed on top of (a user's), which get every other tensor."""
         self._tasks: set[int] = set()
         self._bw_calls: list[_Call] = []
+        self._ours: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Tensors of this pass -> our backward hooks on them, (handle, hook) in firing order (`_order`)."""
         self._recomputed: list[Slot] = []  # (`_release_forward`)
         self._closed = False
         self._bw_expected = False
@@ -209,6 +215,7 @@ class ModuleHooks:
                 # No backward runs here, so a task still listed raised (a checkpoint's re-run, a hook):
                 # autograd drops the end callbacks of a failed task. What it held is released now.
                 self._tasks.clear()
+                self._ours = WeakIdKeyDictionary()
                 self._backward_done(-1)  # releases what saved tensors unpacked outside backward held
                 self.sched.begin(self._kind(), grad=torch.is_grad_enabled())
                 self._bw_expected = False
@@ -235,8 +242,8 @@ class ModuleHooks:
             if (
                 output is not None
                 and torch.is_grad_enabled()
-                and any(not s.persistent for s in call.info.slots)
-            ):
+                and (call.info.leaf or any(not s.persistent for s in call.info.slots))
+            ):  # (a leaf's params reduced at its backward's end: `leaf_done`, even where all stay gathered)
                 self._hook_backward(call, args, kwargs, output)
         finally:
             if not self._stack:
@@ -345,16 +352,36 @@ class ModuleHooks:
         post = functools.partial(self._bw_post, call)
         out_ids = {id(t) for t in outs}
         for t in outs:
-            t.register_hook(pre)  # dies with the graph
-        ins = []
+            self._ours.setdefault(t, []).append((t.register_hook(pre), pre))  # dies with the graph
+        ins, through = [], []
         for t in tree_leaves((args, kwargs)):
             # Leaves (a param passed in, an input that requires grad) are skipped: their hook would fire
             # at their AccumulateGrad, which may run before the module's own params' ones, and would stay
             # on a tensor that outlives the graph. Such a call releases at the end of the graph task.
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in out_ids:
-                t.register_hook(post)
+            if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+                continue
+            if id(t) not in out_ids:
+                self._order(t, [post, *(fn for _, fn in self._ours.get(t, ()))])
                 ins.append(t)
+            elif call.info.leaf:
+                through.append(t)
+        if through and not ins:
+            # A leaf module that returns its input as it is (on this rank: what runs inside it differs
+            # between ranks) still ends its backward where that input's gradient is complete, as on the
+            # ranks where it computed something from it: its gradients are reduced there on every rank.
+            for t in through:
+                self._order(t, [pre, post, *(fn for _, fn in self._ours[t] if fn is not pre)])
         self.outputs.instrument(outs, ins)
+
+    def _order(self, t: torch.Tensor, hooks: list[Callable[[torch.Tensor], None]]) -> None:
+        """Put our backward hooks on ``t`` in the order ``hooks`` (a tensor's hooks fire in the order they
+        were added). A call's post-backward hook goes before the pre-backward hooks earlier calls put on its
+        input as their output: where one module's output is the next one's input, backward releases the
+        later module's params before it gathers the earlier one's, so at most one module's are live at the
+        hand-over (DeepSpeed's order), not two."""
+        for handle, _ in self._ours.get(t, ()):
+            handle.remove()
+        self._ours[t] = [(t.register_hook(fn), fn) for fn in hooks]
 
     def _bw_pre(self, call: _Call, grad: torch.Tensor) -> None:
         if call.bw_held is not None or self._closed:

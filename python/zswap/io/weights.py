@@ -190,12 +190,12 @@ def plan(model_targets: Mapping[str, Target], sources: Mapping[str, Source]) -> 
 
 def describe(p: Plan, what: str) -> str:
     lines = [f"{what} does not fit the model:"]
-    for title, keys in (("missing keys", p.missing), ("unexpected keys", p.unexpected)):
+    for title, keys in (("missing key", p.missing), ("unexpected key", p.unexpected)):
         if keys:
-            lines.append(f"  {len(keys)} {title}: {', '.join(keys)}")
+            lines.append(f"  {len(keys)} {title}{'s' * (len(keys) > 1)}: {', '.join(keys)}")
     if p.mismatched:
         lines.append(
-            f"  {len(p.mismatched)} shape mismatches: "
+            f"  {len(p.mismatched)} shape mismatch{'es' * (len(p.mismatched) > 1)}: "
             + "; ".join(
                 f"{k} is {list(a)} in the checkpoint, {list(b)} in the model" for k, a, b in p.mismatched
             )

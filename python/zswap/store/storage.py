@@ -121,7 +121,16 @@ class Storage:
 
 
 _BY_ENGINE: weakref.WeakValueDictionary[int, Storage] = weakref.WeakValueDictionary()
-_BY_DIR: weakref.WeakValueDictionary[tuple[str, ...], Storage] = weakref.WeakValueDictionary()
+_BY_DIR: weakref.WeakValueDictionary[tuple[Any, ...], Storage] = weakref.WeakValueDictionary()
+
+_ENGINE_DEFAULTS = {"backend": "auto", "direct": "auto", "checksum": "off"}
+"""`zswap.SwapEngine`'s defaults among an `AioConfig`'s engine arguments: a config that gives them asks
+for the same engine as one without an ``aio`` section."""
+
+
+def _settings(aio: Any) -> tuple[tuple[str, Any], ...]:
+    kwargs = aio.engine_kwargs() if aio is not None else {}
+    return tuple(sorted((k, v) for k, v in kwargs.items() if _ENGINE_DEFAULTS.get(k) != v))
 
 
 def storage_for(engine: Any) -> Storage:
@@ -140,14 +149,16 @@ def open_dir(
     aio: Any = None,
     config_key: str = "nvme_path",
 ) -> Storage:
-    """The storage on swap directory ``paths`` (one, or several striped): the open one if any namespace
-    still uses the same directories (its engine settings are kept), else one on a new engine built with
-    ``aio`` (a config's `AioConfig`; None: engine defaults) that is closed with its last namespace. A path
-    that cannot hold swap files raises an `NvmePathError` naming ``config_key``."""
+    """The storage on swap directory ``paths`` (one, or several striped) with ``aio``'s engine settings (a
+    config's `AioConfig`; None: engine defaults): the open one if any namespace still uses the same
+    directories with the same settings, else one on a new engine, closed with its last namespace (two
+    models on one directory with different ``aio`` sections each get their own engine and swap files). A
+    path that cannot hold swap files raises an `NvmePathError` naming ``config_key``."""
     from ..swap import SwapEngine  # the native engine is loaded only when NVMe is used
 
     plist = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
-    key = tuple(os.path.realpath(os.fspath(p)) for p in plist)
+    dirs = tuple(os.path.realpath(os.fspath(p)) for p in plist)
+    key = (dirs, _settings(aio))
     s = _BY_DIR.get(key)
     if s is not None and not s.closed:
         return s
@@ -173,7 +184,7 @@ def open_dir(
             getattr(e, "filename", None),
         ) from e
     s = Storage(engine, owns_engine=True)
-    s.paths = key
+    s.paths = dirs
     _BY_DIR[key] = s
     _BY_ENGINE[id(engine)] = s
     return s

@@ -29,7 +29,8 @@ def config_kwargs(
     if lr is None:
         raise ConfigError(
             "optimizer.params.lr is 'auto' (or missing) and zswap cannot choose a learning rate: set it in "
-            "the config, pass lr= to OffloadedAdamW.from_config, or pass optimizer= to zswap.initialize"
+            "the config, pass lr= to zswap.optim.OffloadedAdamW.from_config, or pass optimizer= to "
+            "zswap.initialize (a torch optimizer, or that OffloadedAdamW)"
         )
     if weight_decay is None:
         weight_decay = opt.weight_decay if opt is not None and opt.weight_decay is not None else 0.0
