@@ -103,8 +103,8 @@ def linear_twins(cfg: dict) -> tuple[nn.Linear, nn.Linear, torch.optim.AdamW]:
 
 def communication_dtype(rank: int, world: int, tmp: str) -> None:
     """``communication_data_type`` fp16 / bf16 for float32 params: each rank's gradient is rounded to it,
-    the ranks sum and divide in it, the average comes back in float32 (DeepSpeed's reduction); bitwise a
-    plain AdamW given those averages."""
+    the ranks sum and divide in it (fp16: divide, then sum), the average comes back in float32 (DeepSpeed's
+    reduction); bitwise a plain AdamW given those averages."""
     for comm, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         path = Path(tmp) / comm
         path.mkdir(exist_ok=True)
@@ -127,10 +127,12 @@ def communication_dtype(rank: int, world: int, tmp: str) -> None:
                     ref(xs[r]).pow(2).sum().backward()
                     grads.append([p.grad.clone() for p in ref.parameters()])
                 for i, p in enumerate(ref.parameters()):
-                    total = grads[0][i].to(dtype)
-                    for r in range(1, world):
-                        total = total + grads[r][i].to(dtype)
-                    p.grad = (total / world).float()
+                    first = dtype == torch.float16  # each rank's divided before the sum, as DeepSpeed's
+                    each = [grads[r][i].to(dtype) / (world if first else 1) for r in range(world)]
+                    total = each[0]
+                    for g in each[1:]:
+                        total = total + g
+                    p.grad = (total if first else total / world).float()
                 opt.step()
             with zswap.GatheredParameters(list(model.parameters())):
                 for p, q in zip(model.parameters(), ref.parameters(), strict=True):

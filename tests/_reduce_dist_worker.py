@@ -4,10 +4,11 @@ INIT_FILE TMP``.
 Every rank makes the same-seeded gradients of every rank, so each knows what the others send. The partition
 `zswap.gradients.grads.local_part` gives this rank (gloo: one all-to-all, the slices summed in rank order)
 must be bitwise ``((g0 + g1) + g2 + ...) / world`` of its slice, for sizes the world divides and sizes it pads
-(zeros past the end), float32 and bfloat16; and, in float32, agree with gloo's own reduce-scatter to rounding;
-bf16 reduced in float32 (``communication_data_type``) is the float32 average, rounded or kept. A param's
-all-gather with a scratch buffer (gloo: one all-to-all of the partition repeated per rank) must be every
-rank's partition in rank order, bitwise.
+(zeros past the end), float32 and bfloat16 (float16: each divided first, ``(g0 / world + g1 / world) + ...``,
+so that a sum past its range whose average is within it does not overflow); and, in float32, agree with
+gloo's own reduce-scatter to rounding; bf16 reduced in float32 (``communication_data_type``) is the float32
+average, rounded or kept. A param's all-gather with a scratch buffer (gloo: one all-to-all of the partition
+repeated per rank) must be every rank's partition in rank order, bitwise.
 """
 
 from __future__ import annotations
@@ -56,11 +57,25 @@ def check(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
     st = state(rank, world, numel)
     got = local_part(st, grad_of(rank, numel, dtype))
     *padded, want = average(rank, world, numel, dtype)
+    if dtype == torch.float16:  # each rank's divided first, as DeepSpeed's ZeRO-3
+        mine = [p[rank * st.partition_numel : (rank + 1) * st.partition_numel] / world for p in padded]
+        want = mine[0] + mine[1]
+        for s in mine[2:]:
+            want = want + s
     assert got.dtype == dtype and torch.equal(got, want), (rank, numel, dtype)
     if dtype == torch.float32:  # bfloat16 sums in another order round apart by a whole bfloat16 ulp
         theirs = torch.empty(st.partition_numel, dtype=dtype)
         dist.reduce_scatter_tensor(theirs, padded[rank], op=dist.ReduceOp.SUM)
         torch.testing.assert_close(got, theirs / world)
+
+
+def check_half_sum_past_its_range(rank: int, world: int) -> None:
+    """Every rank's float16 gradient 40000 (fp16's largest is 65504): the sum overflows, the average
+    does not, and is what each rank gets (DeepSpeed's ZeRO-3 divides first, so its loss scaler sees no
+    overflow there either)."""
+    st = state(rank, world, 2 * world)
+    got = local_part(st, torch.full((2 * world,), 40000.0, dtype=torch.float16))
+    assert torch.equal(got, torch.full((2,), 40000.0, dtype=torch.float16)), got
 
 
 def check_gather(rank: int, world: int, numel: int, dtype: torch.dtype) -> None:
@@ -84,10 +99,11 @@ def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=world)
     try:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for numel in (world * 1000, world * 1000 + 1, 7, 1):
                 check(rank, world, numel, dtype)
                 check_gather(rank, world, numel, dtype)
+        check_half_sum_past_its_range(rank, world)
         for numel in (world * 1000 + 1, 7):
             check_reduce_in(rank, world, numel)
         dist.barrier()

@@ -172,13 +172,16 @@ def test_inconsistent_batch_keys_are_a_config_error_naming_the_three(tmp_path):
     )
     with pytest.raises(ConfigError, match="gradient_accumulation_steps must be a positive integer, got 0"):
         zswap.load_config({"gradient_accumulation_steps": 0})
-    # A key not given shows the value derived for it (it said "(None)" inside the product it computed).
+    # A key not given: what the others lack (it said "(None)", then values derived from a floor division).
     with pytest.raises(ConfigError) as ei:
         zswap.load_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}).batch.resolve(1)
-    assert str(ei.value).startswith(
-        "train_batch_size (10) must equal train_micro_batch_size_per_gpu (4) × gradient_accumulation_steps "
-        "(2, derived from the others) × world size (1) = 8;"
+    assert str(ei.value) == (
+        "train_batch_size (10) is not a multiple of train_micro_batch_size_per_gpu (4) × world size (1) = 4, "
+        "from which the batch keys not given are derived"
     )
+    steps = r"^train_batch_size \(5\) is not a multiple of gradient_accumulation_steps \(1\) × world size"
+    with pytest.raises(ConfigError, match=steps):
+        zswap.load_config({"train_batch_size": 5}).batch.resolve(2)
     # the engine was not left half-built: a correct config initializes the same model
     with engine_for(m, config("cpu", tmp_path)):
         pass

@@ -54,7 +54,7 @@ REFUSED = [
         {"expert_parallel": {"enabled": True, "autoep_size": 2}},
         r"expert_parallel\.enabled .*expert parallelism",
     ),
-    ({"prescale_gradients": True}, r"prescale_gradients .*divides by the world size"),
+    ({"prescale_gradients": True}, r"prescale_gradients .*averages the ranks' gradients over the world size"),
     ({"gradient_predivide_factor": 2.0}, r"gradient_predivide_factor .*may only be 1\.0"),
     ({"gradient_allreduce_op": "SUM"}, r"gradient_allreduce_op .*DeepSpeed's ZeRO-3 does whatever"),
     ({"gradient_allreduce_op": "max"}, r"gradient_allreduce_op must be 'mean' or 'sum', got 'max'"),

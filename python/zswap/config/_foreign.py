@@ -66,7 +66,7 @@ CHECKPOINTING_SWITCHES = (
 """``activation_checkpointing``'s extras: read by ``deepspeed.checkpointing.configure`` alone (which
 `zswap.deepspeed.checkpointing.configure` and the Lightning strategy refuse); the loader names those on."""
 
-_AVERAGING = "zswap sums the ranks' gradients, then divides by the world size (DeepSpeed's default)"
+_AVERAGING = "zswap averages the ranks' gradients over the world size"
 
 
 def check(raw: Mapping[Any, Any]) -> list[str]:

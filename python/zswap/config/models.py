@@ -360,15 +360,19 @@ class BatchConfig(_Model):
         if train is None and micro is not None:
             train = micro * gas * world_size
         if train is not None and micro is not None and train != micro * gas * world_size:
-
-            def given(value: int | None, used: int) -> str:
-                return str(value) if value is not None else f"{used}, derived from the others"
-
+            if self.train_micro_batch_size_per_gpu is None or self.gradient_accumulation_steps is None:
+                m = self.train_micro_batch_size_per_gpu is not None  # given: the steps are the missing key
+                name, n = (
+                    ("train_micro_batch_size_per_gpu", micro) if m else ("gradient_accumulation_steps", gas)
+                )
+                msg = f"is not a multiple of {name} ({n}) × world size ({world_size}) = {n * world_size}"
+                raise ConfigError(
+                    f"train_batch_size ({train}) {msg}, from which the batch keys not given are derived"
+                )
+            product = f"({gas}) × world size ({world_size}) = {micro * gas * world_size}"
             raise ConfigError(
-                f"train_batch_size ({self.train_batch_size}) must equal train_micro_batch_size_per_gpu "
-                f"({given(self.train_micro_batch_size_per_gpu, micro)}) × gradient_accumulation_steps "
-                f"({given(self.gradient_accumulation_steps, gas)}) × world size ({world_size}) = "
-                f'{micro * gas * world_size}; fix one of the three (or set it to "auto")'
+                f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) × "
+                f'gradient_accumulation_steps {product}; fix one of the three (or set it to "auto")'
             )
         return train, micro, gas
 

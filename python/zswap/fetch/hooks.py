@@ -18,12 +18,11 @@ and on each non-param input (fires right before the node that produced it, after
 *post-backward*, releases them). The CPU autograd engine runs ready nodes in decreasing creation order, so
 every node a module created has run by then. Where one module's output is the next one's input, the later
 module's post-backward hook is moved ahead of the earlier one's pre-backward hook on that tensor: it
-releases before the next gathers, so a live budget of one module holds in backward too
-(`_order`). A module whose inputs need no grad (token ids) releases at the end of the backward,
-from a callback queued on the graph task. Nothing is inserted into the graph, so gradients are summed in
-the same order as in a plain model. On the CPU the nodes between a call's outputs
-and inputs also get the hooks that compute their large matmul outputs into reused memory
-(`zswap.outputs`).
+releases before the next gathers, so a live budget of one module holds in backward too (`_order`). A
+module whose inputs need no grad (token ids) releases at the end of the backward, from a callback queued on
+the graph task. Nothing is inserted into the graph, so gradients are summed in the same order as in a plain
+model. On the CPU the nodes between a call's outputs and inputs also get the hooks that compute their large
+matmul outputs into reused memory (`zswap.outputs`).
 
 Activation checkpointing: ``use_reentrant=True`` re-runs the forward inside backward — the forward hooks
 fetch and release as usual and the re-run registers its own backward hooks for the inner backward;

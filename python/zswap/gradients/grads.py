@@ -299,24 +299,32 @@ def accumulate(st: ParamState, grad: torch.Tensor) -> None:
 def local_part(
     st: ParamState, grad: torch.Tensor, reduce_in: torch.dtype | None = None, keep: bool = False
 ) -> torch.Tensor:
-    """This rank's slice of ``grad`` averaged over the ranks: reduce-scatter (sum) then divide by the world
-    size, as DDP and DeepSpeed do. One rank: the flattened gradient itself. ``reduce_in``: the dtype the
-    ranks sum and divide in (DeepSpeed's ``communication_data_type``; ``None``: the gradient's own), the
-    average then rounded to the gradient's dtype, or kept in ``reduce_in`` where ``keep``."""
+    """This rank's slice of ``grad`` averaged over the ranks: reduce-scatter (sum in rank order) then divide
+    by the world size. DDP and DeepSpeed's ZeRO-3 divide each rank's gradient first, which gives the same
+    bits where the world size is a power of two (barring overflow and underflow); in float16 zswap divides
+    first too, as DeepSpeed, so that ranks whose sum passes float16's range but whose average does not
+    overflow no more than there (the loss scaler would skip the step and halve the scale). One rank: the
+    flattened gradient itself. ``reduce_in``: the dtype the ranks sum and divide in (DeepSpeed's
+    ``communication_data_type``; ``None``: the gradient's own), the average then rounded to the gradient's
+    dtype, or kept in ``reduce_in`` where ``keep``."""
     flat = grad.reshape(-1)
     if st.world_size == 1:
         return flat
-    dtype = flat.dtype
+    dtype, owned = flat.dtype, False
     if reduce_in is not None and reduce_in != dtype:
-        flat = flat.to(reduce_in)
+        flat, owned = flat.to(reduce_in), True
     padded_numel = st.partition_numel * st.world_size
     if flat.numel() != padded_numel:
         padded = flat.new_zeros(padded_numel)
         padded[: flat.numel()] = flat
-        flat = padded
+        flat, owned = padded, True
+    first = flat.dtype == torch.float16
+    if first:
+        flat = flat.div_(st.world_size) if owned else flat / st.world_size
     out = flat.new_empty(st.partition_numel)
     _reduce_scatter(out, flat.contiguous(), st)
-    out.div_(st.world_size)
+    if not first:
+        out.div_(st.world_size)
     return out if keep or out.dtype == dtype else out.to(dtype)
 
 
