@@ -10,10 +10,12 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -21,6 +23,8 @@ import zswap
 from tests.test_leaf_modules import (
     ByRank,
     MoE,
+    MoETwice,
+    RankLess,
     Skipping,
     WithMixtral,
     config,
@@ -104,6 +108,46 @@ def leaves_kept_gathered_by_max_in_cpu(rank: int, tmp: Path) -> None:
         compare(engine, model, MoE, rank, seed=50)
 
 
+def a_leaf_run_twice_kept_gathered(rank: int, tmp: Path) -> None:
+    """A leaf run twice per forward is reduced once per backward, after its last call's backward: each
+    call's reduction sent a gradient one call gave against the other rank's zeros (where the other
+    rank's came in the other call), which the early step took as a second gradient for the param."""
+    torch.manual_seed(0)
+    cfg = config(tmp)
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**6
+    with zswap.Init(cfg):
+        model = MoETwice()
+    utils.set_z3_leaf_modules(model, ["MoEBlock"])
+    with zswap.initialize(model, cfg) as engine:
+        compare(engine, model, MoETwice, rank, seed=60)
+
+
+def a_leaf_run_twice_over_windows(rank: int, tmp: Path) -> None:
+    """The same over accumulation windows: bitwise DDP's sum of each micro-batch's averages (two
+    half-reductions a backward rounded apart from it)."""
+    torch.manual_seed(0)
+    cfg = {**config(tmp), "gradient_accumulation_steps": 2}
+    with zswap.Init(cfg):
+        model = MoETwice()
+    utils.set_z3_leaf_modules(model, ["MoEBlock"])
+    with zswap.initialize(model, cfg) as engine:
+        compare(engine, model, MoETwice, rank, seed=70, gas=2)
+
+
+def a_leaf_no_gradient_reaches_on_one_rank(rank: int, tmp: Path) -> None:
+    """Rank 1's leaf output is zeros, or unused by its loss: rank 1 reduces the leaf where its input's
+    gradient is complete, as rank 0 does (both ranks hung, rank 0 reducing there and rank 1 at the end)."""
+    for i, how in enumerate(("zeros", "unused")):
+        torch.manual_seed(0)
+        cfg = config(tmp / how)
+        (tmp / how).mkdir()
+        cfg["zero_optimization"]["leaf_module"] = {"names": ["leaf"]}
+        with zswap.Init(cfg):
+            model = RankLess(how)
+        with zswap.initialize(model, cfg) as engine:
+            compare(engine, model, lambda how=how: RankLess(how), rank, seed=80 + i)
+
+
 def mixtral_blocks_are_leaves_by_default(rank: int, tmp: Path) -> None:
     with zswap.Init(config(tmp)):
         model = WithMixtral()
@@ -118,20 +162,48 @@ def hf_mixtral(rank: int, tmp: Path) -> None:
     train_hf_moe("mixtral", tmp, rank)  # its sparse blocks are leaves by default
 
 
-def compare(engine: zswap.Engine, model: torch.nn.Module, cls: type, rank: int, seed: int) -> None:
+def compare(engine: zswap.Engine, model: nn.Module, make: Any, rank: int, seed: int, gas: int = 1) -> None:
     torch.manual_seed(0)
-    plain = cls()
+    plain = make()
     with zswap.GatheredParameters(list(model.parameters())):
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
             q.data.copy_(p.data)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
-    for x, y in data(rank, seed, steps=4):
-        engine.backward(engine(x, y))
-        engine.step()
-        train_plain_step(plain, opt, x, y)
+    batches = list(data(rank, seed, steps=4 * gas))
+    for w in range(4):
+        window = batches[w * gas : (w + 1) * gas]
+        for x, y in window:
+            engine.backward(engine(x, y))
+            engine.step()
+        if gas == 1:
+            train_plain_step(plain, opt, *window[0])
+        else:
+            train_plain_window(plain, opt, window)
     with zswap.GatheredParameters(list(model.parameters())):
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-            assert torch.equal(p.data.cpu(), q.data), (rank, cls.__name__)
+            assert torch.equal(p.data.cpu(), q.data), (rank, type(plain).__name__)
+
+
+def train_plain_window(plain: torch.nn.Module, opt: torch.optim.Optimizer, window: list[Any]) -> None:
+    """DDP over an accumulation window: each micro-batch's loss divided by the window's length, its
+    gradients averaged over the ranks (zeros where a rank gave none), the averages summed."""
+    world, params = dist.get_world_size(), list(plain.parameters())
+    total: list[torch.Tensor | None] = [None] * len(params)
+    for x, y in window:
+        for p in params:
+            p.grad = None
+        (plain(x, y) / len(window)).backward()
+        for i, p in enumerate(params):
+            used = torch.tensor([p.grad is not None], dtype=torch.uint8)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX)
+            if used.item():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(g)
+                total[i] = g / world if total[i] is None else total[i] + g / world
+    for p, g in zip(params, total, strict=True):
+        p.grad = g
+    opt.step()
+    opt.zero_grad()
 
 
 def main() -> None:
@@ -147,6 +219,9 @@ def main() -> None:
                 moe_on_the_device_path,
                 a_leaf_one_rank_passes_through,
                 leaves_kept_gathered_by_max_in_cpu,
+                a_leaf_run_twice_kept_gathered,
+                a_leaf_run_twice_over_windows,
+                a_leaf_no_gradient_reaches_on_one_rank,
                 mixtral_blocks_are_leaves_by_default,
                 hf_mixtral,
             )

@@ -106,6 +106,51 @@ class Skipping(nn.Module):
         return nn.functional.cross_entropy(self.out(self.skip(self.inp(x))), y)
 
 
+class MoETwice(MoE):
+    """Each leaf block run twice per forward (weights shared between depths): an expert one call picks
+    and the other does not gets its gradient in one of the two calls' backwards."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(block(x))
+        return nn.functional.cross_entropy(self.out(x), y)
+
+
+def _rank_one() -> bool:
+    return dist.is_initialized() and dist.get_rank() == 1
+
+
+class ZerosOnOne(nn.Module):
+    """A layer whose output is zeros on rank 1 (a branch on the rank, inside the leaf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(h) if _rank_one() else self.lin(h)
+
+
+class RankLess(nn.Module):
+    """A leaf no gradient reaches on rank 1: its output is zeros there (``"zeros"``), or rank 1's loss does
+    not use it (``"unused"``); rank 0 trains it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(HIDDEN, HIDDEN)
+        self.leaf = ZerosOnOne() if how == "zeros" else nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        side = self.leaf(h)
+        if self.how == "zeros":
+            return nn.functional.cross_entropy(self.out(h + side), y)
+        return nn.functional.cross_entropy(self.out(h if _rank_one() else side), y)
+
+
 def config(path: Path) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 3,

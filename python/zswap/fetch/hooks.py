@@ -83,6 +83,8 @@ class _Call:
     held: list[Slot] = field(default_factory=list)
     bw_held: list[Slot] | None = None
     task: int = -1
+    counted: bool = False
+    """A leaf's call this backward has still to end (`ModuleHooks._leaf_post`)."""
 
     def __hash__(self) -> int:
         return id(self)
@@ -123,6 +125,12 @@ def _raised(output: Any) -> bool:
 def _graph_task() -> int:
     """Id of the backward graph task running on this thread, -1 outside backward."""
     return int(torch._C._current_graph_task_id())
+
+
+def _nonreentrant_rerun() -> bool:
+    """Whether a forward runs as a non-reentrant checkpoint's re-run (inside backward, under saved-tensor
+    hooks): its outputs are matched to the first forward's saved tensors, never backpropagated through."""
+    return _graph_task() >= 0 and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 class PassLedger(Protocol):
@@ -169,6 +177,10 @@ class ModuleHooks:
         self._bw_calls: list[_Call] = []
         self._ours: WeakIdKeyDictionary = WeakIdKeyDictionary()
         """Tensors of this pass -> our backward hooks on them, (handle, hook) in firing order (`_order`)."""
+        self._leaf_calls: list[_Call] = []
+        """This pass's calls of leaf modules, in forward order (`_leaf_post`)."""
+        self._leaf_pending: dict[int, int] = {}
+        """Leaf module index -> its calls this pass whose backward has not ended yet."""
         self._recomputed: list[Slot] = []  # (`_release_forward`)
         self._closed = False
         self._bw_expected = False
@@ -215,6 +227,7 @@ class ModuleHooks:
                 # autograd drops the end callbacks of a failed task. What it held is released now.
                 self._tasks.clear()
                 self._ours = WeakIdKeyDictionary()
+                self._leaf_calls, self._leaf_pending = [], {}
                 self._backward_done(-1)  # releases what saved tensors unpacked outside backward held
                 self.sched.begin(self._kind(), grad=torch.is_grad_enabled())
                 self._bw_expected = False
@@ -260,8 +273,8 @@ class ModuleHooks:
         keeps such a tensor itself — no detached alias holding the gathered data, as it keeps for the others
         — and compares its shape with the first forward's as soon as the re-run returns, before the
         backward of the modules that use it gathers it again (a frozen block checkpointed at two depths)."""
-        if _graph_task() < 0 or torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
-            self.sched.release(held)  # not a non-reentrant checkpoint's re-run (no saved-tensor hooks on)
+        if not _nonreentrant_rerun():
+            self.sched.release(held)
             return
         frozen = [s for s in held if not s.p.requires_grad]
         self._recomputed.extend(frozen)
@@ -344,9 +357,13 @@ class ModuleHooks:
 
     def _hook_backward(self, call: _Call, args: Any, kwargs: Any, output: Any) -> None:
         outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        if not outs:
+        if call.info.leaf and not _nonreentrant_rerun():  # (a re-run's hooks never fire)
+            call.counted = True
+            self._leaf_calls.append(call)
+            self._leaf_pending[call.info.index] = self._leaf_pending.get(call.info.index, 0) + 1
+        elif not outs:
             return
-        self._bw_expected = True
+        self._bw_expected = self._bw_expected or bool(outs)
         pre = functools.partial(self._bw_pre, call)
         post = functools.partial(self._bw_post, call)
         out_ids = {id(t) for t in outs}
@@ -408,11 +425,24 @@ class ModuleHooks:
 
     def _bw_post(self, call: _Call, grad: torch.Tensor) -> None:
         self._release_recomputed()
+        self._leaf_post(call)  # (before the release: the early step takes gathered params' partitions)
         if call.bw_held is not None:
             held, call.bw_held = call.bw_held, None
-            if call.info.leaf:
-                self._leaf_done(call.info.index)
             self.sched.release(held)
+
+    def _leaf_post(self, call: _Call) -> None:
+        """A leaf's call ended its backward — where the gradient of its input is complete, even where none
+        reached its output on this rank (what runs inside a leaf differs between ranks), or at the end of
+        the backward: once the last of its calls this pass did, its gradients are reduced, every rank at
+        the same point and once per backward (a leaf run twice reduced each param twice, a gradient come
+        in the second call against zeros in the first)."""
+        if not call.counted:
+            return
+        call.counted = False
+        index = call.info.index
+        self._leaf_pending[index] = left = self._leaf_pending.get(index, 0) - 1
+        if left == 0:
+            self._leaf_done(index)
 
     def _backward_done(self, task: int) -> None:
         self._release_recomputed()
@@ -422,6 +452,9 @@ class ModuleHooks:
             task = -2  # the outermost backward ended (or a forward begins): nothing is held any more
         ended = [c for c in self._bw_calls if c.task == task or task == -2]
         self._bw_calls = [c for c in self._bw_calls if c not in ended]
+        if task == -2 and ended_backward:
+            for call in self._leaf_calls:  # in forward order, on every rank alike
+                self._leaf_post(call)
         for call in ended:
             self._bw_post(call, None)  # type: ignore[arg-type]
         if task == -2:
