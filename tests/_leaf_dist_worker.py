@@ -98,40 +98,32 @@ def a_leaf_one_rank_passes_through(rank: int, tmp: Path) -> None:
 def leaves_kept_gathered_by_max_in_cpu(rank: int, tmp: Path) -> None:
     """Leaves whose params all stay gathered (``max_in_cpu``) are reduced at their backward's end too
     (they had no backward hooks: their gradients waited for a reduction that never came, untrained)."""
-    torch.manual_seed(0)
-    cfg = config(tmp)
-    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**6
-    with zswap.Init(cfg):
-        model = MoE()
-    utils.set_z3_leaf_modules(model, ["MoEBlock"])
-    with zswap.initialize(model, cfg) as engine:
-        compare(engine, model, MoE, rank, seed=50)
+    moe_leaves(rank, tmp, MoE, seed=50, max_in_cpu=10**6)
 
 
 def a_leaf_run_twice_kept_gathered(rank: int, tmp: Path) -> None:
     """A leaf run twice per forward is reduced once per backward, after its last call's backward: each
     call's reduction sent a gradient one call gave against the other rank's zeros (where the other
     rank's came in the other call), which the early step took as a second gradient for the param."""
-    torch.manual_seed(0)
-    cfg = config(tmp)
-    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**6
-    with zswap.Init(cfg):
-        model = MoETwice()
-    utils.set_z3_leaf_modules(model, ["MoEBlock"])
-    with zswap.initialize(model, cfg) as engine:
-        compare(engine, model, MoETwice, rank, seed=60)
+    moe_leaves(rank, tmp, MoETwice, seed=60, max_in_cpu=10**6)
 
 
 def a_leaf_run_twice_over_windows(rank: int, tmp: Path) -> None:
     """The same over accumulation windows: bitwise DDP's sum of each micro-batch's averages (two
     half-reductions a backward rounded apart from it)."""
+    moe_leaves(rank, tmp, MoETwice, seed=70, gas=2)
+
+
+def moe_leaves(rank: int, tmp: Path, cls: type, seed: int, max_in_cpu: int = 0, gas: int = 1) -> None:
+    """``cls`` (an `MoE`) with its blocks marked leaves trains as DDP."""
     torch.manual_seed(0)
-    cfg = {**config(tmp), "gradient_accumulation_steps": 2}
+    cfg = {**config(tmp), "gradient_accumulation_steps": gas}
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
     with zswap.Init(cfg):
-        model = MoETwice()
+        model = cls()
     utils.set_z3_leaf_modules(model, ["MoEBlock"])
     with zswap.initialize(model, cfg) as engine:
-        compare(engine, model, MoETwice, rank, seed=70, gas=2)
+        compare(engine, model, cls, rank, seed=seed, gas=gas)
 
 
 def a_leaf_no_gradient_reaches_on_one_rank(rank: int, tmp: Path) -> None:

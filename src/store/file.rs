@@ -169,7 +169,8 @@ impl SwapFile {
             };
             // A refused fallocate may have allocated part of the range and grown the file over it (ext4
             // keeps the extents it made before ENOSPC): cut the file back to `cur`, or that part would
-            // stay taken from the file system, unused, until the engine closes.
+            // stay taken from the file system, unused, until the engine closes. Best effort: where the
+            // truncate fails the file keeps that part, as it did before.
             // SAFETY: ftruncate on our own descriptor; nothing lies past `cur`, which the allocator has
             // not been given (the size is published below, under `grow_lock`).
             unsafe { libc::ftruncate(self.fd, cur as i64) };
