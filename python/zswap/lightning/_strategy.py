@@ -51,6 +51,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from ..build.init import Init
 from ..config import ZswapConfig, load_config, raw_dict
+from ..config._foreign import CHECKPOINTING_SWITCHES
 from ..device import resolve as resolve_device
 from ..errors import ConfigError, ZswapError
 from ..step.optim import OffloadedAdamW
@@ -437,21 +438,12 @@ class ZswapStrategy(ProcessGroupStrategy):
         # it they are one cycle that the collector frees whole once nothing outside reaches it.
 
 
-_CHECKPOINTING_EXTRAS = (
-    "partition_activations",
-    "contiguous_memory_optimization",
-    "cpu_checkpointing",
-    "synchronize_checkpoint_boundary",
-    "profile",
-)
-
-
 def _refuse_checkpointing_extras(config: Mapping[str, Any]) -> None:
     """Lightning's DeepSpeed strategy hands the ``activation_checkpointing`` section to
     ``deepspeed.checkpointing.configure``; zswap's checkpoint does none of its extras, so one switched on
     is refused here rather than dropped (as `zswap.deepspeed.checkpointing.configure` refuses it)."""
     section = config.get("activation_checkpointing") or {}
-    on = [k for k in _CHECKPOINTING_EXTRAS if isinstance(section, Mapping) and section.get(k)]
+    on = [k for k in CHECKPOINTING_SWITCHES if isinstance(section, Mapping) and section.get(k)]
     if on:
         raise ConfigError(
             f"activation_checkpointing.{on[0]} is on: zswap's activation checkpointing is torch's "

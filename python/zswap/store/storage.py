@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
+import inspect
 import itertools
 import os
 import threading
@@ -123,14 +124,14 @@ class Storage:
 _BY_ENGINE: weakref.WeakValueDictionary[int, Storage] = weakref.WeakValueDictionary()
 _BY_DIR: weakref.WeakValueDictionary[tuple[Any, ...], Storage] = weakref.WeakValueDictionary()
 
-_ENGINE_DEFAULTS = {"backend": "auto", "direct": "auto", "checksum": "off"}
-"""`zswap.SwapEngine`'s defaults among an `AioConfig`'s engine arguments: a config that gives them asks
-for the same engine as one without an ``aio`` section."""
 
-
-def _settings(aio: Any) -> tuple[tuple[str, Any], ...]:
-    kwargs = aio.engine_kwargs() if aio is not None else {}
-    return tuple(sorted((k, v) for k, v in kwargs.items() if _ENGINE_DEFAULTS.get(k) != v))
+def _settings(engine: type, aio: Any) -> tuple[tuple[str, Any], ...]:
+    """Every keyword of ``engine`` (`zswap.SwapEngine`) as ``aio`` sets it, its default where it does not:
+    a config that gives the defaults asks for the same engine as one without an ``aio`` section."""
+    defaults = {
+        k: p.default for k, p in inspect.signature(engine).parameters.items() if p.default is not p.empty
+    }
+    return tuple(sorted({**defaults, **(aio.engine_kwargs() if aio is not None else {})}.items()))
 
 
 def storage_for(engine: Any) -> Storage:
@@ -158,7 +159,7 @@ def open_dir(
 
     plist = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     dirs = tuple(os.path.realpath(os.fspath(p)) for p in plist)
-    key = (dirs, _settings(aio))
+    key = (dirs, _settings(SwapEngine, aio))
     s = _BY_DIR.get(key)
     if s is not None and not s.closed:
         return s
