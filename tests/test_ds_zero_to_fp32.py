@@ -21,6 +21,7 @@ from torch import nn
 import zswap
 import zswap.deepspeed as deepspeed
 from zswap.checkpoint import CheckpointArgumentError, CheckpointNotFoundError
+from zswap.checkpoint._validate import canonical_checksum
 from zswap.deepspeed.utils import safe_get_full_fp32_param
 from zswap.deepspeed.utils.zero_to_fp32 import (
     convert_zero_checkpoint_to_fp32_state_dict,
@@ -99,13 +100,51 @@ def test_the_state_dict_is_the_float32_values_under_every_name(bf16, tmp_path):
     assert torch.equal(fresh.layer0.weight, values["layer0.weight"])
 
 
-def test_excluding_frozen_params_keeps_those_the_optimizer_holds(tmp_path):
+def test_excluding_frozen_params_leaves_out_those_that_did_not_require_grad(tmp_path):
     _, ckpt, _ = trained(tmp_path, False)
     state = get_fp32_state_dict_from_zero_checkpoint(ckpt, exclude_frozen_parameters=True, lazy_mode=True)
     assert "frozen.weight" not in state and "frozen.bias" not in state
     assert "layer1.bias" in state  # trained, though no forward used it
     whole = get_fp32_state_dict_from_zero_checkpoint(ckpt)
     assert torch.equal(state["layer0.weight"].contiguous(), whole["layer0.weight"])
+
+
+@pytest.mark.parametrize("optimizer", [True, False], ids=["config-optimizer", "no-optimizer"])
+def test_frozen_is_requires_grad_at_the_save_whatever_the_optimizer_holds(optimizer, tmp_path):
+    """DeepSpeed's frozen params are those with ``requires_grad`` False: an optimizer built from the
+    config's section holds every param, frozen ones too, and a checkpoint without one still knows which
+    were frozen (before: the optimizer's groups decided — all kept, or the call refused)."""
+    swap = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg: dict[str, Any] = {"zero_optimization": {"offload_param": swap}}
+    if optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    torch.manual_seed(0)
+    model = SharedWeights()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        engine = zswap.initialize(model, cfg)
+    with engine:
+        if optimizer:
+            assert any(p is model.frozen.weight for g in engine.optimizer.param_groups for p in g["params"])
+            engine.backward(model(torch.randn(4, 10)))
+            engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
+    whole = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    assert set(whole) - set(state) == {"frozen.weight", "frozen.bias"}
+    # A checkpoint of an older zswap does not record it: its optimizer's groups tell, where it has one.
+    path = next((tmp_path / "ckpt").glob("*/manifest.json"))
+    manifest = json.loads(path.read_text())
+    for spec in manifest["params"]:
+        del spec["requires_grad"]
+    manifest["checksum"] = {"crc32c": canonical_checksum(manifest)}
+    path.write_text(json.dumps(manifest))
+    if optimizer:
+        old = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
+        assert set(old) == set(whole)  # the config's optimizer held them all
+    else:
+        with pytest.raises(CheckpointArgumentError, match="saved without an optimizer"):
+            get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
 
 
 @pytest.mark.parametrize("safe", [False, True], ids=["bin", "safetensors"])
@@ -136,11 +175,6 @@ def test_refusals_say_why(tmp_path):
         load_state_dict_from_zero_checkpoint(model, ckpt)
     with pytest.raises(CheckpointNotFoundError, match="checkpoint tag 'nope' does not exist"):
         get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="nope")
-    engine = zswap.initialize(SharedWeights(), {"offload_param": {"device": "cpu"}})  # no optimizer
-    with engine:
-        engine.save_checkpoint(tmp_path / "bare")
-    with pytest.raises(CheckpointArgumentError, match="saved without an optimizer"):
-        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "bare", exclude_frozen_parameters=True)
 
 
 def test_the_script_left_in_the_folder_runs_as_deepspeeds(tmp_path):

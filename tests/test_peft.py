@@ -208,3 +208,52 @@ def test_save_pretrained_gathers_only_what_peft_writes(case, tmp_path: Path, mon
 
     got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("got", "want"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("case", ["llama-lora", "gpt2-ia3"])
+def test_merging_gathers_each_layer_as_peft_merges_it(case, tmp_path: Path):
+    """``merge_adapter`` / ``unmerge_adapter`` / ``merge_and_unload`` with no block around them, after
+    training: each layer's base weight is gathered, merged and written back (before: PEFT computed on the
+    empty placeholders and nothing was merged, silently). ``save_weights`` of the merged model loads in
+    plain transformers; of the `PeftModel` itself it is a `TypeError` naming the ways."""
+    cfg = {
+        "zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+    }
+    ref, model = _adapted(case, None), _adapted(case, cfg)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0, fused=True)
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        engine = zswap.initialize(model, cfg)
+    with engine:
+        for _ in range(2):  # LoRA's B leaves zero: outputs the merge changes
+            model(input_ids=ids, labels=ids).loss.backward()
+            engine.step()
+            ref(input_ids=ids, labels=ids).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        with torch.no_grad():
+            before = model(input_ids=ids).logits
+            model.merge_adapter()
+            ref.merge_adapter()
+            merged_out = model(input_ids=ids).logits
+            assert torch.equal(merged_out, ref(input_ids=ids).logits)
+            assert not torch.equal(merged_out, before)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Unmerge result can be inaccurate", UserWarning)  # IA3's
+                model.unmerge_adapter()
+                ref.unmerge_adapter()
+            assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        with pytest.raises(TypeError, match=r"is a PeftModel.*merge_and_unload\(\)"):
+            zswap.save_weights(model, tmp_path / "peft")
+        merged, want = model.merge_and_unload(), ref.merge_and_unload()
+        assert not any("lora" in n or "ia3" in n for n, _ in merged.named_parameters())
+        with torch.no_grad():
+            assert torch.equal(merged(input_ids=ids).logits, want(input_ids=ids).logits)
+        zswap.save_weights(merged, tmp_path / "merged")
+    assert not (tmp_path / "peft").exists()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, want(input_ids=ids).logits)

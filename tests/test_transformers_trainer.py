@@ -594,3 +594,55 @@ def test_a_grad_accum_dtype_zswap_does_not_sum_in_is_refused(tmp_path):
         )
         trainer.train()
     zswap.initialize(model, {"zero_optimization": _config(tmp_path)["zero_optimization"]}).close()
+
+
+def test_optimizer_cls_and_kwargs_beside_an_optimizer_section_is_refused(tmp_path):
+    """As ``optim=`` and ``optimizers=`` beside the section are (before: an SGD asked for so was trained as
+    the section's AdamW, without a word)."""
+    cfg = _config(tmp_path)
+    with pytest.raises(zswap.ConfigError) as info:
+        zt.Trainer(
+            model=_zswap_model(cfg), args=_args(tmp_path / "o"), train_dataset=_data(), zswap_config=cfg,
+            optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+        )  # fmt: skip
+    assert str(info.value) == (
+        "optimizer_cls_and_kwargs= asks for SGD and zswap_config has an 'optimizer' section, which builds "
+        "the optimizer: keep one of them"
+    )
+
+
+def test_deepspeed_argument_is_refused(tmp_path):
+    """``TrainingArguments(deepspeed=...)`` would send the partitioned model to DeepSpeed in ``train()``."""
+    args = _args(tmp_path / "o")
+    args.deepspeed = _config(tmp_path)  # set after construction: TrainingArguments would import deepspeed
+    with pytest.raises(zswap.ConfigError, match=r"TrainingArguments\(deepspeed=\.\.\.\) hands the model"):
+        zt.Trainer(model=_build(), args=args, zswap_config=_config(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "change", [("learning_rate", 0.02), ("max_grad_norm", 0.5), ("weight_decay", 0.5), "unfreeze"]
+)
+def test_what_the_engine_was_built_from_must_not_change_before_train(change, tmp_path):
+    """The plain Trainer builds its optimizer in ``train()``; zswap's, with the engine, in the constructor:
+    an argument changed on ``trainer.args`` in between, or a param unfrozen, would go unused without a
+    word (before: the old lr / clipping / decay trained on; an unfrozen param failed at the first step)."""
+    cfg = _config(tmp_path)
+    model = _zswap_model(cfg)
+    if change == "unfreeze":
+        model.transformer.h[0].requires_grad_(False)
+    trainer = zt.Trainer(model=model, args=_args(tmp_path / "o"), train_dataset=_data(), zswap_config=cfg)
+    if change == "unfreeze":
+        model.transformer.h[0].requires_grad_(True)
+        with pytest.raises(zswap.ZswapError, match=r"transformer\.h\.0\..* required no grad when this zswap"):
+            trainer.train()
+    else:
+        name, value = change
+        before = getattr(trainer.args, name)
+        setattr(trainer.args, name, value)
+        with pytest.raises(zswap.ConfigError) as info:
+            trainer.train()
+        assert (
+            f"changed since this zswap.transformers.Trainer was built: {name} ({before!r} → {value!r})"
+            in str(info.value)
+        )
+    trainer.close()

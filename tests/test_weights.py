@@ -128,6 +128,36 @@ def test_export_writes_what_save_weights_writes(tmp_path, shard):
             assert (tmp_path / a / f).read_bytes() == (tmp_path / b / f).read_bytes(), f"{b}/{f}"
 
 
+def test_the_config_records_the_dtype_of_the_params_and_the_class_saved(tmp_path):
+    """Under ``bf16`` the params are bfloat16 though ``model.config.dtype`` says float32 or nothing:
+    ``config.json`` says what the weights are, as ``save_pretrained`` writes it, so a plain
+    ``from_pretrained`` builds the bf16 model that was trained (before: float32, other logits); and the
+    class saved is the architecture (before: a submodule's folder named its parent's class)."""
+    config = {**cfg(tmp_path, "nvme", "nvme"), "bf16": {"enabled": True}}
+    m, engine = build(config, make=MODELS["llama"])
+    assert m.config.dtype in (None, torch.float32) and m.dtype == torch.bfloat16
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    with engine:
+        m(input_ids=ids, labels=ids).loss.backward()
+        engine.step()
+        with torch.no_grad():
+            want = m(input_ids=ids).logits
+        zswap.save_weights(m, tmp_path / "direct")
+        zswap.save_weights(m.model, tmp_path / "base")  # the class saved, as save_pretrained names it
+        engine.save_checkpoint(tmp_path / "ckpt")
+        m.save_pretrained(tmp_path / "hf")
+    export(tmp_path / "ckpt", tmp_path / "exported")
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    for d in ("direct", "exported", "hf", "base"):
+        assert json.loads((tmp_path / d / "config.json").read_text())["dtype"] == "bfloat16", d
+    for d in ("direct", "exported"):
+        assert json.loads((tmp_path / d / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d)
+        assert plain.dtype == torch.bfloat16
+        with torch.no_grad():
+            assert torch.equal(plain(input_ids=ids).logits, want), d
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(Path(zswap.__file__).parents[1])}
     return subprocess.run(

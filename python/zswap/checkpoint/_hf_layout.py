@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parts.params import param_state
 from ._atomic import fsync_path, io_error, temp_name, write_file
 from ._safetensors import Entry
 from .errors import CheckpointCorruptError
@@ -193,22 +195,50 @@ class Staged:
         self._files = []
 
 
-def with_dtype(config: bytes, dtype: torch.dtype, where: Path) -> bytes:
-    """A checkpoint's ``config.json`` bytes with the dtype the weights are exported in recorded, checked
-    (a JSON object) before anything is written."""
+def save_config(model: nn.Module, out_dir: Path, dtype: torch.dtype | None) -> bool:
+    """``config.json`` (and ``generation_config.json`` for a model that generates) of a model that has a
+    Hugging Face config, as ``save_pretrained`` writes them: ``dtype`` the dtype of the weights (``None``:
+    its params', the first floating one's as ``PreTrainedModel.dtype`` — not ``config.dtype`` where the
+    params were cast after loading, as ``bf16`` under ``zswap.Init`` casts them), ``architectures`` the
+    class saved (a transformers model: ``save_weights(model.model)`` is a ``LlamaModel``). False where the
+    model has no such config."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return False
+    config.save_pretrained(out_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(model, "can_generate", lambda: False)():
+        gen.save_pretrained(out_dir)
+    path = out_dir / "config.json"
+    if not path.is_file():
+        return True
+    fields: dict[str, Any] = {}
+    dtype = dtype or next((d for d in _param_dtypes(model) if d.is_floating_point), None)
+    if dtype is not None:
+        fields["dtype"] = str(dtype).removeprefix("torch.")
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        fields["architectures"] = [type(model).__name__]
+    path.write_bytes(with_fields(path.read_bytes(), fields, path))
+    return True
+
+
+def _param_dtypes(model: nn.Module) -> list[torch.dtype]:
+    out = []
+    for p in model.parameters():
+        st = param_state(p)
+        out.append(st.dtype if st is not None else p.dtype)
+    return out
+
+
+def with_fields(config: bytes, fields: dict[str, Any], where: Path) -> bytes:
+    """A checkpoint's ``config.json`` bytes with ``fields`` set, checked (a JSON object) before anything is
+    written."""
     try:
         cfg = json.loads(config)
     except ValueError as e:
         raise CheckpointCorruptError(f"{where}: not JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise CheckpointCorruptError(f"{where}: holds a JSON {type(cfg).__name__}, not an object")
-    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    cfg.update(fields)
     return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
-
-
-def set_config_dtype(out_dir: Path, dtype: torch.dtype | None) -> None:
-    """Record the dtype the weights were saved in, where a config.json was written."""
-    path = out_dir / "config.json"
-    if dtype is None or not path.is_file():
-        return
-    path.write_bytes(with_dtype(path.read_bytes(), dtype, path))

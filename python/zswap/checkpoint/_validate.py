@@ -178,6 +178,8 @@ def check_structure(m: Any, path: object, dtype_of: Any) -> None:
             dtype_of(dtype)
         except CheckpointCorruptError:
             refuse(path, f"field {where}'dtype' of {name!r} is {dtype!r}, not a torch dtype")
+        if not isinstance(p.get("requires_grad", False), bool):  # absent from older checkpoints
+            refuse(path, f"field {where}'requires_grad' of {name!r} is {p['requires_grad']!r}, not a bool")
         part = _field(p, "partition", dict, path, where)
         kind = part.get("kind")
         ranks = _field(part, "ranks", "uint", path, f"{where}partition.")

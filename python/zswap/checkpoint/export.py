@@ -23,7 +23,7 @@ from ._hf_layout import (
     parse_size,
     plan_shards,
     shard_names,
-    with_dtype,
+    with_fields,
     write_index,
 )
 from ._reader import Reader
@@ -105,7 +105,7 @@ def export(
         for n in configs:  # the bytes `verify` checked, not the file again
             data = reader.whole[n]
             if n == "config.json" and dtype is not None:
-                data = with_dtype(data, dtype, folder / n)
+                data = with_fields(data, {"dtype": str(dtype).removeprefix("torch.")}, folder / n)
             write_file(staged.path(n), data)
         staged.commit()
         logging.getLogger(__name__).info("exported %s to %s (%d file(s))", folder, out, len(names))

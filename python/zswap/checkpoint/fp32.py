@@ -34,12 +34,15 @@ def fp32_state_dict(
 ) -> dict[str, torch.Tensor]:
     """``name → tensor`` of checkpoint ``ckpt_dir/tag`` (default: the one ``latest`` names), params and
     floating-point buffers in float32 (as DeepSpeed's ``zero_to_fp32`` gives them; integer and boolean
-    buffers keep their dtype). ``exclude_frozen``: only the params the saved optimizer holds (its param
-    groups)."""
+    buffers keep their dtype). ``exclude_frozen``: without the params that did not require grad when the
+    checkpoint was saved, as DeepSpeed's (a checkpoint that does not record it: the params its optimizer
+    held, its param groups)."""
     folder, _ = resolve(ckpt_dir, tag)
     m = read_manifest(folder)
     optim = m.get("optimizer") if isinstance(m.get("optimizer"), dict) else None
     trained = {name for group in optim["groups"] for name in group} if optim is not None else None
+    if all("requires_grad" in spec for spec in m["params"]):
+        trained = {spec["name"] for spec in m["params"] if spec["requires_grad"]}
     if exclude_frozen and trained is None:
         raise CheckpointArgumentError(
             f"{folder} was saved without an optimizer, so which params were frozen is not known: read it "

@@ -100,6 +100,7 @@ class ParamRecord:
             "aliases": self.aliases,
             "shape": list(self.shape),
             "dtype": dtype_name(self.dtype),
+            "requires_grad": bool(self.p.requires_grad),  # DeepSpeed's "frozen" (zero_to_fp32)
             "partition": {
                 "kind": "flat" if self.st is not None else "replicated",
                 "ranks": self.ranks,

@@ -29,7 +29,7 @@ from . import _atomic
 from ._collective import agree, all_gather, group_of
 from ._crc import BlockCrc
 from ._gather import local_partition
-from ._hf_layout import CONFIG_FILES, weight_keys
+from ._hf_layout import CONFIG_FILES, save_config, weight_keys
 from ._safetensors import BLOCK_BYTES, Entry, FileInfo, StreamWriter
 from ._state import rng_state
 from ._validate import CHECKSUM, canonical_checksum
@@ -344,12 +344,7 @@ def _finish(
 
     model = engine.module
     files = [f for rep in reports for f in rep["files"]]
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(tmp)  # so that ``zswap export`` makes a folder from_pretrained loads
-        gen = getattr(model, "generation_config", None)
-        if gen is not None and getattr(model, "can_generate", lambda: False)():
-            gen.save_pretrained(tmp)
+    if save_config(model, tmp, None):  # so that ``zswap export`` makes a folder from_pretrained loads
         files += [_file_info(tmp / n).to_json() for n in CONFIG_FILES if (tmp / n).is_file()]
     buffers = persistent_buffers(model)
     keys = weight_keys(model, {id(r.p): r.name for r in records}, {id(b): n for n, b in buffers})

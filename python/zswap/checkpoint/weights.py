@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from ._hf_layout import (
     Staged,
     parse_size,
     plan_shards,
-    set_config_dtype,
+    save_config,
     shard_names,
     weight_keys,
     write_index,
@@ -47,6 +48,14 @@ def save_weights(
     floating tensors; ``max_shard_size``: bytes or a string such as ``"5GB"`` (default)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    peft_model = sys.modules.get("peft.peft_model")
+    if peft_model is not None and isinstance(model, peft_model.PeftModel):
+        raise TypeError(
+            "zswap.save_weights: the model is a PeftModel; its state dict (base_model.model.* and the "
+            "adapter's keys) is no model from_pretrained loads. model.save_pretrained(folder) writes the "
+            "adapter as PEFT does (gathering only its entries); zswap.save_weights(model.merge_and_unload(), "
+            "folder) the model with the adapter merged"
+        )
     limit = parse_size(max_shard_size)
     records = describe(model)
     group: ProcessGroup | None = next((r.st.group for r in records if r.st is not None), None)
@@ -80,13 +89,7 @@ def save_weights(
         if staged is not None:
             staged.abort()
     if rank == 0:
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(out)
-            gen = getattr(model, "generation_config", None)
-            if gen is not None and getattr(model, "can_generate", lambda: False)():
-                gen.save_pretrained(out)
-            set_config_dtype(out, dtype)
+        save_config(model, out, dtype)
         logging.getLogger(__name__).info("weights saved: %s (%d file(s))", out, len(names))
 
 

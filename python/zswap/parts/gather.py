@@ -426,7 +426,7 @@ class GatheredParameters:
         with no_torch_function():
             for p, st, entry in self._held:
                 d = p.data
-                if d.shape != entry.shape or d.dtype != entry.dtype or not torch.equal(d, entry):
+                if d.shape != entry.shape or d.dtype != entry.dtype or not _same_bits(d, entry):
                     changed = changed or st
                 if st.status is Status.AVAILABLE:
                     p.data = entry
@@ -494,3 +494,8 @@ class GatheredParameters:
                 ZswapWarning,
                 stacklevel=3,
             )
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two tensors of one shape and dtype (a NaN equals itself)."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

@@ -17,7 +17,11 @@ way):
   with `GatheredParameters` and PEFT's own ``modifier_rank`` (0 where PEFT may rewrite the weight: written
   back at the end), one layer's params at a time;
 - ``ModulesToSaveWrapper.update`` runs inside a read-only `GatheredParameters` of the wrapped module's
-  params, so the copy PEFT makes for training holds their values (and PEFT never reaches ``deepspeed``).
+  params, so the copy PEFT makes for training holds their values (and PEFT never reaches ``deepspeed``);
+- ``onload_layer``, around which PEFT merges and unmerges each tuner layer (``merge_and_unload``,
+  ``merge_adapter``, ``unmerge_adapter``), also gathers the layer's params: its base layer's with
+  ``modifier_rank`` 0 (the merged weight is written back), the adapter's read-only. Before, the merge
+  computed on the empty placeholders and changed nothing, silently.
 
 Params some enclosing block already gathered are whole already and are left to it.
 """
@@ -49,6 +53,10 @@ def install() -> None:
     if integrations is None or other is None:
         return  # not imported (or still importing): the next partitioned module looks again
     _replace_gather(getattr(integrations, "gather_params_ctx", None))
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    onload = getattr(tuners, "onload_layer", None)
+    if tuners is not None and onload is not None and not getattr(onload, _MARK, False):
+        tuners.onload_layer = _gathering_onload(onload)  # type: ignore[attr-defined]
     wrapper = getattr(other, "ModulesToSaveWrapper", None)
     update = getattr(wrapper, "update", None)
     if wrapper is not None and callable(update) and not getattr(update, _MARK, False):
@@ -103,3 +111,22 @@ def _gathering_update(update: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(gathered, _MARK, True)
     return gathered
+
+
+def _gathering_onload(onload: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @contextlib.contextmanager
+    @functools.wraps(onload)
+    def onload_layer(layer: Any) -> Iterator[None]:
+        base = layer.get_base_layer() if callable(getattr(layer, "get_base_layer", None)) else None
+        _, written = _managed(base.parameters() if base is not None and base is not layer else [])
+        ids = {id(p) for p in written}
+        _, read = _managed(p for p in layer.parameters() if id(p) not in ids)
+        with (
+            GatheredParameters(written, modifier_rank=0),
+            GatheredParameters(read, modifier_rank=None),
+            onload(layer),
+        ):
+            yield
+
+    setattr(onload_layer, _MARK, True)
+    return onload_layer

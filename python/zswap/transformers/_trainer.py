@@ -125,6 +125,12 @@ class Trainer(transformers.Trainer):
         _check_best(cfg, args)
         _check_schedule(self.zswap_config, args)
         _check_optim(self.zswap_config, args)
+        if kwargs.get("optimizer_cls_and_kwargs") is not None and self.zswap_config.get("optimizer"):
+            cls = kwargs["optimizer_cls_and_kwargs"][0]
+            raise ConfigError(
+                f"optimizer_cls_and_kwargs= asks for {getattr(cls, '__name__', cls)} and zswap_config has an "
+                "'optimizer' section, which builds the optimizer: keep one of them"
+            )
         self.engine: Engine | None = None
         self._grad_norm: torch.Tensor | None = None
         super().__init__(model, args, *rest, **kwargs)
@@ -145,6 +151,9 @@ class Trainer(transformers.Trainer):
             _check_given(self.zswap_config, own, None, f"{type(self).__name__}.create_optimizer() builds")
             self.optimizer = own
             Trainer.create_optimizer(self)
+        self._built_with = _built_from(self.args)
+        model_: Any = self.model
+        self._trained = {id(p) for p in model_.parameters() if p.requires_grad}
 
     # -- optimizer, engine, schedule ---------------------------------------------------------------------
 
@@ -320,7 +329,29 @@ class Trainer(transformers.Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open("train")
+        self._check_unchanged()
         return super().train(*args, **kwargs)
+
+    def _check_unchanged(self) -> None:
+        """The plain Trainer builds its optimizer in ``train()``; this one built it, and the engine, in its
+        constructor: what they were built from and has changed since would go unused without a word."""
+        changed = [f"{k} ({v!r} → {getattr(self.args, k)!r})" for k, v in self._built_with.items()
+                   if getattr(self.args, k) != v]  # fmt: skip
+        if changed:
+            raise ConfigError(
+                f"train(): TrainingArguments changed since this zswap.transformers.Trainer was built: "
+                f"{', '.join(changed)}. It builds the optimizer and the engine in its constructor: set them "
+                "before building the Trainer (or build a new one after close())"
+            )
+        model: Any = self.model
+        unfrozen = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in self._trained]
+        if unfrozen:
+            few = ", ".join(unfrozen[:3]) + (f" and {len(unfrozen) - 3} more" if len(unfrozen) > 3 else "")
+            raise ZswapError(
+                f"train(): {few} required no grad when this zswap.transformers.Trainer was built and do now; "
+                "its constructor builds the engine, which trains the params that require grad then: unfreeze "
+                "them before building the Trainer (or build a new one after close())"
+            )
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open("evaluate")
@@ -334,6 +365,17 @@ class Trainer(transformers.Trainer):
 class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
     """`Trainer` with ``transformers.Seq2SeqTrainer``'s evaluation: ``Seq2SeqTrainingArguments``,
     ``predict_with_generate`` (``generate`` runs on the partitioned model), ``generation_config``."""
+
+
+_BUILT_FROM = (
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim"
+)  # fmt: skip
+"""The arguments the optimizer and the engine are built from in `Trainer.__init__` (the schedule and the
+accumulation are read again in ``train()``)."""
+
+
+def _built_from(args: Any) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in _BUILT_FROM}
 
 
 def _check_dtype(model: Any, cfg: Any) -> None:
@@ -429,6 +471,11 @@ def _refuse(args: Any) -> None:
                 f"the model in {dtype} under zswap.Init (the config's '{dtype}' section) to evaluate in "
                 f"{dtype}"
             )
+    if getattr(args, "deepspeed", None):
+        raise ConfigError(
+            "TrainingArguments(deepspeed=...) hands the model to DeepSpeed, over params zswap partitions: "
+            "give the config as zswap.transformers.Trainer(..., zswap_config=...) instead"
+        )
     if args.torch_compile:
         raise ConfigError(
             "TrainingArguments(torch_compile=True) compiles the model, whose partitioned params change "

@@ -27,9 +27,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """``name → float32 tensor`` of the checkpoint (integer and boolean buffers at their dtype), all in
     memory.
-    ``exclude_frozen_parameters``: only the params the saved optimizer holds. ``lazy_mode`` is accepted and
-    reads every tensor at once: DeepSpeed's lazy values are read at their ``.contiguous()``, which these
-    answer too."""
+    ``exclude_frozen_parameters``: without the params that did not require grad at the save, as DeepSpeed's.
+    ``lazy_mode`` is accepted and reads every tensor at once: DeepSpeed's lazy values are read at their
+    ``.contiguous()``, which these answer too."""
     del lazy_mode  # the values are read now; what a lazy caller does with them works the same
     return fp32_state_dict(checkpoint_dir, tag, exclude_frozen=exclude_frozen_parameters)
 
