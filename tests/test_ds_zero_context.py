@@ -639,3 +639,81 @@ def test_mics_init_is_init_with_a_warning_naming_it():
     assert all(param_state(p) is not None for p in model.parameters())
     with zswap.GatheredParameters(list(model.parameters())):
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+class _MixedDtype(nn.Module):
+    """DeepSpeed's test_zero_autocast_mixed_dtype.py: a frozen base weight built under Init, float32
+    adapters attached after it."""
+
+    def __init__(self, h: int = 8) -> None:
+        super().__init__()
+        self.h = h
+        self.base = nn.Parameter(torch.randn(h, h) * 0.01, requires_grad=False)
+
+    def attach(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.a = nn.Parameter(torch.randn(4, self.h, generator=g) * 0.01)
+        self.b = nn.Parameter(torch.randn(self.h, 4, generator=g) * 0.01)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(x, self.base) + nn.functional.linear(
+            nn.functional.linear(x, self.a), self.b
+        )
+        return nn.functional.mse_loss(out.float(), target.float())
+
+
+@pytest.mark.parametrize("entry", ["deepspeed", "zswap"])
+def test_params_added_after_init_keep_their_dtype_as_deepspeeds(entry, tmp_path):
+    """bf16 with ``torch_autocast``: the base is bf16, the float32 adapters attached after the Init stay
+    float32 (DeepSpeed's test asserts it) and train bitwise as plain torch under ``torch.autocast`` (before:
+    cast to bf16 with float32 masters, 1e-3 off after four steps). A model built with no Init at all is
+    cast whole, as DeepSpeed's engine casts it."""
+    swap = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_param": swap, "offload_optimizer": swap},
+        "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16",
+                           "lower_precision_safe_modules": [f"{__name__}._MixedDtype"]},
+    }  # fmt: skip
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = _MixedDtype()
+    model.attach()
+    with deepspeed.zero.GatheredParameters([model.base]):
+        base = model.base.detach().clone()
+    ref = _MixedDtype()
+    ref.base.data = base
+    ref.attach()
+    trainable = [model.a, model.b]
+    ref_opt = torch.optim.AdamW([ref.a, ref.b], lr=0.1, fused=True)
+    if entry == "deepspeed":
+        engine, *_ = deepspeed.initialize(
+            config=cfg,
+            model=model,
+            model_parameters=trainable,
+            optimizer=torch.optim.AdamW(trainable, lr=0.1),
+        )
+    else:
+        engine = zswap.initialize(model, cfg, optimizer=torch.optim.AdamW(trainable, lr=0.1))
+    assert [param_state(p).dtype for p in (model.base, model.a, model.b)] == [torch.bfloat16] + [
+        torch.float32
+    ] * 2
+    g = torch.Generator().manual_seed(2)
+    with engine:
+        for _ in range(4):
+            x, t = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+            loss = engine(x, t) if entry == "deepspeed" else model(x, t)
+            engine.backward(loss)
+            engine.step()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = ref(x, t)
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert torch.equal(loss.detach(), want.detach())
+        with deepspeed.zero.GatheredParameters(trainable):
+            assert torch.equal(model.a, ref.a) and torch.equal(model.b, ref.b)
+    whole = _MixedDtype()
+    whole.attach()
+    zswap.initialize(whole, cfg).close()  # no Init: everything in the config's dtype
+    assert all(param_state(p).dtype == torch.bfloat16 for p in whole.parameters())

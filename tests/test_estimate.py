@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from zswap import estimate as est
 from zswap.cli import main
@@ -73,6 +74,22 @@ def test_a_local_config_is_counted_on_meta(tmp_path: Path) -> None:
     assert shape.params == 2 * 64_000 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 == 210_240
     assert shape.largest_layer == 64_000 and shape.name == "LlamaForCausalLM"
     assert est.shape_from_config(folder) == shape
+
+
+def test_the_class_the_config_names_is_counted(tmp_path: Path) -> None:
+    """An encoder-decoder's config also maps to a decoder-only ``*ForCausalLM``: the class in
+    ``architectures`` is built, encoder included (before: BART's decoder alone, 31,936 of 51,200)."""
+    transformers = pytest.importorskip("transformers")
+    conf = transformers.BartConfig(
+        vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        architectures=["BartForConditionalGeneration"],
+    )  # fmt: skip
+    conf.save_pretrained(tmp_path / "bart")
+    shape = est.shape_from_config(tmp_path / "bart")
+    with torch.device("meta"):
+        want = sum(p.numel() for p in transformers.BartForConditionalGeneration(conf).parameters())
+    assert shape.name == "BartForConditionalGeneration" and shape.params == want == 51_200
 
 
 def test_a_config_file_of_another_name_is_that_file(tmp_path: Path) -> None:

@@ -577,6 +577,80 @@ def test_save_and_resume_through_the_trainer_equals_lightnings_own(tmp_path):
     assert (tmp_path / "ours" / "half.ckpt").is_dir()  # an engine checkpoint: partitions, not empty tensors
 
 
+def test_a_weights_only_checkpoint_leaves_the_optimizer_state_out(tmp_path):
+    """``save_checkpoint(path, weights_only=True)`` (what ``ModelCheckpoint(save_weights_only=True)`` calls):
+    the params without the optimizer's records (before: the whole engine checkpoint); it validates as the
+    full one does, and fit refuses to resume from it, as Lightning refuses its own."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    _, trainer = _fit(ZswapStrategy(_config(swap)), samples=24)
+    trainer.save_checkpoint(tmp_path / "full")
+    trainer.save_checkpoint(tmp_path / "weights", weights_only=True)
+    full = {p.name for p in (tmp_path / "full").glob("*/*")}
+    weights = {p.name for p in (tmp_path / "weights").glob("*/*")}
+    assert {n for n in full - weights} == {n for n in full if "exp_avg" in n or "master" in n} != set()
+    scores = [
+        _trainer(ZswapStrategy(_config(swap))).validate(Regressor(), _data(8), ckpt_path=str(tmp_path / d))
+        for d in ("full", "weights")
+    ]
+    assert scores[0] == scores[1]
+    with pytest.raises(zswap.ZswapError, match=r"holds no optimizer state .*weights_only=True"):
+        _fit(
+            ZswapStrategy(_config(swap)), samples=24, max_steps=2 * STEPS, ckpt_path=str(tmp_path / "weights")
+        )
+
+
+class ClosureFirst(Regressor):
+    """Runs the step's closure (training_step, backward) itself, then steps: Lightning's documented way to
+    look at the loss before stepping."""
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
+        optimizer_closure()
+        optimizer.step()
+
+
+def test_an_optimizer_step_that_runs_the_closure_first_clips_as_lightning(tmp_path):
+    """The backward runs before ``optimizer.step()`` reaches the strategy: the early step must already
+    know that clipping may come (before: `GradientsNotKeptError` at the first clipped step)."""
+    ref, _ = _fit(module=ClosureFirst(), gradient_clip_val=0.05)
+    ours, _ = _fit(ZswapStrategy(_config(tmp_path)), module=ClosureFirst(), gradient_clip_val=0.05)
+    _assert_same_run(ours, ref, STEPS)
+
+
+class ReadsGrads(Regressor):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.seen = [p.grad for p in self.parameters()]
+
+
+class _GradLogger(pl.Callback):
+    def on_after_backward(self, trainer: Any, module: Any) -> None:
+        pass
+
+
+class CarriesGrads(Regressor):
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if batch_idx % 3 == 0:
+            optimizer.zero_grad()
+
+
+def test_hooks_written_for_p_grad_are_named_when_fit_starts(tmp_path):
+    """Under zswap ``p.grad`` is None where Lightning's gradient hooks run, and an ``optimizer_zero_grad``
+    that carries gradients over is not honoured: each is a `ZswapWarning` naming it (before: silently
+    another run than Lightning's)."""
+    with pytest.warns(zswap.ZswapWarning) as record:
+        _fit(ZswapStrategy(_config(tmp_path)), module=ReadsGrads(), callbacks=[_GradLogger()])
+    (warned,) = [str(w.message) for w in record if "p.grad" in str(w.message)]
+    assert warned.startswith(
+        "ZswapStrategy: ReadsGrads.on_before_optimizer_step, _GradLogger.on_after_backward run where "
+        "Lightning has the gradients in p.grad; under zswap p.grad is None there"
+    )
+    assert "zswap.full_grad(p)" in warned
+    with pytest.warns(zswap.ZswapWarning, match=r"CarriesGrads\.optimizer_zero_grad is overridden"):
+        _fit(ZswapStrategy(_config(tmp_path)), module=CarriesGrads())
+
+
 # -- configuration, precision, devices -------------------------------------------------------------
 
 

@@ -137,11 +137,17 @@ def shape_from_config(path: str | os.PathLike[str]) -> ModelShape:
 
     # The file itself where a file is given (any name: ``llama-70b.json``), not its folder's config.json.
     config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    # The class config.json names (an encoder-decoder also maps to a decoder-only *ForCausalLM, which
+    # would leave its encoder out), else a causal LM, else the base model.
+    named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
     with torch.device("meta"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:  # not a causal LM (an encoder, a classifier...): its base model
-            model = transformers.AutoModel.from_config(config)
+        if named and named[0] is not None:
+            model = named[0](config)
+        else:
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:  # not a causal LM (an encoder, a classifier...): its base model
+                model = transformers.AutoModel.from_config(config)
     seen: set[int] = set()
     total = 0
     for p in model.parameters():  # parameters() yields a tied param once

@@ -478,3 +478,17 @@ def _open_engine(paths: Any, aio: Any) -> Any:
 
     # Shared with gradients and optimizer records on the same paths.
     return open_dir(list(paths), aio, "offload_param.nvme_path")
+
+
+def partition_rest(config: Any, module: nn.Module) -> None:
+    """Partition ``module``'s params that no `Init` partitioned. Where some are partitioned (the model was
+    built under `Init`), each of the rest in the dtype it has, not the config's: DeepSpeed's rule (float32
+    adapters added to a bf16 base stay float32); a model built with no Init at all is cast whole, as by
+    ``Init(config, module=module)``."""
+    states = [param_state(p) for p in module.parameters()]
+    if all(st is not None for st in states):
+        return
+    init = Init(config)
+    if any(st is not None for st in states):
+        init._placement = dataclasses.replace(init._placement, dtype=None)
+    init._convert(module)

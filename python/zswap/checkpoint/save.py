@@ -80,8 +80,11 @@ def save_checkpoint(
     client_state: Any = None,
     *,
     save_latest: bool = True,
+    optimizer_state: bool = True,
 ) -> Path:
-    """See `zswap.Engine.save_checkpoint`. Returns the tag folder."""
+    """See `zswap.Engine.save_checkpoint`. Returns the tag folder. ``optimizer_state=False``: the params
+    and the rest without the optimizer's records, as a checkpoint of an engine without one (Lightning's
+    ``weights_only``)."""
     root = check_dir(save_dir, "save_checkpoint: save_dir")
     _warn_mid_window(engine)
     records = describe(engine.module)
@@ -109,7 +112,7 @@ def save_checkpoint(
             )
         agree(error, "save_checkpoint", group, world)
         try:
-            report = _write_rank(engine, records, tmp, rank, world, client_state)
+            report = _write_rank(engine, records, tmp, rank, world, client_state, optimizer_state)
         except OSError as e:
             error = _os_error(e, tmp)
         except Exception as e:
@@ -144,7 +147,13 @@ def _os_error(e: OSError, path: Path) -> Exception:
 
 
 def _write_rank(
-    engine: TrainingState, records: list[ParamRecord], tmp: Path, rank: int, world: int, client_state: Any
+    engine: TrainingState,
+    records: list[ParamRecord],
+    tmp: Path,
+    rank: int,
+    world: int,
+    client_state: Any,
+    optimizer_state: bool,
 ) -> dict[str, Any]:
     files: list[FileInfo] = []
     buffers = persistent_buffers(engine.module) if rank == 0 else []
@@ -159,7 +168,7 @@ def _write_rank(
         files.append(w.close())
     finally:
         w.abort()
-    opt = engine.optimizer
+    opt = engine.optimizer if optimizer_state else None
     optim: dict[str, Any] | None = None
     extra: dict[str, Any] = {}
     if isinstance(opt, OffloadedAdamW):

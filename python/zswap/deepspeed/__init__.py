@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..build.init import Init
+from ..build.init import partition_rest
 from ..config import raw_dict
-from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
 from ..step.optim.adopt import refuse_without_masters
 from ..train import runtime
@@ -99,8 +98,7 @@ def initialize(
         raise TypeError("zswap.deepspeed.initialize requires a model")
     cfg = one_optimizer(_deepspeed_lr(raw_dict(resolve_config(args, config, config_params))), optimizer)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    if any(param_state(p) is None for p in model.parameters()):
-        Init(cfg, module=model)  # partitioned before an optimizer is built over its params
+    partition_rest(cfg, model)  # before an optimizer is built over its params
     owned = False
     params = list(model.parameters()) if model_parameters is None else list(model_parameters)
     if optimizer is None and cfg.optimizer is not None:

@@ -117,9 +117,7 @@ class ZswapPrecision(Precision):
             # The clip norm reaches `clip_gradients` only after the closure's backward: the early step is
             # told that clipping may be set then, so it keeps the gradients a clipped step is redone from
             # (`zswap.step.speculation`); the step it ran in backward is committed if the factor matches.
-            engine.clipping_after_backward = bool(
-                model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model)
-            )
+            engine.clipping_after_backward = may_clip(model)
         default = engine.max_grad_norm
         try:
             result = closure()
@@ -132,7 +130,9 @@ class ZswapPrecision(Precision):
                 engine.step()
         finally:
             engine.max_grad_norm = default
-            engine.clipping_after_backward = False
+            # Kept on between steps where Lightning may clip: an optimizer_step override may run the
+            # closure (its backward) before it calls optimizer.step().
+            engine.clipping_after_backward = model.automatic_optimization and may_clip(model)
             self.clip_norm = None
         return result
 
@@ -154,6 +154,12 @@ class ZswapPrecision(Precision):
         if self._engine is None:
             raise RuntimeError("ZswapPrecision is driven by ZswapStrategy, which has not set it up")
         return self._engine()
+
+
+def may_clip(model: pl.LightningModule) -> bool:
+    """Whether Lightning may ask for clipping at a step of ``model``'s (automatic optimization): the
+    norm then reaches the engine only after the step's backward."""
+    return bool(model.trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", model))
 
 
 VALUE_CLIPPING = (

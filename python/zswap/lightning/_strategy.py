@@ -50,6 +50,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from ..build.init import Init
+from ..checkpoint import save_checkpoint
+from ..checkpoint.manifest import read_manifest, resolve
 from ..config import ZswapConfig, load_config, raw_dict
 from ..config._foreign import CHECKPOINTING_SWITCHES
 from ..device import resolve as resolve_device
@@ -58,8 +60,9 @@ from ..step.optim import OffloadedAdamW
 from ..step.optim.adopt import hand_over, is_convertible, rebind_schedulers, to_offloaded
 from ..train import dtypes
 from ..train.runtime import Engine, initialize
+from ._hooks import warn_gradient_hooks
 from ._parallel import ProcessGroupStrategy
-from ._precision import DTYPES, VALUE_CLIPPING, ZswapPrecision
+from ._precision import DTYPES, VALUE_CLIPPING, ZswapPrecision, may_clip
 from ._summary import use_real_sizes
 
 if TYPE_CHECKING:
@@ -210,6 +213,8 @@ class ZswapStrategy(ProcessGroupStrategy):
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_trainer(trainer, fitting)
+        if fitting:
+            warn_gradient_hooks(trainer, module)
         use_real_sizes(trainer)  # Lightning's summary would count the empty partitioned params: 0
         client: Any = None  # what configure_optimizers returned (None: nothing, or the config's is used)
         owned: OffloadedAdamW | None = None  # the offloaded AdamW built here from the client optimizer
@@ -254,6 +259,7 @@ class ZswapStrategy(ProcessGroupStrategy):
             self.optimizers = [engine.optimizer if engine.optimizer is not None else given]
             self.lr_scheduler_configs = schedulers
         self.precision_plugin.attach(lambda: self.engine)
+        engine.clipping_after_backward = fitting and module.automatic_optimization and may_clip(module)
         self.setup_precision_plugin()
         self.barrier()
 
@@ -268,17 +274,21 @@ class ZswapStrategy(ProcessGroupStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Writes ``filepath`` as an engine checkpoint directory (every rank its partitions); the Trainer's
-        own state (loops, callbacks, lr schedulers, hyperparameters) goes in as ``client_state``."""
+        own state (loops, callbacks, lr schedulers, hyperparameters) goes in as ``client_state``. A
+        ``weights_only`` save (``ModelCheckpoint(save_weights_only=True)``: Lightning's checkpoint then has
+        no ``optimizer_states``) leaves the optimizer's records out too."""
         if storage_options is not None:
             raise TypeError(
                 "ZswapStrategy.save_checkpoint takes no storage_options (no CheckpointIO is used)"
             )
-        save = self.engine.save_checkpoint
+        engine = self.engine
+        engine._check_open()
         filepath = self.broadcast(filepath)
         # ``state_dict`` holds what hooks added (``on_save_checkpoint``: an EMA's weights…); the module's
         # own weights are the engine's (`lightning_module_state_dict`).
         client = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
-        save(os.fspath(filepath), client_state=client)
+        optimizer_state = "optimizer_states" in checkpoint
+        save_checkpoint(engine, os.fspath(filepath), None, client, optimizer_state=optimizer_state)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads an engine checkpoint written by `save_checkpoint` (optimizer state only when fitting) and
@@ -298,8 +308,19 @@ class ZswapStrategy(ProcessGroupStrategy):
             )
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        path = os.fspath(self.broadcast(checkpoint_path))
+        if (
+            fitting
+            and self.engine.optimizer is not None
+            and read_manifest(resolve(path, None)[0])["optimizer"] is None
+        ):
+            raise ZswapError(
+                f"{checkpoint_path} holds no optimizer state (saved with weights_only=True, as "
+                "ModelCheckpoint(save_weights_only=True) saves): fit cannot resume from it; validate, test "
+                "and predict load it"
+            )
         # The Trainer's state is needed whatever the run (loops, callbacks, datamodule): never module-only.
-        client = load(os.fspath(self.broadcast(checkpoint_path)), load_optimizer_states=fitting)
+        client = load(path, load_optimizer_states=fitting)
         if not isinstance(client, dict):
             raise ZswapError(
                 f"{checkpoint_path}: the engine checkpoint holds no Lightning state (was it written by "

@@ -19,14 +19,14 @@ from torch import nn
 from .. import device as _device
 from .. import memory
 from .._interrupts import deferred
-from ..build.init import Init
+from ..build.init import partition_rest
 from ..config import ZswapConfig, load_config
 from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..fetch import outputs
 from ..fetch.prefetch import Seed, Slot
 from ..gradients import grads, gradstore
 from ..parts import guards as _guards
-from ..parts.params import Item, ParamState, param_state
+from ..parts.params import Item, ParamState
 from ..parts.runners import RUNNERS
 from ..step import early_build, earlystep, stepping
 from . import bridge, dtypes, resident, resize, stats, wiring
@@ -50,7 +50,8 @@ def initialize(
     """Hook ``model`` up for forward, backward and prefetch; returns the `Engine` that steps it.
 
     ``model`` was built under `zswap.Init`; params it has that zswap does not manage yet are partitioned
-    now, with the config's ``offload_param`` settings (as ``Init(config, module=model)`` would).
+    now with the config's ``offload_param`` settings, each in its own dtype where the rest were built
+    under Init, as DeepSpeed does (`zswap.build.init.partition_rest`).
     ``config``: a path, mapping, `ZswapConfig` or ``None`` (`zswap.load_config`); its ``zero_optimization``
     knobs size the prefetch and the live budget, each chosen from the model where left out or ``"auto"``.
     ``optimizer``: a torch Adam / AdamW becomes zswap's `OffloadedAdamW` over its groups, another is used
@@ -93,8 +94,7 @@ def build(
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     dev = _device.resolve(device)
     refuse_meta(model)
-    if any(param_state(p) is None for p in model.parameters()):
-        Init(cfg, module=model)
+    partition_rest(cfg, model)
     return cls(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
 
 
