@@ -70,15 +70,21 @@ def test_no_overflow_doubles_the_scale_every_window():
         assert engine.skipped_steps == 0 and engine.global_steps == 10
 
 
-def test_every_overflow_halves_the_scale_without_hysteresis_and_skips_the_step():
+def test_every_overflow_halves_the_scale_without_hysteresis_and_skips_the_step(caplog):
+    """Each skipped step is logged at warning level, as DeepSpeed prints its "OVERFLOW! … Skipping step"."""
     engine = fp16_engine(initial_scale_power=4, loss_scale_window=2, hysteresis=1)
     with engine:
         start = weights(engine)
         expected = 2.0**4
         for i, value in enumerate([math.inf, -math.inf, math.nan, math.nan]):
+            caplog.clear()
             step(engine, value, seed=i)
+            said = f"fp16 gradients overflowed at loss scale {expected:g}: optimizer step {i + 1} skipped"
             expected = max(expected / 2, 1)
             assert engine.loss_scale == expected and engine.loss_scaler.cur_iter == i + 1
+            assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+                f"{said}, loss scale now {expected:g}"
+            ]
         assert all(torch.equal(a, b) for a, b in zip(start, weights(engine), strict=True))
         assert (engine.skipped_steps, engine.global_steps) == (4, 4)
         # At the floor (min_loss_scale 1) another overflow cannot be absorbed: ZeRO's scaler raises too.

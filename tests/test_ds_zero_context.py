@@ -717,3 +717,18 @@ def test_params_added_after_init_keep_their_dtype_as_deepspeeds(entry, tmp_path)
     whole.attach()
     zswap.initialize(whole, cfg).close()  # no Init: everything in the config's dtype
     assert all(param_state(p).dtype == torch.bfloat16 for p in whole.parameters())
+
+
+@pytest.mark.parametrize(("section", "built"), [("bf16", torch.float16), ("fp16", torch.bfloat16)])
+def test_params_in_the_other_16_bit_dtype_than_the_section_are_refused(section, built):
+    """``Init(dtype=)`` beside the config's section builds in its dtype (as DeepSpeed's); an engine over
+    those params under the other section would train them against it (before: bf16 on, float16 params
+    trained with fp16 loss scaling, silently)."""
+    cfg = {**STAGE3, section: {"enabled": True}}
+    with zswap.Init(cfg, dtype=built):
+        model = nn.Linear(4, 4)
+    assert param_state(model.weight).dtype == built
+    name = str(built).removeprefix("torch.")
+    with pytest.raises(zswap.ConfigError, match=rf"{section} section is on but weight, bias are {name}"):
+        zswap.initialize(model, cfg)
+    zswap.initialize(model, {**STAGE3, ("fp16" if section == "bf16" else "bf16"): {"enabled": True}}).close()

@@ -651,6 +651,12 @@ def test_hooks_written_for_p_grad_are_named_when_fit_starts(tmp_path):
         _fit(ZswapStrategy(_config(tmp_path)), module=CarriesGrads())
 
 
+def test_sync_batchnorm_is_refused(tmp_path):
+    """The strategy does not convert BatchNorm layers: the flag would change nothing (before: silently)."""
+    with pytest.raises(zswap.ConfigError, match=r"Trainer\(sync_batchnorm=True\): ZswapStrategy does not"):
+        _fit(ZswapStrategy(_config(tmp_path)), sync_batchnorm=True)
+
+
 # -- configuration, precision, devices -------------------------------------------------------------
 
 

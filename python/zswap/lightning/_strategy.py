@@ -340,6 +340,12 @@ class ZswapStrategy(ProcessGroupStrategy):
     def _check_trainer(self, trainer: pl.Trainer, fitting: bool) -> None:
         if not fitting:
             return
+        if getattr(self, "_layer_sync", None) is not None:
+            raise ConfigError(
+                "Trainer(sync_batchnorm=True): ZswapStrategy does not convert the model's BatchNorm layers "
+                "to SyncBatchNorm, so each rank would normalise over its own batch as without the flag; "
+                "drop sync_batchnorm=True"
+            )
         if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ConfigError(VALUE_CLIPPING)
         clip, configured = trainer.gradient_clip_val, self.zswap_config.gradient_clipping

@@ -18,6 +18,7 @@ counting steps exactly as it does, so a run that overflows at the same steps see
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..config.models import FP16Config
@@ -90,7 +91,18 @@ class LossScaler:
         return cls(2.0**16, dynamic=True, scale_window=2000, min_scale=0.0, hysteresis=1, torch_amp=True)
 
     def update(self, overflow: bool) -> None:
-        """Account for one optimizer step; ``overflow``: its gradients were not finite (it was skipped)."""
+        """Account for one optimizer step; ``overflow``: its gradients were not finite (it was skipped,
+        said in the log at warning level, as DeepSpeed prints it: a loop counting its own steps, Lightning's
+        ``global_step``, goes on counting one)."""
+        before = self.loss_scale
+        self._update(overflow)
+        if overflow:
+            logging.getLogger(__name__).warning(
+                "fp16 gradients overflowed at loss scale %g: optimizer step %d skipped, loss scale now %g",
+                before, self.cur_iter, self.loss_scale,
+            )  # fmt: skip
+
+    def _update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
         if overflow:

@@ -13,16 +13,33 @@ import torch
 from ..build._lineage import kept_in_fp32
 from ..errors import ConfigError
 from ..gradients.gradstore import LOW_PRECISION
+from ..parts.params import param_state
 
 if TYPE_CHECKING:
     from .runtime import Engine
 
 
+_OTHER_HALF = {torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}
+
+
 def at_build(engine: Engine) -> None:
-    """Set the module's floating buffers' dtypes from ``data_types`` (each in place: aliases follow)."""
+    """Set the module's floating buffers' dtypes from ``data_types`` (each in place: aliases follow); refuse
+    params in the 16-bit dtype the config's sections did not choose (bf16 on, params float16)."""
     module, config = engine.module, engine.config
     types = config.data_types
     params = config.torch_dtype()
+    other = _OTHER_HALF.get(params) if params is not None else None
+    named = module.named_parameters()
+    wrong = [n for n, p in named if (st := param_state(p)) is not None and st.dtype == other]
+    if wrong:
+        few = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+        name, section = str(other).removeprefix("torch."), "bf16" if params == torch.bfloat16 else "fp16"
+        raise ConfigError(
+            f"the config's {section} section is on but {few} are {name} (built with zswap.Init(..., "
+            f"dtype=torch.{name})?): the engine would train them in {name}, not as the section says. Build "
+            f"them in {section} (no dtype= beside the section), or switch on the "
+            f"{'fp16' if section == 'bf16' else 'bf16'} section instead"
+        )
     cast = types.torch_dtype(types.buffer_dtype)
     kept = kept_in_fp32(module.modules(), params, types.keep_in_fp32_modules) if params is not None else set()
     for buf in module.buffers():
