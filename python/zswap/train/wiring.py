@@ -41,7 +41,10 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
     ids: set[int] = {id(p) for p, _ in items}
     for other in open_runners():
         if other is not engine and other.runs(ids):
-            raise ZswapError("these params are already run by another zswap Engine; close() it first")
+            raise ZswapError(
+                "these params are already run by another zswap Engine; close() it first (destroy() under "
+                "zswap.deepspeed)"
+            )
     engine._items, engine._ids = items, ids
     _dist.check_partitioned_for_this_world(items)
     for name, m in module.named_modules():  # refused before a backward could fail on one
