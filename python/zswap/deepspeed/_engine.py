@@ -134,6 +134,11 @@ class DeepSpeedEngine(runtime.Engine):
         self._backwards += 1
         return out
 
+    def allreduce_gradients(self, bucket_size: Any = None) -> None:
+        """DeepSpeed's: reduce the gradients over the ranks. zswap reduces each param's gradient in backward,
+        once it is complete (``bucket_size`` has nothing to size): nothing is left to do here."""
+        self._check_open()
+
     def scale(self, loss: Any) -> torch.Tensor:
         """DeepSpeed's ``engine.scale(loss)``: the loss times the fp16 loss scale (as it is without one), for
         ``.backward()`` by the caller; the gradients reaching the engine's outputs are divided by
