@@ -667,7 +667,7 @@ def test_params_added_after_init_keep_their_dtype_as_deepspeeds(entry, tmp_path)
     """bf16 with ``torch_autocast``: the base is bf16, the float32 adapters attached after the Init stay
     float32 (DeepSpeed's test asserts it) and train bitwise as plain torch under ``torch.autocast`` (before:
     cast to bf16 with float32 masters, 1e-3 off after four steps). A model built with no Init at all is
-    cast whole, as DeepSpeed's engine casts it."""
+    cast whole, as DeepSpeed's engine casts it; without autocast, so are params added after Init."""
     swap = {"device": "nvme", "nvme_path": str(tmp_path)}
     cfg = {
         "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "bf16": {"enabled": True},
@@ -717,6 +717,13 @@ def test_params_added_after_init_keep_their_dtype_as_deepspeeds(entry, tmp_path)
     whole.attach()
     zswap.initialize(whole, cfg).close()  # no Init: everything in the config's dtype
     assert all(param_state(p).dtype == torch.bfloat16 for p in whole.parameters())
+    # Without torch_autocast a plain layer attached after the build is cast: float32 beside bf16
+    # activations its matmul would fail (PEFT's adapters, which cast their inputs, keep theirs: test_peft).
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        headed = _MixedDtype()
+    headed.attach()
+    zswap.initialize(headed, {k: v for k, v in cfg.items() if k != "torch_autocast"}).close()
+    assert all(param_state(p).dtype == torch.bfloat16 for p in headed.parameters())
 
 
 @pytest.mark.parametrize(("section", "built"), [("bf16", torch.float16), ("fp16", torch.bfloat16)])

@@ -651,6 +651,23 @@ def test_hooks_written_for_p_grad_are_named_when_fit_starts(tmp_path):
         _fit(ZswapStrategy(_config(tmp_path)), module=CarriesGrads())
 
 
+def test_params_added_after_init_module_take_the_trainers_precision(tmp_path):
+    """``bf16-true`` casts the whole module in a plain Trainer: LoRA adapters injected after
+    ``trainer.init_module()`` are bf16 too (``initialize`` alone keeps a PEFT tuner's float32 layers)."""
+    peft = pytest.importorskip("peft")
+    trainer = _trainer(ZswapStrategy(_config(tmp_path)), precision="bf16-true")
+    with trainer.init_module():
+        module = Regressor()
+        module.configure_model()
+    peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["2"]), module.net)
+    lora = [p for n, p in module.named_parameters() if "lora" in n]
+    for p in lora:
+        p.data = p.data.float()  # as get_peft_model makes them on a bf16 base
+    assert lora and all(zswap.param_state(p) is None for p in lora)
+    trainer.fit(module, _data())
+    assert {zswap.param_state(p).dtype for p in module.parameters()} == {torch.bfloat16}
+
+
 def test_sync_batchnorm_is_refused(tmp_path):
     """The strategy does not convert BatchNorm layers: the flag would change nothing (before: silently)."""
     with pytest.raises(zswap.ConfigError, match=r"Trainer\(sync_batchnorm=True\): ZswapStrategy does not"):

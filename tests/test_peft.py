@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zswap
+from zswap.checkpoint import CheckpointMismatchError
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -257,3 +258,53 @@ def test_merging_gathers_each_layer_as_peft_merges_it(case, tmp_path: Path):
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, want(input_ids=ids).logits)
+
+
+def test_adapters_on_a_bf16_base_stay_float32_as_peft_makes_them(tmp_path: Path):
+    """PEFT makes its adapters float32 on a bf16 base (and casts their inputs): ``initialize`` partitions
+    them so, and they train bitwise as plain PEFT's (before: cast to bf16 with float32 masters). A checkpoint
+    of them loads only into float32 adapters, and the refusal says how to build them so."""
+    cfg = {
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "bf16": {"enabled": True},
+    }
+    torch.manual_seed(0)
+    base = _llama()
+    for p in base.parameters():  # the params, not the buffers: Init keeps rotary inv_freq float32 too
+        p.data = p.data.bfloat16()
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(base, CASES["llama-lora"][1]())
+    model = _adapted("llama-lora", cfg)
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0, fused=True)
+    engine = zswap.initialize(model, cfg)
+    named = dict(model.named_parameters())
+    assert {str(zswap.param_state(named[n]).dtype) for n in adapters} == {"torch.float32"}
+    assert zswap.param_state(named["base_model.model.lm_head.weight"]).dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    with engine:
+        for _ in range(3):
+            ids = torch.randint(1, 64, (2, 8), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            engine.step()
+            want = ref(input_ids=ids, labels=ids).loss
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert torch.equal(loss.detach(), want.detach())
+        engine.save_checkpoint(tmp_path / "ckpt")
+    again = _adapted("llama-lora", cfg)
+    for p in again.parameters():
+        if p.requires_grad:
+            p.data = p.data.bfloat16()  # as an older zswap cast them
+    want_error = (
+        r"is float32 \(4, 32\) there, bfloat16 .* here \(to load it, cast the param to float32 before"
+    )
+    with zswap.initialize(again, cfg) as other, pytest.raises(CheckpointMismatchError, match=want_error):
+        other.load_checkpoint(tmp_path / "ckpt")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -416,11 +417,14 @@ class Init:
         self._enabled, self._frames, self._placement, self._keep_fp32 = True, [], placement, None
         return self
 
-    def _convert(self, module: nn.Module) -> None:
+    def _convert(self, module: nn.Module, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Partition ``module``'s unpartitioned params, cast to this Init's dtype but those in ``keep``
+        (ids), which keep theirs."""
+        own = dataclasses.replace(self._placement, dtype=None)
         with no_torch_function():  # already built: cast as it is partitioned, no build to reproduce
             for p in module.parameters():
                 if param_state(p) is None and p.device.type != "meta" and not _uninitialized(p):
-                    manage(p, self._placement)
+                    manage(p, own if id(p) in keep else self._placement)
         module_api.attach(module.modules())
         statedict.install(module)
         peft_save.install()
@@ -481,14 +485,26 @@ def _open_engine(paths: Any, aio: Any) -> Any:
 
 
 def partition_rest(config: Any, module: nn.Module) -> None:
-    """Partition ``module``'s params that no `Init` partitioned. Where some are partitioned (the model was
-    built under `Init`), each of the rest in the dtype it has, not the config's: DeepSpeed's rule (float32
-    adapters added to a bf16 base stay float32); a model built with no Init at all is cast whole, as by
-    ``Init(config, module=module)``."""
+    """Partition ``module``'s params that no `Init` partitioned: in the config's dtype (as
+    ``Init(config, module=module)``), except, where the model was built under `Init`, those whose dtype the
+    forward copes with as it is: under ``torch_autocast`` every one (DeepSpeed's rule and its test: float32
+    adapters on a bf16 base stay float32), else a PEFT tuner layer's (PEFT makes its adapters float32 on a
+    bf16 base and casts their inputs). A plain layer attached after the build is cast: in float32 beside
+    bf16 activations its matmul would fail."""
     states = [param_state(p) for p in module.parameters()]
     if all(st is not None for st in states):
         return
-    init = Init(config)
+    cfg = load_config(config)
+    keep: set[int] = set()
     if any(st is not None for st in states):
-        init._placement = dataclasses.replace(init._placement, dtype=None)
-    init._convert(module)
+        if cfg.torch_autocast.enabled:
+            keep = {id(p) for p in module.parameters()}
+        else:
+            keep = {id(p) for m in module.modules() if _tuner_layer(m) for p in m.parameters()}
+    Init(cfg)._convert(module, keep)
+
+
+def _tuner_layer(m: nn.Module) -> bool:
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    layer = getattr(tuners, "BaseTunerLayer", None) if tuners is not None else None
+    return layer is not None and isinstance(m, layer)

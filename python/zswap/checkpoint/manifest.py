@@ -250,10 +250,17 @@ def check_model(manifest: dict[str, Any], records: list[ParamRecord], folder: Pa
                 f"{ours.name!r} here"
             )
         if list(ours.shape) != theirs["shape"] or dtype_name(ours.dtype) != theirs["dtype"]:
+            # Same shape, another dtype: PEFT's float32 adapters on a bf16 base keep their dtype at
+            # initialize (`partition_rest`); a checkpoint saved with them cast loads into adapters cast so.
+            hint = (
+                f" (to load it, cast the param to {theirs['dtype']} before zswap.initialize)"
+                if list(ours.shape) == theirs["shape"]
+                else ""
+            )
             raise CheckpointMismatchError(
                 f"{folder} is a checkpoint of another model: param {ours.name!r} is "
                 f"{theirs['dtype']} {tuple(theirs['shape'])} there, "
-                f"{dtype_name(ours.dtype)} {ours.shape} here"
+                f"{dtype_name(ours.dtype)} {ours.shape} here{hint}"
             )
     if len(records) != len(saved):
         extra = records[len(saved)].name if len(records) > len(saved) else saved[len(records)]["name"]

@@ -56,6 +56,7 @@ from ..config import ZswapConfig, load_config, raw_dict
 from ..config._foreign import CHECKPOINTING_SWITCHES
 from ..device import resolve as resolve_device
 from ..errors import ConfigError, ZswapError
+from ..parts.params import param_state
 from ..step.optim import OffloadedAdamW
 from ..step.optim.adopt import hand_over, is_convertible, rebind_schedulers, to_offloaded
 from ..train import dtypes
@@ -228,6 +229,10 @@ class ZswapStrategy(ProcessGroupStrategy):
                 rebind_schedulers([c.scheduler for c in schedulers], client, owned)
                 hand_over(client, owned)  # a module keeping it (``self.opt``) sets what the engine steps
         self._close_open(module)
+        if any(param_state(p) is None for p in module.parameters()):
+            # Params made after `trainer.init_module()` / `configure_model` (adapters): cast, as Lightning's
+            # precision casts the whole module, not kept in their dtype as `initialize` would keep some.
+            Init(self._model_config(), module=module)
         given = owned if owned is not None else client
         try:
             engine = initialize(

@@ -50,8 +50,8 @@ def initialize(
     """Hook ``model`` up for forward, backward and prefetch; returns the `Engine` that steps it.
 
     ``model`` was built under `zswap.Init`; params it has that zswap does not manage yet are partitioned
-    now with the config's ``offload_param`` settings, each in its own dtype where the rest were built
-    under Init, as DeepSpeed does (`zswap.build.init.partition_rest`).
+    now with the config's ``offload_param`` settings, in the config's dtype but where their own is kept
+    (PEFT's adapters; every one under ``torch_autocast``: `zswap.build.init.partition_rest`).
     ``config``: a path, mapping, `ZswapConfig` or ``None`` (`zswap.load_config`); its ``zero_optimization``
     knobs size the prefetch and the live budget, each chosen from the model where left out or ``"auto"``.
     ``optimizer``: a torch Adam / AdamW becomes zswap's `OffloadedAdamW` over its groups, another is used
