@@ -73,6 +73,11 @@ CASES = {
         lambda: peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"]),
         9,  # and the classifier's trainable copy (modules_to_save)
     ),
+    "llama-lora-tokens": (  # trainable_token_indices: new rows of the embedding, read from the base weight
+        _llama,
+        lambda: peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[1, 2, 5]),
+        5,
+    ),
     "gpt2-lora": (_gpt2, lambda: peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True), 4),
     "gpt2-ia3": (
         _gpt2,

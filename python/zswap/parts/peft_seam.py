@@ -18,6 +18,9 @@ way):
   back at the end), one layer's params at a time;
 - ``ModulesToSaveWrapper.update`` runs inside a read-only `GatheredParameters` of the wrapped module's
   params, so the copy PEFT makes for training holds their values (and PEFT never reaches ``deepspeed``);
+- ``TrainableTokensLayer.update_layer`` (``trainable_token_indices``) reads the rows it trains from the
+  base embedding's weight (through DeepSpeed's API only when transformers says ZeRO-3 is on): it runs
+  inside a read-only `GatheredParameters` of the base layer's params;
 - ``onload_layer``, around which PEFT merges and unmerges each tuner layer (``merge_and_unload``,
   ``merge_adapter``, ``unmerge_adapter``), also gathers the layer's params: its base layer's with
   ``modifier_rank`` 0 (the merged weight is written back), the adapter's read-only. Before, the merge
@@ -57,6 +60,11 @@ def install() -> None:
     onload = getattr(tuners, "onload_layer", None)
     if tuners is not None and onload is not None and not getattr(onload, _MARK, False):
         tuners.onload_layer = _gathering_onload(onload)  # type: ignore[attr-defined]
+    tokens = sys.modules.get("peft.tuners.trainable_tokens.layer")
+    layer = getattr(tokens, "TrainableTokensLayer", None)
+    update_layer = getattr(layer, "update_layer", None)
+    if layer is not None and callable(update_layer) and not getattr(update_layer, _MARK, False):
+        layer.update_layer = _gathering_base(update_layer)
     wrapper = getattr(other, "ModulesToSaveWrapper", None)
     update = getattr(wrapper, "update", None)
     if wrapper is not None and callable(update) and not getattr(update, _MARK, False):
@@ -108,6 +116,17 @@ def _gathering_update(update: Callable[..., Any]) -> Callable[..., Any]:
         _, todo = _managed(original.parameters()) if original is not None else ([], [])
         with GatheredParameters(todo, modifier_rank=None):
             return update(self, *args, **kwargs)
+
+    setattr(gathered, _MARK, True)
+    return gathered
+
+
+def _gathering_base(update_layer: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(update_layer)
+    def gathered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _, todo = _managed(self.get_base_layer().parameters())
+        with GatheredParameters(todo, modifier_rank=None):
+            return update_layer(self, *args, **kwargs)
 
     setattr(gathered, _MARK, True)
     return gathered
