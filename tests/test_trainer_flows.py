@@ -220,9 +220,12 @@ def test_save_model_of_a_peft_model_writes_its_adapters(tmp_path):
     trainer = zt.Trainer(model=model, args=_args(tmp_path / "z"), train_dataset=_data(), zswap_config=cfg)
     trainer.train()
     trainer.save_model(str(tmp_path / "saved"))
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
-        p.name for p in (tmp_path / "saved").iterdir()
-    }
+    saved = {p.name for p in (tmp_path / "saved").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= saved
+    plain_model = peft.get_peft_model(_build(), lora)
+    plain = transformers.Trainer(model=plain_model, args=_args(tmp_path / "p"), train_dataset=_data())
+    plain.save_model(str(tmp_path / "plain"))
+    assert saved == {p.name for p in (tmp_path / "plain").iterdir()}  # (no generation_config.json)
     trained = {n: w for n, w in _weights(model).items() if "lora_" in n}
     torch.manual_seed(0)
     loaded = peft.PeftModel.from_pretrained(_build(), str(tmp_path / "saved"))

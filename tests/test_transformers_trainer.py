@@ -174,7 +174,10 @@ def test_save_model_loads_with_plain_from_pretrained(reference, tmp_path):
     trainer.train()
     trainer.save_model(str(tmp_path / "saved"))
     saved = {p.name for p in (tmp_path / "saved").iterdir()}
-    assert {"config.json", "model.safetensors", "training_args.bin"} <= saved
+    plain = transformers.Trainer(model=_build(), args=_args(tmp_path / "plain_out"), train_dataset=_data())
+    plain.save_model(str(tmp_path / "plain"))
+    assert saved == {p.name for p in (tmp_path / "plain").iterdir()}  # the same files, no more
+    assert {"config.json", "generation_config.json", "model.safetensors", "training_args.bin"} <= saved
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved"))
     got = dict(loaded.named_parameters())
     mine = _weights(model)

@@ -236,7 +236,7 @@ class Trainer(transformers.Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Consolidated weights in the Hugging Face layout (`zswap.save_weights`, one param in memory at a
-        time; ``config.json`` included), plus the generation config, the processing class and the
+        time; ``config.json`` and the generation config included), plus the processing class and the
         arguments, as the Trainer saves them."""
         out: str = str(self.args.output_dir if output_dir is None else output_dir)
         os.makedirs(out, exist_ok=True)
@@ -248,10 +248,7 @@ class Trainer(transformers.Trainer):
             model.save_pretrained(out, is_main_process=self.args.should_save)
         else:
             save_weights(model, out)
-        if self.args.should_save:
-            generation = getattr(self.model, "generation_config", None)
-            if generation is not None and getattr(self.model, "can_generate", lambda: False)():
-                generation.save_pretrained(out)
+        if self.args.should_save:  # (save_weights wrote the generation config; PEFT's save writes none)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(out)
             torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
