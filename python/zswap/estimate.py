@@ -139,10 +139,11 @@ def shape_from_config(path: str | os.PathLike[str]) -> ModelShape:
     config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
     # The class config.json names (an encoder-decoder also maps to a decoder-only *ForCausalLM, which
     # would leave its encoder out), else a causal LM, else the base model.
-    named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
+    named = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, named, None) if named else None
     with torch.device("meta"):
-        if named and named[0] is not None:
-            model = named[0](config)
+        if cls is not None:
+            model = cls(config)
         else:
             try:
                 model = transformers.AutoModelForCausalLM.from_config(config)

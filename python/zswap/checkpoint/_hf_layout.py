@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..parts.params import param_state
 from ._atomic import fsync_path, io_error, temp_name, write_file
 from ._safetensors import Entry
 from .errors import CheckpointCorruptError
@@ -197,11 +196,14 @@ class Staged:
         self._files = []
 
 
-def save_config(model: nn.Module, out_dir: Path, dtype: torch.dtype | None) -> bool:
+def save_config(
+    model: nn.Module, out_dir: Path, params: Sequence[torch.dtype], dtype: torch.dtype | None
+) -> bool:
     """``config.json`` (and ``generation_config.json`` for a model that generates) of a model that has a
     Hugging Face config, as ``save_pretrained`` writes them: ``dtype`` the dtype of the weights (``None``:
-    its params', the first floating one's as ``PreTrainedModel.dtype`` — not ``config.dtype`` where the
-    params were cast after loading, as ``bf16`` under ``zswap.Init`` casts them), ``architectures`` the
+    its params' — ``params``, their dtypes in ``model.parameters()`` order —, the first floating one's as
+    ``PreTrainedModel.dtype``; not ``config.dtype`` where the params were cast after loading, as ``bf16``
+    under ``zswap.Init`` casts them), ``architectures`` the
     class saved (a transformers model: ``save_weights(model.model)`` is a ``LlamaModel``). False where the
     model has no such config."""
     config = getattr(model, "config", None)
@@ -215,7 +217,7 @@ def save_config(model: nn.Module, out_dir: Path, dtype: torch.dtype | None) -> b
     if not path.is_file():
         return True
     fields: dict[str, Any] = {}
-    dtype = dtype or next((d for d in _param_dtypes(model) if d.is_floating_point), None)
+    dtype = dtype or next((d for d in params if d.is_floating_point), None)
     if dtype is not None:
         fields["dtype"] = str(dtype).removeprefix("torch.")
     transformers = sys.modules.get("transformers")
@@ -223,14 +225,6 @@ def save_config(model: nn.Module, out_dir: Path, dtype: torch.dtype | None) -> b
         fields["architectures"] = [type(model).__name__]
     path.write_bytes(with_fields(path.read_bytes(), fields, path))
     return True
-
-
-def _param_dtypes(model: nn.Module) -> list[torch.dtype]:
-    out = []
-    for p in model.parameters():
-        st = param_state(p)
-        out.append(st.dtype if st is not None else p.dtype)
-    return out
 
 
 def with_fields(config: bytes, fields: dict[str, Any], where: Path) -> bytes:

@@ -40,9 +40,11 @@ def fp32_state_dict(
     folder, _ = resolve(ckpt_dir, tag)
     m = read_manifest(folder)
     optim = m.get("optimizer") if isinstance(m.get("optimizer"), dict) else None
-    trained = {name for group in optim["groups"] for name in group} if optim is not None else None
+    trained: set[str] | None = None
     if all("requires_grad" in spec for spec in m["params"]):
         trained = {spec["name"] for spec in m["params"] if spec["requires_grad"]}
+    elif optim is not None:
+        trained = {name for group in optim["groups"] for name in group}
     if exclude_frozen and trained is None:
         raise CheckpointArgumentError(
             f"{folder} was saved without an optimizer, so which params were frozen is not known: read it "

@@ -353,7 +353,8 @@ def _finish(
 
     model = engine.module
     files = [f for rep in reports for f in rep["files"]]
-    if save_config(model, tmp, None):  # so that ``zswap export`` makes a folder from_pretrained loads
+    # config.json, so that ``zswap export`` makes a folder from_pretrained loads
+    if save_config(model, tmp, [r.dtype for r in records], None):
         files += [_file_info(tmp / n).to_json() for n in CONFIG_FILES if (tmp / n).is_file()]
     buffers = persistent_buffers(model)
     keys = weight_keys(model, {id(r.p): r.name for r in records}, {id(b): n for n, b in buffers})

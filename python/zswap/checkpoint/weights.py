@@ -89,7 +89,7 @@ def save_weights(
         if staged is not None:
             staged.abort()
     if rank == 0:
-        save_config(model, out, dtype)
+        save_config(model, out, [r.dtype for r in records], dtype)
         logging.getLogger(__name__).info("weights saved: %s (%d file(s))", out, len(names))
 
 

@@ -61,14 +61,10 @@ def install() -> None:
     if tuners is not None and onload is not None and not getattr(onload, _MARK, False):
         tuners.onload_layer = _gathering_onload(onload)  # type: ignore[attr-defined]
     tokens = sys.modules.get("peft.tuners.trainable_tokens.layer")
-    layer = getattr(tokens, "TrainableTokensLayer", None)
-    update_layer = getattr(layer, "update_layer", None)
-    if layer is not None and callable(update_layer) and not getattr(update_layer, _MARK, False):
-        layer.update_layer = _gathering_base(update_layer)
-    wrapper = getattr(other, "ModulesToSaveWrapper", None)
-    update = getattr(wrapper, "update", None)
-    if wrapper is not None and callable(update) and not getattr(update, _MARK, False):
-        wrapper.update = _gathering_update(update)
+    _read_only(getattr(tokens, "TrainableTokensLayer", None), "update_layer", lambda m: m.get_base_layer())
+    _read_only(
+        getattr(other, "ModulesToSaveWrapper", None), "update", lambda m: getattr(m, "original_module", None)
+    )
     _installed = True
 
 
@@ -109,27 +105,22 @@ def _replace_gather(ctx: Any) -> None:
     cell.cell_contents = gather_params_ctx
 
 
-def _gathering_update(update: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(update)
+def _read_only(cls: Any, name: str, module_of: Callable[[Any], Any]) -> None:
+    """``cls.name`` run inside a read-only `GatheredParameters` of ``module_of(self)``'s params (those zswap
+    manages that no block holds), once."""
+    method = getattr(cls, name, None)
+    if cls is None or not callable(method) or getattr(method, _MARK, False):
+        return
+
+    @functools.wraps(method)
     def gathered(self: Any, *args: Any, **kwargs: Any) -> Any:
-        original = getattr(self, "original_module", None)
-        _, todo = _managed(original.parameters()) if original is not None else ([], [])
+        module = module_of(self)
+        _, todo = _managed(module.parameters()) if module is not None else ([], [])
         with GatheredParameters(todo, modifier_rank=None):
-            return update(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
 
     setattr(gathered, _MARK, True)
-    return gathered
-
-
-def _gathering_base(update_layer: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(update_layer)
-    def gathered(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _, todo = _managed(self.get_base_layer().parameters())
-        with GatheredParameters(todo, modifier_rank=None):
-            return update_layer(self, *args, **kwargs)
-
-    setattr(gathered, _MARK, True)
-    return gathered
+    setattr(cls, name, gathered)
 
 
 def _gathering_onload(onload: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -168,14 +168,14 @@ def before_step(module: torch.nn.Module, items: Any, frozen: Collection[int] = (
         unfrozen = [n for n, i in named if i in frozen]
         if unfrozen:
             raise ZswapError(
-                f"engine.step(): {_few(unfrozen)} required no grad when the engine was built and do now: "
+                f"engine.step(): {few(unfrozen)} required no grad when the engine was built and do now: "
                 "zswap puts its gradient hooks on the params that require grad at zswap.initialize, so "
                 "autograd left these gradients in .grad, which zswap does not read. Unfreeze them before the "
                 "engine is built (under Lightning: before fit, e.g. in configure_model), or build a new "
                 "engine after unfreezing"
             )
         raise ZswapError(
-            f"engine.step(): {_few([n for n, _ in named] or ['a param of the model'])} have a .grad set by "
+            f"engine.step(): {few([n for n, _ in named] or ['a param of the model'])} have a .grad set by "
             "hand, which zswap does not read: a partitioned param's gradient lives in zswap's gradient store "
             "(p.grad stays None). Make gradients with backward, or set one with "
             "zswap.deepspeed.utils.safe_set_full_grad(param, value)"
@@ -184,9 +184,9 @@ def before_step(module: torch.nn.Module, items: Any, frozen: Collection[int] = (
         _dist.check_same(group)
 
 
-def _few(names: list[str]) -> str:
-    """The first three ``names`` for a message, an ellipsis for the rest."""
-    return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
+def few(names: list[str]) -> str:
+    """The first three ``names`` for a message, then how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 class ForwardLedger:

@@ -14,6 +14,7 @@ from ..build._lineage import kept_in_fp32
 from ..errors import ConfigError
 from ..gradients.gradstore import LOW_PRECISION
 from ..parts.params import param_state
+from ..step.stepping import few
 
 if TYPE_CHECKING:
     from .runtime import Engine
@@ -32,10 +33,9 @@ def at_build(engine: Engine) -> None:
     named = module.named_parameters()
     wrong = [n for n, p in named if (st := param_state(p)) is not None and st.dtype == other]
     if wrong:
-        few = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
         name, section = str(other).removeprefix("torch."), "bf16" if params == torch.bfloat16 else "fp16"
         raise ConfigError(
-            f"the config's {section} section is on but {few} are {name} (built with zswap.Init(..., "
+            f"the config's {section} section is on but {few(wrong)} are {name} (built with zswap.Init(..., "
             f"dtype=torch.{name})?): the engine would train them in {name}, not as the section says. Build "
             f"them in {section} (no dtype= beside the section), or switch on the "
             f"{'fp16' if section == 'bf16' else 'bf16'} section instead"

@@ -60,6 +60,7 @@ from ..errors import ConfigError, EngineClosedError, ZswapError
 from ..parts.params import param_state
 from ..parts.runners import open_runners
 from ..step import schedules
+from ..step.stepping import few
 from ..train import dtypes
 from ..train.runtime import Engine, initialize
 from . import _fill
@@ -343,11 +344,10 @@ class Trainer(transformers.Trainer):
         model: Any = self.model
         unfrozen = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in self._trained]
         if unfrozen:
-            few = ", ".join(unfrozen[:3]) + (f" and {len(unfrozen) - 3} more" if len(unfrozen) > 3 else "")
             raise ZswapError(
-                f"train(): {few} required no grad when this zswap.transformers.Trainer was built and do now; "
-                "its constructor builds the engine, which trains the params that require grad then: unfreeze "
-                "them before building the Trainer (or build a new one after close())"
+                f"train(): {few(unfrozen)} required no grad when this zswap.transformers.Trainer was built "
+                "and do now; its constructor builds the engine, which trains the params that require grad "
+                "then: unfreeze them before building the Trainer (or build a new one after close())"
             )
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
