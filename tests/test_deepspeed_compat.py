@@ -313,6 +313,16 @@ def test_register_external_parameter_is_a_checked_no_op():
     assert isinstance(ei.value, zswap.ZswapError)
 
 
+def test_zero_names_not_implemented_say_what_to_use():
+    with pytest.raises(AttributeError, match=r"zero\.TiledLinear: zswap has no .*torch\.nn\.Linear"):
+        deepspeed.zero.TiledLinear  # noqa: B018
+    with pytest.raises(AttributeError, match=r"ZeroParamStatus .*zswap\.param_state\(p\)"):
+        deepspeed.zero.ZeroParamStatus  # noqa: B018
+    with pytest.raises(AttributeError, match=r"has no attribute 'Tiled'$"):
+        deepspeed.zero.Tiled  # noqa: B018
+    assert not hasattr(deepspeed.zero, "TiledLinearReturnBias")
+
+
 def test_init_distributed_required_makes_a_group_of_one(tmp_path):
     # In a fresh process: a process group cannot be undone in this one.
     import socket

@@ -649,3 +649,19 @@ def test_what_the_engine_was_built_from_must_not_change_before_train(change, tmp
             in str(info.value)
         )
     trainer.close()
+
+
+def test_logged_param_count_is_the_models(tmp_path):
+    """The Trainer logs "Number of trainable parameters" through transformers' ``get_model_param_count``,
+    which counts placeholders (0) unless DeepSpeed's own ZeRO-3 is live: zswap's params count in full."""
+    cfg = _config(tmp_path)
+    model = _zswap_model(cfg)
+    want = sum(p.numel() for p in _build().parameters())
+    assert sum(p.numel() for p in model.parameters()) < want  # partitioned: placeholders
+    trainer = zt.Trainer(model=model, args=_args(tmp_path / "out"), train_dataset=_data(), zswap_config=cfg)
+    assert transformers.trainer.get_model_param_count(model, trainable_only=True) == want
+    next(model.parameters()).requires_grad_(False)
+    assert transformers.trainer.get_model_param_count(model, trainable_only=False) == want
+    plain = _build()
+    assert transformers.trainer.get_model_param_count(plain) == want  # a plain model counts as before
+    trainer.close()

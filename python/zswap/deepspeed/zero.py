@@ -158,6 +158,29 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
         yield model
 
 
+_NOT_HERE = {
+    "TiledLinear": (
+        "TiledLinear: DeepSpeed splits a Linear into tiles so that ZeRO-3 gathers one tile at a time; zswap "
+        "gathers whole params within stage3_max_live_parameters, so build the layer as torch.nn.Linear "
+        "(the same function; TiledLinear's sums of tiles differ from it only in rounding)"
+    ),
+    "TiledLinearReturnBias": "TiledLinearReturnBias: as TiledLinear, build a torch.nn.Linear",
+    "ZeroParamStatus": (
+        "ZeroParamStatus (a param's ds_status): a zswap param is gathered only inside a hooked forward or "
+        "a GatheredParameters block: read it there (zswap.param_state(p) tells its shape, dtype and tier)"
+    ),
+    "ZeroParamType": "ZeroParamType: a param zswap partitions carries ds_id, ds_shape and ds_numel",
+}
+"""Names of ``deepspeed.zero`` zswap does not implement, with what to use instead."""
+
+
+def __getattr__(name: str) -> Any:
+    what = _NOT_HERE.get(name)
+    if what is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise AttributeError(f"zswap.deepspeed.zero.{name}: zswap has no {what}")
+
+
 __all__ = [
     "GatheredParameters",
     "Init",

@@ -85,6 +85,18 @@ _ADAPTER_FILES = (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
 """A PEFT model's weights in a checkpoint: its adapters alone, as both Trainers save them."""
 
 
+def _param_count(model: Any, trainable_only: bool = False) -> int:
+    """transformers' ``get_model_param_count``, counting each param by its ``ds_numel`` where it has one
+    (a partitioned param's tensor is its empty placeholder): transformers does so only while DeepSpeed's
+    own ZeRO-3 config is live, so the Trainer's "Number of trainable parameters" log said 0 for a zswap
+    model. A param without ``ds_numel`` counts as before."""
+    counted = (p for p in model.parameters() if p.requires_grad or not trainable_only)
+    return sum(getattr(p, "ds_numel", p.numel()) for p in counted)
+
+
+transformers.trainer.get_model_param_count = _param_count  # the name the Trainer's log looks up
+
+
 def _has_engine_checkpoint(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "latest"))
 
