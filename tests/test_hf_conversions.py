@@ -23,8 +23,10 @@ import zswap
 import zswap._hfconv as hfconv
 import zswap._stfile as stfile
 from zswap import Status, param_state
+from zswap.checkpoint import _hf_revert, export
 
 from ._pretrained import file_tensors, gathered_named, init_for
+from .test_checkpoint import build, cfg
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,8 +173,71 @@ def test_load_weights_converts_a_legacy_folder(model, tmp_path, monkeypatch):
     watch.check(len(_fused(ref)))
     assert _different(gathered_named(m), _params(ref)) == []
     assert torch.equal(_logits(m.eval()), _logits(ref))
-    zswap.save_weights(m, tmp_path / "fused")  # the model's own layout, which from_pretrained reads too
-    assert _different(_params(_plain(tmp_path / "fused")), _params(ref)) == []
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+@pytest.mark.parametrize("model", MOES)
+def test_save_weights_writes_the_layout_save_pretrained_writes(model, sharded, tmp_path, monkeypatch):
+    """The experts go back to one tensor per expert, bitwise what ``save_pretrained`` of the same weights
+    writes, one param read and reversed at a time; plain ``from_pretrained`` loads it back bitwise."""
+    ckpt = _save(model, tmp_path / "ckpt", sharded=False)
+    ref = _plain(ckpt)
+    with init_for("nvme", tmp_path):
+        m = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    reads: list[list[str]] = []
+    real = _hf_revert.Reversal.run
+
+    def run(r: _hf_revert.Reversal, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        reads.append(list(values))
+        return real(r, values)
+
+    monkeypatch.setattr(_hf_revert.Reversal, "run", run)
+    shard = "20KB" if sharded else "5GB"
+    zswap.save_weights(m, tmp_path / "saved", max_shard_size=shard)
+    assert reads and all(len(keys) == 1 for keys in reads)  # no conversion of these joins tensors
+    ref.save_pretrained(tmp_path / "plain", max_shard_size=shard)
+    got, want = file_tensors(tmp_path / "saved"), file_tensors(tmp_path / "plain")
+    assert got.keys() == want.keys() == file_tensors(ckpt).keys()
+    assert [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])] == []
+    assert (tmp_path / "saved" / "model.safetensors.index.json").exists() == sharded
+    assert _different(_params(_plain(tmp_path / "saved")), _params(ref)) == []
+
+
+@pytest.mark.parametrize("model", ["mixtral", "qwen2-moe"])
+def test_export_reverses_the_conversions_as_save_weights(model, tmp_path):
+    """``zswap export`` of a checkpoint writes the files `zswap.save_weights` writes for the same weights,
+    byte for byte (the conversions found from the class ``config.json`` names, built on meta), and those
+    hold what ``save_pretrained`` writes."""
+    m, engine = build(cfg(tmp_path, "nvme", "nvme"), make=MOES[model])
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    with engine:
+        m(input_ids=ids, labels=ids).loss.backward()
+        engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+        zswap.save_weights(m, tmp_path / "direct", max_shard_size="20KB")
+        m.save_pretrained(tmp_path / "hf")  # the whole model in memory: the reference
+    export(tmp_path / "ckpt", tmp_path / "exported", max_shard_size="20KB")
+    files = sorted(p.name for p in (tmp_path / "direct").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "exported").iterdir())
+    assert "model.safetensors.index.json" in files
+    for f in files:
+        assert (tmp_path / "direct" / f).read_bytes() == (tmp_path / "exported" / f).read_bytes(), f
+    got, want = file_tensors(tmp_path / "exported"), file_tensors(tmp_path / "hf")
+    assert got.keys() == want.keys() and any(re.search(r"\.experts\.\d+\.", k) for k in got)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_a_reversal_that_joins_tensors_reads_their_block(tmp_path, monkeypatch):
+    """A conversion that splits one checkpoint tensor on load (``Chunk``: a fused qkv) is joined again
+    on save, from the tensors of its block read together."""
+    ckpt, conv = _qkv_checkpoint(tmp_path / "ckpt")
+    _with_mapping(monkeypatch, conv)
+    with init_for("cpu", tmp_path):
+        m = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    zswap.save_weights(m, tmp_path / "saved")
+    got, want = file_tensors(tmp_path / "saved"), file_tensors(ckpt)
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
 def test_load_weights_on_a_plain_module_needs_the_model_names(tmp_path):

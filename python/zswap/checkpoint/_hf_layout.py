@@ -1,8 +1,7 @@
 """The Hugging Face weights layout, shared by `zswap.save_weights` and ``zswap export``.
 
-As transformers 5 writes it (``save_pretrained``), but for its weight conversions, which are not reversed
-(a mixture-of-experts model's stacked experts keep their in-memory names, which transformers 5 loads as
-they are): keys are ``model.state_dict()``'s, in its order; a
+As transformers 5 writes it (``save_pretrained``; its weight conversions are reversed by `_hf_revert`,
+which takes the keys from here): keys are ``model.state_dict()``'s, in its order; a
 tied param is stored once, under the name transformers keeps (``all_tied_weights_keys`` lists the tied
 *targets*, which are dropped; without it, the first name); one ``model.safetensors`` when everything fits
 in ``max_shard_size``, else ``model-00001-of-0000N.safetensors`` shards filled greedily in key order (a

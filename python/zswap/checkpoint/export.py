@@ -1,9 +1,10 @@
 """``zswap export``: a checkpoint folder → consolidated Hugging Face weights, offline.
 
-No model is built and torch.distributed is not started: each param is read from the files of every rank
-that saved a slice of it, `CHUNK_BYTES` at a time, cast, and appended to its shard — memory stays at one
-chunk whatever the model size. The output is byte for byte what `zswap.save_weights` writes for the same
-weights. Every block read is checksum-verified first.
+torch.distributed is not started: each param is read from the files of every rank that saved a slice of
+it, `CHUNK_BYTES` at a time, cast, and appended to its shard — memory stays at one chunk whatever the model
+size. Where the class ``config.json`` names has weight conversions to reverse (`_hf_revert`), it is built
+on the meta device for them and each group's params are read whole. The output is byte for byte what
+`zswap.save_weights` writes for the same weights. Every block read is checksum-verified first.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .._progress import progress
+from . import _hf_revert
 from ._atomic import write_file
 from ._hf_layout import (
     CONFIG_FILES,
@@ -55,11 +57,11 @@ def export(
         params = {p["name"]: p for p in m["params"]}
         buffers = {b["name"]: b for b in m["buffers"]}
         rank0 = file_name(0, reader.world, "params")
-        entries = []
+        tensors = []
         for key, kind, source in m["weights"]:
             spec = params[source] if kind == "param" else buffers[source]
             dt = dtype_of(spec["dtype"])
-            entries.append(Entry(key, cast_dtype(dt, dtype), tuple(spec["shape"])))
+            tensors.append((key, dt, tuple(spec["shape"])))
             if kind == "param":
                 numel = _numel(spec["shape"])
                 reader.need(reader.pieces(spec, "params", 0, numel), dt)
@@ -67,6 +69,11 @@ def export(
                 reader.need_entry(rank0, source, spec["shape"])
         configs = [n for n in CONFIG_FILES if n in reader.infos]
         verify_whole(reader, folder)
+        # transformers' conversions reversed as save_weights reverses them, for the class config.json names
+        model = _hf_revert.meta_model(reader.whole["config.json"]) if "config.json" in configs else None
+        reversal = _hf_revert.plan(model, tensors) if model is not None else None
+        written = [(o.name, o.dtype, o.shape) for o in reversal.outputs] if reversal is not None else tensors
+        entries = [Entry(key, cast_dtype(dt, dtype), shape) for key, dt, shape in written]
         out = Path(out_dir)
         for inner in (folder, Path(ckpt_dir)):  # the tag folder, and the save_dir holding every tag
             if _inside(out, inner):
@@ -85,19 +92,29 @@ def export(
         shards = plan_shards(entries, limit)
         names = shard_names(len(shards))
         key_of = {key: (kind, source) for key, kind, source in m["weights"]}
+
+        def read(key: str) -> torch.Tensor:
+            """The whole tensor saved under ``key`` (a reversal's input)."""
+            kind, source = key_of[key]
+            spec = params[source] if kind == "param" else buffers[source]
+            t = torch.empty(_numel(spec["shape"]), dtype=dtype_of(spec["dtype"]))
+            if kind == "param":
+                reader.read(reader.pieces(spec, "params", 0, t.numel()), t)
+            else:
+                reader.file(rank0).read_elements(source, 0, t)
+            return t.view(spec["shape"])
+
+        values = _hf_revert.Values(reversal, read)
         for shard, name in zip(shards, names, strict=True):
             w = StreamWriter(staged.path(name), shard, METADATA)
             try:
                 # shards need not follow key order (a tensor over the limit goes alone)
                 for e in progress(shard, f"exporting {name}", unit="tensor"):
-                    kind, source = key_of[e.name]
-                    if kind == "param":
-                        _copy_param(reader, params[source], w, dtype)
+                    if reversal is None and key_of[e.name][0] == "param":  # streamed, a chunk at a time
+                        _copy_param(reader, params[key_of[e.name][1]], w, dtype)
                     else:
-                        spec = buffers[source]
-                        t = torch.empty(_numel(spec["shape"]), dtype=dtype_of(spec["dtype"]))
-                        reader.file(rank0).read_elements(source, 0, t)
-                        w.write(t.to(cast_dtype(t.dtype, dtype)))
+                        t = values(e.name)
+                        w.write(t.to(cast_dtype(t.dtype, dtype)).contiguous())
                 w.close()
             finally:
                 w.abort()

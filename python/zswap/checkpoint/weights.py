@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from .._dist import resolve_group
 from .._progress import progress
 from ..parts.gather import no_torch_function
 from ..parts.params import param_state
+from . import _hf_revert
 from ._gather import full_copy
 from ._hf_layout import (
     METADATA,
@@ -64,15 +66,17 @@ def save_weights(
     keys = weight_keys(model, {id(r.p): r.name for r in records}, {id(b): n for n, b in buffers})
     rec_of = {r.name: r for r in records}
     buf_of = dict(buffers)
-    entries = []
+    tensors = []
     for k in keys:
         if k.kind == "param":
             r = rec_of[k.source]
-            shape, dt = r.shape, r.dtype
+            tensors.append((k.key, r.dtype, r.shape))
         else:
             b = buf_of[k.source]
-            shape, dt = tuple(b.shape), b.dtype
-        entries.append(Entry(k.key, cast_dtype(dt, dtype), shape))
+            tensors.append((k.key, b.dtype, tuple(b.shape)))
+    reversal = _hf_revert.plan(model, tensors)
+    written = [(o.name, o.dtype, o.shape) for o in reversal.outputs] if reversal is not None else tensors
+    entries = [Entry(name, cast_dtype(dt, dtype), shape) for name, dt, shape in written]
     shards = plan_shards(entries, limit)
     names = shard_names(len(shards))
     out = Path(save_dir)
@@ -81,7 +85,8 @@ def save_weights(
         out.mkdir(parents=True, exist_ok=True)
         staged = Staged(out)
     try:
-        _write_shards(shards, names, keys, rec_of, buf_of, dtype, staged)
+        values = _hf_revert.Values(reversal, _reader(keys, rec_of, buf_of))
+        _write_shards(shards, names, values, dtype, staged)
         if staged is not None:
             write_index(staged, shards, names, sum(r.numel for r in records))
             staged.commit()
@@ -93,29 +98,37 @@ def save_weights(
         logging.getLogger(__name__).info("weights saved: %s (%d file(s))", out, len(names))
 
 
+def _reader(
+    keys: list[Key], rec_of: dict[str, ParamRecord], buf_of: dict[str, torch.Tensor]
+) -> Callable[[str], torch.Tensor]:
+    """``read(key)``: the full value saved under ``key`` (a param gathered: every rank calls it in turn)."""
+    key_of = {k.key: k for k in keys}
+
+    def read(key: str) -> torch.Tensor:
+        k = key_of[key]
+        if k.kind != "param":
+            return buf_of[k.source].detach().to("cpu")
+        r = rec_of[k.source]
+        st = param_state(r.p)
+        with no_torch_function():
+            return full_copy(r.p, st) if st is not None else r.p.detach().to("cpu")
+
+    return read
+
+
 def _write_shards(
     shards: list[list[Entry]],
     names: list[str],
-    keys: list[Key],
-    rec_of: dict[str, ParamRecord],
-    buf_of: dict[str, torch.Tensor],
+    values: _hf_revert.Values,
     dtype: torch.dtype | None,
     staged: Staged | None,
 ) -> None:
-    key_of = {k.key: k for k in keys}
     for shard, name in zip(shards, names, strict=True):
         w = StreamWriter(staged.path(name), shard, METADATA) if staged is not None else None
         try:
             # a tensor over the limit gets its own shard out of key order, as in HF
             for e in progress(shard, f"saving {name}", unit="tensor"):
-                k = key_of[e.name]
-                if k.kind == "param":
-                    r = rec_of[k.source]
-                    st = param_state(r.p)
-                    with no_torch_function():
-                        value = full_copy(r.p, st) if st is not None else r.p.detach().to("cpu")
-                else:
-                    value = buf_of[k.source].detach().to("cpu")
+                value = values(e.name)
                 if w is not None:
                     w.write(_cast(value, dtype))
             if w is not None:
