@@ -417,7 +417,7 @@ WARNED = {
     ],
     "zero_optimization.offload_optimizer": ["fast_init", "ratio", "super_offload", "cpuadam_cores_perc"],
     "optimizer": ["legacy_fusion"],
-    "optimizer.params": ["fused"],
+    "optimizer.params": ["fused", "foreach"],
     "bf16": ["immediate_grad_update"],
 }  # fmt: skip
 DEFAULTS_ONLY = {
@@ -431,6 +431,7 @@ DEFAULTS_ONLY = {
         "compute_grad_norm": (True, False, "DeepSpeed refuses it with stage 3"),
         "enable_sanity_checks": (False, True, "dropped with a ZswapWarning rather than raised"),
     },
+    "optimizer.params": {"fp32_optimizer_states": (True, False, "moments in float32")},
     "bf16": {
         "bf16_master_weights_and_grads": (False, True, "fp32 master weights"),
         "bf16_optimizer_states": (False, True, "moments in fp32"),

@@ -58,12 +58,12 @@ def test_no_overflow_doubles_the_scale_every_window():
     engine = fp16_engine(initial_scale_power=8, loss_scale_window=2)
     with engine:
         scaler = engine.loss_scaler
-        assert scaler.dynamic and engine.loss_scale == 2**8 and scaler.scale_window == 2
+        assert scaler.dynamic and engine.optimizer.cur_scale == 2**8 and scaler.scale_window == 2
         expected = 2**8
         for i in range(10):
             before = weights(engine)
             step(engine, 0.05 + 0.01 * i, seed=i)
-            assert engine.loss_scale == expected and scaler.cur_iter == i + 1
+            assert engine.optimizer.cur_scale == expected and scaler.cur_iter == i + 1
             assert not all(torch.equal(a, b) for a, b in zip(before, weights(engine), strict=True))
             if scaler.cur_iter % 2 == 0:
                 expected *= 2
@@ -81,7 +81,7 @@ def test_every_overflow_halves_the_scale_without_hysteresis_and_skips_the_step(c
             step(engine, value, seed=i)
             said = f"fp16 gradients overflowed at loss scale {expected:g}: optimizer step {i + 1} skipped"
             expected = max(expected / 2, 1)
-            assert engine.loss_scale == expected and engine.loss_scaler.cur_iter == i + 1
+            assert engine.optimizer.cur_scale == expected and engine.loss_scaler.cur_iter == i + 1
             assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
                 f"{said}, loss scale now {expected:g}"
             ]
@@ -98,7 +98,7 @@ def test_hysteresis_absorbs_overflows_before_the_scale_halves():
         scales = []
         for i in range(5):
             step(engine, math.inf, seed=i)
-            scales.append(engine.loss_scale)
+            scales.append(engine.optimizer.cur_scale)
         assert scales == [16, 16, 8, 4, 2]  # two overflows used up the hysteresis of 3
 
 
@@ -110,16 +110,16 @@ def test_some_overflow_lowers_then_a_clean_window_raises_the_scale():
             step(engine, value, seed=it)
             it += 1
         expected /= 4
-        assert engine.loss_scale == expected and engine.loss_scaler.cur_iter == it
+        assert engine.optimizer.cur_scale == expected and engine.loss_scaler.cur_iter == it
         for i in range(3):  # window + 1 clean steps raise it once
             step(engine, 0.05, seed=10 + i)
             it += 1
         expected *= 2
-        assert engine.loss_scale == expected and engine.loss_scaler.cur_iter == it
+        assert engine.optimizer.cur_scale == expected and engine.loss_scaler.cur_iter == it
         step(engine, math.inf, seed=20)  # one more overflow lowers it again
         it += 1
         expected /= 2
-        assert engine.loss_scale == expected and engine.loss_scaler.cur_iter == it
+        assert engine.optimizer.cur_scale == expected and engine.loss_scaler.cur_iter == it
         assert engine.skipped_steps == 3
 
 
@@ -131,20 +131,20 @@ def test_consecutive_hysteresis_refills_after_every_clean_step():
         scales = []
         for i, value in enumerate([math.inf, 0.05, math.inf, 0.05, math.inf, math.inf]):
             step(engine, value, seed=i)
-            scales.append(engine.loss_scale)
+            scales.append(engine.optimizer.cur_scale)
         assert scales == [64, 64, 64, 64, 64, 32]
 
 
 def test_a_static_loss_scale_never_moves_but_still_skips_overflows():
     engine = fp16_engine(loss_scale=138.0)
     with engine:
-        assert engine.loss_scale == 138.0 and not engine.loss_scaler.dynamic
+        assert engine.optimizer.cur_scale == 138.0 and not engine.loss_scaler.dynamic
         start = weights(engine)
         step(engine, math.inf)
-        assert engine.loss_scale == 138.0 and engine.skipped_steps == 1
+        assert engine.optimizer.cur_scale == 138.0 and engine.skipped_steps == 1
         assert all(torch.equal(a, b) for a, b in zip(start, weights(engine), strict=True))
         step(engine, 0.05)
-        assert engine.loss_scale == 138.0 and engine.skipped_steps == 1
+        assert engine.optimizer.cur_scale == 138.0 and engine.skipped_steps == 1
 
 
 def test_the_scaler_state_round_trips_through_a_checkpoint(tmp_path):
@@ -158,7 +158,7 @@ def test_the_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     for i, value in enumerate([0.05, math.inf, 0.05, 0.05, 0.05, 0.05]):
         step(a, value, seed=30 + i)
         step(b, value, seed=30 + i)
-        assert a.loss_scale == b.loss_scale
+        assert a.optimizer.cur_scale == b.optimizer.cur_scale
     assert all(torch.equal(x, y) for x, y in zip(weights(a), weights(b), strict=True))
     a.close()
     b.close()
@@ -192,3 +192,20 @@ def test_was_step_applied_is_false_after_each_micro_step_between_boundaries():
             engine.step()
             applied.append(engine.was_step_applied())
     assert applied == [False, False, False, True] * 2
+
+
+def test_deepspeed_loss_scale_names():
+    """DeepSpeed's names for the scale: ``engine.loss_scale()`` is the config's static ``fp16.loss_scale``
+    (0: dynamic); the scale in use is the optimizer's ``cur_scale`` / ``loss_scale``; ``optimizer.overflow``
+    says whether the last step was skipped (Megatron-DeepSpeed logs them; Accelerate reads ``overflow``)."""
+    engine = fp16_engine(initial_scale_power=8, hysteresis=1)
+    with engine:
+        opt = engine.optimizer
+        assert engine.loss_scale() == 0.0 and opt.cur_scale == opt.loss_scale == 2**8 and not opt.overflow
+        step(engine, math.inf)
+        assert opt.overflow and opt.cur_scale == 2**7 and engine.loss_scale() == 0.0
+        step(engine, 1.0)
+        assert not opt.overflow and opt.cur_scale == 2**7
+    static = fp16_engine(loss_scale=64.0)
+    with static:
+        assert static.loss_scale() == 64.0 == static.optimizer.cur_scale

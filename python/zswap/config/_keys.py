@@ -259,8 +259,11 @@ OPTIMIZER_PARAMS = Section(
     # torch_adam picks torch's AdamW, whose default weight decay (0.01) is not DeepSpeed's own Adams' (0).
     aliases={"adam_w_mode": ("decoupled_weight_decay",)},
     checked=frozenset({"amsgrad", "bias_correction", "torch_adam"}),
-    # Whether torch's Adam runs fused: the same algorithm.
-    warned=frozenset({"fused"}),
+    # Whether torch's Adam runs fused, or over lists of tensors (torch_adam's foreach): the same algorithm.
+    warned=frozenset({"fused", "foreach"}),
+    defaults_only={
+        "fp32_optimizer_states": (True, "zswap always keeps AdamW's moments in float32 (DeepSpeed's default)")
+    },
 )
 
 BF16 = Section(

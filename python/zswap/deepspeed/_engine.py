@@ -8,6 +8,7 @@ import contextlib
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from ..checkpoint._atomic import LATEST, fsync_path, temp_name
 from ..checkpoint.fp32 import write_script
 from ..checkpoint.load import has_latest
 from ..errors import ZswapError, ZswapWarning
+from ..step import stepping
+from ..step.optim import OffloadedAdamW
 from ..train import runtime
 from . import _backward, _extras
 from ._args import refuse
@@ -38,6 +41,11 @@ class _StepsWith:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.schedule, name)
+
+
+def _scale_of(ref: weakref.ref[DeepSpeedEngine]) -> float:
+    engine = ref()
+    return 1.0 if engine is None else stepping.current_scale(engine)
 
 
 class NoSyncError(ZswapError, AssertionError):
@@ -116,6 +124,9 @@ class DeepSpeedEngine(runtime.Engine):
         # batch of NaN gradients costs a step, not the model. zswap's own Engine keeps PyTorch's way (an
         # fp32 or bf16 step applies what it is given; fp16 skips); the norm is noted as each gradient lands.
         self._check_finite = True
+        if isinstance(self.optimizer, OffloadedAdamW):  # DeepSpeed's optimizer.cur_scale, without a cycle
+            ref = weakref.ref(self)
+            self.optimizer.scale_source = lambda: _scale_of(ref)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; what a backward through its outputs gets is DeepSpeed's (`_backward`)."""
@@ -472,6 +483,8 @@ class DeepSpeedEngine(runtime.Engine):
         if boundary:
             self._window_from = self.micro_steps
             self._step_applied = self.skipped_steps == skipped
+            if isinstance(self.optimizer, OffloadedAdamW):
+                self.optimizer.overflow = not self._step_applied
             batch = self.train_batch_size() or 0
             if not self.managed_gradient_accumulation():
                 batch = batch // self.gradient_accumulation_steps() * self._backwards
@@ -490,6 +503,12 @@ class DeepSpeedEngine(runtime.Engine):
 
     def fp16_enabled(self) -> bool:
         return self.config.dtype == "fp16"
+
+    def loss_scale(self) -> float:  # type: ignore[override]
+        """DeepSpeed's ``engine.loss_scale()``: the config's static ``fp16.loss_scale`` (0: dynamic). The
+        scale in use is ``engine.optimizer.cur_scale``, as in DeepSpeed (`zswap.Engine.loss_scale`, a
+        property there, is this engine's ``loss_scaler.loss_scale``)."""
+        return float(self.config.fp16.loss_scale)
 
     def bfloat16_enabled(self) -> bool:
         return self.config.dtype == "bf16"

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import early_memory
+from . import early_memory, stepping
 from .optim import OffloadedAdamW
 
 MICRO_BATCH = "a micro-batch before the accumulation boundary"
@@ -98,7 +98,7 @@ def planner(engine: Any, optimizer: Any, ranks: int) -> Callable[[], Guess | str
         moved = engine._early is not None and engine._early.hypers_moved
         if (clipping and engine._clipped) or moved:
             return Guess(None, keep=sums, sums=sums, ranks=ranks)
-        loss_scale = engine.loss_scale if engine._scaled_backward else 1.0
+        loss_scale = stepping.current_scale(engine) if engine._scaled_backward else 1.0
         return Guess(1.0 / loss_scale, keep=clipping or sums, sums=sums, ranks=ranks)
 
     return plan

@@ -151,6 +151,12 @@ def loss_scaler(cfg: ZswapConfig, fp16: bool, device_type: str) -> LossScaler | 
     return LossScaler.for_autocast() if autocast.enabled and dtype == torch.float16 else None
 
 
+def current_scale(engine: Any) -> float:
+    """``engine``'s current fp16 loss scale (its `LossScaler`'s), 1.0 without fp16: `zswap.Engine.loss_scale`
+    (`zswap.deepspeed`'s engine has DeepSpeed's ``loss_scale()`` method there instead)."""
+    return 1.0 if engine.loss_scaler is None else float(engine.loss_scaler.loss_scale)
+
+
 def world_size(items: Any) -> int:
     """Ranks the params are partitioned over (the data-parallel world of the batch arithmetic)."""
     return max((st.world_size for _, st in items), default=1)

@@ -235,7 +235,7 @@ class Engine:
         others = stepping.unmanaged(self.module, self._ids, self.optimizer)  # (made after initialize)
         items, normed = stepping.normed(self, others)  # the params the clip norm covers
         chunk = max(1, self.sizing.live_elements // 2)  # a chunk's params and grads: the live budget
-        loss_scale = self.loss_scale if self._scaled_backward else 1.0
+        loss_scale = stepping.current_scale(self) if self._scaled_backward else 1.0
         # From the norms noted in backward where it ran early (no gradient read), else from the store.
         scale, self.last_grad_norm = grads.global_scale(
             items, normed, self.max_grad_norm, self._check_finite, chunk, loss_scale=loss_scale
@@ -341,7 +341,7 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale; 1.0 without fp16."""
-        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.loss_scale)
+        return stepping.current_scale(self)
 
     def get_lr(self) -> list[float]:
         """The learning rate of each of the optimizer's param groups."""

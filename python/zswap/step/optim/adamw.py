@@ -64,6 +64,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
     `skipped_steps` counts it. `last_grad_norm` holds the global norm when it was computed.
     """
 
+    scale_source: Callable[[], float] | None = None
+    """The current fp16 loss scale of the engine that steps this optimizer, where it gave one
+    (`zswap.deepspeed`'s engine): what `cur_scale` reports."""
+    overflow = False
+    """Whether the engine's last optimizer step was skipped for gradients that were not finite (DeepSpeed's
+    ZeRO optimizers' ``overflow``; kept by `zswap.deepspeed`'s engine)."""
+
     transactional = True
     """Its step saves what it changes in memory to the step transaction's undo log itself (so
     `zswap.train.bridge.step_partitions` need not)."""
@@ -234,6 +241,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
             post(self)
 
     # -- zswap -----------------------------------------------------------------------------------
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's ZeRO optimizers' ``cur_scale`` (and ``loss_scale``): the fp16 loss scale losses are
+        multiplied by (`scale_source`); 1.0 without fp16 or outside `zswap.deepspeed`."""
+        return 1.0 if self.scale_source is None else self.scale_source()
+
+    @property
+    def loss_scale(self) -> float:
+        """`cur_scale`, under DeepSpeed's other name for it."""
+        return self.cur_scale
 
     @property
     def tier(self) -> str:
