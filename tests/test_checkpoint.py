@@ -137,7 +137,7 @@ def test_tag_names_and_overwrite(tmp_path):
         train(m, engine, 1)
         engine.save_checkpoint(tmp_path / "c", tag="first")
         train(m, engine, 1)
-        engine.save_checkpoint(tmp_path / "c", tag="first")  # replaced whole
+        engine.save_checkpoint(tmp_path / "c", tag="first")  # its checkpoint replaced whole
         engine.save_checkpoint(tmp_path / "c")
         assert (tmp_path / "c" / "latest").read_text().strip() == "global_step2"
         want = snapshot(m, engine)
@@ -149,6 +149,41 @@ def test_tag_names_and_overwrite(tmp_path):
     with engine2:
         engine2.load_checkpoint(tmp_path / "c", tag="first")
         assert same(snapshot(m2, engine2), want)
+
+
+def test_a_save_over_a_tag_keeps_the_files_it_did_not_write(tmp_path):
+    """A tag saved again replaces its checkpoint's files (a stale rank file of an earlier world size
+    included) and keeps everything else there — a tokenizer, a folder, a link — as DeepSpeed, which writes
+    into the folder, leaves them; so does a save into an existing folder that holds no checkpoint."""
+    config = cfg(tmp_path)
+    m, engine = build(config)
+    root = tmp_path / "c"
+    with engine:
+        train(m, engine, 1)
+        engine.save_checkpoint(root, tag="best")
+        (root / "best" / "tokenizer.json").write_text("{}")
+        (root / "best" / "eval").mkdir()
+        (root / "best" / "eval" / "scores.txt").write_text("0.9")
+        (root / "best" / "link").symlink_to("tokenizer.json")
+        (root / "best" / "rank00001-of-00002.params.safetensors").write_bytes(b"stale")
+        (root / "notes").mkdir()
+        (root / "notes" / "run.txt").write_text("kept")
+        train(m, engine, 1)
+        engine.save_checkpoint(root, tag="best")
+        engine.save_checkpoint(root, tag="notes")
+        want = snapshot(m, engine)
+    best = root / "best"
+    assert (best / "tokenizer.json").read_text() == "{}" and (
+        best / "eval" / "scores.txt"
+    ).read_text() == "0.9"
+    assert os.readlink(best / "link") == "tokenizer.json"
+    assert not (best / "rank00001-of-00002.params.safetensors").exists()
+    assert (root / "notes" / "run.txt").read_text() == "kept"
+    for tag in ("best", "notes"):
+        m2, engine2 = build(config, seed=1)
+        with engine2:
+            engine2.load_checkpoint(root, tag=tag)
+            assert same(snapshot(m2, engine2), want)
 
 
 # -- bad input: a ZswapError naming the thing, and nothing changes ------------------------------------

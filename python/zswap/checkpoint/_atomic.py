@@ -100,9 +100,16 @@ def remove_stale(save_dir: Path) -> None:
                 entry.unlink()
 
 
-def commit(tmp: Path, final: Path) -> None:
+def commit(tmp: Path, final: Path, carry: list[str] | tuple[str, ...] = ()) -> None:
     """Move the finished folder ``tmp`` to ``final``. An existing ``final`` is swapped out atomically
-    (renameat2 RENAME_EXCHANGE) where the kernel and file system allow, else moved aside first."""
+    (renameat2 RENAME_EXCHANGE) where the kernel and file system allow, else moved aside first. The
+    entries of ``final`` named in ``carry`` (not the save's: `manifest.foreign_entries`) are hard-linked
+    into ``tmp`` first (copied where links cannot be made), one it also has excepted (the save's own
+    wins), so they live on in the new folder and, until the swap, in the old one: at no moment do they
+    exist only in a temp folder a later save would remove."""
+    for name in carry:
+        if not os.path.lexists(tmp / name):
+            _link_tree(final / name, tmp / name)
     for f in tmp.iterdir():
         fsync_path(f)
     fsync_path(tmp)
@@ -117,6 +124,22 @@ def commit(tmp: Path, final: Path) -> None:
     else:
         os.rename(tmp, final)
     fsync_path(final.parent)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``src`` (a file, a symlink or a folder, recursively) made again at ``dst`` from hard links."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        dst.mkdir()
+        for entry in src.iterdir():
+            _link_tree(entry, dst / entry.name)
+        fsync_path(dst)
+    else:
+        try:
+            os.link(src, dst)
+        except OSError:  # a file system without hard links, or a mount inside the folder
+            shutil.copy2(src, dst)
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -145,6 +168,20 @@ def io_error(e: OSError, path: object, what: str) -> SwapIOError:
         return e
     where = str(e.filename or path)
     return SwapIOError(e.errno or errno.EIO, f"{what} {where}: {e.strerror or e}", where)
+
+
+def write_error(e: BaseException, path: object) -> SwapIOError | None:
+    """The `SwapIOError` naming ``path`` for the failed write ``e`` where an `OSError` is behind it
+    (torch's writer turns a Python file's failed write into a ``RuntimeError`` raised while handling the
+    ``OSError``: "unexpected pos"); None where none is."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return io_error(cur, path, "cannot write")
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def write_latest(save_dir: Path, tag: str) -> None:

@@ -12,6 +12,7 @@ same records, same pickle, a tied param one storage under each of its names.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import sys
@@ -88,18 +89,27 @@ def save(obj: Any, out: IO[bytes] | None) -> None:
     buf = io.BytesIO()
     Pickler(buf, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
     writer = torch._C.PyTorchFileWriter(out) if out is not None else None
-    if writer is not None:
-        records = [("data.pkl", buf.getvalue())]
-        alignment = getattr(torch.serialization, "_get_storage_alignment", None)
-        if alignment is not None:  # (the torch versions that write these two records have it)
-            records += [(".format_version", b"1"), (".storage_alignment", str(alignment()).encode())]
-        records.append(("byteorder", sys.byteorder.encode()))
-        for name, data in records:
-            writer.write_record(name, data, len(data))
-    for key, item in storages.values():  # (insertion order: the keys' order, as torch.save writes them)
-        _put(writer, key, item)
-    if writer is not None:
-        writer.write_end_of_file()
+    try:
+        if writer is not None:
+            records = [("data.pkl", buf.getvalue())]
+            alignment = getattr(torch.serialization, "_get_storage_alignment", None)
+            if alignment is not None:  # (the torch versions that write these two records have it)
+                records += [(".format_version", b"1"), (".storage_alignment", str(alignment()).encode())]
+            records.append(("byteorder", sys.byteorder.encode()))
+            for name, data in records:
+                writer.write_record(name, data, len(data))
+        for key, item in storages.values():  # (insertion order: the keys' order, as torch.save writes them)
+            _put(writer, key, item)
+        if writer is not None:
+            writer.write_end_of_file()
+    except BaseException:
+        if writer is not None:
+            # torch's writer not ended writes the end of the archive when it is destroyed, and a failure
+            # there (the disk that failed the write is still full) aborts the process: end it now, which
+            # marks it ended even where that write fails too.
+            with contextlib.suppress(Exception):
+                writer.write_end_of_file()
+        raise
 
 
 def _put(writer: Any, key: str, item: Any) -> None:

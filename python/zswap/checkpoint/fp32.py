@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ._atomic import write_error
 from ._hf_layout import METADATA, WEIGHTS, Staged, parse_size, plan_shards, shard_names, write_index
 from ._reader import Reader
 from ._safetensors import Entry, StreamWriter
@@ -108,7 +109,7 @@ def write_state_dict(
     try:
         for shard, name in zip(shards, names, strict=True):
             if not safetensors:
-                torch.save({e.name: state[e.name] for e in shard}, staged.path(name))
+                _torch_save({e.name: state[e.name] for e in shard}, staged.path(name), out / name)
                 continue
             w = StreamWriter(staged.path(name), shard, METADATA)
             try:
@@ -123,6 +124,19 @@ def write_state_dict(
     finally:
         staged.abort()
     return out
+
+
+def _torch_save(obj: object, path: Path, final: Path) -> None:
+    """``torch.save(obj, path)``; a failed write (a full disk) is a `SwapIOError` naming ``final``, not
+    torch's "unexpected pos"."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except (OSError, RuntimeError) as e:
+        err = write_error(e, final)
+        if err is None:
+            raise
+        raise err from e
 
 
 SCRIPT = "zero_to_fp32.py"

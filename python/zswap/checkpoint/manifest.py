@@ -18,6 +18,7 @@ rank of any new world size reads the slice it needs from the files that hold it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,29 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     check_checksum(m, path)
     check_structure(m, path, dtype_of)
     return m
+
+
+_RANK_FILE = re.compile(r"rank\d{5}-of-\d{5}\..+")
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """The names in an existing tag folder that no checkpoint wrote (a tokenizer, notes, a folder of the
+    user's): a save of that tag carries them into its new folder, as DeepSpeed, writing into the folder,
+    leaves them. A checkpoint's are its manifest and the files that lists; where the manifest cannot be
+    read, the per-rank files by their names."""
+    if not folder.is_dir():
+        return []
+    listed: set[str] = set()
+    try:
+        files = read_json(str(folder / MANIFEST)).get("files", [])
+        listed = {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
+    except (OSError, ValueError, AttributeError, TypeError):  # no manifest, or not one: names decide
+        pass
+    return sorted(
+        e.name
+        for e in folder.iterdir()
+        if e.name != MANIFEST and e.name not in listed and not _RANK_FILE.fullmatch(e.name)
+    )
 
 
 def read_latest(root: Path) -> str:

@@ -45,6 +45,7 @@ from .manifest import (
     describe,
     dtype_name,
     file_name,
+    foreign_entries,
     persistent_buffers,
     same_dir,
     same_tag,
@@ -379,6 +380,6 @@ def _finish(
     }
     manifest[CHECKSUM] = {"crc32c": canonical_checksum(manifest)}
     _atomic.write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-    _atomic.commit(tmp, root / tag)
+    _atomic.commit(tmp, root / tag, carry=foreign_entries(root / tag))
     if save_latest:
         _atomic.write_latest(root, tag)

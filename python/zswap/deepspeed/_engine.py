@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import _torchsave, statedict
-from ..checkpoint._atomic import LATEST, fsync_path, temp_name
+from ..checkpoint._atomic import LATEST, fsync_path, temp_name, write_error
 from ..checkpoint.fp32 import write_script
 from ..checkpoint.load import has_latest
 from ..errors import ZswapError, ZswapWarning
@@ -388,6 +388,11 @@ class DeepSpeedEngine(runtime.Engine):
                     _torchsave.save(state, f)
                 fsync_path(tmp)
                 os.replace(tmp, path)
+            except (OSError, RuntimeError) as e:
+                err = write_error(e, path)
+                if err is None:
+                    raise
+                raise err from e
             finally:
                 tmp.unlink(missing_ok=True)
         else:
