@@ -384,3 +384,24 @@ def test_a_legacy_state_dict_argument_is_converted_too(tmp_path):
         m = transformers.MixtralForCausalLM.from_pretrained(None, config=config, state_dict=sd)
     assert all(param_state(p) is not None for p in m.parameters())
     assert _different(gathered_named(m), _params(ref)) == []
+
+
+def test_export_builds_only_a_transformers_model_config_json_names(caplog):
+    """``zswap export`` builds the class ``config.json`` names on meta for its conversions: never another
+    attribute of transformers, and a config that cannot be built leaves the model's own keys, warned."""
+    assert _hf_revert.meta_model(b'{"architectures": ["pipeline"]}') is None
+    assert _hf_revert.meta_model(b'{"architectures": ["AutoConfig"]}') is None
+    assert _hf_revert.meta_model(b"[1, 2]") is None
+    built = _hf_revert.meta_model(
+        b'{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 32, '
+        b'"intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 64}'
+    )
+    assert isinstance(built, transformers.MixtralForCausalLM)
+    assert next(built.parameters()).device.type == "meta"
+    with caplog.at_level("WARNING", logger="zswap.checkpoint._hf_revert"):
+        assert _hf_revert.meta_model(b"not json") is None
+        assert (
+            _hf_revert.meta_model(b'{"architectures": ["MixtralForCausalLM"], "num_attention_heads": 0}')
+            is None
+        )
+    assert caplog.text.count("could not be built") == 2

@@ -171,10 +171,20 @@ def meta_model(config: bytes) -> object | None:
         import transformers
     except ImportError:
         return None
-    cfg = json.loads(config)
-    named = (cfg.get("architectures") or [None])[0] if isinstance(cfg, dict) else None
-    cls = getattr(transformers, named, None) if isinstance(named, str) else None
-    if cls is None or not hasattr(cls, "config_class"):
+    try:
+        cfg = json.loads(config)
+        named = (cfg.get("architectures") or [None])[0] if isinstance(cfg, dict) else None
+        cls = getattr(transformers, named, None) if isinstance(named, str) else None
+        mu = sys.modules.get("transformers.modeling_utils")
+        if not (isinstance(cls, type) and mu is not None and issubclass(cls, mu.PreTrainedModel)):
+            return None
+        with torch.device("meta"):
+            return cls(cls.config_class.from_dict(cfg))  # type: ignore[attr-defined]
+    except Exception as e:  # a config this transformers cannot build: the model's own keys, as saved
+        logging.getLogger(__name__).warning(
+            "config.json's model could not be built to reverse its weight conversions (%s: %s); the "
+            "weights keep the model's own keys, which transformers 5 loads as they are",
+            type(e).__name__,
+            e,
+        )
         return None
-    with torch.device("meta"):
-        return cls(cls.config_class.from_dict(cfg))
