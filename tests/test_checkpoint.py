@@ -152,33 +152,37 @@ def test_tag_names_and_overwrite(tmp_path):
 
 
 def test_a_save_over_a_tag_keeps_the_files_it_did_not_write(tmp_path):
-    """A tag saved again replaces its checkpoint's files (a stale rank file of an earlier world size
-    included) and keeps everything else there — a tokenizer, a folder, a link — as DeepSpeed, which writes
-    into the folder, leaves them; so does a save into an existing folder that holds no checkpoint."""
+    """A tag saved again replaces its checkpoint's files (those its manifest lists) and keeps everything
+    else there — a tokenizer, a folder, links (a dangling one too), a FIFO, a file of the user's named like
+    a rank file — as DeepSpeed, which writes into the folder, leaves them; so does a save into a folder
+    that holds no checkpoint, where rank files by their names alone are taken for an earlier save's."""
     config = cfg(tmp_path)
     m, engine = build(config)
     root = tmp_path / "c"
+    best = root / "best"
     with engine:
         train(m, engine, 1)
         engine.save_checkpoint(root, tag="best")
-        (root / "best" / "tokenizer.json").write_text("{}")
-        (root / "best" / "eval").mkdir()
-        (root / "best" / "eval" / "scores.txt").write_text("0.9")
-        (root / "best" / "link").symlink_to("tokenizer.json")
-        (root / "best" / "rank00001-of-00002.params.safetensors").write_bytes(b"stale")
+        (best / "tokenizer.json").write_text("{}")
+        (best / "eval").mkdir()
+        (best / "eval" / "scores.txt").write_text("0.9")
+        (best / "link").symlink_to("tokenizer.json")
+        (best / "dangling").symlink_to("nowhere")
+        os.mkfifo(best / "pipe")
+        (best / "rank00000-of-00001.eval.json").write_text("mine")
         (root / "notes").mkdir()
         (root / "notes" / "run.txt").write_text("kept")
+        (root / "notes" / "rank00001-of-00002.params.safetensors").write_bytes(b"stale")
         train(m, engine, 1)
         engine.save_checkpoint(root, tag="best")
         engine.save_checkpoint(root, tag="notes")
         want = snapshot(m, engine)
-    best = root / "best"
-    assert (best / "tokenizer.json").read_text() == "{}" and (
-        best / "eval" / "scores.txt"
-    ).read_text() == "0.9"
-    assert os.readlink(best / "link") == "tokenizer.json"
-    assert not (best / "rank00001-of-00002.params.safetensors").exists()
+    assert (best / "tokenizer.json").read_text() == "{}"
+    assert (best / "eval" / "scores.txt").read_text() == "0.9"
+    assert os.readlink(best / "link") == "tokenizer.json" and os.readlink(best / "dangling") == "nowhere"
+    assert (best / "pipe").is_fifo() and (best / "rank00000-of-00001.eval.json").read_text() == "mine"
     assert (root / "notes" / "run.txt").read_text() == "kept"
+    assert not (root / "notes" / "rank00001-of-00002.params.safetensors").exists()
     for tag in ("best", "notes"):
         m2, engine2 = build(config, seed=1)
         with engine2:

@@ -227,6 +227,31 @@ def test_export_reverses_the_conversions_as_save_weights(model, tmp_path):
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
+def test_a_model_loaded_from_its_own_layout_is_saved_and_exported_in_it(tmp_path):
+    """Loaded from a folder that already holds the stacked experts (an older zswap's save_weights), a model
+    records no conversion, and ``save_pretrained`` keeps them stacked: so do `zswap.save_weights` and
+    ``zswap export`` of its checkpoint, byte for byte alike (the checkpoint says the save did not reverse)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    plain = MOES["mixtral"]()
+    (tmp_path / "own").mkdir()
+    plain.config.save_pretrained(tmp_path / "own")
+    own = {k: v.contiguous() for k, v in plain.state_dict().items()}
+    save_file(own, tmp_path / "own" / "model.safetensors", metadata={"format": "pt"})
+    config = cfg(tmp_path, "nvme", "nvme")
+    with init_for("nvme", tmp_path):
+        m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own")
+    with zswap.initialize(m, config) as engine:
+        engine.save_checkpoint(tmp_path / "ckpt")
+        zswap.save_weights(m, tmp_path / "direct")
+        m.save_pretrained(tmp_path / "hf")
+    export(tmp_path / "ckpt", tmp_path / "exported")
+    assert file_tensors(tmp_path / "direct").keys() == file_tensors(tmp_path / "hf").keys() == own.keys()
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "direct" / f).read_bytes() == (tmp_path / "exported" / f).read_bytes(), f
+
+
 def test_a_reversal_that_joins_tensors_reads_their_block(tmp_path, monkeypatch):
     """A conversion that splits one checkpoint tensor on load (``Chunk``: a fused qkv) is joined again
     on save, from the tensors of its block read together."""

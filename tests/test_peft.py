@@ -14,6 +14,7 @@ import torch
 
 import zswap
 from zswap.checkpoint import CheckpointMismatchError
+from zswap.parts import peft_seam
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -77,6 +78,11 @@ CASES = {
         _llama,
         lambda: peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[1, 2, 5]),
         5,
+    ),
+    "llama-loha": (  # sizes its factors from base_layer.weight.shape (before: IndexError on the placeholder)
+        _llama,
+        lambda: peft.LoHaConfig(r=4, target_modules=["q_proj", "v_proj"]),
+        16,
     ),
     "gpt2-lora": (_gpt2, lambda: peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True), 4),
     "gpt2-ia3": (
@@ -216,12 +222,24 @@ def test_save_pretrained_gathers_only_what_peft_writes(case, tmp_path: Path, mon
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("case", ["llama-lora", "gpt2-ia3"])
-def test_merging_gathers_each_layer_as_peft_merges_it(case, tmp_path: Path):
+@pytest.mark.parametrize("case", ["llama-lora", "gpt2-ia3", "llama-lora-tokens"])
+def test_merging_gathers_each_layer_as_peft_merges_it(case, tmp_path: Path, monkeypatch):
     """``merge_adapter`` / ``unmerge_adapter`` / ``merge_and_unload`` with no block around them, after
     training: each layer's base weight is gathered, merged and written back (before: PEFT computed on the
-    empty placeholders and nothing was merged, silently). ``save_weights`` of the merged model loads in
-    plain transformers; of the `PeftModel` itself it is a `TypeError` naming the ways."""
+    empty placeholders and nothing was merged, silently; trainable tokens' rows were dropped by
+    ``merge_and_unload``). It gathers one layer at a time: the modules with nothing to merge, which
+    ``merge_and_unload`` visits too (the model itself among them), gather nothing (before: each whole).
+    ``save_weights`` of the merged model loads in plain transformers; of the `PeftModel` itself it is a
+    `TypeError` naming the ways."""
+    blocks: list[int] = []
+    real = peft_seam.GatheredParameters
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, params: Any, **kwargs: Any) -> None:
+            blocks.append(len(list(params)))
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(peft_seam, "GatheredParameters", Counted)
     cfg = {
         "zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
@@ -230,6 +248,7 @@ def test_merging_gathers_each_layer_as_peft_merges_it(case, tmp_path: Path):
     trainable = [p for p in ref.parameters() if p.requires_grad]
     ref_opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0, fused=True)
     ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids[:, :3] = torch.tensor([1, 2, 5])  # the trainable tokens' (llama-lora-tokens)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zswap.ZswapWarning)
         engine = zswap.initialize(model, cfg)
@@ -254,8 +273,12 @@ def test_merging_gathers_each_layer_as_peft_merges_it(case, tmp_path: Path):
             assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
         with pytest.raises(TypeError, match=r"is a PeftModel.*merge_and_unload\(\)"):
             zswap.save_weights(model, tmp_path / "peft")
+        blocks.clear()
         merged, want = model.merge_and_unload(), ref.merge_and_unload()
-        assert not any("lora" in n or "ia3" in n for n, _ in merged.named_parameters())
+        assert blocks and max(blocks) <= 3  # a base weight and its adapters, never a container's all
+        assert not any(
+            k in n for n, _ in merged.named_parameters() for k in ("lora", "ia3", "trainable_tokens")
+        )
         with torch.no_grad():
             assert torch.equal(merged(input_ids=ids).logits, want(input_ids=ids).logits)
         zswap.save_weights(merged, tmp_path / "merged")
@@ -263,6 +286,85 @@ def test_merging_gathers_each_layer_as_peft_merges_it(case, tmp_path: Path):
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, want(input_ids=ids).logits)
+
+
+def test_a_model_with_adapters_saves_its_adapter_not_weights(tmp_path: Path):
+    """A model holding PEFT adapters has PEFT's state dict (``base_layer``, the adapters' keys), which no
+    ``from_pretrained`` loads as a model: `zswap.save_weights` refuses it however the adapters came (a
+    PeftModel, its ``get_base_model()``, transformers' ``add_adapter``), naming ``save_pretrained``; so does
+    ``zswap export`` of its checkpoint (before: written, and loaded as a model with random weights)."""
+    from zswap.checkpoint import export
+
+    cfg = {
+        "zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+    }
+    model = _adapted("llama-lora", cfg)
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        hf = _llama()
+    hf.add_adapter(peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    for m, kind in (
+        (model, "a PeftModel"),
+        (model.get_base_model(), "PEFT tuner layers"),
+        (hf, "add_adapter"),
+    ):
+        with pytest.raises(TypeError, match=rf"{kind}.*model\.save_pretrained\(folder\) writes the adapter"):
+            zswap.save_weights(m, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        engine = zswap.initialize(model, cfg)
+    with engine:
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(CheckpointMismatchError, match=r"checkpoint of a PeftModel: .*save_pretrained"):
+        export(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["prompt", "prefix"])
+def test_prompt_learning_on_a_bf16_base_stays_float32_as_peft_makes_it(kind, tmp_path: Path):
+    """Prompt and prefix tuning's encoders are float32 on a bf16 base (PEFT casts their output): kept so,
+    they train bitwise as plain PEFT's on the same bf16 model (before: cast to bf16, other losses)."""
+    cfg = {
+        "zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "bf16": {"enabled": True},
+    }
+
+    def adapter() -> Any:
+        if kind == "prompt":
+            return peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+        return peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+
+    torch.manual_seed(0)
+    base = _llama()
+    for p in base.parameters():
+        p.data = p.data.bfloat16()
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(base, adapter())
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        built = _llama()
+    torch.manual_seed(1)
+    model = peft.get_peft_model(built, adapter())
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    engine = zswap.initialize(model, cfg)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    named = dict(model.named_parameters())
+    assert trained and {zswap.param_state(named[n]).dtype for n in trained} == {torch.float32}
+    g = torch.Generator().manual_seed(0)
+    with engine:
+        for _ in range(3):
+            ids = torch.randint(1, 64, (2, 8), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            engine.step()
+            want = ref(input_ids=ids, labels=ids).loss
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert torch.equal(loss.detach(), want.detach())
 
 
 def test_adapters_on_a_bf16_base_stay_float32_as_peft_makes_them(tmp_path: Path):

@@ -158,6 +158,34 @@ class Reach(nn.Module):
         return self.proj(h) + self.gain.sum()
 
 
+class _Scaled(torch.autograd.Function):
+    """``x * w`` with a hand-written backward, as PEFT's LoHa computes its weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0)
+
+
+class Factors(nn.Module):
+    """Params kept in a ``ParameterDict`` / ``ParameterList`` (which never run a forward of their own) and
+    handed to an autograd Function (whose inputs the torch-function mode does not see)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.scales = nn.ParameterDict({"a": nn.Parameter(torch.rand(6) + 0.5)})
+        self.shifts = nn.ParameterList([nn.Parameter(torch.rand(6))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Scaled.apply(self.proj(x), self.scales["a"]) + _Scaled.apply(x, self.shifts[0])
+
+
 def ids(batch: int = 3, seq: int = 8, vocab: int = 40, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
@@ -232,6 +260,19 @@ def test_params_used_directly_by_a_parent(tier, tmp_path):
     m, ref = build(Reach, cfg)
     with engine_for(m, cfg):
         for x in xs(2, 5, 7):
+            train_pass(m, ref, x, sq)
+        assert_same_grads(m, ref)
+        assert all_released(m)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_params_in_parameter_dicts_reach_an_autograd_function_gathered(tier, tmp_path):
+    """A ``ParameterDict`` / ``ParameterList`` child's params are gathered with their parent's (before: the
+    Function got the empty placeholder, and backward failed on its gradient's shape)."""
+    cfg = config(tier, tmp_path, **STREAM)
+    m, ref = build(Factors, cfg)
+    with engine_for(m, cfg):
+        for x in xs(2, 5, 6):
             train_pass(m, ref, x, sq)
         assert_same_grads(m, ref)
         assert all_released(m)

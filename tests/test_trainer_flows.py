@@ -235,6 +235,34 @@ def test_save_model_of_a_peft_model_writes_its_adapters(tmp_path):
     trainer.close()
 
 
+def test_save_model_of_a_model_with_add_adapter_writes_its_adapters(tmp_path):
+    """transformers' own adapters (``model.add_adapter``): the plain Trainer's ``save_pretrained`` writes the
+    adapter alone, and so does this one (before: the whole model under PEFT's names, config.json beside it,
+    which plain ``from_pretrained`` loaded as a model with random attention weights)."""
+    peft = pytest.importorskip("peft")
+    cfg = _config(tmp_path)
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights="gaussian")
+    model = _model(cfg)
+    model.add_adapter(lora)
+    trainer = zt.Trainer(model=model, args=_args(tmp_path / "z"), train_dataset=_data(), zswap_config=cfg)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    plain_model = _build()
+    plain_model.add_adapter(lora)
+    plain = transformers.Trainer(model=plain_model, args=_args(tmp_path / "p"), train_dataset=_data())
+    plain.save_model(str(tmp_path / "plain"))
+    saved = {p.name for p in (tmp_path / "saved").iterdir()}
+    assert saved == {p.name for p in (tmp_path / "plain").iterdir()}
+    assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
+    trained = {n: w for n, w in _weights(model).items() if "lora_" in n}
+    loaded = _build()
+    loaded.load_adapter(str(tmp_path / "saved"))
+    got = {n: p.detach() for n, p in loaded.named_parameters() if "lora_" in n}
+    assert got.keys() == trained.keys() and len(got) == 4
+    assert [n for n in got if not torch.equal(got[n], trained[n])] == []
+    trainer.close()
+
+
 def test_arguments_for_adam_knobs_a_section_leaves_unset_are_a_mismatch(tmp_path):
     """An ``optimizer`` section without ``betas`` / ``eps`` steps with their defaults (as DeepSpeed's would):
     ``adam_beta1`` / ``adam_epsilon`` asking for others were dropped without a word. Left at their

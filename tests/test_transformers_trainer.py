@@ -518,6 +518,11 @@ def test_shape_dependent_optimizer_is_refused(tmp_path):
         "the optimizer TrainingArguments.optim builds is Adafactor; zswap steps each param as its flat "
         "partition, which only an element-wise optimizer (SGD, Adam, AdamW, "
     )
+    # the way named works (an 'optimizer' section beside optim="adafactor" is refused too: not advised)
+    assert str(info.value).endswith(
+        "use one of those, or AdamW (optim adamw_torch, or torch.optim.AdamW in optimizers=), which becomes "
+        "zswap's offloaded AdamW"
+    )
 
 
 def test_an_optimizer_without_float32_masters_is_refused_in_bf16(tmp_path):

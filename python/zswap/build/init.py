@@ -488,9 +488,9 @@ def partition_rest(config: Any, module: nn.Module) -> None:
     """Partition ``module``'s params that no `Init` partitioned: in the config's dtype (as
     ``Init(config, module=module)``), except, where the model was built under `Init`, those whose dtype the
     forward copes with as it is: under ``torch_autocast`` every one (DeepSpeed's rule and its test: float32
-    adapters on a bf16 base stay float32), else a PEFT tuner layer's (PEFT makes its adapters float32 on a
-    bf16 base and casts their inputs). A plain layer attached after the build is cast: in float32 beside
-    bf16 activations its matmul would fail."""
+    adapters on a bf16 base stay float32), else a PEFT tuner layer's or prompt encoder's (PEFT makes them
+    float32 on a bf16 base and casts their inputs or outputs). A plain layer attached after the build is
+    cast: in float32 beside bf16 activations its matmul would fail."""
     states = [param_state(p) for p in module.parameters()]
     if all(st is not None for st in states):
         return
@@ -505,6 +505,12 @@ def partition_rest(config: Any, module: nn.Module) -> None:
 
 
 def _tuner_layer(m: nn.Module) -> bool:
+    """A module PEFT makes in float32 on any base and casts what flows through: a tuner layer (LoRA's, IA3's…)
+    or a prompt learning encoder (prompt / prefix tuning, p-tuning: a module of ``peft.tuners`` that is not
+    the tuner wrapping the whole model)."""
     tuners = sys.modules.get("peft.tuners.tuners_utils")
-    layer = getattr(tuners, "BaseTunerLayer", None) if tuners is not None else None
-    return layer is not None and isinstance(m, layer)
+    if tuners is None:
+        return False
+    if isinstance(m, tuners.BaseTunerLayer):
+        return True
+    return type(m).__module__.startswith("peft.tuners.") and not isinstance(m, tuners.BaseTuner)

@@ -107,11 +107,14 @@ def commit(tmp: Path, final: Path, carry: list[str] | tuple[str, ...] = ()) -> N
     into ``tmp`` first (copied where links cannot be made), one it also has excepted (the save's own
     wins), so they live on in the new folder and, until the swap, in the old one: at no moment do they
     exist only in a temp folder a later save would remove."""
+    carried = set()
     for name in carry:
         if not os.path.lexists(tmp / name):
             _link_tree(final / name, tmp / name)
+            carried.add(name)
     for f in tmp.iterdir():
-        fsync_path(f)
+        if f.name not in carried:  # (theirs: a link or a FIFO is not opened; the folder's fsync keeps them)
+            fsync_path(f)
     fsync_path(tmp)
     if final.exists():
         if not _exchange(tmp, final):

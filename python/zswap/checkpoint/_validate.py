@@ -209,6 +209,10 @@ def check_structure(m: Any, path: object, dtype_of: Any) -> None:
             dtype_of(_field(b, "dtype", "str", path, where))
         except CheckpointCorruptError:
             refuse(path, f"field {where}'dtype' of {name!r} is {b['dtype']!r}, not a torch dtype")
+    if not isinstance(m.get("adapters"), (str, type(None))):  # absent from older checkpoints
+        refuse(path, f"field 'adapters' is {m['adapters']!r}, not a string or null")
+    if not isinstance(m.get("reverts", True), bool):  # absent from older checkpoints
+        refuse(path, f"field 'reverts' is {m['reverts']!r}, not a bool")
     weights = _field(m, "weights", list, path, "")
     keys: set[str] = set()
     for i, w in enumerate(weights):

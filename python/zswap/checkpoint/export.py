@@ -31,8 +31,9 @@ from ._hf_layout import (
 from ._reader import Reader
 from ._safetensors import Entry, StreamWriter
 from ._state import NO_NEEDS, check_state, unpickle
-from .errors import CheckpointArgumentError
+from .errors import CheckpointArgumentError, CheckpointMismatchError
 from .manifest import dtype_of, file_name, read_manifest, resolve
+from .peft_save import ADAPTER_WAY
 from .weights import cast_dtype
 
 CHUNK_BYTES = 64 << 20
@@ -51,6 +52,12 @@ def export(
     limit = parse_size(max_shard_size)
     folder, _ = resolve(ckpt_dir, tag)
     m = read_manifest(folder)
+    if m.get("adapters"):
+        raise CheckpointMismatchError(
+            f"zswap export: {folder} is a checkpoint of {m['adapters']}: its weights are PEFT's state dict "
+            "(base_model.model.*, base_layer, the adapters'), which no from_pretrained loads as a model. "
+            f"Load it into that model and save from there: {ADAPTER_WAY}"
+        )
     reader = Reader(folder, m)
     staged: Staged | None = None
     try:
@@ -69,8 +76,10 @@ def export(
                 reader.need_entry(rank0, source, spec["shape"])
         configs = [n for n in CONFIG_FILES if n in reader.infos]
         verify_whole(reader, folder)
-        # transformers' conversions reversed as save_weights reverses them, for the class config.json names
-        model = _hf_revert.meta_model(reader.whole["config.json"]) if "config.json" in configs else None
+        # transformers' conversions reversed as save_weights reverses them (where it did at the save; older
+        # checkpoints: where the class config.json names has conversions)
+        reverts = "config.json" in configs and m.get("reverts", True)
+        model = _hf_revert.meta_model(reader.whole["config.json"]) if reverts else None
         reversal = _hf_revert.plan(model, tensors) if model is not None else None
         written = [(o.name, o.dtype, o.shape) for o in reversal.outputs] if reversal is not None else tensors
         entries = [Entry(key, cast_dtype(dt, dtype), shape) for key, dt, shape in written]

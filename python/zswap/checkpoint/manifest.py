@@ -236,17 +236,19 @@ def foreign_entries(folder: Path) -> list[str]:
     read, the per-rank files by their names."""
     if not folder.is_dir():
         return []
-    listed: set[str] = set()
+    listed: set[str] | None = None
     try:
         files = read_json(str(folder / MANIFEST)).get("files", [])
         listed = {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
     except (OSError, ValueError, AttributeError, TypeError):  # no manifest, or not one: names decide
         pass
-    return sorted(
-        e.name
-        for e in folder.iterdir()
-        if e.name != MANIFEST and e.name not in listed and not _RANK_FILE.fullmatch(e.name)
-    )
+
+    def ours(name: str) -> bool:
+        if listed is None:
+            return name == MANIFEST or _RANK_FILE.fullmatch(name) is not None
+        return name == MANIFEST or name in listed
+
+    return sorted(e.name for e in folder.iterdir() if not ours(e.name))
 
 
 def read_latest(root: Path) -> str:

@@ -31,6 +31,28 @@ from .statedict import deferred
 _MARK = "_zswap_bounded_save"
 
 
+def adapters(model: object) -> str | None:
+    """What makes ``model``'s state dict PEFT's rather than a model's (its keys ``base_model.model.*``,
+    ``base_layer``, the adapters'), which no ``from_pretrained`` loads as a model; None for a plain model."""
+    peft_model = sys.modules.get("peft.peft_model")
+    if peft_model is not None and isinstance(model, peft_model.PeftModel):
+        return "a PeftModel"
+    if getattr(model, "_hf_peft_config_loaded", False):
+        return "a model with PEFT adapters (transformers' add_adapter / load_adapter)"
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    if tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in modules):
+        return "a model holding PEFT tuner layers (a PeftModel's get_base_model())"
+    return None
+
+
+ADAPTER_WAY = (
+    "model.save_pretrained(folder) writes the adapter as PEFT does (gathering only its entries); to save the "
+    "model with the adapter merged, merge it first (PeftModel.merge_and_unload()) and save that"
+)
+"""What to do instead of saving a model with PEFT adapters as a plain model's weights."""
+
+
 def install() -> None:
     """Both PEFT seams, once peft is imported: this one, and `zswap.parts.peft_seam` (where PEFT reads a
     base layer's whole weight, it gathers it)."""

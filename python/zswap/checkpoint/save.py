@@ -25,7 +25,7 @@ from .._progress import progress
 from ..errors import ZswapError, ZswapWarning
 from ..step.optim import OffloadedAdamW
 from ..step.optim._layout import needs_master
-from . import _atomic
+from . import _atomic, _hf_revert
 from ._collective import agree, all_gather, group_of
 from ._crc import BlockCrc
 from ._gather import local_partition
@@ -50,6 +50,8 @@ from .manifest import (
     same_dir,
     same_tag,
 )
+from .peft_save import adapters
+from .weights import key_tensors
 
 if TYPE_CHECKING:
     from ._training import TrainingState
@@ -375,6 +377,11 @@ def _finish(
         "buffers": [{"name": n, "shape": list(b.shape), "dtype": dtype_name(b.dtype)} for n, b in buffers],
         "optimizer": optim,
         "weights": [[k.key, k.kind, k.source] for k in keys],
+        "adapters": adapters(model),  # PEFT's state dict, not a model's: `export` refuses it
+        # whether save_weights reverses transformers' conversions (a model loaded from stacked experts has
+        # none recorded, and keeps them stacked, as save_pretrained does): `export` does the same
+        "reverts": _hf_revert.plan(model, key_tensors(keys, {r.name: r for r in records}, dict(buffers)))
+        is not None,
         "total_parameters": sum(r.numel for r in records),
         "files": files,
     }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from ._hf_layout import (
 )
 from ._safetensors import Entry, StreamWriter
 from .manifest import ParamRecord, describe, persistent_buffers
+from .peft_save import ADAPTER_WAY, adapters
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,13 +50,11 @@ def save_weights(
     floating tensors; ``max_shard_size``: bytes or a string such as ``"5GB"`` (default)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    peft_model = sys.modules.get("peft.peft_model")
-    if peft_model is not None and isinstance(model, peft_model.PeftModel):
+    kind = adapters(model)
+    if kind is not None:
         raise TypeError(
-            "zswap.save_weights: the model is a PeftModel; its state dict (base_model.model.* and the "
-            "adapter's keys) is no model from_pretrained loads. model.save_pretrained(folder) writes the "
-            "adapter as PEFT does (gathering only its entries); zswap.save_weights(model.merge_and_unload(), "
-            "folder) the model with the adapter merged"
+            f"zswap.save_weights: the model is {kind}; its state dict (PEFT's keys: base_model.model.*, "
+            f"base_layer, the adapters') is no model from_pretrained loads. {ADAPTER_WAY}"
         )
     limit = parse_size(max_shard_size)
     records = describe(model)
@@ -66,14 +64,7 @@ def save_weights(
     keys = weight_keys(model, {id(r.p): r.name for r in records}, {id(b): n for n, b in buffers})
     rec_of = {r.name: r for r in records}
     buf_of = dict(buffers)
-    tensors = []
-    for k in keys:
-        if k.kind == "param":
-            r = rec_of[k.source]
-            tensors.append((k.key, r.dtype, r.shape))
-        else:
-            b = buf_of[k.source]
-            tensors.append((k.key, b.dtype, tuple(b.shape)))
+    tensors = key_tensors(keys, rec_of, buf_of)
     reversal = _hf_revert.plan(model, tensors)
     written = [(o.name, o.dtype, o.shape) for o in reversal.outputs] if reversal is not None else tensors
     entries = [Entry(name, cast_dtype(dt, dtype), shape) for name, dt, shape in written]
@@ -96,6 +87,21 @@ def save_weights(
     if rank == 0:
         save_config(model, out, [r.dtype for r in records], dtype)
         logging.getLogger(__name__).info("weights saved: %s (%d file(s))", out, len(names))
+
+
+def key_tensors(
+    keys: list[Key], rec_of: dict[str, ParamRecord], buf_of: dict[str, torch.Tensor]
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(key, dtype, shape)`` of each tensor saved under ``keys`` (what `_hf_revert.plan` takes)."""
+    out = []
+    for k in keys:
+        if k.kind == "param":
+            r = rec_of[k.source]
+            out.append((k.key, r.dtype, tuple(r.shape)))
+        else:
+            b = buf_of[k.source]
+            out.append((k.key, b.dtype, tuple(b.shape)))
+    return out
 
 
 def _reader(

@@ -64,7 +64,8 @@ class ModuleInfo:
     index: int
     name: str
     slots: list[Slot]
-    """Params its forward uses: its own (``recurse=False``), then any found in use while it ran."""
+    """Params its forward uses: its own (``recurse=False``, and its ``ParameterDict`` / ``ParameterList``
+    children's: `zswap.train.wiring._uses`), then any found in use while it ran."""
     ids: set[int] = field(default_factory=set)
     leaf: bool = False
     """A leaf module (`zswap.fetch.leaves`): ``slots`` are every param inside it."""

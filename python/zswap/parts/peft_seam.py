@@ -19,12 +19,17 @@ way):
 - ``ModulesToSaveWrapper.update`` runs inside a read-only `GatheredParameters` of the wrapped module's
   params, so the copy PEFT makes for training holds their values (and PEFT never reaches ``deepspeed``);
 - ``TrainableTokensLayer.update_layer`` (``trainable_token_indices``) reads the rows it trains from the
-  base embedding's weight (through DeepSpeed's API only when transformers says ZeRO-3 is on): it runs
-  inside a read-only `GatheredParameters` of the base layer's params;
+  base embedding's weight (through DeepSpeed's API only when transformers says ZeRO-3 is on), and
+  ``LoHaLayer.update_layer`` sizes its factors from the base weight's shape (where LoRA's read
+  ``ds_shape``): each runs inside a read-only `GatheredParameters` of the base layer's params;
 - ``onload_layer``, around which PEFT merges and unmerges each tuner layer (``merge_and_unload``,
   ``merge_adapter``, ``unmerge_adapter``), also gathers the layer's params: its base layer's with
-  ``modifier_rank`` 0 (the merged weight is written back), the adapter's read-only. Before, the merge
-  computed on the empty placeholders and changed nothing, silently.
+  ``modifier_rank`` 0 (the merged weight is written back), the adapter's read-only; a wrapper that merges
+  itself on unloading (trainable tokens' — which writes the embedding —, ``modules_to_save``'s) all its
+  params with ``modifier_rank`` 0. Before, the merge computed on the empty placeholders and changed
+  nothing, silently. ``merge_and_unload`` calls it on every module of the model: one that merges nothing
+  (a decoder layer, the model itself) gathers nothing — before, each was gathered whole, the model itself
+  included.
 
 Params some enclosing block already gathered are whole already and are left to it.
 """
@@ -62,6 +67,8 @@ def install() -> None:
         tuners.onload_layer = _gathering_onload(onload)  # type: ignore[attr-defined]
     tokens = sys.modules.get("peft.tuners.trainable_tokens.layer")
     _read_only(getattr(tokens, "TrainableTokensLayer", None), "update_layer", lambda m: m.get_base_layer())
+    loha = sys.modules.get("peft.tuners.loha.layer")  # sizes its factors from base_layer.weight.shape
+    _read_only(getattr(loha, "LoHaLayer", None), "update_layer", lambda m: m.get_base_layer())
     _read_only(
         getattr(other, "ModulesToSaveWrapper", None), "update", lambda m: getattr(m, "original_module", None)
     )
@@ -127,8 +134,17 @@ def _gathering_onload(onload: Callable[[Any], Any]) -> Callable[[Any], Any]:
     @contextlib.contextmanager
     @functools.wraps(onload)
     def onload_layer(layer: Any) -> Iterator[None]:
-        base = layer.get_base_layer() if callable(getattr(layer, "get_base_layer", None)) else None
-        _, written = _managed(base.parameters() if base is not None and base is not layer else [])
+        tuners = sys.modules.get("peft.tuners.tuners_utils")
+        tuner = tuners is not None and isinstance(layer, tuners.BaseTunerLayer)
+        if not tuner and not hasattr(layer, "unload_and_optionally_merge_module"):
+            with onload(layer):  # merge_and_unload visits every module: this one has nothing to merge
+                yield
+            return
+        base = layer.get_base_layer() if tuner else None
+        if base is None or base is layer:  # a wrapper (trainable tokens, modules_to_save): its params
+            _, written = _managed(layer.parameters())
+        else:
+            _, written = _managed(base.parameters())
         ids = {id(p) for p in written}
         _, read = _managed(p for p in layer.parameters() if id(p) not in ids)
         with (

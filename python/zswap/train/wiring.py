@@ -65,9 +65,7 @@ def wire(engine: Engine, counters: Counters | None = None) -> None:
         id(m): ModuleInfo(
             i,
             name,
-            []
-            if id(m) in under
-            else [engine._slots[id(p)] for p in m.parameters(recurse=leaves.is_leaf(m)) if id(p) in ids],
+            [] if id(m) in under else [engine._slots[id(p)] for p in _uses(m) if id(p) in ids],
         )
         for i, (name, m) in enumerate(module.named_modules(remove_duplicate=True))
     }
@@ -205,3 +203,17 @@ def teardown(engine: Engine) -> None:
                 store.unserve()
         engine.compute_device.close()  # every copy done, every host buffer unregistered
         _device.unplace(engine._items, engine._homes)
+
+
+def _uses(m: nn.Module) -> Iterator[nn.Parameter]:
+    """The params ``m``'s forward is taken to use: a leaf's every one, else its own and those of its
+    ``ParameterDict`` / ``ParameterList`` children, which never run a forward of their own to be gathered
+    in (PEFT's LoHa and IA3 keep their factors in them; LoHa's hand them to an autograd Function, where a
+    use is not seen)."""
+    if leaves.is_leaf(m):
+        yield from m.parameters()
+        return
+    yield from m.parameters(recurse=False)
+    for child in m.children():
+        if isinstance(child, nn.ParameterDict | nn.ParameterList):
+            yield from child.parameters(recurse=False)

@@ -48,8 +48,8 @@ def check_elementwise(optimizer: Any, where: str) -> None:
             f"{where} is {type(optimizer).__name__}; zswap steps each param as its flat partition, which "
             "only an element-wise optimizer ("
             + ", ".join(c.__name__ for c in ELEMENTWISE)
-            + ") computes the same over: use one of those, an Adam/AdamW optim, or add an 'optimizer' "
-            "section to zswap_config"
+            + ") computes the same over: use one of those, or AdamW (optim adamw_torch, or torch.optim.AdamW "
+            "in optimizers=), which becomes zswap's offloaded AdamW"
         )
 
 

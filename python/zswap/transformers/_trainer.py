@@ -97,6 +97,12 @@ def _param_count(model: Any, trainable_only: bool = False) -> int:
 transformers.trainer.get_model_param_count = _param_count  # the name the Trainer's log looks up
 
 
+def _with_adapters(model: Any) -> bool:
+    """Whether the plain Trainer saves ``model``'s adapters alone (``save_pretrained`` of a PeftModel, or of a
+    transformers model whose adapters ``add_adapter`` / ``load_adapter`` added)."""
+    return _is_peft_model(model) or bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
 def _has_engine_checkpoint(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "latest"))
 
@@ -254,10 +260,10 @@ class Trainer(transformers.Trainer):
         out: str = str(self.args.output_dir if output_dir is None else output_dir)
         os.makedirs(out, exist_ok=True)
         model: Any = self.model
-        if _is_peft_model(model):
+        if _with_adapters(model):
             # PEFT's own layout (adapter_config.json + the adapters' weights), as the plain Trainer saves
-            # it: PeftModel.from_pretrained and load_adapter (load_best_model_at_end) read it. PEFT reads
-            # the adapters' values only, each gathered as it is read.
+            # it (a PeftModel's, or a transformers model's adapters from add_adapter): PeftModel's
+            # from_pretrained and load_adapter (load_best_model_at_end) read it.
             model.save_pretrained(out, is_main_process=self.args.should_save)
         else:
             save_weights(model, out)
@@ -284,7 +290,7 @@ class Trainer(transformers.Trainer):
         if _has_engine_checkpoint(resume_from_checkpoint):
             return  # the weights come back with the engine checkpoint (`_load_optimizer_and_scheduler`)
         names = _WEIGHT_FILES + (
-            _ADAPTER_FILES if _is_peft_model(self.model if model is None else model) else ()
+            _ADAPTER_FILES if _with_adapters(self.model if model is None else model) else ()
         )
         if not any(os.path.isfile(os.path.join(resume_from_checkpoint, n)) for n in names):
             raise ZswapError(
