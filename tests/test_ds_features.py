@@ -233,7 +233,7 @@ def test_fp16_torch_autocast_scales_the_loss_as_torchs_grad_scaler(loop, tmp_pat
             scaler.step(plain)
             scaler.update()
             plain.zero_grad()
-            assert engine.loss_scale == scaler.get_scale(), step
+            assert engine.optimizer.cur_scale == scaler.get_scale(), step
         assert engine.skipped_steps == 1
         params = list(model.parameters())
         with zswap.GatheredParameters(params):
