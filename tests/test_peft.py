@@ -322,6 +322,22 @@ def test_a_model_with_adapters_saves_its_adapter_not_weights(tmp_path: Path):
     assert not (tmp_path / "out").exists()
 
 
+def _train_beside(model: Any, engine: zswap.Engine, ref: Any, ref_opt: torch.optim.Optimizer) -> None:
+    """Three steps of ``model`` under ``engine`` and of ``ref`` under ``ref_opt``, on the same batches: the
+    losses equal bitwise at each."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(1, 64, (2, 8), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        engine.step()
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.equal(loss.detach(), want.detach())
+
+
 @pytest.mark.parametrize("kind", ["prompt", "prefix"])
 def test_prompt_learning_on_a_bf16_base_stays_float32_as_peft_makes_it(kind, tmp_path: Path):
     """Prompt and prefix tuning's encoders are float32 on a bf16 base (PEFT casts their output): kept so,
@@ -353,18 +369,8 @@ def test_prompt_learning_on_a_bf16_base_stays_float32_as_peft_makes_it(kind, tmp
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     named = dict(model.named_parameters())
     assert trained and {zswap.param_state(named[n]).dtype for n in trained} == {torch.float32}
-    g = torch.Generator().manual_seed(0)
     with engine:
-        for _ in range(3):
-            ids = torch.randint(1, 64, (2, 8), generator=g)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            engine.step()
-            want = ref(input_ids=ids, labels=ids).loss
-            want.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            assert torch.equal(loss.detach(), want.detach())
+        _train_beside(model, engine, ref, ref_opt)
 
 
 def test_adapters_on_a_bf16_base_stay_float32_as_peft_makes_them(tmp_path: Path):
@@ -393,18 +399,8 @@ def test_adapters_on_a_bf16_base_stay_float32_as_peft_makes_them(tmp_path: Path)
     named = dict(model.named_parameters())
     assert {str(zswap.param_state(named[n]).dtype) for n in adapters} == {"torch.float32"}
     assert zswap.param_state(named["base_model.model.lm_head.weight"]).dtype == torch.bfloat16
-    g = torch.Generator().manual_seed(0)
     with engine:
-        for _ in range(3):
-            ids = torch.randint(1, 64, (2, 8), generator=g)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            engine.step()
-            want = ref(input_ids=ids, labels=ids).loss
-            want.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            assert torch.equal(loss.detach(), want.detach())
+        _train_beside(model, engine, ref, ref_opt)
         engine.save_checkpoint(tmp_path / "ckpt")
     again = _adapted("llama-lora", cfg)
     for p in again.parameters():

@@ -254,25 +254,16 @@ def test_data_dependent_branch_fetches_on_demand_and_records_again(tier, tmp_pat
         assert s["off_trace"] >= 3 and s["traces_recorded"] >= 4 and s["prefetch_hits"] > 0
 
 
+@pytest.mark.parametrize("make", [Reach, Factors])
 @pytest.mark.parametrize("tier", TIERS)
-def test_params_used_directly_by_a_parent(tier, tmp_path):
+def test_params_used_directly_by_a_parent(tier, make, tmp_path):
+    """A child's weight used by its parent (fetched on use); a ``ParameterDict`` / ``ParameterList``
+    child's params, gathered with their parent's (before: an autograd Function given one got the empty
+    placeholder, and backward failed on its gradient's shape)."""
     cfg = config(tier, tmp_path, **STREAM)
-    m, ref = build(Reach, cfg)
+    m, ref = build(make, cfg)
     with engine_for(m, cfg):
-        for x in xs(2, 5, 7):
-            train_pass(m, ref, x, sq)
-        assert_same_grads(m, ref)
-        assert all_released(m)
-
-
-@pytest.mark.parametrize("tier", TIERS)
-def test_params_in_parameter_dicts_reach_an_autograd_function_gathered(tier, tmp_path):
-    """A ``ParameterDict`` / ``ParameterList`` child's params are gathered with their parent's (before: the
-    Function got the empty placeholder, and backward failed on its gradient's shape)."""
-    cfg = config(tier, tmp_path, **STREAM)
-    m, ref = build(Factors, cfg)
-    with engine_for(m, cfg):
-        for x in xs(2, 5, 6):
+        for x in xs(2, 5, 7 if make is Reach else 6):
             train_pass(m, ref, x, sq)
         assert_same_grads(m, ref)
         assert all_released(m)

@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import SwapIOError
@@ -173,18 +174,22 @@ def io_error(e: OSError, path: object, what: str) -> SwapIOError:
     return SwapIOError(e.errno or errno.EIO, f"{what} {where}: {e.strerror or e}", where)
 
 
-def write_error(e: BaseException, path: object) -> SwapIOError | None:
-    """The `SwapIOError` naming ``path`` for the failed write ``e`` where an `OSError` is behind it
-    (torch's writer turns a Python file's failed write into a ``RuntimeError`` raised while handling the
-    ``OSError``: "unexpected pos"); None where none is."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, OSError):
-            return io_error(cur, path, "cannot write")
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return None
+@contextlib.contextmanager
+def naming_write_errors(path: object) -> Iterator[None]:
+    """A write that fails inside (a full disk) raises the `SwapIOError` naming ``path`` where an `OSError`
+    is behind it: torch's archive writer turns a Python file's failed write into a ``RuntimeError``
+    ("unexpected pos") raised while handling the ``OSError``."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        seen: set[int] = set()
+        cur: BaseException | None = e
+        while cur is not None and id(cur) not in seen:
+            if isinstance(cur, OSError):
+                raise io_error(cur, path, "cannot write") from e
+            seen.add(id(cur))
+            cur = cur.__cause__ or cur.__context__
+        raise
 
 
 def write_latest(save_dir: Path, tag: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._atomic import write_error
+from ._atomic import naming_write_errors
 from ._hf_layout import METADATA, WEIGHTS, Staged, parse_size, plan_shards, shard_names, write_index
 from ._reader import Reader
 from ._safetensors import Entry, StreamWriter
@@ -129,14 +129,8 @@ def write_state_dict(
 def _torch_save(obj: object, path: Path, final: Path) -> None:
     """``torch.save(obj, path)``; a failed write (a full disk) is a `SwapIOError` naming ``final``, not
     torch's "unexpected pos"."""
-    try:
-        with open(path, "wb") as f:
-            torch.save(obj, f)
-    except (OSError, RuntimeError) as e:
-        err = write_error(e, final)
-        if err is None:
-            raise
-        raise err from e
+    with naming_write_errors(final), open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 SCRIPT = "zero_to_fp32.py"

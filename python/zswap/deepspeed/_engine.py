@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import _torchsave, statedict
-from ..checkpoint._atomic import LATEST, fsync_path, temp_name, write_error
+from ..checkpoint._atomic import LATEST, fsync_path, naming_write_errors, temp_name
 from ..checkpoint.fp32 import write_script
 from ..checkpoint.load import has_latest
 from ..errors import ZswapError, ZswapWarning
@@ -384,15 +384,10 @@ class DeepSpeedEngine(runtime.Engine):
             path = Path(save_dir) / save_filename
             tmp = path.with_name(temp_name(path.name))  # the checkpoints' temp names: stale ones are known
             try:
-                with open(tmp, "wb") as f:
+                with naming_write_errors(path), open(tmp, "wb") as f:
                     _torchsave.save(state, f)
                 fsync_path(tmp)
                 os.replace(tmp, path)
-            except (OSError, RuntimeError) as e:
-                err = write_error(e, path)
-                if err is None:
-                    raise
-                raise err from e
             finally:
                 tmp.unlink(missing_ok=True)
         else:
