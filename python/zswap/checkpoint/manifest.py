@@ -6,8 +6,11 @@ persistent buffers), ``….exp_avg`` / ``….exp_avg_sq`` / ``….master.safeten
 `OffloadedAdamW`'s states, float32), ``….optim.safetensors`` (the tensors of any other optimizer's
 state_dict, as that rank sees them) and ``….state.pt`` (small Python state: RNG, scheduler, loss scaler,
 optimizer settings, client_state; a `torch.save` pickle). The manifest lists every param (name, tied
-aliases, full shape, dtype, partitioning), the world size, zswap's version, and every file with its size
-and CRC-32C (whole and per 8 MiB block).
+aliases, full shape, dtype, partitioning), the world size, zswap's version, every file with its size
+and CRC-32C (whole and per 8 MiB block), the keys weights are saved under, whether the model holds PEFT
+adapters (``adapters``: what kind, or null; ``zswap export`` refuses those) and whether `save_weights`
+reverses transformers' conversions for it (``reverts``; the two absent from older checkpoints). Anything
+else in a tag folder is the user's: a save of the tag keeps it (`foreign_entries`).
 
 Partitioning: a param of ``numel`` elements saved with ``ranks`` holders of ``partition_numel`` each is the
 flat, zero-padded range ``[0, ranks·partition_numel)``; holder *s* has ``[s·n, (s+1)·n)``. A param zswap
