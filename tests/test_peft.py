@@ -222,6 +222,46 @@ def test_save_pretrained_gathers_only_what_peft_writes(case, tmp_path: Path, mon
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_an_add_adapter_models_save_pretrained_gathers_only_its_adapter(tmp_path: Path, monkeypatch):
+    """transformers' own adapters (``add_adapter``): its ``save_pretrained`` reads them through
+    ``get_adapter_state_dict``, which PEFT fills from ``state_dict()`` — the whole base gathered; zswap hands
+    it the adapter's entries alone (`zswap.checkpoint.peft_save`): the same file, no base weight gathered."""
+    import zswap.checkpoint.peft_save as peft_save
+    import zswap.checkpoint.statedict as statedict
+
+    gathered: list[tuple[int, ...]] = []
+    for mod in (peft_save, statedict):
+        real = mod.full_copy
+
+        def counting(p: Any, st: Any, real: Any = real) -> Any:
+            gathered.append(tuple(st.shape))
+            return real(p, st)
+
+        monkeypatch.setattr(mod, "full_copy", counting)
+    cfg = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    lora = CASES["llama-lora"][1]
+    torch.manual_seed(0)
+    ref = _llama()
+    torch.manual_seed(1)
+    ref.add_adapter(lora())
+    torch.manual_seed(0)
+    with zswap.Init(cfg):
+        model = _llama()
+    torch.manual_seed(1)
+    model.add_adapter(lora())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zswap.ZswapWarning)
+        engine = zswap.initialize(model, cfg, optimizer=None)
+    with engine:
+        model.save_pretrained(tmp_path / "got")
+    ref.save_pretrained(tmp_path / "want")
+    assert set(gathered) == {tuple(p.shape) for p in ref.parameters() if p.requires_grad}
+    from safetensors.torch import load_file
+
+    got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("got", "want"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("case", ["llama-lora", "gpt2-ia3", "llama-lora-tokens"])
 def test_merging_gathers_each_layer_as_peft_merges_it(case, tmp_path: Path, monkeypatch):
     """``merge_adapter`` / ``unmerge_adapter`` / ``merge_and_unload`` with no block around them, after

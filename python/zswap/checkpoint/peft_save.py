@@ -11,7 +11,8 @@ params, the wrapper asks PEFT's own selection, ``get_peft_model_state_dict``, fo
 over a state dict whose partitioned entries are meta tensors of the right shape; the entries PEFT returns
 (the same tensor objects) are the ones gathered, and PEFT is handed that state dict. Where PEFT's selection
 returns a meta tensor it did not get (it made a copy), the wrapper cannot tell what it chose and leaves PEFT
-to read the whole state dict, as before.
+to read the whole state dict, as before. A transformers model given adapters by ``add_adapter`` reads them
+through ``get_adapter_state_dict`` (its ``save_pretrained``, the Trainer's ``save_model``), wrapped the same.
 """
 
 from __future__ import annotations
@@ -54,28 +55,48 @@ ADAPTER_WAY = (
 
 
 def install() -> None:
-    """Both PEFT seams, once peft is imported: this one, and `zswap.parts.peft_seam` (where PEFT reads a
-    base layer's whole weight, it gathers it)."""
+    """The PEFT seams, once peft is imported: this one (for ``PeftModel.save_pretrained`` and, on a
+    transformers model given adapters by ``add_adapter``, ``get_adapter_state_dict``, which its
+    ``save_pretrained`` and the Trainer read the adapter through), and `zswap.parts.peft_seam` (where PEFT
+    reads a base layer's whole weight, it gathers it)."""
     peft_seam.install()
     peft_model = sys.modules.get("peft.peft_model")
     cls = getattr(peft_model, "PeftModel", None) if peft_model is not None else None
     save = getattr(cls, "save_pretrained", None)
-    if cls is None or not callable(save) or getattr(save, _MARK, False):
-        return
+    if cls is not None and callable(save) and not getattr(save, _MARK, False):
 
-    @functools.wraps(save)
-    def save_pretrained(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
-        if "state_dict" not in kwargs and any(param_state(p) is not None for p in self.parameters()):
-            bounded = _selected_state_dict(self, kwargs)
-            if bounded is not None:
-                kwargs["state_dict"] = bounded
-        return save(self, save_directory, *args, **kwargs)
+        @functools.wraps(save)
+        def save_pretrained(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
+            if "state_dict" not in kwargs and any(param_state(p) is not None for p in self.parameters()):
+                names = kwargs.get("selected_adapters") or list(self.peft_config)
+                bounded = _selected_state_dict(self, names, kwargs.get("save_embedding_layers", "auto"))
+                if bounded is not None:
+                    kwargs["state_dict"] = bounded
+            return save(self, save_directory, *args, **kwargs)
 
-    setattr(save_pretrained, _MARK, True)
-    cls.save_pretrained = save_pretrained
+        setattr(save_pretrained, _MARK, True)
+        cls.save_pretrained = save_pretrained
+    integration = sys.modules.get("transformers.integrations.peft")
+    mixin = getattr(integration, "PeftAdapterMixin", None) if integration is not None else None
+    get = getattr(mixin, "get_adapter_state_dict", None)
+    if mixin is not None and callable(get) and not getattr(get, _MARK, False):
+
+        @functools.wraps(get)
+        def get_adapter_state_dict(self: Any, adapter_name: str | None = None, state_dict: Any = None) -> Any:
+            if (
+                state_dict is None
+                and getattr(self, "_hf_peft_config_loaded", False)
+                and any(param_state(p) is not None for p in self.parameters())
+            ):
+                name = adapter_name if adapter_name is not None else self.active_adapters()[0]
+                state_dict = _selected_state_dict(self, [name], "auto")
+            return get(self, adapter_name, state_dict)
+
+        setattr(get_adapter_state_dict, _MARK, True)
+        mixin.get_adapter_state_dict = get_adapter_state_dict
 
 
-def _selected_state_dict(model: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+def _selected_state_dict(model: Any, names: list[str], save_embedding_layers: Any) -> dict[str, Any] | None:
     """The state dict with only the partitioned entries PEFT will write gathered, or ``None`` where PEFT's
     choice cannot be read off."""
     from peft.utils import get_peft_model_state_dict
@@ -92,12 +113,9 @@ def _selected_state_dict(model: Any, kwargs: dict[str, Any]) -> dict[str, Any] |
     key_of = {id(t): k for k, t in stand_ins.items()}
     probe = {k: stand_ins.get(k, v) for k, v in entries.items()}
     wanted: set[str] = set()
-    for name in kwargs.get("selected_adapters") or list(model.peft_config):
+    for name in names:
         chosen = get_peft_model_state_dict(
-            model,
-            state_dict=probe,
-            adapter_name=name,
-            save_embedding_layers=kwargs.get("save_embedding_layers", "auto"),
+            model, state_dict=probe, adapter_name=name, save_embedding_layers=save_embedding_layers
         )
         for t in chosen.values():
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
