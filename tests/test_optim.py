@@ -605,6 +605,34 @@ def test_step_rejects_unsupported_params() -> None:
         opt.step()
 
 
+def test_params_of_a_dtype_the_kernel_does_not_step_are_refused_when_built(tmp_path: Path) -> None:
+    """A float64 param was accepted and failed at the first step with the kernel's bare ``TypeError``:
+    refused when the optimizer is built (also through ``initialize``'s config section), naming it."""
+    ok = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(zswap.errors.UnsupportedDtypeError) as info:
+        OffloadedAdamW([ok, torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))])
+    assert str(info.value) == (
+        "OffloadedAdamW steps float32, bfloat16 and float16 params: param 1 of param group 0 is "
+        "torch.float64 (shape (2, 3)); cast the model to one of them (model.float()) before building the "
+        "optimizer"
+    )
+    assert isinstance(info.value, TypeError)
+    opt = OffloadedAdamW([ok])
+    unsupported = zswap.errors.UnsupportedDtypeError
+    with pytest.raises(unsupported, match=r"param 0 of param group 1 is torch\.float64"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1  # the refused group is not kept
+    cfg = {
+        "zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    with zswap.Init(cfg):
+        m = torch.nn.Linear(3, 2)
+    m.double()
+    with pytest.raises(zswap.errors.UnsupportedDtypeError, match=r"is torch\.float64 \(shape \(2, 3\)\)"):
+        zswap.initialize(m, cfg)
+
+
 def test_close_frees_the_keys_of_a_shared_engine(engine: zswap.SwapEngine) -> None:
     params = _params()
     opt = OffloadedAdamW(params, device="nvme", engine=engine, sub_group_size=1000)

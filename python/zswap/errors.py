@@ -21,6 +21,8 @@ would already catch for the same fault, so existing ``except`` blocks keep worki
     ├── GradientsNotKeptError (RuntimeError)          gradients the early step applied were not kept
     ├── RanksDivergedError (RuntimeError)             ranks gathered different params since the last step
     ├── FunctionalTransformError (RuntimeError)       a forward inside a torch.func transform
+    ├── SparseGradientError (RuntimeError)            a sparse gradient (an Embedding with sparse=True)
+    ├── UnsupportedDtypeError (TypeError)             a param of a dtype zswap's AdamW does not step
     └── UnknownKeyError (KeyError)                    a key never written, or freed
     ZswapWarning (RuntimeWarning)                     a fallback was taken
 
@@ -186,6 +188,11 @@ class SparseGradientError(ZswapError, RuntimeError):
     and offloads dense gradients only."""
 
 
+class UnsupportedDtypeError(ZswapError, TypeError):
+    """A param `zswap.optim.OffloadedAdamW` cannot step (float64, an integer dtype...): refused when the
+    optimizer is built, before any step."""
+
+
 class UnknownKeyError(ZswapError, KeyError):
     """A `SwapEngine` key that was never written, or was freed."""
 
@@ -217,6 +224,7 @@ __all__ = [
     "ThreadStartError",
     "UnavailableError",
     "UnknownKeyError",
+    "UnsupportedDtypeError",
     "ZswapError",
     "ZswapWarning",
 ]

@@ -10,6 +10,8 @@ import torch
 from ... import _zswap
 
 _PARAM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+STEPPED_DTYPES = frozenset(_PARAM_DTYPES)
+"""The param dtypes the kernel steps (`OffloadedAdamW` refuses others when it is built)."""
 
 
 TORCH_LANES = 8

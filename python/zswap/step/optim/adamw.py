@@ -22,10 +22,11 @@ from typing import Any, Literal, cast
 
 import torch
 
+from ...errors import UnsupportedDtypeError
 from ...parts.params import param_state
 from ...store.storage import Transaction, step_transaction
 from ._build import ParamGroup, PathArg, Pipeline, check_hyper, config_kwargs, make_store
-from ._kernel import cpu_adam_step, group_hypers, torch_tail
+from ._kernel import STEPPED_DTYPES, cpu_adam_step, group_hypers, torch_tail
 from ._layout import SubGroup, cut, default_sub_group_size
 from ._records import Records
 from ._state import gather_state, scatter_state
@@ -155,6 +156,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         super().add_param_group(ParamGroup(param_group))  # torch keeps the dict it is given
         added = self.param_groups[-1]["params"]
+        for i, p in enumerate(added):
+            st = param_state(p)
+            dtype, shape = (st.dtype, tuple(st.shape)) if st is not None else (p.dtype, tuple(p.shape))
+            if dtype not in STEPPED_DTYPES:
+                del self.param_groups[-1]
+                raise UnsupportedDtypeError(
+                    f"OffloadedAdamW steps float32, bfloat16 and float16 params: param {i} of param group "
+                    f"{len(self.param_groups)} is {dtype} (shape {shape}); cast the model to one of them "
+                    "(model.float()) before building the optimizer"
+                )
         self._params.extend(added)
         self._group_of.extend([len(self.param_groups) - 1] * len(added))
         if hasattr(self, "_steps"):  # not yet during __init__
