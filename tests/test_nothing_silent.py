@@ -241,9 +241,11 @@ def test_zero_grad_keeping_zeros_warns_that_the_gradients_are_dropped(tmp_path):
                 zero(set_to_none=False)
 
 
-def test_a_param_written_in_place_in_a_forward_warns_that_the_change_is_lost(tmp_path):
+@pytest.mark.parametrize("tier", ["nvme", "cpu"])
+def test_a_param_written_in_place_in_a_forward_warns_that_the_change_is_lost(tier, tmp_path):
     """A model that changes its own weights in its forward (RWKV's rescaling, under ``no_grad``): the
-    engine drops the gathered copy it was written in, and says so."""
+    engine drops the gathered copy it was written in, and says so; params in CPU memory (one rank) are
+    gathered without a copy, so there the change stays — and the warning says that (it said "lost")."""
 
     class Rescaling(nn.Module):
         def __init__(self) -> None:
@@ -260,17 +262,24 @@ def test_a_param_written_in_place_in_a_forward_warns_that_the_change_is_lost(tmp
             return self.lin(x)
 
     cfg = _cfg(tmp_path)
+    cfg["zero_optimization"]["offload_param"]["device"] = tier
     torch.manual_seed(0)
     with zswap.Init(cfg):
         model = Rescaling()
+    with zswap.GatheredParameters([model.lin.weight]):
+        before = model.lin.weight.detach().clone()
     with zswap.initialize(model, cfg) as engine:
-        written = r"^a param of shape \(4, 4\) was changed in place"
+        fate = "so the change stays, where with params on NVMe" if tier == "cpu" else "so the change is lost"
+        written = rf"^a param of shape \(4, 4\) was changed in place.*{fate}"
         with pytest.warns(zswap.ZswapWarning, match=written), torch.no_grad():
             engine(torch.randn(2, 4))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with torch.no_grad():
                 engine(torch.randn(2, 4))  # gathered afresh: nothing was written since
+        with zswap.GatheredParameters([model.lin.weight]):
+            after = model.lin.weight.detach().clone()
+    assert torch.equal(after, before / 2 if tier == "cpu" else before)
 
 
 def test_a_grad_set_by_hand_is_refused_before_the_step_changes_anything(tmp_path):

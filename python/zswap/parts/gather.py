@@ -266,17 +266,30 @@ def changed_in_place(p: torch.Tensor, st: ParamState) -> bool:
 def warn_if_written(p: torch.Tensor, st: ParamState) -> None:
     """Say so where the gathered copy an engine is about to drop was written in place (a model that changes
     its own weights in its forward, under ``no_grad``): the change is lost, as a `GatheredParameters`
-    block's without ``modifier_rank`` is."""
+    block's without ``modifier_rank`` is — but for a partition in memory gathered without a copy (CPU
+    memory, one rank), where the write reached the stored value itself, so it stays: the warning says which
+    (the same model keeps it or not by its tier)."""
     if changed_in_place(p, st):
         note_gathered(p, st)  # said once per change
+        stored = st.store.load(st.key, st.partition_numel, st.dtype)[0] if _in_memory(st) else None
+        kept = stored is not None and stored.numel() > 0 and stored.data_ptr() == p.data.data_ptr()
+        fate = (
+            "its gathered data is the stored partition (params in CPU memory, one rank), so the change "
+            "stays, where with params on NVMe or over several ranks it would be lost"
+            if kept
+            else "the engine drops its gathered copy, so the change is lost"
+        )
         warnings.warn(
             f"a param of shape {tuple(st.shape)} was changed in place while an open zswap Engine had it "
-            "gathered (an in-place op on it under torch.no_grad, in a forward say); the engine drops its "
-            "gathered copy, so the change is lost: change params with "
-            "zswap.GatheredParameters(params, modifier_rank=0) outside the forward",
+            f"gathered (an in-place op on it under torch.no_grad, in a forward say); {fate}: change params "
+            "with zswap.GatheredParameters(params, modifier_rank=0) outside the forward",
             ZswapWarning,
             stacklevel=3,
         )
+
+
+def _in_memory(st: ParamState) -> bool:
+    return st.world_size == 1 and st.tier in ("cpu", "none")
 
 
 def checksum(t: torch.Tensor) -> int:
