@@ -505,7 +505,7 @@ def _typed(path: str, key: str) -> str | None:
         (p, k, v)
         for p, keys in SILENT.items()
         for k in keys
-        for v in (DS_ACCEPTS[_typed(p, k)] if k != "stage" else (True, 3, "auto"))  # test_ds_config: stage
+        for v in (DS_ACCEPTS[_typed(p, k)] if k != "stage" else (3, "auto"))  # test_ds_config: stage
     ],
 )
 def test_deepspeed_keys_zswap_already_honours_are_ignored_silently(path, key, value, recwarn):

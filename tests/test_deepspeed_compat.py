@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import zswap
 import zswap.deepspeed as deepspeed
@@ -58,11 +58,13 @@ def test_a_deepspeed_training_script_runs_and_matches_torch_bitwise():
     )
     assert isinstance(engine, zswap.Engine) and optimizer is engine.optimizer and scheduler is None
     assert isinstance(optimizer, zswap.optim.OffloadedAdamW)
-    assert (
-        isinstance(loader, DataLoader)
-        and loader.batch_size == 3
-        and isinstance(loader.sampler, RandomSampler)
-    )
+    # DeepSpeed's sampler under its launcher or init_distributed: a DistributedSampler, on one rank too
+    # (the seed-0 order, not the global RNG's)
+    assert isinstance(loader, DataLoader) and loader.batch_size == 3
+    assert isinstance(loader.sampler, DistributedSampler) and loader.sampler.num_replicas == 1
+    assert [i for (b,) in loader for i in b[:, 0].tolist()] == [
+        int(x) for x in data.tensors[0][list(DistributedSampler(data, num_replicas=1, rank=0)), 0]
+    ]
     batches = [b for (b,) in loader]
     assert len(batches) == 4 and all(b.shape == (3, 8) for b in batches)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, fused=True)
@@ -313,17 +315,72 @@ def test_register_external_parameter_is_a_checked_no_op():
     assert isinstance(ei.value, zswap.ZswapError)
 
 
-def test_zero_names_not_implemented_say_what_to_use():
-    with pytest.raises(AttributeError, match=r"zero\.TiledLinear: zswap has no .*torch\.nn\.Linear"):
-        deepspeed.zero.TiledLinear  # noqa: B018
+def test_deepspeed_names_not_implemented_say_what_to_use():
+    """DeepSpeed names zswap does not mirror say what to use, also where a script imports them by name."""
+    from zswap.deepspeed.zero import TiledLinear, TiledLinearReturnBias
+
+    for cls in (TiledLinear, TiledLinearReturnBias):
+        with pytest.raises(
+            NotImplementedError, match=rf"zero\.{cls.__name__}: zswap has none: .*torch\.nn\.Linear"
+        ):
+            cls(4, 4)
     with pytest.raises(AttributeError, match=r"ZeroParamStatus .*zswap\.param_state\(p\)"):
         deepspeed.zero.ZeroParamStatus  # noqa: B018
     with pytest.raises(AttributeError, match=r"has no attribute 'Tiled'$"):
         deepspeed.zero.Tiled  # noqa: B018
-    assert not hasattr(deepspeed.zero, "TiledLinearReturnBias")
+    with pytest.raises(AttributeError, match=r"zswap\.deepspeed\.moe: zswap has no DeepSpeed's MoE layer"):
+        deepspeed.moe  # noqa: B018
+    with pytest.raises(AttributeError, match=r"zswap\.deepspeed\.runtime: .*'scheduler' section"):
+        deepspeed.runtime  # noqa: B018
+    with pytest.raises(AttributeError, match=r"ops has no 'lamb': .*ops\.adam\.DeepSpeedCPUAdam"):
+        deepspeed.ops.lamb  # noqa: B018
+    assert deepspeed.__version__ == "0.19.8"
 
 
-def test_init_distributed_required_makes_a_group_of_one(tmp_path):
+@pytest.mark.parametrize("offloaded", [True, False])
+def test_deepspeeds_adam_classes_become_zswaps_adamw(offloaded, tmp_path):
+    """``DeepSpeedCPUAdam`` / ``FusedAdam`` built by hand and passed to ``initialize`` (DeepSpeed-Chat's way)
+    step as zswap's AdamW: bitwise torch's ``AdamW(fused=True)`` with the same values; settings zswap's
+    AdamW lacks are refused by name."""
+    from zswap.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    cfg = ds_config(gradient_accumulation_steps=1)
+    del cfg["optimizer"]
+    torch.manual_seed(0)
+    ref = TinyLM()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TinyLM()
+    kind = DeepSpeedCPUAdam if offloaded else FusedAdam
+    opt = kind(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    assert type(opt) is torch.optim.AdamW
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    assert isinstance(optimizer, zswap.optim.OffloadedAdamW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, fused=True)
+    with engine:
+        for i in range(2):
+            batch = ids(batch=3, seed=i)
+            engine.backward(sq(engine(batch)))
+            engine.step()
+            sq(ref(batch)).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
+            ref_opt.step()
+            ref_opt.zero_grad()
+        with zswap.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+    assert type(DeepSpeedCPUAdam([nn.Parameter(torch.zeros(2))], adamw_mode=False)) is torch.optim.Adam
+    with pytest.raises(TypeError, match=r"DeepSpeedCPUAdam: amsgrad=True is not supported"):
+        DeepSpeedCPUAdam([nn.Parameter(torch.zeros(2))], amsgrad=True)
+    with pytest.raises(TypeError, match=r"FusedAdam: bias_correction=False is not supported"):
+        FusedAdam([nn.Parameter(torch.zeros(2))], bias_correction=False)
+
+
+@pytest.mark.parametrize("required", ["True", "None"])
+def test_init_distributed_required_makes_a_group_of_one(required, tmp_path):
+    """Without a launcher, ``init_distributed()`` (``dist_init_required`` left ``None``, as DeepSpeed scripts
+    call it) makes a group of one, so that the script's ``deepspeed.comm`` calls after it work (before:
+    nothing, and the first of them failed with torch's "Default process group has not been
+    initialized"); ``initialize`` alone makes none."""
     # In a fresh process: a process group cannot be undone in this one.
     import socket
     import subprocess
@@ -333,8 +390,11 @@ def test_init_distributed_required_makes_a_group_of_one(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = (
-        "import os, torch.distributed as d, zswap.deepspeed as ds\n"
-        f"ds.init_distributed(dist_init_required=True, distributed_port={port})\n"
+        "import os, torch, torch.distributed as d, zswap.deepspeed as ds\n"
+        "ds.initialize(model=torch.nn.Linear(2, 2), config={'train_batch_size': 1})\n"
+        "assert not d.is_initialized()\n"
+        f"ds.init_distributed(dist_init_required={required}, distributed_port={port})\n"
+        "ds.comm.barrier()\n"
         "print(d.get_world_size(), d.get_backend(), os.environ['MASTER_PORT'])\n"
         "d.destroy_process_group()\n"
     )

@@ -42,6 +42,8 @@ class Assembled:
     """Model location (``("aio", "thread_count")``) → dotted key as written (``"aio.num_threads"``)."""
     skipped: list[str] = field(default_factory=list)
     """Dotted DeepSpeed keys present that zswap ignores with a warning (`_keys.Section.warned`)."""
+    stage: Any = None
+    """``zero_optimization.stage`` where it names a stage below 3, which zswap runs as 3 (a warning)."""
 
     def put(self, section: str, given: Mapping[str, tuple[str, Any]]) -> None:
         values = self.data.setdefault(section, {})
@@ -126,6 +128,8 @@ def _read_zero(raw: Mapping[Any, Any], zero: Mapping[Any, Any] | None, out: Asse
             f"zero_optimization.stage must be 0, 1, 2 or 3 (zswap partitions as stage 3 whichever), got "
             f"{stage!r}"
         )
+    if stage is not None and stage != "auto" and int(stage) < 3:
+        out.stage = stage
     for knob in k.STAGE3_KNOBS:
         if raw.get(knob) is None:
             continue

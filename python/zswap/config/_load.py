@@ -103,6 +103,15 @@ def _validate(raw: Mapping[Any, Any]) -> ZswapConfig:
             "a value in the config is nested too deeply to read (past Python's recursion limit); "
             f"zswap's keys are never nested more than {MAX_DEPTH} levels"
         ) from None
+    if assembled.stage is not None:
+        warnings.warn(
+            f"zero_optimization.stage is {assembled.stage!r}; zswap partitions every param as ZeRO stage 3 "
+            "whatever the stage says (it offloads partitions): outside a forward a param's data is an empty "
+            "placeholder (read it inside zswap.GatheredParameters; p.ds_numel is its size), and "
+            "zero_optimization_stage() says 3",
+            ZswapWarning,
+            stacklevel=1,
+        )
     if assembled.skipped:
         # Once per distinct set: a config is read by Init and again by initialize (and by zswap.deepspeed's
         # wrappers of both), each from another line. The warnings registry drops a repeat only at the same

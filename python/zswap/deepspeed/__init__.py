@@ -33,14 +33,14 @@ from ..build.init import partition_rest
 from ..config import raw_dict
 from ..step.optim import OffloadedAdamW
 from ..step.optim.adopt import refuse_without_masters
-from ..train import runtime
+from ..train import runtime as _runtime
 from ..train.bridge import one_optimizer
-from . import accelerator, checkpointing, comm, utils, zero
+from . import accelerator, checkpointing, comm, ops, utils, zero
 from ._args import refuse, resolve_config
 from ._backward import LossScalingRequiredError
 from ._data import training_dataloader
 from ._engine import DeepSpeedEngine
-from ._launch import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
+from ._launch import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed, init_for_initialize
 
 OPTIMIZER_LR_DEFAULT = 1e-3
 """The learning rate of the config's Adam / AdamW where its section gives none (no ``lr`` key): DeepSpeed's
@@ -97,7 +97,7 @@ def initialize(
     if model is None:
         raise TypeError("zswap.deepspeed.initialize requires a model")
     cfg = one_optimizer(_deepspeed_lr(raw_dict(resolve_config(args, config, config_params))), optimizer)
-    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    init_for_initialize(distributed_port, dist_init_required)
     partition_rest(cfg, model)  # before an optimizer is built over its params
     owned = False
     params = list(model.parameters()) if model_parameters is None else list(model_parameters)
@@ -110,7 +110,7 @@ def initialize(
     refuse_without_masters(optimizer, cfg.dtype, "the client optimizer", way)
     if cfg.gradient_clipping is None:  # absent (or "auto"): DeepSpeed's default; an explicit 0 stays off
         cfg = cfg.replace(gradient_clipping=GRADIENT_CLIPPING_DEFAULT, gradient_clipping_auto=False)
-    engine = runtime.build(DeepSpeedEngine, model, cfg, optimizer, lr_scheduler, None, None)
+    engine = _runtime.build(DeepSpeedEngine, model, cfg, optimizer, lr_scheduler, None, None)
     if owned:
         engine.adopt_optimizer()
     loader = None
@@ -143,6 +143,31 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+__version__ = "0.19.8"
+"""The DeepSpeed release whose call shapes this module follows (what ``deepspeed.__version__`` says; scripts
+gate features on it). zswap's own version: ``zswap.__version__``."""
+
+_NOT_HERE = {
+    "moe": "DeepSpeed's MoE layer and expert parallelism (expert_parallel is refused in the config): build "
+    "the model's own mixture-of-experts module; zswap runs it as any other (mark it a leaf module, "
+    "zswap.deepspeed.utils.set_z3_leaf_modules, where ranks route tokens differently)",
+    "runtime": "DeepSpeed's internals: its LR schedules are the config's 'scheduler' section (WarmupLR, "
+    "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest); its engine is zswap.deepspeed.DeepSpeedEngine",
+    "pipe": "pipeline parallelism (PipelineModule): zswap trains one model per data-parallel rank",
+    "inference": "DeepSpeed's inference engine (init_inference): run the model under zswap.Init, gathered by "
+    "its hooks (zswap.GatheredParameters for a generation loop)",
+    "init_inference": "DeepSpeed's inference engine: run the model under zswap.Init, gathered by its hooks",
+}
+"""Top-level ``deepspeed`` names zswap does not mirror, with what to use instead."""
+
+
+def __getattr__(name: str) -> Any:
+    what = _NOT_HERE.get(name)
+    if what is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise AttributeError(f"zswap.deepspeed.{name}: zswap has no {what}")
+
+
 __all__ = [
     "GRADIENT_CLIPPING_DEFAULT",
     "OPTIMIZER_LR_DEFAULT",
@@ -154,6 +179,7 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "ops",
     "utils",
     "zero",
 ]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ..config import ZswapConfig
 from ..errors import ConfigError
@@ -23,9 +23,10 @@ def training_dataloader(
     **loader: Any,
 ) -> DataLoader[Any]:
     """``data`` in batches of the config's micro batch size (or ``batch_size``): ``sampler``, else a
-    `RandomSampler` on one rank, a `DistributedSampler` (this rank's share) on several — DeepSpeed's
-    defaults; a last batch smaller than the batch size is dropped where the config's
-    ``dataloader_drop_last`` says so, as in DeepSpeed. ``loader``: more `DataLoader` keywords."""
+    `DistributedSampler` (this rank's share; on one rank the whole, in its seed-0 order, ``set_epoch``
+    reshuffling) — DeepSpeed's default under its launcher or ``init_distributed``, which scripts run it
+    with; a last batch smaller than the batch size is dropped where the config's ``dataloader_drop_last``
+    says so, as in DeepSpeed. ``loader``: more `DataLoader` keywords."""
     dist = torch.distributed
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     micro = cfg.batch.resolve(ranks)[1] if batch_size is None else batch_size
@@ -35,10 +36,7 @@ def training_dataloader(
             "the config"
         )
     if sampler is None:
-        if ranks > 1:
-            sampler = DistributedSampler(data, num_replicas=ranks, rank=dist.get_rank())
-        else:
-            sampler = RandomSampler(data)
+        sampler = DistributedSampler(data, num_replicas=ranks, rank=dist.get_rank() if ranks > 1 else 0)
     return DataLoader(
         data,
         batch_size=micro,

@@ -29,9 +29,10 @@ def init_distributed(
 ) -> None:
     """DeepSpeed's ``deepspeed.init_distributed`` on torch.distributed.
 
-    ``dist_init_required`` ``None``: initialise when a launcher set ``WORLD_SIZE`` (``torchrun``,
-    ``deepspeed``) and torch.distributed is not initialised; ``True``: initialise (a group of one on
-    ``127.0.0.1:distributed_port`` when no launcher set the environment); ``False``: do nothing, but
+    ``dist_init_required`` ``None`` (as DeepSpeed: required where torch.distributed is not initialised)
+    and ``True``: initialise — from the launcher's environment (``torchrun``, ``deepspeed``), else a
+    group of one on ``127.0.0.1:distributed_port``, so that the script's ``deepspeed.comm.get_rank()`` /
+    ``barrier()`` after it work (DeepSpeed, without a launcher, looks for MPI); ``False``: do nothing, but
     raise where a launcher set ``WORLD_SIZE`` > 1 and nothing initialised torch.distributed (each rank
     would train a model of its own, as DeepSpeed refuses: "Distributed backend is not initialized").
     ``dist_backend`` defaults to nccl where CUDA is available (as DeepSpeed picks its accelerator's
@@ -55,9 +56,27 @@ def init_distributed(
                 "zswap.deepspeed.init_distributed()), or leave dist_init_required unset"
             )
         return
-    launched = "WORLD_SIZE" in os.environ
-    if dist_init_required is None and not launched and world_size == -1:
-        return  # one process: zswap needs no process group
+    _start(dist_backend, distributed_port, timeout, init_method, rank, world_size)
+
+
+def init_for_initialize(distributed_port: int, dist_init_required: bool | None) -> None:
+    """What ``initialize`` does first (DeepSpeed calls ``init_distributed`` there): ``dist_init_required``
+    as `init_distributed` takes it, but ``None`` initialises only where a launcher set ``WORLD_SIZE``: a
+    single process needs no group, and zswap makes none behind the script's back."""
+    if dist_init_required is None and ("WORLD_SIZE" not in os.environ or torch.distributed.is_initialized()):
+        return
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+
+
+def _start(
+    dist_backend: str | None,
+    distributed_port: int,
+    timeout: timedelta | None,
+    init_method: str | None,
+    rank: int,
+    world_size: int,
+) -> None:
+    dist = torch.distributed
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(distributed_port), "RANK": "0", "WORLD_SIZE": "1"}
     for key, value in env.items():
         os.environ.setdefault(key, value)

@@ -158,13 +158,27 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
         yield model
 
 
+_TILED = (
+    "DeepSpeed splits a Linear into tiles so that ZeRO-3 gathers one tile at a time; zswap gathers whole "
+    "params within stage3_max_live_parameters, so build the layer as torch.nn.Linear (the same function; "
+    "TiledLinear's sums of tiles differ from it only in rounding)"
+)
+
+
+class TiledLinear:
+    """DeepSpeed's ``zero.TiledLinear``, which zswap does not implement: building one raises, naming what to
+    use (a class, so that ``from deepspeed.zero import TiledLinear`` still imports and the message is
+    seen)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"zswap.deepspeed.zero.{type(self).__name__}: zswap has none: {_TILED}")
+
+
+class TiledLinearReturnBias(TiledLinear):
+    """DeepSpeed's ``zero.TiledLinearReturnBias``: as `TiledLinear`."""
+
+
 _NOT_HERE = {
-    "TiledLinear": (
-        "TiledLinear: DeepSpeed splits a Linear into tiles so that ZeRO-3 gathers one tile at a time; zswap "
-        "gathers whole params within stage3_max_live_parameters, so build the layer as torch.nn.Linear "
-        "(the same function; TiledLinear's sums of tiles differ from it only in rounding)"
-    ),
-    "TiledLinearReturnBias": "TiledLinearReturnBias: as TiledLinear, build a torch.nn.Linear",
     "ZeroParamStatus": (
         "ZeroParamStatus (a param's ds_status): a zswap param is gathered only inside a hooked forward or "
         "a GatheredParameters block: read it there (zswap.param_state(p) tells its shape, dtype and tier)"
