@@ -375,6 +375,29 @@ def test_deepspeeds_adam_classes_become_zswaps_adamw(offloaded, tmp_path):
         FusedAdam([nn.Parameter(torch.zeros(2))], bias_correction=False)
 
 
+def test_deepspeed_io_follows_deepspeeds_loader():
+    """``engine.deepspeed_io``: eval / predict routes in the dataset's order (DeepSpeed's unshuffled sampler;
+    before: shuffled), the ``collate_fn`` given to ``initialize`` where none is given (before: torch's
+    default), and ``loader.data_sampler`` as on DeepSpeed's loader (scripts call its ``set_epoch``)."""
+    cfg = ds_config(gradient_accumulation_steps=1)
+    model = TinyLM()
+
+    def collate(rows: list[Any]) -> dict[str, torch.Tensor]:
+        return {"ids": torch.stack([r[0] for r in rows])}
+
+    data = TensorDataset(torch.arange(12).reshape(12, 1))
+    engine, _, loader, _ = deepspeed.initialize(
+        model=model, config=cfg, training_data=data, collate_fn=collate
+    )
+    with engine:
+        assert isinstance(loader.data_sampler, DistributedSampler) and loader.data_sampler is loader.sampler
+        loader.data_sampler.set_epoch(1)
+        for route, ordered in (("eval", True), ("predict", True), ("train", False)):
+            got = [int(i) for b in engine.deepspeed_io(data, route=route) for i in b["ids"][:, 0]]
+            assert (got == list(range(12))) is ordered, route
+            assert sorted(got) == list(range(12))
+
+
 @pytest.mark.parametrize("required", ["True", "None"])
 def test_init_distributed_required_makes_a_group_of_one(required, tmp_path):
     """Without a launcher, ``init_distributed()`` (``dist_init_required`` left ``None``, as DeepSpeed scripts
@@ -404,6 +427,40 @@ def test_init_distributed_required_makes_a_group_of_one(required, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "gloo", str(port)]
+
+
+def test_a_failed_init_distributed_leaves_the_environment_as_it_was():
+    """Without a launcher the group of one takes ``distributed_port`` (as DeepSpeed sets it, whatever
+    ``MASTER_PORT`` the shell left); where that fails (the port taken) the environment is as before, so a
+    retry with another port uses it (before: the first port stayed in ``MASTER_PORT``)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken, socket.socket() as free:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        free.bind(("127.0.0.1", 0))
+        busy, port = taken.getsockname()[1], free.getsockname()[1]
+        free.close()
+        code = (
+            "import os, datetime, torch.distributed as d, zswap.deepspeed as ds\n"
+            "try:\n"
+            f"    ds.init_distributed(distributed_port={busy}, timeout=datetime.timedelta(seconds=20))\n"
+            "except Exception as e:\n"
+            "    print('failed', os.environ.get('MASTER_PORT'), os.environ.get('WORLD_SIZE'))\n"
+            f"ds.init_distributed(distributed_port={port})\n"
+            "print(d.get_world_size(), os.environ['MASTER_PORT'])\n"
+            "d.destroy_process_group()\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+        env["MASTER_PORT"] = "1"  # a stray one in the shell: distributed_port wins, as DeepSpeed's
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["failed", "1", "None", "1", str(port)]
 
 
 def test_zero_init_ignores_mem_efficient_linear_false_with_a_warning():

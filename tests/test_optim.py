@@ -612,16 +612,17 @@ def test_params_of_a_dtype_the_kernel_does_not_step_are_refused_when_built(tmp_p
     with pytest.raises(zswap.errors.UnsupportedDtypeError) as info:
         OffloadedAdamW([ok, torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))])
     assert str(info.value) == (
-        "OffloadedAdamW steps float32, bfloat16 and float16 params: param 1 of param group 0 is "
-        "torch.float64 (shape (2, 3)); cast the model to one of them (model.float()) before building the "
-        "optimizer"
+        "OffloadedAdamW steps float32, bfloat16 and float16 params: a param of shape (2, 3) in param group "
+        "0 is torch.float64; cast the model to one of them (model.float()) before building the optimizer"
     )
     assert isinstance(info.value, TypeError)
     opt = OffloadedAdamW([ok])
     unsupported = zswap.errors.UnsupportedDtypeError
-    with pytest.raises(unsupported, match=r"param 0 of param group 1 is torch\.float64"):
+    with pytest.raises(unsupported, match=r"shape \(2,\) in param group 1 is torch\.float64"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
     assert len(opt.param_groups) == 1  # the refused group is not kept
+    frozen = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64), requires_grad=False)
+    OffloadedAdamW([ok, frozen])  # never stepped: taken, as torch's optimizers take it
     cfg = {
         "zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -629,7 +630,9 @@ def test_params_of_a_dtype_the_kernel_does_not_step_are_refused_when_built(tmp_p
     with zswap.Init(cfg):
         m = torch.nn.Linear(3, 2)
     m.double()
-    with pytest.raises(zswap.errors.UnsupportedDtypeError, match=r"is torch\.float64 \(shape \(2, 3\)\)"):
+    with pytest.raises(
+        zswap.errors.UnsupportedDtypeError, match=r"shape \(2, 3\) in param group 0 is torch\.float64"
+    ):
         zswap.initialize(m, cfg)
 
 

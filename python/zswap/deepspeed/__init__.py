@@ -113,6 +113,7 @@ def initialize(
     engine = _runtime.build(DeepSpeedEngine, model, cfg, optimizer, lr_scheduler, None, None)
     if owned:
         engine.adopt_optimizer()
+    engine.collate_fn = collate_fn  # deepspeed_io's default, as DeepSpeed's engine keeps it
     loader = None
     if training_data is not None:
         loader = training_dataloader(training_data, cfg, engine, collate_fn)

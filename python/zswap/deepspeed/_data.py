@@ -20,13 +20,16 @@ def training_dataloader(
     *,
     batch_size: int | None = None,
     sampler: Any = None,
+    shuffle: bool = True,
     **loader: Any,
 ) -> DataLoader[Any]:
     """``data`` in batches of the config's micro batch size (or ``batch_size``): ``sampler``, else a
     `DistributedSampler` (this rank's share; on one rank the whole, in its seed-0 order, ``set_epoch``
     reshuffling) — DeepSpeed's default under its launcher or ``init_distributed``, which scripts run it
     with; a last batch smaller than the batch size is dropped where the config's ``dataloader_drop_last``
-    says so, as in DeepSpeed. ``loader``: more `DataLoader` keywords."""
+    says so, as in DeepSpeed; ``shuffle`` false: in order (DeepSpeed's eval / predict routes). The loader's
+    ``data_sampler`` is its sampler, as on DeepSpeed's loader (scripts call
+    ``loader.data_sampler.set_epoch(epoch)``). ``loader``: more `DataLoader` keywords."""
     dist = torch.distributed
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     micro = cfg.batch.resolve(ranks)[1] if batch_size is None else batch_size
@@ -36,8 +39,9 @@ def training_dataloader(
             "the config"
         )
     if sampler is None:
-        sampler = DistributedSampler(data, num_replicas=ranks, rank=dist.get_rank() if ranks > 1 else 0)
-    return DataLoader(
+        rank = dist.get_rank() if ranks > 1 else 0
+        sampler = DistributedSampler(data, num_replicas=ranks, rank=rank, shuffle=shuffle)
+    out = DataLoader(
         data,
         batch_size=micro,
         sampler=sampler,
@@ -45,6 +49,8 @@ def training_dataloader(
         drop_last=cfg.batch.dataloader_drop_last,
         **loader,
     )
+    out.data_sampler = sampler
+    return out
 
 
 class RepeatingLoader:

@@ -98,6 +98,8 @@ class DeepSpeedEngine(runtime.Engine):
     """`backward` is running: the output hooks leave its gradients alone (it scaled the loss itself)."""
     _loss_scaled = False
     """``scale(loss)`` scaled the loss of the backward to come (`_backward`)."""
+    collate_fn: Any = None
+    """The ``collate_fn`` given to ``initialize``: `deepspeed_io`'s where it is given none (DeepSpeed's)."""
     _boundary: bool | None = None
     """`set_gradient_accumulation_boundary`'s override (``None``: the micro-batches are counted)."""
     global_samples = 0
@@ -343,18 +345,19 @@ class DeepSpeedEngine(runtime.Engine):
         num_local_io_workers: int | None = None,
     ) -> Any:
         """DeepSpeed's loader over ``dataset``: the micro batch size (or ``batch_size``), ``data_sampler``
-        or DeepSpeed's default (shuffled; this rank's share over several), the config's
-        ``dataloader_drop_last``; batches pinned where asked and the engine computes on CUDA; ``route``
-        (train / eval / predict / encode) changes nothing, as in DeepSpeed's loader."""
+        or DeepSpeed's default (this rank's share, shuffled — in order for ``route`` eval / predict, as
+        DeepSpeed's), ``collate_fn`` or the one given to ``initialize``, the config's
+        ``dataloader_drop_last``; batches pinned where asked and the engine computes on CUDA."""
         if route not in ("train", "eval", "predict", "encode"):
             raise ValueError(f"deepspeed_io: route must be train, eval, predict or encode, got {route!r}")
         return training_dataloader(
             dataset,
             self.config,
             self,
-            collate_fn,
+            collate_fn if collate_fn is not None else self.collate_fn,
             batch_size=batch_size,
             sampler=data_sampler,
+            shuffle=route not in ("eval", "predict"),
             pin_memory=pin_memory and self.device.type == "cuda",  # (pinning serves copies to a GPU)
             num_workers=num_local_io_workers or 0,
         )

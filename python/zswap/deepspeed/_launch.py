@@ -76,9 +76,15 @@ def _start(
     rank: int,
     world_size: int,
 ) -> None:
+    """``init_process_group`` from the launcher's environment, or, without one, a group of one on
+    ``127.0.0.1:distributed_port`` (the port set as DeepSpeed sets it then, whatever ``MASTER_PORT`` the
+    shell left). A failure (the port taken) leaves the environment as it was, so a retry with another
+    port uses it."""
     dist = torch.distributed
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(distributed_port), "RANK": "0", "WORLD_SIZE": "1"}
-    for key, value in env.items():
+    before = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    if before["WORLD_SIZE"] is None:  # no launcher
+        os.environ.update(MASTER_PORT=str(distributed_port), RANK="0", WORLD_SIZE="1")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(distributed_port)), ("RANK", "0")):
         os.environ.setdefault(key, value)
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     kwargs: dict[str, Any] = {"backend": backend}
@@ -90,4 +96,12 @@ def _start(
         kwargs["rank"] = rank
     if world_size != -1:
         kwargs["world_size"] = world_size
-    dist.init_process_group(**kwargs)
+    try:
+        dist.init_process_group(**kwargs)
+    except BaseException:
+        for key, was in before.items():
+            if was is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = was
+        raise

@@ -273,9 +273,12 @@ def warn_if_written(p: torch.Tensor, st: ParamState) -> None:
         note_gathered(p, st)  # said once per change
         stored = st.store.load(st.key, st.partition_numel, st.dtype)[0] if _in_memory(st) else None
         kept = stored is not None and stored.numel() > 0 and stored.data_ptr() == p.data.data_ptr()
+        master = (
+            "" if st.dtype == torch.float32 else " (until an optimizer step writes it from a float32 master)"
+        )
         fate = (
             "its gathered data is the stored partition (params in CPU memory, one rank), so the change "
-            "stays, where with params on NVMe or over several ranks it would be lost"
+            f"stays{master}, where with params on NVMe or over several ranks it would be lost"
             if kept
             else "the engine drops its gathered copy, so the change is lost"
         )

@@ -156,14 +156,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         super().add_param_group(ParamGroup(param_group))  # torch keeps the dict it is given
         added = self.param_groups[-1]["params"]
-        for i, p in enumerate(added):
+        for p in added:  # (a frozen one is never stepped: torch's optimizers take it too)
             st = param_state(p)
             dtype, shape = (st.dtype, tuple(st.shape)) if st is not None else (p.dtype, tuple(p.shape))
-            if dtype not in STEPPED_DTYPES:
+            if p.requires_grad and dtype not in STEPPED_DTYPES:
                 del self.param_groups[-1]
                 raise UnsupportedDtypeError(
-                    f"OffloadedAdamW steps float32, bfloat16 and float16 params: param {i} of param group "
-                    f"{len(self.param_groups)} is {dtype} (shape {shape}); cast the model to one of them "
+                    f"OffloadedAdamW steps float32, bfloat16 and float16 params: a param of shape {shape} in "
+                    f"param group {len(self.param_groups)} is {dtype}; cast the model to one of them "
                     "(model.float()) before building the optimizer"
                 )
         self._params.extend(added)
