@@ -186,12 +186,9 @@ def test_merge_and_unload_inside_gathered_parameters_merges_as_on_the_plain_mode
     assert not any("lora" in n for n, _ in merged.named_parameters())
 
 
-@pytest.mark.parametrize("case", ["llama-lora", "llama-classifier-lora"])
-def test_save_pretrained_gathers_only_what_peft_writes(case, tmp_path: Path, monkeypatch):
-    """PEFT builds the adapter file from ``model.state_dict()``, which on a partitioned model gathers every
-    param: the whole base in CPU memory to write adapters a thousandth its size. zswap hands PEFT a state
-    dict holding only the entries PEFT's own selection picks (`zswap.checkpoint.peft_save`): the same file,
-    no base weight gathered."""
+def _count_gathers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of the params a save gathers whole, as it gathers them (through the bounded save's
+    `full_copy` or the state-dict hook's)."""
     import zswap.checkpoint.peft_save as peft_save
     import zswap.checkpoint.statedict as statedict
 
@@ -204,6 +201,16 @@ def test_save_pretrained_gathers_only_what_peft_writes(case, tmp_path: Path, mon
             return real(p, st)
 
         monkeypatch.setattr(mod, "full_copy", counting)
+    return gathered
+
+
+@pytest.mark.parametrize("case", ["llama-lora", "llama-classifier-lora"])
+def test_save_pretrained_gathers_only_what_peft_writes(case, tmp_path: Path, monkeypatch):
+    """PEFT builds the adapter file from ``model.state_dict()``, which on a partitioned model gathers every
+    param: the whole base in CPU memory to write adapters a thousandth its size. zswap hands PEFT a state
+    dict holding only the entries PEFT's own selection picks (`zswap.checkpoint.peft_save`): the same file,
+    no base weight gathered."""
+    gathered = _count_gathers(monkeypatch)
     cfg = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
     ref, model = _adapted(case, None), _adapted(case, cfg)
     with warnings.catch_warnings():
@@ -226,18 +233,7 @@ def test_an_add_adapter_models_save_pretrained_gathers_only_its_adapter(tmp_path
     """transformers' own adapters (``add_adapter``): its ``save_pretrained`` reads them through
     ``get_adapter_state_dict``, which PEFT fills from ``state_dict()`` — the whole base gathered; zswap hands
     it the adapter's entries alone (`zswap.checkpoint.peft_save`): the same file, no base weight gathered."""
-    import zswap.checkpoint.peft_save as peft_save
-    import zswap.checkpoint.statedict as statedict
-
-    gathered: list[tuple[int, ...]] = []
-    for mod in (peft_save, statedict):
-        real = mod.full_copy
-
-        def counting(p: Any, st: Any, real: Any = real) -> Any:
-            gathered.append(tuple(st.shape))
-            return real(p, st)
-
-        monkeypatch.setattr(mod, "full_copy", counting)
+    gathered = _count_gathers(monkeypatch)
     cfg = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
     lora = CASES["llama-lora"][1]
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ from ..step.optim.adopt import refuse_without_masters
 from ..train import runtime as _runtime
 from ..train.bridge import one_optimizer
 from . import accelerator, checkpointing, comm, ops, utils, zero
-from ._args import refuse, resolve_config
+from ._args import not_here, refuse, resolve_config
 from ._backward import LossScalingRequiredError
 from ._data import training_dataloader
 from ._engine import DeepSpeedEngine
@@ -162,11 +162,7 @@ _NOT_HERE = {
 """Top-level ``deepspeed`` names zswap does not mirror, with what to use instead."""
 
 
-def __getattr__(name: str) -> Any:
-    what = _NOT_HERE.get(name)
-    if what is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    raise AttributeError(f"zswap.deepspeed.{name}: zswap has no {what}")
+__getattr__ = not_here(__name__, _NOT_HERE)
 
 
 __all__ = [

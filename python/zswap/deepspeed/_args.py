@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -39,3 +40,17 @@ def resolve_config(args: Any, config: Any, config_params: Any) -> Any:
             "args.deepspeed_config"
         )
     return next(iter(sources.values()))
+
+
+def not_here(module: str, table: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the DeepSpeed names ``module`` does not mirror: an `AttributeError`
+    saying so and what to use (``table``: name → what zswap has none of, and the way instead), Python's
+    own message for any other name."""
+
+    def __getattr__(name: str) -> Any:
+        what = table.get(name)
+        if what is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        raise AttributeError(f"{module}.{name}: zswap has no {what}")
+
+    return __getattr__

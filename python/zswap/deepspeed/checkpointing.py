@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.utils import checkpoint as _torch
 
-from ._args import refuse
+from ._args import not_here, refuse
 
 _configured = False
 
@@ -112,8 +112,4 @@ def _section(config: str | os.PathLike[str] | Mapping[str, Any]) -> Mapping[str,
     return section
 
 
-def __getattr__(name: str) -> Any:
-    what = _NOT_HERE.get(name)
-    if what is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    raise AttributeError(f"zswap.deepspeed.checkpointing.{name}: zswap has no {what}")
+__getattr__ = not_here(__name__, _NOT_HERE)

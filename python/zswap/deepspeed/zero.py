@@ -14,7 +14,7 @@ from torch import nn
 from ..build import init
 from ..errors import ZswapError, ZswapWarning
 from ..parts import gather
-from ._args import refuse
+from ._args import not_here, refuse
 
 _UNSET: Any = object()
 
@@ -188,11 +188,7 @@ _NOT_HERE = {
 """Names of ``deepspeed.zero`` zswap does not implement, with what to use instead."""
 
 
-def __getattr__(name: str) -> Any:
-    what = _NOT_HERE.get(name)
-    if what is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    raise AttributeError(f"zswap.deepspeed.zero.{name}: zswap has no {what}")
+__getattr__ = not_here(__name__, _NOT_HERE)
 
 
 __all__ = [

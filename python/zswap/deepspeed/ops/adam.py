@@ -41,8 +41,7 @@ class DeepSpeedCPUAdam:
             amsgrad=(amsgrad, False),
             fp32_optimizer_states=(fp32_optimizer_states, True),
         )
-        kind = torch.optim.AdamW if adamw_mode else torch.optim.Adam
-        return kind(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return _torch_adam(model_params, adamw_mode, lr, betas, eps, weight_decay)
 
 
 class FusedAdam:
@@ -69,8 +68,19 @@ class FusedAdam:
             amsgrad=(amsgrad, False),
             set_grad_none=(set_grad_none, True),
         )
-        kind = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-        return kind(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return _torch_adam(params, adam_w_mode, lr, betas, eps, weight_decay)
+
+
+def _torch_adam(
+    params: Iterable[Any],
+    decoupled: bool,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> torch.optim.Optimizer:
+    kind = torch.optim.AdamW if decoupled else torch.optim.Adam
+    return kind(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
