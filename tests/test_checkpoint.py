@@ -425,7 +425,8 @@ def test_a_params_state_reset_by_a_load_is_left_out_of_the_next_save(otier, tmp_
         engine.save_checkpoint(tmp_path / "early")
         train(m, engine)
         m.net[4].requires_grad_(False)
-        engine.load_checkpoint(tmp_path / "early")
+        with pytest.warns(zswap.ZswapWarning, match="net.4.weight, net.4.bias: frozen here but trainable"):
+            engine.load_checkpoint(tmp_path / "early")
         train(m, engine, 1)
         want = snapshot(m, engine)
         engine.save_checkpoint(tmp_path / "again")
@@ -435,6 +436,43 @@ def test_a_params_state_reset_by_a_load_is_left_out_of_the_next_save(otier, tmp_
         m2.net[4].requires_grad_(False)
         engine2.load_checkpoint(tmp_path / "again")
         assert same(snapshot(m2, engine2), want)
+
+
+@pytest.mark.parametrize("optimizer", ["zswap", "torch"])
+def test_a_load_whose_frozen_params_changed_says_so(optimizer, tmp_path):
+    """Unfreezing a layer between save and load (a second fine-tuning phase) loads, but not silently: its
+    optimizer state starts fresh (the checkpoint has none for it), which the warning says; freezing one
+    keeps its loaded state unused. A load with the same frozen set warns of nothing."""
+    config = cfg(tmp_path, "nvme", "nvme", optimizer=optimizer == "zswap")
+
+    def make(frozen: bool) -> tuple[nn.Module, zswap.Engine]:
+        m, engine = build(config)
+        m.net[0].requires_grad_(not frozen)
+        if optimizer == "torch":
+            engine.close()
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            engine = zswap.initialize(m, config, optimizer=opt)
+        return m, engine
+
+    m, engine = make(frozen=True)
+    with engine:
+        train(m, engine)
+        engine.save_checkpoint(tmp_path / "phase1")
+    m, engine = make(frozen=False)
+    with engine:
+        with pytest.warns(zswap.ZswapWarning) as got:
+            engine.load_checkpoint(tmp_path / "phase1")
+        assert [str(w.message) for w in got] == [
+            "net.0.weight, net.0.bias: trainable here but frozen when the checkpoint was saved, so it holds "
+            "no optimizer state for them: their moments start at zero and their step count at 0"
+        ]
+        assert got[0].filename == __file__
+        train(m, engine, 1)
+        engine.save_checkpoint(tmp_path / "phase2")
+    m, engine = make(frozen=False)
+    with engine, warnings.catch_warnings():
+        warnings.simplefilter("error", zswap.ZswapWarning)
+        engine.load_checkpoint(tmp_path / "phase2")
 
 
 def test_a_torch_optimizer_resumes_exactly(tmp_path):

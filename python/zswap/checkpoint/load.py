@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._progress import progress
+from ..errors import ZswapWarning
 from ..parts.gather import no_torch_function
 from ..step.optim import OffloadedAdamW
 from ..step.optim._layout import needs_master
@@ -146,6 +148,8 @@ class _Plan:
         self.buffers = self._plan_buffers(folder)
         self.state_file = file_name(self.src, r.world, "state")
         r.need_whole(self.state_file)  # a module-only load returns its client_state too
+        self.thawed: list[str] = []
+        self.frozen: list[str] = []
         self.optim: Any = None
         if optimizer and engine.optimizer is not None:
             self.optim = self._plan_optimizer(folder)
@@ -212,6 +216,7 @@ class _Plan:
                 f"({[len(g) for g in saved['groups']]} params per group there, "
                 f"{[len(g) for g in groups]} here)"
             )
+        self.thawed, self.frozen = self._requires_grad_changes()
         r = self.reader
         if not zswap_kind:
             if r.world != self.world:
@@ -240,6 +245,38 @@ class _Plan:
                 reads[i].append((kind, pcs))
         return ("zswap", layout, reads)
 
+    def _requires_grad_changes(self) -> tuple[list[str], list[str]]:
+        """Names of params trainable here but frozen when the checkpoint was saved, and the reverse (the
+        manifest's ``requires_grad``; absent from older checkpoints: no names)."""
+        thawed, frozen = [], []
+        for rec in self.records:
+            was = self.saved[rec.name].get("requires_grad")
+            if isinstance(was, bool) and was != rec.p.requires_grad:
+                (thawed if rec.p.requires_grad else frozen).append(rec.name)
+        return thawed, frozen
+
+    def _warn_requires_grad_changes(self) -> None:
+        """Loading optimizer state into a model whose frozen params changed is allowed (unfreezing layers
+        for a second phase is common) but never silent."""
+
+        def names(xs: list[str]) -> str:
+            return ", ".join(xs[:4]) + (f" and {len(xs) - 4} more" if len(xs) > 4 else "")
+
+        if self.thawed:
+            warnings.warn(
+                f"{names(self.thawed)}: trainable here but frozen when the checkpoint was saved, so it holds "
+                "no optimizer state for them: their moments start at zero and their step count at 0",
+                ZswapWarning,
+                stacklevel=5,
+            )
+        if self.frozen:
+            warnings.warn(
+                f"{names(self.frozen)}: frozen here but trainable when the checkpoint was saved: their "
+                "optimizer state is loaded and kept, unused while they are frozen",
+                ZswapWarning,
+                stacklevel=5,
+            )
+
     # -- applying ------------------------------------------------------------------------------------
 
     def apply(self) -> Any:
@@ -254,6 +291,7 @@ class _Plan:
             state = self.state
             if self.optim is not None:
                 self._load_optimizer(state)
+                self._warn_requires_grad_changes()
             _masters.apply(self.engine.optimizer, self.masters, self.reader)
         if state is None:
             return None
