@@ -248,7 +248,8 @@ class _Plan:
     def _requires_grad_changes(self) -> tuple[list[str], list[str]]:
         """Names of params trainable here but frozen when the checkpoint was saved, and the reverse (the
         manifest's ``requires_grad``; absent from older checkpoints: no names)."""
-        thawed, frozen = [], []
+        thawed: list[str] = []
+        frozen: list[str] = []
         for rec in self.records:
             was = self.saved[rec.name].get("requires_grad")
             if isinstance(was, bool) and was != rec.p.requires_grad:
