@@ -157,7 +157,29 @@ def timeout(rank: int, world: int) -> None:
         raise AssertionError("the gather went on without rank 1")
 
 
-CASES = {f.__name__: f for f in (exchange, refused, other_host, off, peer_exits, timeout)}
+def stall(rank: int, world: int) -> None:
+    """A peer late past `STALL_WARNING`: the wait says so once (where a collective was called on some ranks
+    only, the group's timeout is half an hour away), then goes on when the peer comes."""
+    ch = _dist.host_channel(None)
+    assert ch is not None
+    dist.barrier()
+    _hostcomm.STALL_WARNING = 1.0
+    if rank == 1:
+        time.sleep(3.5)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        out = torch.empty(2 * world)
+        ch.all_gather(out, torch.full((2,), float(rank)))
+    assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
+    said = [str(w.message) for w in got if issubclass(w.category, ZswapWarning)]
+    if rank == 0:
+        assert len(said) == 1 and re.match(r"rank 0 has waited \d+ s for rank 1 in a gather", said[0]), said
+        assert "call it on every rank: zswap's state_dict()" in said[0], said
+    else:
+        assert not said, said
+
+
+CASES = {f.__name__: f for f in (exchange, refused, other_host, off, peer_exits, timeout, stall)}
 
 
 def main() -> None:

@@ -317,7 +317,11 @@ def test_export_into_the_checkpoint_is_a_usage_error_and_writes_nothing(tmp_path
     for out, why in [(tmp_path / "afile", "a file is in the way"), (Path("/proc/out"), "No such file")]:
         assert main(["export", str(tmp_path / "ckpt"), str(out)]) == 1
         err = capsys.readouterr().err
-        assert err.startswith("zswap export: error: [Errno ") and "cannot make the output folder (" in err
+        assert (
+            err.startswith("zswap export: error: [Errno ")
+            and "cannot make the export's output folder (" in err
+        )
+        assert err.count("zswap export") == 1, err  # the command's name once, not again in the message
         assert why in err and str(out) in err, err
 
 
@@ -331,4 +335,33 @@ def test_empty_paths_and_unwritable_outputs_are_usage_errors(
     line = _usage_error(["bench", "--json", str(tmp_path / "no" / "b.json")], capsys)
     assert line.startswith(
         f"zswap bench: error: argument --json: '{tmp_path / 'no'}' is not an existing directory"
+    )
+
+
+def test_demo_path_and_a_config_naming_another_swap_dir_disagree(tmp_path, capsys):
+    """The config's nvme_path won and --path was still printed (and measured) as the swap dir."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    cfg = tmp_path / "c.json"
+    cfg.write_text(
+        json.dumps({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(b)}}})
+    )
+    assert main(["demo", "--size", "2MiB", "--path", str(a), "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err == (
+        f"zswap demo: error: --path {a} and the config's nvme_path {b} disagree: name the swap directory in "
+        "one of them (see zswap demo --help)\n"
+    )
+
+
+def test_bench_size_below_a_block_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """Said before any settings are printed, exit status 2, naming whose block it is."""
+    from zswap import bench
+
+    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/fio")  # the check is fio's need
+    assert main(["bench", "--path", str(tmp_path), "--size", "1MiB", "--block-size", "4MiB"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # nothing printed before the refusal
+    assert out.err == (
+        "zswap bench: error: --size 1048576 bytes is below --block-size (4096 KiB), which fio, the baseline, "
+        "needs in one job: give at least 4 MiB (see zswap bench --help)\n"
     )

@@ -37,6 +37,7 @@ def test_exchanges_equal_gloo_bitwise_and_leave_nothing_in_dev_shm(world, tmp_pa
         pytest.param("other_host", id="ranks on other hosts keep gloo without a word"),
         pytest.param("peer_exits", id="a peer that exits is named, and the channel breaks"),
         pytest.param("timeout", id="a peer that never comes times out"),
+        pytest.param("stall", id="a long wait for a peer says so once, then goes on"),
     ],
 )
 def test_where_shared_memory_cannot_serve(case, tmp_path, monkeypatch):
@@ -69,3 +70,37 @@ def test_a_zombie_counts_as_exited():
         assert time.monotonic() < deadline, "a zombie was taken for a running process"
         time.sleep(0.05)
     assert child.poll() == 0  # reaped only now
+
+
+def test_a_killed_ranks_segment_is_swept_by_the_next_one_made():
+    """A rank killed while it waited for its peers to map its segment left it in /dev/shm for good; the next
+    segment made removes it: only a gone process's, untouched for `STALE_AFTER`, named as zswap names it."""
+    import os
+    import secrets
+    import subprocess
+    import time
+
+    from zswap import _hostcomm
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = gone.pid  # a pid that no longer runs
+    paths = {
+        kind: Path("/dev/shm") / f"zswap-{pid}-{secrets.token_hex(8)}"
+        for kind, pid in (("stale", dead), ("alive", os.getpid()), ("fresh", dead))
+    }
+    other = Path("/dev/shm") / f"zswap-{dead}-not-ours"
+    old = time.time() - _hostcomm.STALE_AFTER - 5
+    for kind, path in [*paths.items(), ("other", other)]:
+        path.write_bytes(b"x")
+        if kind != "fresh":
+            os.utime(path, (old, old))
+    try:
+        path, mm, _ = _hostcomm._create(1 << 16)
+        mm.close()
+        os.unlink(path)
+        assert not paths["stale"].exists()
+        assert paths["alive"].exists() and paths["fresh"].exists() and other.exists()
+    finally:
+        for p in [*paths.values(), other]:
+            p.unlink(missing_ok=True)

@@ -379,6 +379,28 @@ def test_a_bad_nvme_path_is_named_by_its_key(section, tmp_path):
     cfg["zero_optimization"][section]["nvme_path"] = str(tmp_path)
 
 
+def test_a_read_only_nvme_path_says_so_with_erofs(tmp_path, monkeypatch):
+    """access() answers EACCES for a directory on a read-only mount; the error gives the kernel's reason."""
+    import errno
+    import os
+
+    real = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, path: str) -> None:
+            self._st = real(path)
+
+        def __getattr__(self, name: str) -> int:
+            return int(getattr(self._st, name)) | (os.ST_RDONLY if name == "f_flag" else 0)
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    monkeypatch.setattr(os, "statvfs", ReadOnly)
+    with pytest.raises(zswap.errors.NvmePathNotWritable) as ei:
+        Init({"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}})
+    assert ei.value.errno == errno.EROFS
+    assert str(ei.value) == f"[Errno 30] offload_param.nvme_path is on a read-only file system: '{tmp_path}'"
+
+
 def test_world_size_without_torch_distributed_warns(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.warns(ZswapWarning, match="WORLD_SIZE=2"):

@@ -288,3 +288,33 @@ def test_a_second_ctrl_c_aborts_the_step_and_changes_nothing(tmp_path):
     moved, changed, interrupted = _step_with(config, interrupt_twice)
     assert sent and interrupted
     assert (moved, changed) == (0, 0)
+
+
+def test_a_ctrl_c_while_a_checkpoint_loads_is_raised_once_it_is_whole(tmp_path, monkeypatch):
+    """Params, optimizer state and counters are written one after another; a Ctrl-C between two of them
+    left a mix of the checkpoint and the run it was loaded into (params loaded, moments and global_steps
+    not), and training went on from it."""
+    from zswap.checkpoint import load
+
+    from .test_checkpoint import same, snapshot
+
+    config = cfg(tmp_path, "nvme", "nvme")
+    m, engine = build(config)
+    with engine:
+        train(m, engine, 2)
+        engine.save_checkpoint(tmp_path / "ck", tag="a")
+        want = snapshot(m, engine)
+        train(m, engine, 2)
+        assert not same(snapshot(m, engine), want)
+        params = load._Plan._load_params
+
+        def params_then_interrupt(self: Any) -> None:
+            params(self)
+            _sigint()  # after the params, before the optimizer state and the counters
+
+        monkeypatch.setattr(load._Plan, "_load_params", params_then_interrupt)
+        with no_hang(60), pytest.raises(KeyboardInterrupt):
+            engine.load_checkpoint(tmp_path / "ck", tag="a")
+        monkeypatch.undo()
+        assert same(snapshot(m, engine), want)
+        train(m, engine, 1)  # and the engine steps on

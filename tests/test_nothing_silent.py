@@ -379,6 +379,11 @@ def test_initialize_refuses_a_shape_dependent_optimizer(tmp_path):
         ("schedular", "scheduler"),
         ("gradient_clip", "gradient_clipping"),
         ("offload_params", "offload_param"),
+        ("torch_autocst", "torch_autocast"),
+        ("datatypes", "data_types"),
+        ("communication_datatype", "communication_data_type"),
+        ("aoi", "aio"),  # letters swapped in a short name: a low ratio, the same letters
+        ("fp61", "fp16"),
     ],
 )
 def test_top_level_near_miss_is_an_error(key, section):

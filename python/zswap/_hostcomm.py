@@ -13,7 +13,9 @@ leaves the group on gloo for good — ``None`` — unless every rank of it has h
 every other's segment (one host, one ``/dev/shm``, room on it: the pages are reserved with
 ``posix_fallocate``, so a full tmpfs is an error at opening, never a ``SIGBUS`` at a write); ranks that share
 a host but could not share memory say why in one `ZswapWarning`. The segments are unlinked as soon as every
-rank has mapped them: nothing is left in ``/dev/shm``, whatever happens to the processes later.
+rank has mapped them: nothing is left in ``/dev/shm``, whatever happens to the processes later — except
+where a rank is killed (SIGTERM, SIGKILL) while it waits for its peers to map its segment; the next segment
+this user creates removes such leftovers (`_sweep`).
 
 Each segment is a header and two slots of `SLOT` bytes. An exchange of any size runs in *rounds* of one slot:
 round k writes slot ``k % 2``, publishes ``ready = k``, waits until every peer's ``ready`` reaches k, reads,
@@ -65,6 +67,9 @@ _CHECKING = 40  # int64: the round a rank would run next, while it waits in the 
 _SHM = "/dev/shm"
 _SPINS, _YIELDS, _POLL = 64, 2000, 0.0002  # then sleeps of _POLL seconds
 _CHECK_EVERY = 1.0  # seconds between liveness and timeout checks while sleeping
+STALL_WARNING = 60.0
+"""Seconds of waiting for one peer in one round after which a wait says so (once), well before the
+group's timeout (30 min by default) ends it."""
 _OFF = "off"  # a rank's reason for no segment: ZSWAP_HOST_COLLECTIVES=0 (or not x86-64 Linux)
 
 _CHANNELS: dict[int, tuple[Any, Channel | None]] = {}
@@ -160,8 +165,38 @@ class _Segment:
         return bytes(self.mm[_TOKEN : _TOKEN + 16])
 
 
+STALE_AFTER = 600.0
+"""Seconds from which a segment of a process that no longer runs is another run's leftover (`_sweep`)."""
+
+
+def _sweep() -> None:
+    """Unlink segments a killed rank left: each is unlinked once every rank mapped it, so one still there
+    belongs to a rank killed while it waited for its peers (SIGTERM or SIGKILL from a launcher). Only this
+    user's, named as `_create` names them, of a process that is gone, and untouched for `STALE_AFTER`
+    seconds (the age keeps a live rank's segment safe where its pid means nothing here: another pid
+    namespace sharing ``/dev/shm``)."""
+    try:
+        names = os.listdir(_SHM)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "zswap" or not parts[1].isdigit() or len(parts[2]) != 16:
+            continue
+        path = os.path.join(_SHM, name)
+        try:
+            st = os.stat(path)
+            if st.st_uid == os.getuid() and now - st.st_mtime >= STALE_AFTER and not _alive(int(parts[1])):
+                os.unlink(path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+
+
 def _create(size: int) -> tuple[str, mmap.mmap, bytes]:
-    """A new segment of ``size`` bytes with its pages reserved, this process's pid and a fresh token."""
+    """A new segment of ``size`` bytes with its pages reserved, this process's pid and a fresh token (after
+    `_sweep` removed what killed runs left)."""
+    _sweep()
     path = os.path.join(_SHM, f"zswap-{os.getpid()}-{secrets.token_hex(8)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -206,6 +241,7 @@ class Channel:
         """The process group (weakly): a wait gives up after its timeout (`_timeout`)."""
         self.rounds = 0
         """Rounds run: the last round's number (every rank's the same)."""
+        self._stalled: tuple[int, int] | None = None  # (peer, round) a wait has warned about
 
     @classmethod
     def open(cls, pg: Any) -> Channel | None:
@@ -372,9 +408,10 @@ class Channel:
                 f"rank {self.rank} waits for rank {j} in {what} (shared-memory round {k}), but rank {j} "
                 "went on to the ranks' check (at engine.step(), or after a forward no backward follows) "
                 "without it: the ranks ran different collectives — a param got a gradient (or was gathered) "
-                "on some ranks only. Mark the module whose use differs a leaf, whose params are gathered "
-                "and reduced together whatever runs inside it (zswap.deepspeed.utils.set_z3_leaf_modules, "
-                "or the config's zero_optimization.leaf_module)"
+                "on some ranks only (a module run by some ranks only, or a pass that raised on some ranks "
+                "and was carried on from). Mark the module whose use differs a leaf, whose params are "
+                "gathered and reduced together whatever runs inside it "
+                "(zswap.deepspeed.utils.set_z3_leaf_modules, or the config's zero_optimization.leaf_module)"
             )
         if j in self._watch and not _alive(self._pids[j]):
             raise ZswapError(
@@ -382,6 +419,16 @@ class Channel:
                 f"(shared-memory round {k})"
             )
         limit = self._timeout()
+        if STALL_WARNING <= waited < limit and self._stalled != (j, k):
+            self._stalled = (j, k)
+            warnings.warn(
+                f"rank {self.rank} has waited {waited:.0f} s for rank {j} in {what} (shared-memory round "
+                f"{k}) and waits up to the process group's timeout ({limit:g} s). If only some ranks called "
+                "it, call it on every rank: zswap's state_dict(), save_weights, save_16bit_model, "
+                "GatheredParameters and forward gather the partitioned params from all ranks",
+                ZswapWarning,
+                stacklevel=2,
+            )
         if waited >= limit:
             raise ZswapError(
                 f"rank {self.rank} waited {waited:.0f} s for rank {j} in {what} (shared-memory round {k}), "

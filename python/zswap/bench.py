@@ -365,6 +365,10 @@ def _ratio(x: float, base: float) -> float | None:
     return round(x / base, 3) if base > 0 else None
 
 
+class SizeBelowBlock(ValueError):
+    """`run`'s ``size`` is below one block (a usage error: the command line says so before any pass)."""
+
+
 def run(
     path: Path,
     size: int,
@@ -397,7 +401,16 @@ def run(
         probe = e.empty(max(int(picked["block_size"]), 4 << 20) // 4, torch.float32)
         picked["buffer_huge_share"] = huge_share(probe.data_ptr(), probe.numel() * 4)
         del probe
+    given = block_size is not None
     block_size, queue_depth = int(picked["block_size"]), int(picked["queue_depth"])
+    have_fio = shutil.which("fio") is not None
+    if have_fio and size < block_size:
+        # fio, the baseline, cannot run a job smaller than one block.
+        whose = "--block-size" if given else "this drive's block"
+        raise SizeBelowBlock(
+            f"--size {size} bytes is below {whose} ({block_size >> 10} KiB), which fio, the baseline, needs "
+            f"in one job: give at least {block_size >> 20 or 1} MiB"
+        )
     say(
         f"zswap bench: {size / 2**30:.2f} GiB in {path}, "
         f"block {block_size >> 10} KiB, queue depth {queue_depth}, best of {repeat}"
@@ -409,13 +422,6 @@ def run(
     kwargs: dict[str, object] = {
         "block_size": block_size, "queue_depth": queue_depth, "backend": backend, "threads": threads,
     }  # fmt: skip
-    have_fio = shutil.which("fio") is not None
-    if have_fio and size < block_size:
-        # fio, the baseline, cannot run a job smaller than one block.
-        raise ValueError(
-            f"--size {size} bytes is below one block of this drive's ({block_size >> 10} KiB), which fio, "
-            f"the baseline, needs: give at least {block_size >> 20 or 1} MiB"
-        )
     fio_best: dict[str, dict[str, Pass]] = {k: {} for k in _FIO_IOMEM}
     fio_errors: dict[str, str] = {}
     eng_best: dict[str, dict[str, Pass]] = {k: {} for k in _MAKERS}

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import errno
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -161,10 +162,13 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
     with _work_dir(args.path) as d:
-        res = bench.run(
-            d, args.size, block_size=args.block_size, queue_depth=args.queue_depth,
-            backend=args.backend, threads=args.threads, repeat=args.repeat, out=sys.stdout,
-        )  # fmt: skip
+        try:
+            res = bench.run(
+                d, args.size, block_size=args.block_size, queue_depth=args.queue_depth,
+                backend=args.backend, threads=args.threads, repeat=args.repeat, out=sys.stdout,
+            )  # fmt: skip
+        except bench.SizeBelowBlock as e:
+            raise UsageError(str(e)) from None
     if args.json:
         args.json.write_text(res.to_json())
     return 0
@@ -215,6 +219,14 @@ def _demo(args: argparse.Namespace) -> int:
         demo.Shape.for_bytes(args.size, strict=True)
     except ValueError as e:  # before a temp dir is made: the demo would build no model
         raise UsageError(f"argument --size: {e}") from None
+    if args.path and args.config:
+        given = os.path.realpath(args.path)
+        other = [p for p in demo.swap_dirs(demo.user_config(args.config, args.path)) if p != given]
+        if other:
+            raise UsageError(
+                f"--path {args.path} and the config's nvme_path {', '.join(other)} disagree: name the swap "
+                "directory in one of them"
+            )
     with _work_dir(args.path) as d:
         demo.run(d, args.size, args.config, args.steps)
     return 0

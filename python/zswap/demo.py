@@ -8,6 +8,7 @@ Everything is local: the model is the small transformer below, the data is rando
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import time
@@ -174,6 +175,15 @@ def user_config(text: str, path: Path) -> ZswapConfig:
     return cfg
 
 
+def swap_dirs(cfg: ZswapConfig) -> list[str]:
+    """The real paths of the NVMe directories ``cfg`` swaps params and optimizer states to, in order."""
+    out: list[str] = []
+    for section in (cfg.offload_param, cfg.offload_optimizer):
+        if section.device == "nvme":
+            out += [os.path.realpath(p) for p in section.nvme_path or () if os.path.realpath(p) not in out]
+    return out
+
+
 class _Out:
     """Figures on their own lines; progress overwrites one line on a terminal and is dropped elsewhere."""
 
@@ -217,6 +227,7 @@ def run(path: Path, size: int, config: str | None, steps: int, out: TextIO | Non
         f"zswap demo: GPT-style model, {shape.layers} layers × {shape.width} wide, vocab {shape.vocab}: "
         f"{shape.params / 1e6:.1f}M params, {_mib(model_bytes)} of fp32"
     )
+    path = Path((swap_dirs(cfg) or [str(path)])[0])  # a --config naming its own nvme_path swaps there
     o.say(f"  swap dir {path}")
     base_size = min(256 << 20, max(16 << 20, model_bytes // 2 >> 20 << 20))
     o.progress(f"raw disk baseline ({_mib(base_size)})...")

@@ -94,9 +94,7 @@ def export(
             out.mkdir(parents=True, exist_ok=True)
         except OSError as err:  # a file in the way, a path no folder can be made under (/proc)
             why = "a file is in the way" if out.exists() and not out.is_dir() else os.strerror(err.errno or 0)
-            raise type(err)(
-                err.errno, f"zswap export: cannot make the output folder ({why})", str(out)
-            ) from err
+            raise type(err)(err.errno, f"cannot make the export's output folder ({why})", str(out)) from err
         staged = Staged(out)
         shards = plan_shards(entries, limit)
         names = shard_names(len(shards))

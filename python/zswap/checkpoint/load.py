@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._interrupts import deferred
 from .._progress import progress
 from ..errors import ZswapWarning
 from ..parts.gather import no_torch_function
@@ -110,7 +111,8 @@ def load_checkpoint(
                 + ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
                 + "): pass the same tag= on every rank, or give each the same 'latest'"
             )
-        client_state = plan.apply()
+        with deferred():  # a first Ctrl-C waits for the load to be whole (a second stops it, partly loaded)
+            client_state = plan.apply()
         logging.getLogger(__name__).info("checkpoint loaded: %s (rank %d of %d)", folder, rank, world)
         return client_state
     finally:

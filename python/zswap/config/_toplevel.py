@@ -28,6 +28,9 @@ SECTIONS = (
     k.BF16_OLD_NAME,
     "fp16",
     "gradient_clipping",
+    "torch_autocast",
+    "data_types",
+    "communication_data_type",
     *k.BATCH_KEYS,
 )
 """Top-level sections (and DeepSpeed's top-level settings) zswap reads: the targets of a near miss. The
@@ -64,7 +67,9 @@ def check(raw: Mapping[Any, Any]) -> None:
     for key in raw:
         if not isinstance(key, str) or key in READ or key in DEEPSPEED:
             continue
-        near = difflib.get_close_matches(key.lower(), SECTIONS, n=1, cutoff=CUTOFF)
+        # Letters swapped ("aoi") score low on a short name, so a same-letters key is a near miss too.
+        near = [s for s in SECTIONS if sorted(s) == sorted(key.lower())]
+        near = near or difflib.get_close_matches(key.lower(), SECTIONS, n=1, cutoff=CUTOFF)
         if near:
             raise ConfigError(
                 f"unknown top-level key {key!r}: did you mean {near[0]!r}? zswap reads {near[0]!r} and would "

@@ -76,6 +76,10 @@ class Storage:
         self._versions = itertools.count(1)
         self._open = 0
         self.paths: tuple[str, ...] = ()
+        """The swap directories (real paths) `open_dir` opened it on; () for a caller's own engine."""
+        self.settings: tuple[tuple[str, Any], ...] | None = None
+        """The engine's settings as `open_dir` resolved them from an ``aio`` section; None for a caller's
+        own engine."""
 
     @property
     def closed(self) -> bool:
@@ -125,6 +129,13 @@ _BY_ENGINE: weakref.WeakValueDictionary[int, Storage] = weakref.WeakValueDiction
 _BY_DIR: weakref.WeakValueDictionary[tuple[Any, ...], Storage] = weakref.WeakValueDictionary()
 
 
+def settings(aio: Any) -> tuple[tuple[str, Any], ...]:
+    """The engine settings ``aio`` (an `AioConfig` or None) asks for, as `Storage.settings` records them."""
+    from ..swap import SwapEngine
+
+    return _settings(SwapEngine, aio)
+
+
 def _settings(engine: type, aio: Any) -> tuple[tuple[str, Any], ...]:
     """Every keyword of ``engine`` (`zswap.SwapEngine`) as ``aio`` sets it, its default where it does not:
     a config that gives the defaults asks for the same engine as one without an ``aio`` section."""
@@ -171,6 +182,8 @@ def open_dir(
         if not os.path.isdir(path):
             raise NvmePathNotADirectory(errno.ENOTDIR, f"{config_key} is not a directory", name)
         if not os.access(path, os.W_OK | os.X_OK):
+            if os.statvfs(path).f_flag & os.ST_RDONLY:  # access() says EACCES; the kernel's reason is EROFS
+                raise NvmePathNotWritable(errno.EROFS, f"{config_key} is on a read-only file system", name)
             raise NvmePathNotWritable(errno.EACCES, f"{config_key} is not writable", name)
     try:
         engine = SwapEngine.from_config(aio, [os.fspath(p) for p in plist]) if aio is not None else None
@@ -185,7 +198,7 @@ def open_dir(
             getattr(e, "filename", None),
         ) from e
     s = Storage(engine, owns_engine=True)
-    s.paths = dirs
+    s.paths, s.settings = dirs, key[1]
     _BY_DIR[key] = s
     _BY_ENGINE[id(engine)] = s
     return s

@@ -25,7 +25,8 @@ _OTHER_HALF = {torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}
 
 def at_build(engine: Engine) -> None:
     """Set the module's floating buffers' dtypes from ``data_types`` (each in place: aliases follow); refuse
-    params in the 16-bit dtype the config's sections did not choose (bf16 on, params float16)."""
+    params in the 16-bit dtype the config's sections did not choose (bf16 on, params float16), and a bf16 /
+    fp16 section over a model whose params are all float32 (built under an Init without it)."""
     module, config = engine.module, engine.config
     types = config.data_types
     params = config.torch_dtype()
@@ -40,6 +41,17 @@ def at_build(engine: Engine) -> None:
             f"them in {section} (no dtype= beside the section), or switch on the "
             f"{'fp16' if section == 'bf16' else 'bf16'} section instead"
         )
+    if params in _OTHER_HALF and not config.torch_autocast.enabled:
+        floating = [(n, st.dtype) for n, p in module.named_parameters() if (st := param_state(p)) is not None]
+        floating = [(n, d) for n, d in floating if d.is_floating_point]
+        if floating and all(d == torch.float32 for _, d in floating):
+            section = "bf16" if params == torch.bfloat16 else "fp16"
+            names = few([n for n, _ in floating])
+            raise ConfigError(
+                f"the config's {section} section is on but every param is float32 ({names}"
+                f"; built under a zswap.Init whose config has no {section} section?): the engine would train "
+                f"in float32, not as the section says. Give zswap.Init the same config as initialize"
+            )
     cast = types.torch_dtype(types.buffer_dtype)
     kept = kept_in_fp32(module.modules(), params, types.keep_in_fp32_modules) if params is not None else set()
     for buf in module.buffers():

@@ -29,7 +29,7 @@ from ..parts import guards as _guards
 from ..parts.params import Item, ParamState
 from ..parts.runners import RUNNERS
 from ..step import early_build, earlystep, stepping
-from . import bridge, dtypes, resident, resize, stats, wiring
+from . import bridge, dtypes, placement, resident, resize, stats, wiring
 from .sizing import grad_room, refuse_meta
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ def build(
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     dev = _device.resolve(device)
     refuse_meta(model)
+    placement.check(cfg, model)
     partition_rest(cfg, model)
     return cls(model, cfg, optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, device=dev)
 
@@ -131,8 +132,7 @@ class Engine:
         self.module = module
         self.compute_device = _device.resolve(device)
         """The compute device as zswap drives it (copy streams, registered buffers); `device`: its torch's."""
-        self.config = config
-        self.closed = False
+        self.config, self.closed = config, False
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skipped_steps = 0
         """Optimizer steps skipped because an fp16 model's gradients were not finite."""
