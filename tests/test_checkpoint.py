@@ -463,7 +463,7 @@ def test_a_load_whose_frozen_params_changed_says_so(optimizer, tmp_path):
         with pytest.warns(zswap.ZswapWarning) as got:
             engine.load_checkpoint(tmp_path / "phase1")
         assert [str(w.message) for w in got] == [
-            "net.0.weight, net.0.bias: trainable here but frozen when the checkpoint was saved, so it holds "
+            "net.0.weight, net.0.bias: trainable here but frozen when the checkpoint was saved, which holds "
             "no optimizer state for them: their moments start at zero and their step count at 0"
         ]
         assert got[0].filename == __file__

@@ -121,6 +121,60 @@ def test_clip_grad_norm_over_managed_params_raises(tmp_path):
         assert engine.last_grad_norm is not None and engine.last_grad_norm > 1e-3  # the engine's clipping
 
 
+def test_weight_norm_and_pruning_of_a_partitioned_param_raise_naming_the_way(tmp_path):
+    """They computed from the empty placeholder: weight_norm failed in torch ("cannot reshape tensor of 0
+    elements"), pruning took a mask of shape (0,) and the next forward failed. Applied before zswap
+    partitions the module they train as plain PyTorch does; a parametrization that keeps the param as its
+    original (no right_inverse) is let through."""
+    from torch.nn.utils import parametrize, prune
+    from torch.nn.utils.parametrizations import weight_norm
+
+    cfg = _cfg(tmp_path)
+    model = _model(cfg)
+    with zswap.initialize(model, cfg):
+        for what, apply in (
+            ("a parametrization", lambda: weight_norm(model[0])),
+            ("pruning", lambda: prune.l1_unstructured(model[0], name="weight", amount=0.5)),
+        ):
+            with _raises(
+                zswap.ZswapError, guards.READER_MESSAGE.format(what=what, module="Linear", name="weight")
+            ):
+                apply()
+        assert "weight" in model[0]._parameters and not hasattr(model[0], "parametrizations")
+
+        class Doubled(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return 2 * x
+
+        parametrize.register_parametrization(model[2], "weight", Doubled())
+
+    def build(zswapped: bool) -> tuple[nn.Module, list[float]]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        weight_norm(m[0])
+        prune.l1_unstructured(m[2], name="weight", amount=0.5)
+        x, losses = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), []
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+        if zswapped:
+            no_opt = {k: v for k, v in _cfg(tmp_path).items() if k != "optimizer"}
+            engine = zswap.initialize(m, no_opt, optimizer=opt)
+        for _ in range(3):
+            loss = m(x).square().sum()
+            losses.append(loss.item())
+            if zswapped:
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        if zswapped:
+            engine.close()
+        return m, losses
+
+    assert build(zswapped=True)[1] == build(zswapped=False)[1]
+
+
 def test_clip_grad_value_over_managed_params_raises_naming_a_clamping_hook(tmp_path):
     """It failed inside a torch kernel ("Expected !nested_tensorlist[0].empty()"); a loop catching that
     trained unclipped."""

@@ -25,6 +25,7 @@ from ..errors import ZswapWarning
 from ..parts.gather import no_torch_function
 from ..step.optim import OffloadedAdamW
 from ..step.optim._layout import needs_master
+from ..step.stepping import few
 from . import _masters
 from ._atomic import LATEST
 from ._collective import agree, all_gather, group_of
@@ -261,20 +262,16 @@ class _Plan:
     def _warn_requires_grad_changes(self) -> None:
         """Loading optimizer state into a model whose frozen params changed is allowed (unfreezing layers
         for a second phase is common) but never silent."""
-
-        def names(xs: list[str]) -> str:
-            return ", ".join(xs[:4]) + (f" and {len(xs) - 4} more" if len(xs) > 4 else "")
-
         if self.thawed:
             warnings.warn(
-                f"{names(self.thawed)}: trainable here but frozen when the checkpoint was saved, so it holds "
+                f"{few(self.thawed)}: trainable here but frozen when the checkpoint was saved, which holds "
                 "no optimizer state for them: their moments start at zero and their step count at 0",
                 ZswapWarning,
                 stacklevel=5,
             )
         if self.frozen:
             warnings.warn(
-                f"{names(self.frozen)}: frozen here but trainable when the checkpoint was saved: their "
+                f"{few(self.frozen)}: frozen here but trainable when the checkpoint was saved: their "
                 "optimizer state is loaded and kept, unused while they are frozen",
                 ZswapWarning,
                 stacklevel=5,

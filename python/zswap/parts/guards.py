@@ -1,7 +1,7 @@
 """Ways of training a zswap model that cannot work are refused where they happen, not left to do nothing.
 
 A param zswap partitioned holds an empty tensor as ``.data`` and keeps its gradient in zswap's gradient store,
-not in ``.grad``. So four ordinary moves would silently do nothing on it:
+not in ``.grad``. So these ordinary moves would silently do nothing on it, or fail far from their cause:
 
 - ``optimizer.step()`` of any torch optimizer over such params (zswap's own `OffloadedAdamW` called outside
   `Engine.step` included): it sees no gradient and changes nothing. A global optimizer step pre-hook
@@ -24,7 +24,13 @@ not in ``.grad``. So four ordinary moves would silently do nothing on it:
   optimizer a script built and passed to `zswap.initialize`, which the engine adopted, included); a
   module's over part of an engine's params raises (the engine drops all its gradients or none).
 
-All four are installed by `install`, called when the first `zswap.Init` is entered or the first `Engine`
+- ``weight_norm`` (a parametrization with a ``right_inverse``, which computes its originals from the
+  param) and ``torch.nn.utils.prune`` (a mask from the param's values) on a partitioned param: they would
+  compute from the empty placeholder (torch's "cannot reshape tensor of 0 elements", or a mask of shape
+  ``(0,)`` that fails at the next forward). ``register_parametrization`` and ``BasePruningMethod.apply``
+  are wrapped to raise, naming the way that works: apply them before zswap partitions the module.
+
+All five are installed by `install`, called when the first `zswap.Init` is entered or the first `Engine`
 is built, so a process that never uses zswap pays nothing (a global module hook takes every module call off
 torch's fast path). Each check looks at the given params only and lets anything zswap does not manage
 through unchanged.
@@ -41,6 +47,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize as _parametrize
+from torch.nn.utils import prune as _prune
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import ZswapError, ZswapWarning
@@ -95,7 +103,7 @@ def engine_step() -> Iterator[None]:
 
 
 def install(building: Callable[[], bool] | None = None) -> None:
-    """Install the three guards (idempotent). ``building``: tells whether an Init is active on this thread
+    """Install the guards (idempotent). ``building``: tells whether an Init is active on this thread
     (`zswap.init` passes it: this module sits below it and does not import it)."""
     with _LOCK:
         if building is not None and building not in _BUILDING:
@@ -109,6 +117,12 @@ def install(building: Callable[[], bool] | None = None) -> None:
         by_value = _wrap_clip(torch.nn.utils.clip_grad_value_, VALUE_MESSAGE)
         torch.nn.utils.clip_grad_value_ = by_value
         torch.nn.utils.clip_grad.clip_grad_value_ = by_value
+        _parametrize.register_parametrization = _wrap_reader(
+            _parametrize.register_parametrization, "a parametrization", reads=_inverts
+        )
+        _prune.BasePruningMethod.apply = classmethod(  # type: ignore[method-assign,assignment]
+            _wrap_reader(_prune.BasePruningMethod.apply.__func__, "pruning", skip=1)  # type: ignore[attr-defined]
+        )
         torch.optim.Optimizer.zero_grad = _wrap_zero_grad(torch.optim.Optimizer.zero_grad)  # type: ignore[method-assign]
         nn.Module.zero_grad = _wrap_module_zero_grad(nn.Module.zero_grad)  # type: ignore[method-assign]
         _INSTALLED.extend(
@@ -118,6 +132,46 @@ def install(building: Callable[[], bool] | None = None) -> None:
                 original,
             ]
         )
+
+
+READER_MESSAGE = (
+    "{what} on {module}.{name}, a param zswap partitioned: its data here is an empty placeholder, which "
+    "{what} would compute from (weight_norm's norms, a pruning mask). Apply it before zswap partitions the "
+    "module: build the model without zswap.Init, apply it, then zswap.initialize partitions the params it "
+    "made"
+)
+
+
+def _inverts(pos: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a parametrization computes its originals from the param (``right_inverse``: weight_norm's);
+    one without keeps the param itself as its original and works on a partitioned one."""
+    parametrization = pos[2] if len(pos) > 2 else kwargs.get("parametrization")
+    return hasattr(parametrization, "right_inverse")
+
+
+def _wrap_reader(original: Any, what: str, skip: int = 0, reads: Any = None) -> Any:
+    """``original(module, name, ...)`` (after ``skip`` leading arguments: a classmethod's class) refused
+    where ``module.name`` is a partitioned param not gathered (`READER_MESSAGE`) and ``reads(args, kwargs)``
+    (default: always) says the call computes from its data; an active Init gathers on access, so it is let
+    through there, as is everything zswap does not manage."""
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        pos = args[skip:]
+        module = pos[0] if pos else kwargs.get("module")
+        name = pos[1] if len(pos) > 1 else kwargs.get("name", kwargs.get("tensor_name"))
+        p = module._parameters.get(name) if isinstance(module, nn.Module) and isinstance(name, str) else None
+        st = param_state(p) if p is not None else None
+        if (
+            st is not None
+            and st.status is not Status.AVAILABLE
+            and not any(b() for b in _BUILDING)
+            and (reads is None or reads(pos, kwargs))
+        ):
+            raise ZswapError(READER_MESSAGE.format(what=what, module=type(module).__name__, name=name))
+        return original(*args, **kwargs)
+
+    return wrapped
 
 
 def _managed(params: Iterable[Any]) -> bool:
