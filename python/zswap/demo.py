@@ -179,8 +179,12 @@ def swap_dirs(cfg: ZswapConfig) -> list[str]:
     """The real paths of the NVMe directories ``cfg`` swaps params and optimizer states to, in order."""
     out: list[str] = []
     for section in (cfg.offload_param, cfg.offload_optimizer):
-        if section.device == "nvme":
-            out += [os.path.realpath(p) for p in section.nvme_path or () if os.path.realpath(p) not in out]
+        if section.device != "nvme":
+            continue
+        for p in section.nvme_path or ():
+            real = os.path.realpath(p)
+            if real not in out:
+                out.append(real)
     return out
 
 

@@ -151,8 +151,6 @@ class _Plan:
         self.buffers = self._plan_buffers(folder)
         self.state_file = file_name(self.src, r.world, "state")
         r.need_whole(self.state_file)  # a module-only load returns its client_state too
-        self.thawed: list[str] = []
-        self.frozen: list[str] = []
         self.optim: Any = None
         if optimizer and engine.optimizer is not None:
             self.optim = self._plan_optimizer(folder)
@@ -219,7 +217,6 @@ class _Plan:
                 f"({[len(g) for g in saved['groups']]} params per group there, "
                 f"{[len(g) for g in groups]} here)"
             )
-        self.thawed, self.frozen = self._requires_grad_changes()
         r = self.reader
         if not zswap_kind:
             if r.world != self.world:
@@ -262,16 +259,17 @@ class _Plan:
     def _warn_requires_grad_changes(self) -> None:
         """Loading optimizer state into a model whose frozen params changed is allowed (unfreezing layers
         for a second phase is common) but never silent."""
-        if self.thawed:
+        thawed, frozen = self._requires_grad_changes()
+        if thawed:
             warnings.warn(
-                f"{few(self.thawed)}: trainable here but frozen when the checkpoint was saved, which holds "
+                f"{few(thawed)}: trainable here but frozen when the checkpoint was saved, which holds "
                 "no optimizer state for them: their moments start at zero and their step count at 0",
                 ZswapWarning,
                 stacklevel=5,
             )
-        if self.frozen:
+        if frozen:
             warnings.warn(
-                f"{few(self.frozen)}: frozen here but trainable when the checkpoint was saved: their "
+                f"{few(frozen)}: frozen here but trainable when the checkpoint was saved: their "
                 "optimizer state is loaded and kept, unused while they are frozen",
                 ZswapWarning,
                 stacklevel=5,

@@ -149,7 +149,12 @@ def _inverts(pos: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return hasattr(parametrization, "right_inverse")
 
 
-def _wrap_reader(original: Any, what: str, skip: int = 0, reads: Any = None) -> Any:
+def _wrap_reader(
+    original: Any,
+    what: str,
+    skip: int = 0,
+    reads: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None,
+) -> Any:
     """``original(module, name, ...)`` (after ``skip`` leading arguments: a classmethod's class) refused
     where ``module.name`` is a partitioned param not gathered (`READER_MESSAGE`) and ``reads(args, kwargs)``
     (default: always) says the call computes from its data; an active Init gathers on access, so it is let

@@ -170,7 +170,7 @@ def open_dir(
 
     plist = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     dirs = tuple(os.path.realpath(os.fspath(p)) for p in plist)
-    key = (dirs, _settings(SwapEngine, aio))
+    key = (dirs, settings(aio))
     s = _BY_DIR.get(key)
     if s is not None and not s.closed:
         return s

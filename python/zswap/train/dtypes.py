@@ -42,8 +42,11 @@ def at_build(engine: Engine) -> None:
             f"{'fp16' if section == 'bf16' else 'bf16'} section instead"
         )
     if params in _OTHER_HALF and not config.torch_autocast.enabled:
-        floating = [(n, st.dtype) for n, p in module.named_parameters() if (st := param_state(p)) is not None]
-        floating = [(n, d) for n, d in floating if d.is_floating_point]
+        floating = [
+            (n, st.dtype)
+            for n, p in module.named_parameters()
+            if (st := param_state(p)) is not None and st.dtype.is_floating_point
+        ]
         if floating and all(d == torch.float32 for _, d in floating):
             section = "bf16" if params == torch.bfloat16 else "fp16"
             names = few([n for n, _ in floating])
